@@ -1,0 +1,15 @@
+"""kvgen: a language-model inference engine built around the KV cache."""
+
+from kvgen.errors import KvgenError, ModelLoadError, PromptTooLongError, UnsupportedModelError
+from kvgen.generate import Chunk, GenerationResult, Generator, Usage
+from kvgen.kv import CacheSpec, ContiguousCache, KVCache
+from kvgen.llm import LLM, load_model
+from kvgen.sampling import SamplingParams
+from kvgen.session import Session
+
+__all__ = [
+    "LLM", "CacheSpec", "Chunk", "ContiguousCache", "GenerationResult", "Generator", "KVCache", "KvgenError",
+    "ModelLoadError", "PromptTooLongError", "SamplingParams", "Session", "UnsupportedModelError", "Usage",
+    "load_model",
+]  # fmt: skip
+__version__ = "0.1.0"

@@ -1,0 +1,138 @@
+"""Command line: `kvgen generate`, `kvgen chat`, `kvgen models`.
+
+A mistake in the input (a path, a file, a prompt, a parameter) prints one line on stderr and exits
+with status 2; only bugs show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from kvgen.errors import KvgenError
+from kvgen.generate import GenerationResult
+from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
+from kvgen.sampling.params import SamplingParams
+
+EXIT_USAGE = 2
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"short name, .gguf file or HF folder (default {DEFAULT_MODEL})")
+    parser.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), bfloat16, float16")
+    parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+    parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgen", description="Run language models from GGUF or Hugging Face files.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="continue a prompt, streaming the text")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    _add_model_options(generate)
+    chat = commands.add_parser("chat", help="interactive multi-turn chat that keeps its KV cache between turns")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_model_options(chat)
+    commands.add_parser("models", help="list the short model names and whether they are installed")
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+
+
+def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models` starts fast
+    from kvgen.llm import LLM
+
+    return LLM.load(args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context)
+
+
+def stats_line(result: GenerationResult) -> str:
+    t, u = result.timings, result.usage
+    cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
+    return (
+        f"[prompt {u.prompt_tokens} tokens{cached}, generated {u.completion_tokens} tokens | "
+        f"prefill {t.prefill_tokens_per_second:.1f} tok/s, decode {t.decode_tokens_per_second:.1f} tok/s]"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _load(args)
+    prompt = args.prompt
+    if args.chat_template:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    stream = llm.stream(prompt, params)
+    if not args.chat_template:
+        print(args.prompt, end="", flush=True)
+    for chunk in stream:
+        print(chunk.text, end="", flush=True)
+    print()
+    print(stats_line(stream.result), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _load(args)
+    session = llm.session(system_prompt=args.system)
+    print("kvgen chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            session = llm.session(system_prompt=args.system)
+            continue
+        if not line:
+            continue
+        for chunk in session.chat(line, params):
+            print(chunk.text, end="", flush=True)
+        print()
+        assert session.last_result is not None
+        print(stats_line(session.last_result), file=sys.stderr)
+
+
+def cmd_models(_: argparse.Namespace) -> int:
+    for name, known in KNOWN_MODELS.items():
+        try:
+            path = known.locate()
+        except Exception as error:  # a half-installed package should not hide the others
+            path, note = None, f"broken install ({error})"
+        else:
+            note = str(path) if path else f"not installed: {known.install_hint}"
+        print(f"{name:14s} {known.description}\n{'':14s} {note}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (KvgenError, ValueError) as error:
+        # ValueError: parameter validation (SamplingParams, dtype) and the generator's input checks.
+        print(f"kvgen: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Model configuration: one frozen, validated description of an architecture.
+
+Both loaders (GGUF metadata and HF config.json) produce a `ModelConfig`; the models read nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+LayerType = Literal["full", "sliding"]
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long context (HF `rope_scaling` / `rope_parameters`)."""
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    rope_scaling: RopeScaling | None = None
+    # Sliding-window attention: `layer_types[i]` says whether layer i sees the whole context or only
+    # the last `sliding_window` positions (the query's own position included).
+    sliding_window: int | None = None
+    layer_types: tuple[LayerType, ...] = field(default=())
+    # Gemma 3 specifics: local layers use their own RoPE base; scores scale by 1/sqrt(this scalar).
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.architecture!r}; expected one of {SUPPORTED_ARCHITECTURES}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding layers need a sliding_window size")
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(scalar) ** -0.5
+
+    def rope_theta_for(self, layer: int) -> float:
+        if self.layer_types[layer] == "sliding" and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    def window_for(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ...]:
+    """Gemma 3 interleaves 5 sliding-window layers with 1 global layer (llama.cpp hard-codes the same)."""
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))

@@ -1,0 +1,175 @@
+"""Generator: prefill + decode over the cache contract, as a stream of text chunks.
+
+The loop does constant Python work per token: one forward of one token (the cache appends in place),
+one sample, one incremental detokenizer step. Nothing in it grows with the sequence length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from kvgen.errors import PromptTooLongError
+from kvgen.kv.contiguous import ContiguousCache
+from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.loading.tokenizer import Tokenizer
+from kvgen.models.base import DecoderLM
+from kvgen.sampling.params import SamplingParams
+from kvgen.sampling.sampler import Sampler
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused instead of recomputed
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens produced by decode steps (the first token comes from prefill)
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length"
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # new text that is now final (may be "" while a multi-byte character is incomplete)
+    token_id: int
+
+
+class Generator:
+    """Runs requests one at a time on one model."""
+
+    def __init__(self, model: DecoderLM, tokenizer: Tokenizer, max_context: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_context = min(max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give some text or token ids")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_context:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_context} (prompt + output): "
+                f"shorten it to at most {self.max_context - 1} tokens"
+            )
+        return ids
+
+    def new_cache(self, num_tokens: int) -> KVCache:
+        spec = CacheSpec.for_model(self.model.config, self.model.dtype)
+        return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        stream = self.stream(prompt, params)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> "GenerationStream":
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        cache = self.new_cache(len(ids) + params.max_new_tokens)
+        return GenerationStream(self, cache, ids, reused=0, params=params)
+
+
+class GenerationStream:
+    """Iterate for `Chunk`s; afterwards `.result` holds text, ids, finish reason, usage and timings.
+
+    `cache` must hold the KV of `prompt_ids[:reused]` already; the rest of the prompt is prefilled.
+    When the stream ends, the cache holds the prompt and every generated token but the last.
+    """
+
+    def __init__(self, generator: Generator, cache: KVCache, prompt_ids: list[int], reused: int, params: SamplingParams):
+        self.generator = generator
+        self.cache = cache
+        self.prompt_ids = prompt_ids
+        self.reused = reused
+        self.params = params
+        self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
+        self._iterator = self._run()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self._iterator
+
+    def __next__(self) -> Chunk:
+        return next(self._iterator)
+
+    def ids_in_cache(self) -> list[int]:
+        """The token ids whose keys and values the cache holds now (valid at any point of the stream)."""
+        return (self.prompt_ids + self.result.token_ids)[: self.cache.seq_len]
+
+    def _stop_ids(self) -> set[int]:
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids.update(self.generator.tokenizer.eos_token_ids)
+        return ids
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[Chunk]:
+        model, result, params = self.generator.model, self.result, self.params
+        sampler, stop_ids = Sampler(params), self._stop_ids()
+        detokenizer = self.generator.tokenizer.detokenizer()
+        budget = min(params.max_new_tokens, self.generator.max_context - len(self.prompt_ids))
+
+        started = time.perf_counter()
+        self.cache.truncate(self.reused)
+        pending = self.prompt_ids[self.reused :]
+        result.timings.prefill_tokens = len(pending)
+        logits = model(torch.tensor([pending]), self.cache)[0, -1]  # [V]
+        token = sampler(logits)
+        result.timings.prefill_seconds = time.perf_counter() - started
+
+        pieces: list[str] = []  # joined once at the end: no per-token string copies
+        decode_started = time.perf_counter()
+        while True:
+            result.token_ids.append(token)
+            if token in stop_ids:
+                result.finish_reason = "stop"
+                break
+            text = detokenizer.add(token)
+            pieces.append(text)
+            yield Chunk(text, token)
+            if len(result.token_ids) >= budget:
+                result.finish_reason = "length"
+                break
+            logits = model(torch.tensor([[token]]), self.cache)[0, -1]
+            token = sampler(logits)
+            result.timings.decode_tokens += 1
+        tail = detokenizer.flush()
+        pieces.append(tail)
+        result.text = "".join(pieces)
+        if tail:
+            yield Chunk(tail, result.token_ids[-1])
+        result.timings.decode_seconds = time.perf_counter() - decode_started
+        result.usage.completion_tokens = len(result.token_ids)

@@ -1,0 +1,77 @@
+"""Contiguous cache: one preallocated buffer per K and V, written in place, read as zero-copy views."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.kv.interface import CacheSpec, KVCache
+
+
+class ContiguousCache(KVCache):
+    """Buffers [layers, batch, kv_heads, capacity, head_dim]; `update` writes a slice, returns a view.
+
+    No allocation per token. When a sequence outgrows the buffer (a long chat session) it doubles, so
+    the history is copied O(log n) times in total, never per step. `max_capacity` (the model's
+    context) bounds the growth.
+    """
+
+    def __init__(self, spec: CacheSpec, capacity: int, batch_size: int = 1, max_capacity: int | None = None):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.spec = spec
+        self.batch_size = batch_size
+        self.max_capacity = max_capacity if max_capacity is not None else capacity
+        self._seq_len = 0
+        shape = (spec.num_layers, batch_size, spec.num_kv_heads, min(capacity, self.max_capacity), spec.head_dim)
+        self._keys = torch.zeros(shape, dtype=spec.dtype)  # [L, B, H, C, D]
+        self._values = torch.zeros(shape, dtype=spec.dtype)  # [L, B, H, C, D]
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[3]
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for `num_tokens` positions in total (doubling, bounded by max_capacity)."""
+        if num_tokens <= self.capacity:
+            return
+        if num_tokens > self.max_capacity:
+            raise ValueError(f"cache needs {num_tokens} positions but is limited to {self.max_capacity}")
+        new_capacity = min(max(num_tokens, 2 * self.capacity), self.max_capacity)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            grown = torch.zeros((*old.shape[:3], new_capacity, old.shape[4]), dtype=old.dtype)
+            grown[:, :, :, : self._seq_len] = old[:, :, :, : self._seq_len]
+            setattr(self, name, grown)
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self._seq_len, self._seq_len + keys.shape[2]
+        self.reserve(end)
+        self._keys[layer, :, :, start:end] = keys
+        self._values[layer, :, :, start:end] = values
+        return self._keys[layer, :, :, :end], self._values[layer, :, :, :end]
+
+    def commit(self, num_tokens: int) -> None:
+        if self._seq_len + num_tokens > self.capacity:
+            raise AssertionError(f"commit of {num_tokens} past capacity {self.capacity} at {self._seq_len}")
+        self._seq_len += num_tokens
+
+    def truncate(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._seq_len:
+            raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")
+        self._seq_len = num_tokens
+
+    def fork(self) -> "ContiguousCache":
+        # Contiguous storage cannot share pages: a fork copies the used part only.
+        twin = ContiguousCache(self.spec, max(self._seq_len, 1), self.batch_size, self.max_capacity)
+        twin.reserve(self.capacity)
+        twin._keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
+        twin._values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
+        twin._seq_len = self._seq_len
+        return twin
+
+    def memory_bytes(self) -> int:
+        return self._keys.numel() * self._keys.element_size() * 2

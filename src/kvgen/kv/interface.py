@@ -1,0 +1,88 @@
+"""The per-sequence KV cache contract every cache implements.
+
+The model's attention talks to the cache through `update` only; the generation loop uses the rest.
+
+A forward pass over S new tokens calls `update(layer, k, v)` once per layer, each time writing the S
+new positions that start at `seq_len`, and then `commit(S)` once. Until `commit`, `seq_len` does not
+move, so a forward pass that fails half-way leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kvgen.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Shape of what one cache stores: the same for every layer of the models kvgen runs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    # Keys are stored after RoPE in the caches of this contract's first implementations; a cache that
+    # stores them before RoPE (for exact context shift / better quantization) says so here.
+    keys_before_rope: bool = False
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, dtype: torch.dtype = torch.float32) -> "CacheSpec":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+class KVCache(ABC):
+    """One sequence's (or one fixed batch's) keys and values for every layer."""
+
+    spec: CacheSpec
+
+    @property
+    @abstractmethod
+    def seq_len(self) -> int:
+        """Number of committed positions (all layers hold exactly these)."""
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Positions that fit without reallocating (growable caches may exceed it later)."""
+
+    @abstractmethod
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `keys`/`values` [B, H_kv, S, D] at positions seq_len..seq_len+S-1 of `layer`.
+
+        Returns everything that layer's queries may attend to, [B, H_kv, L, D], whose first position is
+        `visible_start(layer)` (0 unless the cache drops old positions).
+        """
+
+    @abstractmethod
+    def commit(self, num_tokens: int) -> None:
+        """Make the positions written by the last forward pass part of the sequence."""
+
+    @abstractmethod
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` positions (rewind, speculative rollback, shared prefixes)."""
+
+    @abstractmethod
+    def fork(self) -> "KVCache":
+        """An independent cache with the same contents (copy-on-write where the storage allows)."""
+
+    @abstractmethod
+    def memory_bytes(self) -> int:
+        """Bytes of storage this cache holds now (allocated, not only used)."""
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def visible_start(self, layer: int) -> int:
+        return 0
+
+    def check_invariants(self) -> None:
+        assert 0 <= self.seq_len <= self.capacity, f"seq_len {self.seq_len} outside [0, {self.capacity}]"

@@ -1,0 +1,59 @@
+"""LLM: a loaded model plus its tokenizer, the entry point of the Python API.
+
+    llm = LLM.load("smollm2")
+    print(llm.generate("Once upon a time", SamplingParams(max_new_tokens=32)).text)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvgen.generate import GenerationResult, GenerationStream, Generator
+from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
+from kvgen.loading.gguf import load_gguf
+from kvgen.loading.hf import load_hf_folder
+from kvgen.loading.registry import resolve_model_path
+from kvgen.models import DecoderLM, build_model
+from kvgen.sampling.params import SamplingParams
+from kvgen.session import Session
+
+
+def load_checkpoint(name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True) -> Checkpoint:
+    path = resolve_model_path(name_or_path)
+    torch_dtype = resolve_dtype(dtype)
+    if path.is_dir():
+        return load_hf_folder(path, torch_dtype, progress)
+    return load_gguf(path, torch_dtype, progress)
+
+
+class LLM:
+    def __init__(self, model: DecoderLM, checkpoint: Checkpoint, max_context: int | None = None):
+        self.model = model
+        self.tokenizer = checkpoint.tokenizer
+        self.config = checkpoint.config
+        self.path = checkpoint.path
+        self.generator = Generator(model, self.tokenizer, max_context)
+
+    @classmethod
+    def load(
+        cls, name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True,
+        max_context: int | None = None,
+    ) -> "LLM":  # fmt: skip
+        """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder."""
+        checkpoint = load_checkpoint(name_or_path, dtype, progress)
+        return cls(build_model(checkpoint), checkpoint, max_context)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        return self.generator.generate(prompt, params)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
+        return self.generator.stream(prompt, params)
+
+    def session(self, system_prompt: str | None = None) -> Session:
+        return Session(self.generator, system_prompt)
+
+
+load_model = LLM.load

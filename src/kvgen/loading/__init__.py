@@ -1,0 +1,1 @@
+"""Reading models from disk: GGUF files and Hugging Face folders."""

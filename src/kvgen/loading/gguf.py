@@ -1,0 +1,189 @@
+"""GGUF files (llama.cpp / ollama): metadata -> ModelConfig, tensors -> dequantized torch weights.
+
+Dequantization uses gguf-py (`gguf.quants.dequantize`), the reference implementation maintained with
+llama.cpp. Weights are renamed to Hugging Face names and put back in HF layout (llama.cpp permutes
+Llama's Q/K rows for its interleaved RoPE and stores Gemma norms as 1 + w).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvgen.config import ModelConfig, RopeScaling, gemma3_layer_types
+from kvgen.errors import ModelLoadError, UnsupportedModelError
+from kvgen.loading.checkpoint import Checkpoint, check_finite
+from kvgen.loading.gguf_file import GGUFFile
+from kvgen.loading.tokenizer import Tokenizer
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the *pre*-feed-forward norm there.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
+            "(Llama, SmolLM, Mistral, Qwen2, Gemma 3)"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    num_layers = int(get("block_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
+    vocab = int(metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", []))))
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=_rope_scaling(metadata, arch),
+    )
+    if arch == "gemma3":
+        # llama.cpp: the 27B model scales queries by hidden/heads, the others by head_dim.
+        scalar = hidden / num_heads if num_layers == 62 else head_dim
+        return ModelConfig(
+            architecture="gemma3",
+            hidden_act="gelu_tanh",
+            sliding_window=int(get("attention.sliding_window")),
+            layer_types=gemma3_layer_types(num_layers),
+            rope_local_theta=10000.0,
+            query_pre_attn_scalar=scalar,
+            **common,
+        )
+    return ModelConfig(
+        architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=metadata.get(f"{arch}.attention.sliding_window"),
+        **common,
+    )
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling | None:
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    if kind != "linear":
+        raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear and llama3)")
+    return RopeScaling(kind="linear", factor=float(factor))
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    match = _LAYER_PATTERN.match(gguf_name)
+    if not match:
+        return None
+    layer, part, suffix = match.groups()
+    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    return f"model.layers.{layer}.{names[part]}.{suffix}" if part in names else None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half halves)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def tensor_type_name(type_id: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"unknown type id {type_id}"
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
+    import gguf
+
+    file = GGUFFile(path)
+    config = config_from_gguf(file.metadata, set(file.tensors))
+    tokenizer = Tokenizer.from_gguf_metadata(file.metadata, config.architecture)
+    unsupported = {n: tensor_type_name(t.type_id) for n, t in file.tensors.items()
+                   if tensor_type_name(t.type_id) not in SUPPORTED_TENSOR_TYPES}  # fmt: skip
+    if unsupported:
+        name, qtype = next(iter(unsupported.items()))
+        raise UnsupportedModelError(
+            f"tensor {name!r} (and {len(unsupported) - 1} more) uses quantization {qtype}, which kvgen cannot "
+            f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)} (re-quantize with llama-quantize, e.g. to Q4_K_M)"
+        )
+
+    tensors: dict[str, torch.Tensor] = {}
+    rope_freqs: np.ndarray | None = None
+    infos = list(file.tensors.values())
+    for info in tqdm(infos, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
+        array = gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
+        if info.name == "rope_freqs.weight":
+            rope_freqs = array
+            continue
+        name = hf_name(info.name, config.architecture)
+        if name is None:
+            continue
+        array = _to_hf_layout(array, info.name, config)
+        # F32 tensors come back as views of the read-only file map: copy so the weights own their memory.
+        array = np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
+        weight = torch.from_numpy(array).to(dtype)
+        check_finite(info.name, weight, path)
+        tensors[name] = weight
+    if rope_freqs is not None:
+        # Llama 3.1-style GGUFs store the per-frequency rope divisors as a tensor.
+        tensors["rope_freqs"] = torch.from_numpy(np.ascontiguousarray(rope_freqs, dtype=np.float32))
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf")
+
+
+def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
+    if config.architecture == "llama":
+        if ".attn_q." in gguf_name:
+            return unpermute_qk(array, config.num_heads)
+        if ".attn_k." in gguf_name:
+            return unpermute_qk(array, config.num_kv_heads)
+    if config.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+        return array - 1.0
+    return array

@@ -1,0 +1,155 @@
+"""Hugging Face model folders: config.json + one or many *.safetensors + tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvgen.config import ModelConfig, RopeScaling, gemma3_layer_types
+from kvgen.errors import ModelLoadError, UnsupportedModelError
+from kvgen.loading.checkpoint import Checkpoint, check_finite
+from kvgen.loading.tokenizer import Tokenizer
+
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# Multimodal Gemma 3 checkpoints keep the text model under a prefix.
+_NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json: a Hugging Face model folder needs config.json, *.safetensors and tokenizer.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path} is not valid JSON ({error}); fix or re-download it") from error
+    if "text_config" in raw:  # Gemma 3 multimodal configs nest the language model's settings
+        return {**raw["text_config"], "model_type": raw.get("model_type")}
+    return raw
+
+
+def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; kvgen runs {', '.join(sorted(HF_MODEL_TYPES))}"
+        )
+    arch = HF_MODEL_TYPES[model_type]
+    try:
+        hidden, num_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        num_layers = int(raw["num_hidden_layers"])
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        rope = _rope_parameters(raw)
+        common: dict[str, Any] = dict(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
+        )
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete {model_type} config") from error
+    global_rope = rope.get("full_attention", rope)
+    if arch == "gemma3":
+        layer_types = raw.get("layer_types")
+        local_rope = rope.get("sliding_attention", {})
+        return ModelConfig(
+            architecture="gemma3",
+            hidden_act="gelu_tanh",
+            rope_theta=float(global_rope.get("rope_theta", 1_000_000.0)),
+            rope_scaling=_rope_scaling(global_rope),
+            rope_local_theta=float(local_rope.get("rope_theta", raw.get("rope_local_base_freq", 10000.0))),
+            sliding_window=int(raw.get("sliding_window") or 512),
+            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
+            if layer_types
+            else gemma3_layer_types(num_layers, int(raw.get("sliding_window_pattern", 6))),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", head_dim)),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            **common,
+        )
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+    return ModelConfig(
+        architecture=arch,
+        rope_theta=float(global_rope.get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(global_rope),
+        attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+        sliding_window=int(window) if window else None,
+        layer_types=("sliding",) * num_layers if window else (),
+        **common,
+    )
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling."""
+    if raw.get("rope_parameters"):
+        return dict(raw["rope_parameters"])
+    params = dict(raw.get("rope_scaling") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    return params
+
+
+def _rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear and llama3)")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder} is missing shards {missing} listed in {index.name}; download them")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights; kvgen loads safetensors (not .bin) checkpoints")
+    return files
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
+    config = config_from_hf(read_hf_config(folder))
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in tqdm(list(handle.keys()), desc=f"loading {file.name}", disable=not progress, leave=False):
+                    tensor = handle.get_tensor(key).to(dtype)
+                    check_finite(key, tensor, file)
+                    tensors[_strip_prefix(key)] = tensor
+        except ModelLoadError:
+            raise
+        except Exception as error:
+            raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=folder, format="hf")
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in _NAME_PREFIXES:
+        if name.startswith(prefix):
+            rest = name[len(prefix) :]
+            return rest if rest.startswith("lm_head") else f"model.{rest}"
+    return name

@@ -1,0 +1,98 @@
+"""DecoderLM: embeddings -> blocks -> norm -> logits, shared by every family.
+
+A family supplies its block class (and options such as the embedding scale); everything about
+positions, masks and the cache lives here once.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig, RopeScaling
+from kvgen.kv.interface import KVCache
+from kvgen.models.layers import AttentionMask, RMSNorm
+from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
+from kvgen.models.weights import WeightSource, frozen
+
+RopeKey = tuple[float, RopeScaling | None]
+
+
+class Block(Protocol):
+    def __call__(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
+    ) -> torch.Tensor: ...
+
+
+class DecoderLM(nn.Module):
+    # Gemma stores norm weights as w and multiplies by (1 + w); Llama multiplies by w.
+    norm_offset: float = 0.0
+    embed_scale: float | None = None
+
+    def __init__(self, config: ModelConfig, weights: WeightSource):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = frozen(weights.take("model.embed_tokens.weight"))  # [V, H]
+        self.layers = nn.ModuleList([self.build_block(config, i, weights) for i in range(config.num_layers)])
+        self.norm = RMSNorm(weights.take("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
+        tied = config.tie_word_embeddings or not weights.has("lm_head.weight")
+        self.lm_head = self.embed_tokens if tied else frozen(weights.take("lm_head.weight"))  # [V, H]
+        divisors = weights.take_optional("rope_freqs")  # Llama 3.1 GGUFs store their rope scaling as divisors
+        self.rope_keys = [self.rope_key(i) for i in range(config.num_layers)]
+        self.ropes = nn.ModuleDict()
+        for theta, scaling in dict.fromkeys(self.rope_keys):
+            inv_freq = inverse_frequencies(config.head_dim, theta, scaling)
+            if divisors is not None and theta == config.rope_theta:
+                inv_freq = inv_freq / divisors
+            self.ropes[self._rope_name((theta, scaling))] = RotaryEmbedding(inv_freq)
+
+    def build_block(self, config: ModelConfig, layer: int, weights: WeightSource) -> nn.Module:
+        raise NotImplementedError
+
+    def rope_key(self, layer: int) -> RopeKey:
+        return self.config.rope_theta, self.config.rope_scaling
+
+    @staticmethod
+    def _rope_name(key: RopeKey) -> str:
+        return f"theta_{key[0]:g}_{key[1]}".replace(".", "_")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        logits_to_keep: int | None = 1,
+    ) -> torch.Tensor:
+        """input_ids [B, S] at positions cache.seq_len.. -> logits [B, logits_to_keep or S, V].
+
+        Appends the S positions to `cache` (committed only after every layer succeeded).
+        """
+        batch, seq = input_ids.shape
+        start = cache.seq_len
+        if positions is None:
+            positions = torch.arange(start, start + seq).expand(batch, seq)
+        h = F.embedding(input_ids, self.embed_tokens)  # [B, S, H]
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        ropes = {name: rope(positions, h.dtype) for name, rope in self.ropes.items()}
+        masks: dict[tuple[int | None, int], AttentionMask] = {}
+        for i, block in enumerate(self.layers):
+            window, key_start = self.config.window_for(i), cache.visible_start(i)
+            if (window, key_start) not in masks:
+                masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window)
+            h = block(h, ropes[self._rope_name(self.rope_keys[i])], cache, masks[window, key_start])
+        cache.commit(seq)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = F.linear(self.norm(h), self.lm_head)  # [B, S', V]
+        if self.config.final_logit_softcapping:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits

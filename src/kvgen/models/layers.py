@@ -1,0 +1,110 @@
+"""Building blocks shared by every model family: norm, attention over the cache contract, gated MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.kv.interface import KVCache
+from kvgen.models.rotary import apply_rotary
+from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, in fp32. Gemma's (1 + w) is folded into `weight` once at build time."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = frozen(weight)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+@dataclass
+class AttentionMask:
+    """What SDPA needs for one forward pass and one kind of layer (full or a given window)."""
+
+    mask: torch.Tensor | None  # [B or 1, 1, S, L] bool, True = may attend
+    is_causal: bool
+
+    @classmethod
+    def build(cls, query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None) -> "AttentionMask":
+        """Causal (and windowed) mask for queries at query_start.. over keys at key_start..
+
+        Decode without a window needs no mask at all, and a fresh prefill without a window uses SDPA's
+        own causal path; only the other cases materialise an [S, L] mask.
+        """
+        windowed = window is not None and query_start + num_queries - key_start > window
+        if not windowed and num_queries == 1:
+            return cls(None, False)
+        if not windowed and query_start == 0 and key_start == 0:
+            return cls(None, True)
+        query_pos = torch.arange(query_start, query_start + num_queries)[:, None]
+        key_pos = torch.arange(key_start, key_start + num_keys)[None, :]
+        allowed = key_pos <= query_pos
+        if window is not None:
+            allowed &= query_pos - key_pos < window
+        return cls(allowed[None, None], False)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused QKV; keys and values go through the cache contract."""
+
+    def __init__(self, config: ModelConfig, layer: int, weights: WeightSource, prefix: str, qk_norm_offset: float | None):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.attention_scale
+        names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
+        self.qkv = fused_linear(
+            [weights.take(f"{n}.weight") for n in names], [weights.take_optional(f"{n}.bias") for n in names]
+        )
+        self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"))
+        self.q_norm = self.k_norm = None
+        if qk_norm_offset is not None:  # Gemma 3 normalises each head's q and k before RoPE
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(weights.take(f"{prefix}.q_norm.weight") + qk_norm_offset, eps)
+            self.k_norm = RMSNorm(weights.take(f"{prefix}.k_norm.weight") + qk_norm_offset, eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, S, D]
+        k = apply_rotary(k.transpose(1, 2), *rope)  # [B, H_kv, S, D]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
+        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask.mask, is_causal=mask.is_causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # fmt: skip
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (SwiGLU / GeGLU)."""
+
+    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up = fused_linear([weights.take(f"{prefix}.gate_proj.weight"), weights.take(f"{prefix}.up_proj.weight")])
+        self.down = linear(weights.take(f"{prefix}.down_proj.weight"))
+        self.act = F.silu if config.hidden_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(self.act(gate) * up)

@@ -1,0 +1,34 @@
+"""Llama family: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias). Pre-norm blocks, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.kv.interface import KVCache
+from kvgen.models.base import DecoderLM
+from kvgen.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
+from kvgen.models.weights import WeightSource
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, weights: WeightSource):
+        super().__init__()
+        prefix = f"model.layers.{layer}"
+        eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(weights.take(f"{prefix}.input_layernorm.weight"), eps)
+        self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=None)
+        self.post_attn_norm = RMSNorm(weights.take(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.mlp = GatedMLP(config, weights, f"{prefix}.mlp")
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
+    ) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), rope, cache, mask)
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class LlamaModel(DecoderLM):
+    def build_block(self, config: ModelConfig, layer: int, weights: WeightSource) -> nn.Module:
+        return LlamaBlock(config, layer, weights)
