@@ -15,10 +15,22 @@ LOGIT_TOLERANCE = 1e-3
 
 
 def reference_greedy(model, input_ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """transformers' greedy generate(); it stops at (and includes) the model's EOS token.
+
+    No min_new_tokens: that would mask EOS logits and change the argmax.
+    """
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+                             do_sample=False, pad_token_id=0)  # fmt: skip
     return out[0, input_ids.shape[1] :].tolist()
+
+
+def kvgen_greedy(llm, model, ids: list[int], new_tokens: int) -> list[int]:
+    """kvgen's greedy output, stopping on exactly the EOS ids transformers stops on."""
+    eos = model.generation_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, stop_token_ids=eos_ids)
+    return llm.generate(ids, params).token_ids
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -29,14 +41,15 @@ def test_prompt_ids_equal_reference_tokenizer(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_equal_reference(name: str, prompt: str) -> None:
+def test_greedy_tokens_equal_reference(name: str) -> None:
     llm, (model, tokenizer) = load_llm(name), load_reference(name)
-    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
-    expected = reference_greedy(model, input_ids, NEW_TOKENS)
-    result = llm.generate(input_ids[0].tolist(), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    assert result.token_ids == expected
-    assert result.finish_reason == "length"
+    full_length = 0
+    for prompt in PROMPTS:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected = reference_greedy(model, input_ids, NEW_TOKENS)
+        assert kvgen_greedy(llm, model, input_ids[0].tolist(), NEW_TOKENS) == expected, prompt
+        full_length += len(expected) == NEW_TOKENS
+    assert full_length >= 4  # the bar: 48 tokens equal on at least 4 prompts
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -22,5 +22,7 @@ PROMPTS = [
     "Once upon a time, there was a little girl who",
     "The three primary colors are",
     "def fibonacci(n):\n    ",
+    "In a distant galaxy, the starship",
+    # SmolLM2's argmax after this one is EOS: checks that both engines stop at once.
     "Question: What is the capital of France?\nAnswer:",
 ]

@@ -1,0 +1,81 @@
+"""Shared by the benchmark scripts: prompts of an exact length, timing, and stamped JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+# Plain English prose, repeated and cut to an exact token count so every engine sees the same ids.
+FILLER = (
+    "The history of the city begins with a small settlement on the river, where farmers and traders met "
+    "to exchange grain, wool and salt. Over the centuries the market grew into a town, the town built walls, "
+    "and the walls were replaced by wide streets lined with houses, workshops and churches. "
+)
+
+
+def prompt_ids(tokenizer: Any, num_tokens: int) -> list[int]:
+    ids = tokenizer.encode(FILLER * (num_tokens // 20 + 1), add_special_tokens=False)
+    return ids[:num_tokens]
+
+
+def best_of(repeats: int, run: Callable[[], float]) -> float:
+    """The fastest of `repeats` runs: the least disturbed by the rest of the machine."""
+    return min(run() for _ in range(repeats))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    stamped = {"benchmark": name, "git_sha": git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine()}
+    path.write_text(json.dumps(stamped | payload, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)

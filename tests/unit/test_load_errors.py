@@ -1,0 +1,111 @@
+"""Bad model input gives one clear error that names the problem and what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from kvgen import LLM, ModelLoadError, PromptTooLongError, UnsupportedModelError
+from kvgen.loading.gguf_file import GGUFFile
+from tests.support.tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", weight_type=gguf.GGMLQuantizationType.Q8_0)
+
+
+def copy_bytes(source: Path, target: Path, length: int | None = None) -> Path:
+    data = source.read_bytes()
+    target.write_bytes(data if length is None else data[:length])
+    return target
+
+
+def test_missing_path_names_the_path_and_the_choices() -> None:
+    with pytest.raises(ModelLoadError, match=r"no model at '/no/such/model.gguf'.*short name"):
+        LLM.load("/no/such/model.gguf", progress=False)
+
+
+def test_file_that_is_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 this is a zip file")
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        LLM.load(path, progress=False)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is empty"):
+        LLM.load(path, progress=False)
+
+
+@pytest.mark.parametrize("keep", [10, 200, 2000])
+def test_file_truncated_inside_header(tiny_path: Path, tmp_path: Path, keep: int) -> None:
+    with pytest.raises(ModelLoadError, match="truncated"):
+        LLM.load(copy_bytes(tiny_path, tmp_path / "cut.gguf", keep), progress=False)
+
+
+def test_file_truncated_inside_tensor_data(tiny_path: Path, tmp_path: Path) -> None:
+    size = tiny_path.stat().st_size
+    with pytest.raises(ModelLoadError, match=r"truncated: tensor '.*' needs bytes up to \d+ but the file has"):
+        LLM.load(copy_bytes(tiny_path, tmp_path / "cut.gguf", size - 100), progress=False)
+
+
+def test_corrupted_scales_are_caught_not_turned_into_garbage(tiny_path: Path, tmp_path: Path) -> None:
+    path = copy_bytes(tiny_path, tmp_path / "bad.gguf")
+    info = GGUFFile(path).tensors["blk.0.attn_q.weight"]
+    data = bytearray(path.read_bytes())
+    data[info.offset : info.offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()  # first Q8_0 block's scale
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"'blk.0.attn_q.weight'.*NaN or infinite.*corrupted"):
+        LLM.load(path, progress=False)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "bert.gguf", architecture="bert")
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'bert' is not supported; kvgen runs llama"):
+        LLM.load(path, progress=False)
+
+
+def test_unsupported_quantization_type(tmp_path: Path) -> None:
+    path = write_tiny_gguf(
+        tmp_path / "iq4.gguf", weight_type=gguf.GGMLQuantizationType.Q4_0, declare_as=gguf.GGMLQuantizationType.IQ4_NL
+    )
+    with pytest.raises(UnsupportedModelError, match=r"uses quantization IQ4_NL.*supported: F32.*llama-quantize"):
+        LLM.load(path, progress=False)
+
+
+def test_prompt_longer_than_context(tiny_path: Path) -> None:
+    llm = LLM.load(tiny_path, progress=False)  # context_length 128
+    with pytest.raises(PromptTooLongError, match=r"the prompt has 200 tokens but the context holds 128.*at most 127"):
+        llm.generate("x" * 200)
+    assert llm.generate("x" * 100).token_ids  # a prompt that fits still runs
+
+
+def test_hf_folder_without_config(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLM.load(tmp_path, progress=False)
+
+
+def test_hf_folder_with_unsupported_model_type(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'bert' is not supported"):
+        LLM.load(tmp_path, progress=False)
+
+
+def test_hf_folder_with_invalid_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        LLM.load(tmp_path, progress=False)
+
+
+def test_folder_with_single_gguf_loads_it(tiny_path: Path, tmp_path: Path) -> None:
+    shutil.copy(tiny_path, tmp_path / "only.gguf")
+    assert LLM.load(tmp_path, progress=False).path.name == "only.gguf"
