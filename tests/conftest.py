@@ -17,7 +17,7 @@ _references: dict[str, Any] = {}
 
 def load_llm(name: str) -> LLM:
     if name not in _llms:
-        _llms[name] = LLM.load(model_path(name), progress=False)
+        _llms[name] = LLM.load(model_path(name), progress=False, weights="fp32")  # the exact reference path
     return _llms[name]
 
 

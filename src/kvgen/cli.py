@@ -13,6 +13,7 @@ from typing import Sequence
 from kvgen.errors import KvgenError
 from kvgen.generate import GenerationResult
 from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
+from kvgen.loading.weight_format import WEIGHT_MODES
 from kvgen.sampling.params import SamplingParams
 
 EXIT_USAGE = 2
@@ -21,6 +22,8 @@ EXIT_USAGE = 2
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"short name, .gguf file or HF folder (default {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), bfloat16, float16")
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
+                        help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
@@ -53,7 +56,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models` starts fast
     from kvgen.llm import LLM
 
-    return LLM.load(args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context)
+    return LLM.load(
+        args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context, weights=args.weights
+    )
 
 
 def stats_line(result: GenerationResult) -> str:

@@ -16,17 +16,21 @@ from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
 from kvgen.loading.hf import load_hf_folder
 from kvgen.loading.registry import resolve_model_path
+from kvgen.loading.weight_format import check_mode
 from kvgen.models import DecoderLM, build_model
 from kvgen.sampling.params import SamplingParams
 from kvgen.session import Session
 
 
-def load_checkpoint(name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True) -> Checkpoint:
-    path = resolve_model_path(name_or_path)
+def load_checkpoint(
+    name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True, weights: str = "auto"
+) -> Checkpoint:
+    mode = check_mode(weights)
     torch_dtype = resolve_dtype(dtype)
+    path = resolve_model_path(name_or_path)
     if path.is_dir():
-        return load_hf_folder(path, torch_dtype, progress)
-    return load_gguf(path, torch_dtype, progress)
+        return load_hf_folder(path, torch_dtype, progress, mode)
+    return load_gguf(path, torch_dtype, progress, mode)
 
 
 class LLM:
@@ -35,15 +39,20 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
         self.path = checkpoint.path
+        self.weights = checkpoint.weights
         self.generator = Generator(model, self.tokenizer, max_context)
 
     @classmethod
     def load(
         cls, name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True,
-        max_context: int | None = None,
+        max_context: int | None = None, weights: str = "auto",
     ) -> "LLM":  # fmt: skip
-        """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder."""
-        checkpoint = load_checkpoint(name_or_path, dtype, progress)
+        """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder.
+
+        weights: "auto" (4-bit kernels for quantized GGUF files), "fp32", "int8" or "q4"; see
+        kvgen/loading/weight_format.py.
+        """
+        checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
         return cls(build_model(checkpoint), checkpoint, max_context)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:

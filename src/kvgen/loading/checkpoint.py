@@ -7,8 +7,11 @@ from pathlib import Path
 
 import torch
 
+import numpy as np
+
 from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
+from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
 
 DTYPES: dict[str, torch.dtype] = {
@@ -34,14 +37,23 @@ class Checkpoint:
     config: ModelConfig
     # Weights use Hugging Face parameter names and conventions (e.g. Gemma norms store w, not 1 + w),
     # so a checkpoint from either format builds the same model.
-    tensors: dict[str, torch.Tensor]
+    # Matmul weights may instead be QuantizedWeight blocks (see loading/weight_format.py).
+    tensors: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" or "hf"
+    weights: str = "fp32"  # the resolved weight mode: fp32, int8 or q4
 
 
-def check_finite(name: str, tensor: torch.Tensor, path: Path) -> None:
+def check_finite(name: str, tensor: torch.Tensor | QuantizedWeight, path: Path) -> None:
     """Corrupted quantized blocks usually decode to inf/NaN scales; catch that at load, not as garbage text."""
+    if isinstance(tensor, QuantizedWeight):
+        if not np.isfinite(tensor.scales()).all():
+            raise ModelLoadError(
+                f"tensor {name!r} in {path} has NaN or infinite block scales: the file is corrupted; "
+                "download or convert it again"
+            )
+        return
     # One reduction first (NaN/inf propagate through a sum); the exact scan only if that trips.
     if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
         return

@@ -18,7 +18,9 @@ from tqdm import tqdm
 from kvgen.config import ModelConfig, RopeScaling, gemma3_layer_types
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
-from kvgen.loading.gguf_file import GGUFFile
+from kvgen.kernels.formats import EXACT_SOURCES, QuantizedWeight
+from kvgen.loading.gguf_file import GGUFFile, TensorInfo
+from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -140,9 +142,9 @@ def tensor_type_name(type_id: int) -> str:
         return f"unknown type id {type_id}"
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
-    import gguf
-
+def load_gguf(
+    path: Path, dtype: torch.dtype = torch.float32, progress: bool = True, weights: WeightMode = "fp32"
+) -> Checkpoint:
     file = GGUFFile(path)
     config = config_from_gguf(file.metadata, set(file.tensors))
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata, config.architecture)
@@ -154,28 +156,45 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = T
             f"tensor {name!r} (and {len(unsupported) - 1} more) uses quantization {qtype}, which kvgen cannot "
             f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)} (re-quantize with llama-quantize, e.g. to Q4_K_M)"
         )
+    is_quantized = any(tensor_type_name(t.type_id) not in ("F32", "F16", "BF16") for t in file.tensors.values())
+    mode = resolve_mode(weights, is_quantized)
 
-    tensors: dict[str, torch.Tensor] = {}
-    rope_freqs: np.ndarray | None = None
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     infos = list(file.tensors.values())
     for info in tqdm(infos, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
-        array = gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
-        if info.name == "rope_freqs.weight":
-            rope_freqs = array
-            continue
-        name = hf_name(info.name, config.architecture)
+        name = "rope_freqs" if info.name == "rope_freqs.weight" else hf_name(info.name, config.architecture)
         if name is None:
             continue
-        array = _to_hf_layout(array, info.name, config)
-        # F32 tensors come back as views of the read-only file map: copy so the weights own their memory.
-        array = np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
-        weight = torch.from_numpy(array).to(dtype)
-        check_finite(info.name, weight, path)
-        tensors[name] = weight
-    if rope_freqs is not None:
-        # Llama 3.1-style GGUFs store the per-frequency rope divisors as a tensor.
-        tensors["rope_freqs"] = torch.from_numpy(np.ascontiguousarray(rope_freqs, dtype=np.float32))
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf")
+        # A tied model's output projection is the embedding matrix: quantized for the head, float for lookups.
+        head_from_embedding = mode != "fp32" and name == "model.embed_tokens.weight" and "output.weight" not in file.tensors
+        for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
+            if mode != "fp32" and is_matmul_weight(target) and quantizable(info.shape):
+                tensors[target] = _quantized_tensor(file, info, config, mode)
+            else:
+                tensors[target] = _float_tensor(file, info, config, dtype)
+            check_finite(info.name, tensors[target], path)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
+
+
+def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    import gguf
+
+    array = gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
+    array = _to_hf_layout(array, info.name, config)
+    # F32 tensors come back as views of the read-only file map: copy so the weights own their memory.
+    array = np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
+    return torch.from_numpy(array).to(dtype)
+
+
+def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str) -> QuantizedWeight:
+    import gguf
+
+    type_name = tensor_type_name(info.type_id)
+    raw = _to_hf_layout(file.raw(info), info.name, config)  # Q/K row order fixed on whole block rows
+    dequantized = None
+    if type_name not in EXACT_SOURCES:
+        dequantized = _to_hf_layout(gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id)), info.name, config)
+    return quantize_gguf_rows(type_name, raw, dequantized, mode)  # type: ignore[arg-type]
 
 
 def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
@@ -184,6 +203,6 @@ def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.
             return unpermute_qk(array, config.num_heads)
         if ".attn_k." in gguf_name:
             return unpermute_qk(array, config.num_kv_heads)
-    if config.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+    if config.architecture == "gemma3" and gguf_name.endswith("norm.weight") and array.dtype == np.float32:
         return array - 1.0
     return array

@@ -13,7 +13,9 @@ from tqdm import tqdm
 from kvgen.config import ModelConfig, RopeScaling, gemma3_layer_types
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
+from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
+from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
 
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
@@ -129,10 +131,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
+def load_hf_folder(
+    folder: Path, dtype: torch.dtype = torch.float32, progress: bool = True, weights: WeightMode = "fp32"
+) -> Checkpoint:
     config = config_from_hf(read_hf_config(folder))
     tokenizer = Tokenizer.from_hf_folder(folder)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     for file in safetensors_files(folder):
         try:
             with safe_open(str(file), framework="pt") as handle:
@@ -144,7 +148,19 @@ def load_hf_folder(folder: Path, dtype: torch.dtype = torch.float32, progress: b
             raise
         except Exception as error:
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=folder, format="hf")
+    mode = resolve_mode(weights, file_is_quantized=False)
+    if mode != "fp32":
+        quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=folder, format="hf", weights=mode)
+
+
+def quantize_matmul_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], tied: bool, mode: str) -> None:
+    """Float checkpoint -> quantized matmul weights in place (rounding per block; lossy)."""
+    if tied and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    for name, tensor in list(tensors.items()):
+        if isinstance(tensor, torch.Tensor) and is_matmul_weight(name) and quantizable(tuple(tensor.shape)):
+            tensors[name] = quantize_float(tensor, mode)  # type: ignore[arg-type]
 
 
 def _strip_prefix(name: str) -> str:

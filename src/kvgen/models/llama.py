@@ -17,9 +17,9 @@ class LlamaBlock(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
-        self.input_norm = RMSNorm(weights.take(f"{prefix}.input_layernorm.weight"), eps)
+        self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), eps)
         self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=None)
-        self.post_attn_norm = RMSNorm(weights.take(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = GatedMLP(config, weights, f"{prefix}.mlp")
 
     def forward(

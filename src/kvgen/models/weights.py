@@ -6,25 +6,34 @@ import torch
 from torch import nn
 
 from kvgen.errors import ModelLoadError
+from kvgen.kernels.formats import QuantizedWeight, concat_rows
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 class WeightSource:
     """Hands out checkpoint tensors by Hugging Face name and remembers which were used."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, Weight]):
         self._tensors = tensors
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def take(self, name: str) -> torch.Tensor:
+    def take(self, name: str) -> Weight:
         if name not in self._tensors:
             raise ModelLoadError(f"the checkpoint has no weight {name!r}; it is incomplete or for another architecture")
         self.used.add(name)
         return self._tensors[name]
 
-    def take_optional(self, name: str) -> torch.Tensor | None:
+    def take_tensor(self, name: str) -> torch.Tensor:
+        """A weight that must be a float tensor (norms, embeddings, biases)."""
+        weight = self.take(name)
+        assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor, not quantized"
+        return weight
+
+    def take_optional(self, name: str) -> Weight | None:
         return self.take(name) if name in self._tensors else None
 
 
@@ -32,8 +41,13 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
-    """An nn.Linear that owns the given weight [out, in] (no random init, no copy)."""
+def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
+    """An nn.Linear that owns the given weight [out, in] (no random init, no copy), or a
+    QuantizedLinear over quantized blocks."""
+    if isinstance(weight, QuantizedWeight):
+        from kvgen.models.quantized_linear import QuantizedLinear
+
+        return QuantizedLinear(weight, bias)
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = frozen(weight)
     if bias is not None:
@@ -41,9 +55,14 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     return layer
 
 
-def fused_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> nn.Linear:
+def fused_linear(weights: list[Weight], biases: list[torch.Tensor | None] | None = None) -> nn.Module:
     """One matmul for several projections of the same input (QKV, gate/up): fewer, larger GEMMs."""
+    rows = [w.out_features if isinstance(w, QuantizedWeight) else w.shape[0] for w in weights]
     bias = None
     if biases is not None and any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype) for w, b in zip(weights, biases)])
-    return linear(torch.cat(weights, dim=0), bias)
+        bias = torch.cat([b if b is not None else torch.zeros(n) for n, b in zip(rows, biases)])
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        return linear(concat_rows(weights), bias)  # type: ignore[arg-type]
+    if any(isinstance(w, QuantizedWeight) for w in weights):
+        raise AssertionError("cannot fuse quantized and float weights")
+    return linear(torch.cat(weights, dim=0), bias)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""Compiling qgemm.c for this machine (gcc -O3 -march=native -fopenmp) and loading it with ctypes.
+
+The library is cached under ~/.cache/kvgen/kernels keyed by the source, the flags and the CPU's
+feature flags, so a second run loads it in milliseconds and a different CPU gets its own build.
+No compiler -> `load()` returns None and kvgen keeps fp32 weights (with the reason in `last_error`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+SOURCES = [SOURCE, Path(__file__).with_name("decode.c")]  # qgemm.c #includes decode.c
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+last_error: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    root = Path(os.environ.get("KVGEN_CACHE", Path.home() / ".cache" / "kvgen")) / "kernels"
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return root / f"qgemm-{key}.so"
+
+
+def build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc) found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)  # atomic: a concurrent process sees the old file or the new one
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    global last_error
+    import torch  # noqa: F401  load torch's libgomp first so the kernels share its thread pool
+
+    target = library_path()
+    try:
+        if not target.exists():
+            build(target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as error:
+        last_error = str(error)
+        return None
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    library.kvgen_quantize_x8.argtypes = [pointer, count, count, pointer]
+    for name in ("kvgen_gemm_q4", "kvgen_gemm_q8"):
+        getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
+    for name in ("kvgen_linear_q4", "kvgen_linear_q8"):
+        getattr(library, name).argtypes = [pointer, pointer, pointer, pointer, count, count, count]
+    for name in ("kvgen_dequantize_q4", "kvgen_dequantize_q8"):
+        getattr(library, name).argtypes = [pointer, pointer, count, count]
+    library.kvgen_block_pre.argtypes = [pointer] * 6
+    library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count]
+    for name in ("kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
+                 "kvgen_linear_q4", "kvgen_linear_q8",
+                 "kvgen_dequantize_q4", "kvgen_dequantize_q8"):  # fmt: skip
+        getattr(library, name).restype = None
+    return library

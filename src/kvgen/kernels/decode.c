@@ -1,0 +1,155 @@
+// One decode step (one token, batch 1) of a transformer block, for models whose matmul weights are
+// quantized. Two calls per block so the KV cache stays behind kvgen's cache contract:
+//
+//   kvgen_block_pre:  x = norm(h); q, k, v = qkv(x); QK-norm; RoPE     -> k, v handed to cache.update()
+//   kvgen_block_post: attention of q over the keys/values update() returned; o-proj; residual;
+//                     (Gemma: norms around each sublayer); gated MLP; residual.
+//
+// This file is #included by qgemm.c so the matmul kernels inline into one library.
+#include <math.h>
+
+typedef struct {
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks
+    int32_t has_bias;
+    const void* blocks;
+    const float* bias;
+    int64_t n, k;
+} qlinear;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    int32_t gelu;  // 0: SiLU (SwiGLU), 1: tanh-GELU (GeGLU)
+    int32_t pad;
+    const float* input_norm;
+    const float* attn_out_norm;  // Gemma's post-attention norm; NULL for Llama
+    const float* mlp_in_norm;    // Llama's post_attention_layernorm / Gemma's pre-feedforward norm
+    const float* mlp_out_norm;   // Gemma's post-feedforward norm; NULL for Llama
+    const float* q_norm;         // Gemma's per-head QK-norm; NULL for Llama
+    const float* k_norm;
+    qlinear qkv, o, gate_up, down;
+    float* x;       // [max(hidden, heads * head_dim)] scratch
+    float* qkv_out; // [(heads + 2 kv_heads) * head_dim]
+    float* attn;    // [heads * head_dim]
+    float* mlp;     // [2 * intermediate]
+    void* xq;       // activation blocks for the widest input
+} block_t;
+
+// q . k over one head. gcc keeps a float reduction serial without -ffast-math (one FMA chain per
+// key), so the AVX2 version uses four independent 8-wide accumulators.
+static inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef __AVX2__
+    if (n % 32 == 0) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 32) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), acc3);
+        }
+        return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+    }
+#endif
+    float s = 0.0f;
+    for (int64_t j = 0; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+static void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+    const float sum = dot(x, x, n);
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+static void apply_linear(const qlinear* l, const float* x, void* xq, float* y) {
+    if (l->kind == 0) {
+        kvgen_linear_q4((const block_q4*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    } else {
+        kvgen_linear_q8((const block_q8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    }
+    if (l->has_bias) {
+        for (int64_t i = 0; i < l->n; i++) y[i] += l->bias[i];
+    }
+}
+
+static void rotate_half(float* x, const float* cos, const float* sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out) {
+    const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
+    rms_norm(h, b->input_norm, b->eps, b->hidden, b->x);
+    apply_linear(&b->qkv, b->x, b->xq, b->qkv_out);
+    float* q = b->qkv_out;
+    float* k = b->qkv_out + nq;
+    const float* v = b->qkv_out + nq + nkv;
+    for (int64_t head = 0; head < b->num_heads; head++) {
+        if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
+        rotate_half(q + head * d, cos, sin, d);
+    }
+    for (int64_t head = 0; head < b->num_kv_heads; head++) {
+        if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
+        rotate_half(k + head * d, cos, sin, d);
+    }
+    memcpy(k_out, k, (size_t)nkv * sizeof(float));
+    memcpy(v_out, v, (size_t)nkv * sizeof(float));
+}
+
+// Attention of one query per head over keys[start, end), online softmax (no score buffer).
+static void attend(const block_t* b, const float* keys, int64_t k_head_stride, int64_t k_pos_stride,
+                   const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end) {
+    const int64_t d = b->head_dim, group = b->num_heads / b->num_kv_heads;
+#pragma omp parallel for schedule(static)
+    for (int64_t head = 0; head < b->num_heads; head++) {
+        const float* q = b->qkv_out + head * d;
+        const float* kh = keys + (head / group) * k_head_stride;
+        const float* vh = values + (head / group) * v_head_stride;
+        float* out = b->attn + head * d;
+        float running_max = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < d; j++) out[j] = 0.0f;
+        for (int64_t pos = start; pos < end; pos++) {
+            const float s = dot(q, kh + pos * k_pos_stride, d) * b->scale;
+            if (s > running_max) {  // rescale what was accumulated under the old maximum
+                const float correction = expf(running_max - s);
+                total *= correction;
+                for (int64_t j = 0; j < d; j++) out[j] *= correction;
+                running_max = s;
+            }
+            const float p = expf(s - running_max);
+            total += p;
+            const float* vp = vh + pos * v_pos_stride;
+            for (int64_t j = 0; j < d; j++) out[j] += p * vp[j];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < d; j++) out[j] *= inv;
+    }
+}
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_head_stride, int64_t k_pos_stride,
+                      const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end) {
+    attend(b, keys, k_head_stride, k_pos_stride, values, v_head_stride, v_pos_stride, start, end);
+    apply_linear(&b->o, b->attn, b->xq, b->x);
+    if (b->attn_out_norm) rms_norm(b->x, b->attn_out_norm, b->eps, b->hidden, b->x);
+    for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
+
+    rms_norm(h, b->mlp_in_norm, b->eps, b->hidden, b->x);
+    apply_linear(&b->gate_up, b->x, b->xq, b->mlp);
+    const int64_t n = b->intermediate;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = b->mlp[i];
+        b->mlp[i] = (b->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * b->mlp[n + i];
+    }
+    apply_linear(&b->down, b->mlp, b->xq, b->x);
+    if (b->mlp_out_norm) rms_norm(b->x, b->mlp_out_norm, b->eps, b->hidden, b->x);
+    for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
+}

@@ -1,0 +1,132 @@
+"""Weight formats of the quantized matmul kernels, and conversions into them.
+
+Both formats hold 32 consecutive weights of a row per block with an f32 scale d and an f32 offset m
+(w = d * q + m), matching the structs in qgemm.c:
+
+  q4: 4-bit q in [0, 15], byte j = element j (low nibble) and j + 16 (high) -> 24 bytes per block
+  q8: int8 q                                                                 -> 40 bytes per block
+
+GGUF's Q4_0 / Q4_1 map onto q4 exactly and Q8_0 / Q5_0 / Q5_1 onto q8 exactly (same integers, same
+scales). Other sources (K-quants, float weights) are requantized per block, which is lossy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+QK = 32
+Kind = Literal["q4", "q8"]
+BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK}
+# GGUF types whose integers carry over unchanged, and the format they carry over to.
+EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8"}
+
+
+@dataclass
+class QuantizedWeight:
+    kind: Kind
+    blocks: torch.Tensor  # uint8 [out_features, in_features / 32 * BLOCK_BYTES[kind]]
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def scales(self) -> np.ndarray:
+        """[N, blocks, 2] float32: each block's d and m (for integrity checks)."""
+        b = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.kind])
+        return b[..., :8].copy().view(np.float32)
+
+
+def _pack(kind: Kind, d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> QuantizedWeight:
+    """d, m: [N, nb] float; qs: [N, nb, 16] uint8 (q4, packed) or [N, nb, 32] int8 (q8)."""
+    n, nb = d.shape
+    out = np.empty((n, nb, BLOCK_BYTES[kind]), dtype=np.uint8)
+    out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
+    out[..., 4:8] = m.astype(np.float32)[..., None].view(np.uint8)
+    out[..., 8:] = qs.view(np.uint8)
+    return QuantizedWeight(kind, torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Packed [.., 16] -> values [.., 32] in element order (low nibbles first)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWeight:
+    """GGUF rows [N, row_bytes] of an EXACT_SOURCES type -> `kind`, keeping its integers and scales."""
+    n = raw.shape[0]
+    if type_name == "Q4_0":
+        b = raw.reshape(n, -1, 18)
+        d, qs = _f16(b, 0), b[..., 2:]
+        m = -8.0 * d
+    elif type_name == "Q4_1":
+        b = raw.reshape(n, -1, 20)
+        d, m, qs = _f16(b, 0), _f16(b, 2), b[..., 4:]
+    elif type_name == "Q8_0":
+        b = raw.reshape(n, -1, 34)
+        d, q = _f16(b, 0), b[..., 2:].view(np.int8)
+        return _pack("q8", d, np.zeros_like(d), q) if kind == "q8" else _requantize_from(d[..., None] * q, kind)
+    elif type_name in ("Q5_0", "Q5_1"):
+        header = 2 if type_name == "Q5_0" else 4
+        b = raw.reshape(n, -1, header + 4 + QK // 2)
+        d = _f16(b, 0)
+        m = _f16(b, 2) if type_name == "Q5_1" else np.zeros_like(d)
+        high_bits = b[..., header : header + 4].copy().view(np.uint32)  # [N, nb, 1]
+        high = ((high_bits >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
+        q = (_nibbles(b[..., header + 4 :]) | (high << 4)).astype(np.int16)
+        if type_name == "Q5_0":
+            q = q - 16
+        return _pack("q8", d, m, q.astype(np.int8))
+    else:
+        raise ValueError(f"{type_name} has no exact kernel format; use requantize()")
+    if kind == "q4":
+        return _pack("q4", d, m, np.ascontiguousarray(qs))
+    return _pack("q8", d, m, _nibbles(qs).astype(np.int8))  # 4-bit integers fit int8 exactly
+
+
+def _requantize_from(values: np.ndarray, kind: Kind) -> QuantizedWeight:
+    return requantize(torch.from_numpy(values.reshape(values.shape[0], -1).astype(np.float32)), kind)
+
+
+def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
+    """Float weight [N, K] -> `kind` by per-block rounding (lossy): q8 symmetric, q4 min/max."""
+    w = weight.detach().float().numpy().reshape(weight.shape[0], -1, QK)
+    if kind == "q8":
+        d = np.abs(w).max(axis=-1) / 127.0
+        safe = np.where(d > 0, d, 1.0)
+        q = np.clip(np.rint(w / safe[..., None]), -127, 127).astype(np.int8)
+        return _pack("q8", d, np.zeros_like(d), q)
+    low, high = w.min(axis=-1), w.max(axis=-1)
+    d = (high - low) / 15.0
+    safe = np.where(d > 0, d, 1.0)
+    q = np.clip(np.rint((w - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    return _pack("q4", d, low, (q[..., : QK // 2] | (q[..., QK // 2 :] << 4)).astype(np.uint8))
+
+
+def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
+    """q4 -> q8 with the same integers and scales (exact), for fusing with q8 rows."""
+    if weight.kind == "q8":
+        return weight
+    b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q4"])
+    d, m = b[..., 0:4].copy().view(np.float32)[..., 0], b[..., 4:8].copy().view(np.float32)[..., 0]
+    return _pack("q8", d, m, _nibbles(b[..., 8:]).astype(np.int8))
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack output rows (fused QKV, gate/up); mixed formats meet in q8."""
+    kinds = {w.kind for w in weights}
+    if len(kinds) > 1:
+        weights = [to_q8(w) for w in weights]
+    first = weights[0]
+    assert all(w.in_features == first.in_features for w in weights), "fused weights need one input size"
+    blocks = torch.cat([w.blocks for w in weights], dim=0)
+    return QuantizedWeight(first.kind, blocks, blocks.shape[0], first.in_features)

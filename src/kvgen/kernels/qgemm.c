@@ -1,0 +1,238 @@
+// Weight-only quantized matmuls for kvgen: y[M, N] = x[M, K] @ W[N, K]^T, W in 32-element blocks.
+//
+// Activations are quantized per 32-block to int8 (scale d, and s = d * sum(q) for asymmetric
+// weights), then dotted with the weight's integers, as llama.cpp does. AVX2 path with a portable
+// fallback; rows of W are split across torch's OpenMP pool (torch ships libgomp.so.1, which this
+// library binds to when loaded after torch).
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define QK 32
+
+typedef struct { float d; float m; uint8_t qs[QK / 2]; } block_q4;  // w = d * q + m, q in [0, 15]
+typedef struct { float d; float m; int8_t qs[QK]; } block_q8;       // w = d * q + m, q in [-128, 127]
+typedef struct { float d; float s; int8_t qs[QK]; } block_x8;       // x = d * q, s = d * sum(q)
+
+void kvgen_quantize_x8(const float* x, int64_t m_rows, int64_t k, block_x8* out) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static) if (m_rows * k > 65536)
+    for (int64_t i = 0; i < m_rows * nb; i++) {
+        const float* v = x + i * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)lrintf(v[j] * id);
+            out[i].qs[j] = (int8_t)q;
+            sum += q;
+        }
+        out[i].d = d;
+        out[i].s = d * (float)sum;
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __m256i unpack_nibbles(const uint8_t* qs) {  // byte j -> elements j (low) and j + 16 (high)
+    const __m128i packed = _mm_loadu_si128((const __m128i*)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+}
+#endif
+
+// Up to 4 activation rows share each loaded weight block.
+#define TILE 4
+// One activation row (decode): each weight row is streamed once, front to back (what the hardware
+// prefetcher handles best), with two accumulators over alternating blocks so consecutive FMAs do
+// not wait on each other.
+#ifdef __AVX2__
+// acc + (integer dot of one block) * d_w * d_x, as one FMA.
+static inline __m256 dot_q4(__m256 acc, const block_q4* w, const block_x8* x) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i*)x->qs);
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_nibbles(w->qs), xq), _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w->d * x->d), acc);
+}
+
+static inline __m256 dot_q8(__m256 acc, const block_q8* w, const block_x8* x) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i*)x->qs);
+    const __m256i q = _mm256_loadu_si256((const __m256i*)w->qs);
+    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(q, xq));
+    const __m256i dot = _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w->d * x->d), acc);
+}
+
+#define GEMV(NAME, BLOCK, DOT)                                                                      \
+    static void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t n, int64_t k) {           \
+        const int64_t nb = k / QK;                                                                   \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t row = 0; row < n; row++) {                                                      \
+            const BLOCK* wr = w + row * nb;                                                          \
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                           \
+            float min0 = 0.0f, min1 = 0.0f;                                                          \
+            int64_t b = 0;                                                                           \
+            for (; b + 1 < nb; b += 2) {                                                             \
+                acc0 = DOT(acc0, wr + b, x + b);                                                     \
+                acc1 = DOT(acc1, wr + b + 1, x + b + 1);                                             \
+                min0 += wr[b].m * x[b].s;                                                            \
+                min1 += wr[b + 1].m * x[b + 1].s;                                                    \
+            }                                                                                        \
+            if (b < nb) {                                                                            \
+                acc0 = DOT(acc0, wr + b, x + b);                                                     \
+                min0 += wr[b].m * x[b].s;                                                            \
+            }                                                                                        \
+            y[row] = hsum8(_mm256_add_ps(acc0, acc1)) + min0 + min1;                                 \
+        }                                                                                            \
+    }
+
+GEMV(gemv_q4, block_q4, dot_q4)
+GEMV(gemv_q8, block_q8, dot_q8)
+#endif
+
+void kvgen_gemm_q4(const block_q4* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {
+#ifdef __AVX2__
+    if (m_rows == 1) {
+        gemv_q4(w, x, y, n, k);
+        return;
+    }
+#endif
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < n; row++) {
+        const block_q4* wr = w + row * nb;
+        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE) {
+            const int mt = (int)(m_rows - m0 < TILE ? m_rows - m0 : TILE);
+            float mins[TILE] = {0};
+#ifdef __AVX2__
+            __m256 acc[TILE];
+            for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
+            const __m256i ones = _mm256_set1_epi16(1);
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i q = unpack_nibbles(wr[b].qs);
+                for (int t = 0; t < mt; t++) {
+                    const block_x8* xb = x + (m0 + t) * nb + b;
+                    const __m256i xq = _mm256_loadu_si256((const __m256i*)xb->qs);
+                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wr[b].d * xb->d), acc[t]);
+                    mins[t] += wr[b].m * xb->s;
+                }
+            }
+            for (int t = 0; t < mt; t++) y[(m0 + t) * n + row] = hsum8(acc[t]) + mins[t];
+#else
+            for (int t = 0; t < mt; t++) {
+                float sum = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const block_x8* xb = x + (m0 + t) * nb + b;
+                    int dot = 0;
+                    for (int j = 0; j < QK / 2; j++) {
+                        dot += (wr[b].qs[j] & 0x0F) * xb->qs[j] + (wr[b].qs[j] >> 4) * xb->qs[j + QK / 2];
+                    }
+                    sum += wr[b].d * xb->d * (float)dot + wr[b].m * xb->s;
+                }
+                y[(m0 + t) * n + row] = sum;
+            }
+#endif
+        }
+    }
+}
+
+void kvgen_gemm_q8(const block_q8* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {
+#ifdef __AVX2__
+    if (m_rows == 1) {
+        gemv_q8(w, x, y, n, k);
+        return;
+    }
+#endif
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < n; row++) {
+        const block_q8* wr = w + row * nb;
+        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE) {
+            const int mt = (int)(m_rows - m0 < TILE ? m_rows - m0 : TILE);
+            float mins[TILE] = {0};
+#ifdef __AVX2__
+            __m256 acc[TILE];
+            for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
+            const __m256i ones = _mm256_set1_epi16(1);
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)wr[b].qs);
+                for (int t = 0; t < mt; t++) {
+                    const block_x8* xb = x + (m0 + t) * nb + b;
+                    const __m256i xq = _mm256_loadu_si256((const __m256i*)xb->qs);
+                    // maddubs needs one unsigned operand: |x| times w carrying x's sign.
+                    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(q, xq));
+                    const __m256i dot = _mm256_madd_epi16(prod, ones);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wr[b].d * xb->d), acc[t]);
+                    mins[t] += wr[b].m * xb->s;
+                }
+            }
+            for (int t = 0; t < mt; t++) y[(m0 + t) * n + row] = hsum8(acc[t]) + mins[t];
+#else
+            for (int t = 0; t < mt; t++) {
+                float sum = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const block_x8* xb = x + (m0 + t) * nb + b;
+                    int dot = 0;
+                    for (int j = 0; j < QK; j++) dot += wr[b].qs[j] * xb->qs[j];
+                    sum += wr[b].d * xb->d * (float)dot + wr[b].m * xb->s;
+                }
+                y[(m0 + t) * n + row] = sum;
+            }
+#endif
+        }
+    }
+}
+
+// One call per linear layer: quantize the activation rows into `scratch`, then multiply.
+void kvgen_linear_q4(const block_q4* w, const float* x, block_x8* scratch, float* y, int64_t m_rows, int64_t n, int64_t k) {
+    kvgen_quantize_x8(x, m_rows, k, scratch);
+    kvgen_gemm_q4(w, scratch, y, m_rows, n, k);
+}
+
+void kvgen_linear_q8(const block_q8* w, const float* x, block_x8* scratch, float* y, int64_t m_rows, int64_t n, int64_t k) {
+    kvgen_quantize_x8(x, m_rows, k, scratch);
+    kvgen_gemm_q8(w, scratch, y, m_rows, n, k);
+}
+
+// Dequantize whole weights (for long prefills, where an fp32 GEMM beats re-reading blocks).
+void kvgen_dequantize_q4(const block_q4* w, float* out, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n * nb; i++) {
+        float* o = out + i * QK;
+        for (int j = 0; j < QK / 2; j++) {
+            o[j] = w[i].d * (float)(w[i].qs[j] & 0x0F) + w[i].m;
+            o[j + QK / 2] = w[i].d * (float)(w[i].qs[j] >> 4) + w[i].m;
+        }
+    }
+}
+
+void kvgen_dequantize_q8(const block_q8* w, float* out, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n * nb; i++) {
+        float* o = out + i * QK;
+        for (int j = 0; j < QK; j++) o[j] = w[i].d * (float)w[i].qs[j] + w[i].m;
+    }
+}
+
+int kvgen_has_avx2(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+#include "decode.c"

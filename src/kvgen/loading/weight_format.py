@@ -1,0 +1,70 @@
+"""Which weights kvgen keeps quantized, and in which kernel format.
+
+  fp32  every weight dequantized to the compute dtype (exact reference behaviour)
+  int8  matmul weights in 8-bit blocks: exact for Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 files, rounded otherwise
+  q4    matmul weights as the file has them where the kernels can (4-bit Q4_0/Q4_1, 8-bit Q8_0/Q5_x);
+        K-quants and float weights rounded to 4-bit (Q2_K..Q4_K, floats) or 8-bit (Q5_K, Q6_K)
+  auto  q4 for a quantized GGUF file when the kernels compiled, fp32 otherwise
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvgen.kernels.formats import EXACT_SOURCES, QK, Kind, QuantizedWeight, from_gguf_blocks, requantize
+
+WeightMode = Literal["auto", "fp32", "int8", "q4"]
+WEIGHT_MODES = ("auto", "fp32", "int8", "q4")
+_FOUR_BIT_OR_LESS = {"Q2_K", "Q3_K", "Q4_K", "F32", "F16", "BF16"}
+
+
+def check_mode(mode: str) -> WeightMode:
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {mode!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def resolve_mode(mode: WeightMode, file_is_quantized: bool) -> Literal["fp32", "int8", "q4"]:
+    """`auto` -> q4 for quantized files if the kernels are usable; a mode needing kernels falls back."""
+    from kvgen.kernels import load
+
+    if mode == "fp32":
+        return "fp32"
+    if load() is None:
+        return "fp32"
+    if mode == "auto":
+        return "q4" if file_is_quantized else "fp32"
+    return mode
+
+
+def is_matmul_weight(hf_name: str) -> bool:
+    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+
+
+def quantizable(shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and shape[-1] % QK == 0
+
+
+def target_kind(mode: Literal["int8", "q4"], source_type: str) -> Kind:
+    if mode == "int8":
+        return "q8"
+    if source_type in EXACT_SOURCES:
+        return EXACT_SOURCES[source_type]
+    return "q4" if source_type in _FOUR_BIT_OR_LESS else "q8"
+
+
+def quantize_gguf_rows(type_name: str, raw_rows: np.ndarray, dequantized: np.ndarray | None,
+                       mode: Literal["int8", "q4"]) -> QuantizedWeight:  # fmt: skip
+    """GGUF tensor rows -> kernel format; `dequantized` (float rows) is needed for non-exact types."""
+    kind = target_kind(mode, type_name)
+    if type_name in EXACT_SOURCES:
+        return from_gguf_blocks(type_name, raw_rows, kind)
+    assert dequantized is not None, f"{type_name} must be dequantized before requantizing"
+    return requantize(torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32)), kind)
+
+
+def quantize_float(weight: torch.Tensor, mode: Literal["int8", "q4"]) -> QuantizedWeight:
+    return requantize(weight, "q8" if mode == "int8" else "q4")

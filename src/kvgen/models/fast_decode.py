@@ -1,0 +1,116 @@
+"""FastDecoder: one-token, batch-1 decode steps run in C (kernels/decode.c), two calls per block.
+
+Eligible when every block matmul is a QuantizedLinear (the int8 / q4 weight modes) and the model is
+a family decode.c knows (pre-norm Llama blocks, Gemma 3 sandwich blocks). Keys and values still go
+through `cache.update()`; the C attention reads the views it returns, so any cache whose views are
+fp32 with a contiguous head dimension works. Everything else (prefill, batches, fp32 weights) runs
+the torch path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from kvgen.kernels import load
+from kvgen.kernels.formats import QK
+from kvgen.kv.interface import KVCache
+from kvgen.models.layers import Attention, GatedMLP, RMSNorm
+from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
+
+_ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("has_bias", _i32), ("blocks", _ptr), ("bias", _ptr), ("n", _i64), ("k", _i64)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
+        ("eps", _f32), ("scale", _f32), ("gelu", _i32), ("pad", _i32),
+        ("input_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
+        ("q_norm", _ptr), ("k_norm", _ptr),
+        ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+        ("x", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr), ("xq", _ptr),
+    ]  # fmt: skip
+
+
+def _qlinear(layer: nn.Module) -> _QLinear:
+    assert isinstance(layer, QuantizedLinear)
+    bias = layer.bias
+    return _QLinear(0 if layer.kind == "q4" else 1, int(bias is not None), layer.blocks.data_ptr(),
+                    bias.data_ptr() if bias is not None else None, layer.out_features, layer.in_features)  # fmt: skip
+
+
+def _norm_ptr(norm: RMSNorm | None) -> int | None:
+    return norm.weight.data_ptr() if norm is not None else None
+
+
+class FastDecoder:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.library = load()
+        config = model.config
+        self.hidden, self.num_kv_heads, self.head_dim = config.hidden_size, config.num_kv_heads, config.head_dim
+        self._buffers: list[torch.Tensor] = []  # scratch memory the C structs point into
+        self.blocks = [self._describe(block) for block in model.layers]
+        self.k_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)  # [B, H_kv, S, D]
+        self.v_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        if load() is None or model.dtype != torch.float32:
+            return False
+        for block in model.layers:
+            attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+            if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP):
+                return False
+            linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
+            if not all(isinstance(layer, QuantizedLinear) for layer in linears):
+                return False
+        return True
+
+    def _scratch(self, size: int, dtype: torch.dtype = torch.float32) -> int:
+        buffer = torch.zeros(size, dtype=dtype)
+        self._buffers.append(buffer)
+        return buffer.data_ptr()
+
+    def _describe(self, block: nn.Module) -> _Block:
+        config, attn, mlp = self.model.config, block.attn, block.mlp
+        gemma = hasattr(block, "pre_mlp_norm")
+        widest = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
+        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        return _Block(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
+            config.rms_norm_eps, attn.scale, int(config.hidden_act == "gelu_tanh"), 0,
+            _norm_ptr(block.input_norm),
+            _norm_ptr(block.post_attn_norm) if gemma else None,
+            _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),
+            _norm_ptr(block.post_mlp_norm) if gemma else None,
+            _norm_ptr(attn.q_norm), _norm_ptr(attn.k_norm),
+            _qlinear(attn.qkv), _qlinear(attn.o_proj), _qlinear(mlp.gate_up), _qlinear(mlp.down),
+            self._scratch(widest), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
+            self._scratch(2 * config.intermediate_size),
+            self._scratch(widest // QK * X8_BLOCK_BYTES, torch.uint8),
+        )  # fmt: skip
+
+    def step(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], cache: KVCache) -> None:
+        """Run every block on h [hidden] (updated in place) at position cache.seq_len; commits 1 position."""
+        config, lib = self.model.config, self.library
+        position = cache.seq_len
+        h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
+        for layer, block in enumerate(self.blocks):
+            cos, sin = ropes[layer]
+            lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr)
+            keys, values = cache.update(layer, self.k_new, self.v_new)  # [1, H_kv, L, D] views
+            assert keys.dtype == torch.float32 and keys.stride(3) == 1 and values.stride(3) == 1
+            key_start = cache.visible_start(layer)
+            end = keys.shape[2]
+            window = config.window_for(layer)
+            start = max(0, position - window + 1 - key_start) if window else 0
+            lib.kvgen_block_post(ctypes.byref(block), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2),
+                                 values.data_ptr(), values.stride(1), values.stride(2), start, end)  # fmt: skip
+        cache.commit(1)

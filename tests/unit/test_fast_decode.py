@@ -1,0 +1,86 @@
+"""The C decode step (kernels/decode.c) computes what the torch blocks compute, block by block."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kvgen import LLM
+from kvgen.kernels import load
+from kvgen.models.layers import AttentionMask
+from kvgen.quality import score
+from tests.support.models import model_path
+from tests.support.shakespeare import play_text
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the C decode path needs a C compiler")
+
+
+@pytest.fixture(scope="module")
+def quantized() -> dict[str, LLM]:
+    return {}
+
+
+def get(quantized: dict[str, LLM], name: str) -> LLM:
+    if name not in quantized:
+        quantized[name] = LLM.load(model_path(name), progress=False, weights="q4")
+    return quantized[name]
+
+
+def compare_block(llm: LLM, layer: int, position: int) -> float:
+    """Max |difference| of one block's output, torch vs C, for a token at `position`."""
+    model, decoder = llm.model, llm.model.fast_decoder()
+    assert decoder is not None
+    torch.manual_seed(position)
+    cache = llm.generator.new_cache(position + 1)
+    with torch.inference_mode():
+        model(torch.randint(0, 1000, (1, position)), cache)  # fill the cache (torch prefill)
+        h = torch.randn(model.config.hidden_size) * 2
+        name = model._rope_name(model.rope_keys[layer])
+        cos, sin = model.ropes[name](torch.tensor([[position]]), torch.float32)
+        window = model.config.window_for(layer)
+        mask = AttentionMask.build(position, 1, 0, position + 1, window)
+        reference_cache = cache.fork()
+        expected = model.layers[layer](h[None, None].clone(), (cos, sin), reference_cache, mask)[0, 0]
+        actual = h.clone()
+        block, lib = decoder.blocks[layer], decoder.library
+        lib.kvgen_block_pre(ctypes.byref(block), actual.data_ptr(), cos.reshape(-1).data_ptr(),
+                            sin.reshape(-1).data_ptr(), decoder.k_new.data_ptr(), decoder.v_new.data_ptr())  # fmt: skip
+        keys, values = cache.update(layer, decoder.k_new, decoder.v_new)
+        start = max(0, position - window + 1) if window else 0
+        lib.kvgen_block_post(ctypes.byref(block), actual.data_ptr(), keys.data_ptr(), keys.stride(1), keys.stride(2),
+                             values.data_ptr(), values.stride(1), values.stride(2), start, keys.shape[2])  # fmt: skip
+    return (actual - expected).abs().max().item() / expected.abs().max().item()
+
+
+@pytest.mark.parametrize("layer", [0, 17, 29])
+def test_llama_block_matches_torch(quantized: dict, layer: int) -> None:
+    assert compare_block(get(quantized, "smollm2"), layer, position=40) < 1e-5
+
+
+@pytest.mark.parametrize("layer", [0, 5])  # 0: sliding window (512) layer, 5: global layer
+def test_gemma_block_matches_torch_past_the_window(quantized: dict, layer: int) -> None:
+    llm = get(quantized, "gemma3-270m")
+    assert llm.model.config.layer_types[layer] == ("sliding" if layer == 0 else "full")
+    assert compare_block(llm, layer, position=600) < 1e-5
+
+
+def test_fast_path_is_used_for_quantized_weights_only(quantized: dict, smollm2) -> None:
+    assert get(quantized, "smollm2").model.fast_decoder() is not None
+    assert smollm2.model.fast_decoder() is None  # fp32 weights: torch path
+
+
+@pytest.mark.slow
+def test_token_by_token_perplexity_matches_the_torch_path(quantized: dict) -> None:
+    """Whole model: decoding one token at a time in C scores Hamlet like the torch path (which
+    differs only in float summation order, amplified by int8 activation rounding)."""
+    llm = get(quantized, "smollm2")
+    ids = llm.tokenizer.encode(play_text("hamlet"))[:129]
+    fast = score(llm.model, llm.generator.new_cache, ids, chunk_size=1).perplexity
+    llm.model.use_fast_decode = False
+    try:
+        reference = score(llm.model, llm.generator.new_cache, ids, chunk_size=1).perplexity
+    finally:
+        llm.model.use_fast_decode = True
+    assert abs(fast - reference) / reference < 0.01, (fast, reference)
