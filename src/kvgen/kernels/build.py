@@ -76,7 +76,9 @@ def load() -> ctypes.CDLL | None:
         getattr(library, name).argtypes = [pointer, pointer, count, count]
     library.kvgen_block_pre.argtypes = [pointer] * 6
     library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count]
-    for name in ("kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
+    library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
+                                            count, count, count, count]  # fmt: skip
+    for name in ("kvgen_decode_layers", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
                  "kvgen_linear_q4", "kvgen_linear_q8",
                  "kvgen_dequantize_q4", "kvgen_dequantize_q8"):  # fmt: skip
         getattr(library, name).restype = None

@@ -82,7 +82,9 @@ static void rotate_half(float* x, const float* cos, const float* sin, int64_t d)
     }
 }
 
-void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out) {
+// Writes the new key and value of each kv head to k_out/v_out + head * out_head_stride.
+static void block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
+                      int64_t out_head_stride) {
     const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
     rms_norm(h, b->input_norm, b->eps, b->hidden, b->x);
     apply_linear(&b->qkv, b->x, b->xq, b->qkv_out);
@@ -96,9 +98,14 @@ void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const f
     for (int64_t head = 0; head < b->num_kv_heads; head++) {
         if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
         rotate_half(k + head * d, cos, sin, d);
+        memcpy(k_out + head * out_head_stride, k + head * d, (size_t)d * sizeof(float));
+        memcpy(v_out + head * out_head_stride, v + head * d, (size_t)d * sizeof(float));
     }
-    memcpy(k_out, k, (size_t)nkv * sizeof(float));
-    memcpy(v_out, v, (size_t)nkv * sizeof(float));
+}
+
+// k_out, v_out: [kv_heads, head_dim] contiguous (handed to cache.update by the caller).
+void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out) {
+    block_pre(b, h, cos, sin, k_out, v_out, b->head_dim);
 }
 
 // Attention of one query per head over keys[start, end), online softmax (no score buffer).
@@ -152,4 +159,23 @@ void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_h
     apply_linear(&b->down, b->mlp, b->xq, b->x);
     if (b->mlp_out_norm) rms_norm(b->x, b->mlp_out_norm, b->eps, b->hidden, b->x);
     for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
+}
+
+// Every block for one token, when the cache is one strided fp32 buffer per K and V
+// ([layers, 1, kv_heads, capacity, head_dim]): the new keys/values are written in place at
+// `position` and attention reads the buffer directly. rope: [kinds, 2, head_dim] (cos, sin),
+// rope_kind / window: per layer (window 0 = full attention).
+void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, const float* rope,
+                         const int64_t* rope_kind, const int64_t* window, float* k_base, float* v_base,
+                         int64_t layer_stride, int64_t head_stride, int64_t pos_stride, int64_t position) {
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+        const block_t* b = &blocks[layer];
+        const int64_t d = b->head_dim;
+        const float* cos = rope + rope_kind[layer] * 2 * d;
+        float* k_layer = k_base + layer * layer_stride;
+        float* v_layer = v_base + layer * layer_stride;
+        block_pre(b, h, cos, cos + d, k_layer + position * pos_stride, v_layer + position * pos_stride, head_stride);
+        const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
+        kvgen_block_post(b, h, k_layer, head_stride, pos_stride, v_layer, head_stride, pos_stride, start, position + 1);
+    }
 }

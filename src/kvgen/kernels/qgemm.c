@@ -101,99 +101,64 @@ GEMV(gemv_q4, block_q4, dot_q4)
 GEMV(gemv_q8, block_q8, dot_q8)
 #endif
 
-void kvgen_gemm_q4(const block_q4* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {
-#ifdef __AVX2__
-    if (m_rows == 1) {
-        gemv_q4(w, x, y, n, k);
-        return;
-    }
-#endif
-    const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < n; row++) {
-        const block_q4* wr = w + row * nb;
-        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE) {
-            const int mt = (int)(m_rows - m0 < TILE ? m_rows - m0 : TILE);
-            float mins[TILE] = {0};
-#ifdef __AVX2__
-            __m256 acc[TILE];
-            for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
-            const __m256i ones = _mm256_set1_epi16(1);
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256i q = unpack_nibbles(wr[b].qs);
-                for (int t = 0; t < mt; t++) {
-                    const block_x8* xb = x + (m0 + t) * nb + b;
-                    const __m256i xq = _mm256_loadu_si256((const __m256i*)xb->qs);
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), ones);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wr[b].d * xb->d), acc[t]);
-                    mins[t] += wr[b].m * xb->s;
-                }
-            }
-            for (int t = 0; t < mt; t++) y[(m0 + t) * n + row] = hsum8(acc[t]) + mins[t];
-#else
-            for (int t = 0; t < mt; t++) {
-                float sum = 0.0f;
-                for (int64_t b = 0; b < nb; b++) {
-                    const block_x8* xb = x + (m0 + t) * nb + b;
-                    int dot = 0;
-                    for (int j = 0; j < QK / 2; j++) {
-                        dot += (wr[b].qs[j] & 0x0F) * xb->qs[j] + (wr[b].qs[j] >> 4) * xb->qs[j + QK / 2];
-                    }
-                    sum += wr[b].d * xb->d * (float)dot + wr[b].m * xb->s;
-                }
-                y[(m0 + t) * n + row] = sum;
-            }
-#endif
-        }
-    }
+// Portable block dots (the fallback without AVX2, and the reference the AVX2 versions implement).
+static inline float dot_q4_scalar(const block_q4* w, const block_x8* x) {
+    int dot = 0;
+    for (int j = 0; j < QK / 2; j++) dot += (w->qs[j] & 0x0F) * x->qs[j] + (w->qs[j] >> 4) * x->qs[j + QK / 2];
+    return w->d * x->d * (float)dot + w->m * x->s;
 }
 
-void kvgen_gemm_q8(const block_q8* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {
-#ifdef __AVX2__
-    if (m_rows == 1) {
-        gemv_q8(w, x, y, n, k);
-        return;
-    }
-#endif
-    const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < n; row++) {
-        const block_q8* wr = w + row * nb;
-        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE) {
-            const int mt = (int)(m_rows - m0 < TILE ? m_rows - m0 : TILE);
-            float mins[TILE] = {0};
-#ifdef __AVX2__
-            __m256 acc[TILE];
-            for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
-            const __m256i ones = _mm256_set1_epi16(1);
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i*)wr[b].qs);
-                for (int t = 0; t < mt; t++) {
-                    const block_x8* xb = x + (m0 + t) * nb + b;
-                    const __m256i xq = _mm256_loadu_si256((const __m256i*)xb->qs);
-                    // maddubs needs one unsigned operand: |x| times w carrying x's sign.
-                    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(q, xq));
-                    const __m256i dot = _mm256_madd_epi16(prod, ones);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wr[b].d * xb->d), acc[t]);
-                    mins[t] += wr[b].m * xb->s;
-                }
-            }
-            for (int t = 0; t < mt; t++) y[(m0 + t) * n + row] = hsum8(acc[t]) + mins[t];
-#else
-            for (int t = 0; t < mt; t++) {
-                float sum = 0.0f;
-                for (int64_t b = 0; b < nb; b++) {
-                    const block_x8* xb = x + (m0 + t) * nb + b;
-                    int dot = 0;
-                    for (int j = 0; j < QK; j++) dot += wr[b].qs[j] * xb->qs[j];
-                    sum += wr[b].d * xb->d * (float)dot + wr[b].m * xb->s;
-                }
-                y[(m0 + t) * n + row] = sum;
-            }
-#endif
-        }
-    }
+static inline float dot_q8_scalar(const block_q8* w, const block_x8* x) {
+    int dot = 0;
+    for (int j = 0; j < QK; j++) dot += w->qs[j] * x->qs[j];
+    return w->d * x->d * (float)dot + w->m * x->s;
 }
+
+// Several activation rows: TILE rows share each loaded weight block.
+#ifdef __AVX2__
+#define GEMM_TILE_BODY(DOT)                                                                          \
+    __m256 acc[TILE];                                                                                \
+    float mins[TILE] = {0};                                                                          \
+    for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();                                     \
+    for (int64_t b = 0; b < nb; b++) {                                                               \
+        for (int t = 0; t < mt; t++) {                                                               \
+            const block_x8* xb = x + (m0 + t) * nb + b;                                              \
+            acc[t] = DOT(acc[t], wr + b, xb);                                                        \
+            mins[t] += wr[b].m * xb->s;                                                              \
+        }                                                                                            \
+    }                                                                                                \
+    for (int t = 0; t < mt; t++) y[(m0 + t) * n + row] = hsum8(acc[t]) + mins[t];
+#else
+#define GEMM_TILE_BODY(DOT)                                                                          \
+    for (int t = 0; t < mt; t++) {                                                                   \
+        float sum = 0.0f;                                                                            \
+        for (int64_t b = 0; b < nb; b++) sum += DOT##_scalar(wr + b, x + (m0 + t) * nb + b);         \
+        y[(m0 + t) * n + row] = sum;                                                                 \
+    }
+#endif
+
+#define GEMM(NAME, BLOCK, DOT, GEMV_FN)                                                              \
+    void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
+        GEMV_FN                                                                                      \
+        const int64_t nb = k / QK;                                                                   \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t row = 0; row < n; row++) {                                                      \
+            const BLOCK* wr = w + row * nb;                                                          \
+            for (int64_t m0 = 0; m0 < m_rows; m0 += TILE) {                                          \
+                const int mt = (int)(m_rows - m0 < TILE ? m_rows - m0 : TILE);                       \
+                GEMM_TILE_BODY(DOT)                                                                  \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+#ifdef __AVX2__
+#define SINGLE_ROW(FN) if (m_rows == 1) { FN(w, x, y, n, k); return; }
+#else
+#define SINGLE_ROW(FN)
+#endif
+
+GEMM(kvgen_gemm_q4, block_q4, dot_q4, SINGLE_ROW(gemv_q4))
+GEMM(kvgen_gemm_q8, block_q8, dot_q8, SINGLE_ROW(gemv_q8))
 
 // One call per linear layer: quantize the activation rows into `scratch`, then multiply.
 void kvgen_linear_q4(const block_q4* w, const float* x, block_x8* scratch, float* y, int64_t m_rows, int64_t n, int64_t k) {

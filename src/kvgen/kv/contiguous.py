@@ -54,6 +54,12 @@ class ContiguousCache(KVCache):
         self._values[layer, :, :, start:end] = values
         return self._keys[layer, :, :, :end], self._values[layer, :, :, :end]
 
+    def strided_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.spec.dtype != torch.float32:
+            return None
+        self.reserve(num_tokens)
+        return self._keys, self._values
+
     def commit(self, num_tokens: int) -> None:
         if self._seq_len + num_tokens > self.capacity:
             raise AssertionError(f"commit of {num_tokens} past capacity {self.capacity} at {self._seq_len}")

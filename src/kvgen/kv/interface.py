@@ -81,6 +81,15 @@ class KVCache(ABC):
     def reset(self) -> None:
         self.truncate(0)
 
+    def strided_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: the fp32 storage [layers, B, H_kv, capacity, D] of K and V, with room for
+        `num_tokens` positions, for kernels that append in place at seq_len (then `commit`).
+
+        Only a cache whose storage is exactly such a buffer returns it; every other cache returns
+        None and is written through `update`.
+        """
+        return None
+
     def visible_start(self, layer: int) -> int:
         return 0
 

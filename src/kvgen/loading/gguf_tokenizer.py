@@ -157,6 +157,13 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
+
+def _byte_fallback_bpe(vocab: dict[str, int], merges: list, tokens: list[str], metadata: Mapping[str, Any]) -> Backend:
+    """Sentencepiece-style BPE: unknown characters fall back to <0xNN> byte tokens."""
+    bpe = BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=_unk_token(tokens, metadata), dropout=None,
+              byte_fallback=True)  # fmt: skip
+    return Backend(bpe)
+
 def _gemma_bpe(tokens: list[str], metadata: Mapping[str, Any]) -> tuple[Backend, dict[str, int]]:
     """Gemma's sentencepiece-as-BPE (transformers' `gemma_tokenizer` + `GemmaTokenizer`).
 
@@ -168,16 +175,7 @@ def _gemma_bpe(tokens: list[str], metadata: Mapping[str, Any]) -> tuple[Backend,
     vocab = {token: index for index, token in enumerate(respelled)}
     positions = {token: -index for index, token in enumerate(respelled)}
     merges = _file_merges(metadata) or generate_merges(vocab, positions)
-    backend = Backend(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=True,
-            unk_token=_unk_token(tokens, metadata),
-            dropout=None,
-            byte_fallback=True,
-        )
-    )
+    backend = _byte_fallback_bpe(vocab, merges, tokens, metadata)
     backend.normalizer = normalizers.Replace(" ", _SPACE)
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -193,16 +191,7 @@ def _sentencepiece_bpe(tokens: list[str], metadata: Mapping[str, Any]) -> tuple[
     vocab = {token: index for index, token in enumerate(tokens)}
     scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     merges = _file_merges(metadata) or generate_merges(vocab, dict(zip(tokens, scores)))
-    backend = Backend(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=True,
-            unk_token=_unk_token(tokens, metadata),
-            dropout=None,
-            byte_fallback=True,
-        )
-    )
+    backend = _byte_fallback_bpe(vocab, merges, tokens, metadata)
     add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=_SPACE, prepend_scheme="first" if add_prefix else "never", split=False

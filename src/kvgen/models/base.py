@@ -68,6 +68,7 @@ class DecoderLM(nn.Module):
     # set False to force the torch path (the reference the C path is tested against).
     use_fast_decode: bool = True
     _fast_decoder: object | None = None
+    _rope_kind: torch.Tensor | None = None  # per layer: index of its RoPE table in self.ropes
 
     def fast_decoder(self):  # -> FastDecoder | None, built on first use
         from kvgen.models.fast_decode import FastDecoder
@@ -85,9 +86,11 @@ class DecoderLM(nn.Module):
         if self.embed_scale is not None:
             h *= torch.tensor(self.embed_scale, dtype=h.dtype)
         positions = torch.tensor([[position]])
-        by_name = {name: rope(positions, h.dtype) for name, rope in self.ropes.items()}
-        ropes = [tuple(t.reshape(-1) for t in by_name[self._rope_name(key)]) for key in self.rope_keys]
-        decoder.step(h, ropes, cache)
+        names = list(self.ropes)
+        rope = torch.stack([torch.cat(self.ropes[name](positions, h.dtype)).reshape(2, -1) for name in names])
+        if self._rope_kind is None:
+            self._rope_kind = torch.tensor([names.index(self._rope_name(key)) for key in self.rope_keys])
+        decoder.step(h, rope, self._rope_kind, cache)
         logits = self.lm_head(self.norm(h[None, None]))  # [1, 1, V]
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping

@@ -59,6 +59,8 @@ class FastDecoder:
         self.blocks = [self._describe(block) for block in model.layers]
         self.k_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)  # [B, H_kv, S, D]
         self.v_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)
+        self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
+        self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -97,10 +99,29 @@ class FastDecoder:
             self._scratch(widest // QK * X8_BLOCK_BYTES, torch.uint8),
         )  # fmt: skip
 
-    def step(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], cache: KVCache) -> None:
-        """Run every block on h [hidden] (updated in place) at position cache.seq_len; commits 1 position."""
+    def step(self, h: torch.Tensor, rope: torch.Tensor, rope_kind: torch.Tensor, cache: KVCache) -> None:
+        """Run every block on h [hidden] (updated in place) at position cache.seq_len; commits 1 position.
+
+        rope: [kinds, 2, head_dim] cos/sin for this position; rope_kind: [layers] index into it.
+        """
+        buffers = cache.strided_buffers(cache.seq_len + 1)
+        if buffers is None:
+            self._step_through_update(h, rope, rope_kind, cache)
+            return
+        keys, values = buffers  # [L, 1, H_kv, C, D]
+        assert keys.stride() == values.stride() and keys.stride(4) == 1
+        self.library.kvgen_decode_layers(
+            self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), rope_kind.data_ptr(),
+            self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(2),
+            keys.stride(3), cache.seq_len,
+        )  # fmt: skip
+        cache.commit(1)
+
+    def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, rope_kind: torch.Tensor, cache: KVCache) -> None:
+        """The general path: each block's new key/value goes through cache.update()."""
         config, lib = self.model.config, self.library
         position = cache.seq_len
+        ropes = [(rope[kind, 0], rope[kind, 1]) for kind in rope_kind.tolist()]
         h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
         for layer, block in enumerate(self.blocks):
             cos, sin = ropes[layer]
