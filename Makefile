@@ -57,8 +57,8 @@ $(VENV)/.bench-deps: $(VENV)/.test-deps requirements-bench.txt
 	touch $@
 
 bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
-	$(PY) benchmarks/decode.py --prompt-tokens 128 --new-tokens 256
-	$(PY) benchmarks/decode.py --prompt-tokens 512 --new-tokens 16 --name prefill512
+	$(PY) benchmarks/decode.py --prompt-tokens 128 --new-tokens 256 --repeats 3
+	$(PY) benchmarks/decode.py --prompt-tokens 512 --new-tokens 1 --name prefill512 --weights q4,fp32 --repeats 3
 	$(PY) benchmarks/weights_quality.py
 
 clean:

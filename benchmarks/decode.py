@@ -25,9 +25,13 @@ from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
 
 
-def measure(generate: Callable[[int], Any], prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, float]:
+def measure(generate: Callable[[int], Any], prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, float | None]:
+    """new_tokens 1 measures prefill only (a decode rate from a handful of tokens is noise)."""
     generate(2)  # warm up allocators and kernels
     first = best_of(repeats, lambda: timed(lambda: generate(1)))
+    if new_tokens <= 1:
+        return {"time_to_first_token_s": first, "prefill_tokens_per_s": prompt_tokens / first,
+                "decode_tokens_per_s": None, "total_s": first}  # fmt: skip
     full = best_of(repeats, lambda: timed(lambda: generate(new_tokens)))
     return {
         "time_to_first_token_s": first,
@@ -118,8 +122,9 @@ def main() -> None:
         ids = prompt_ids(llm.tokenizer, args.prompt_tokens)
         row = {"engine": f"kvgen ({llm.weights})", **measure(kvgen_runner(llm, ids), len(ids), args.new_tokens, args.repeats)}
         row["weight_mb"] = weight_bytes(llm) / 1e6
-        row["achieved_gbs"] = row["weight_mb"] / 1e3 * row["decode_tokens_per_s"]
-        row["roofline_fraction"] = row["achieved_gbs"] / bandwidth
+        if row["decode_tokens_per_s"]:
+            row["achieved_gbs"] = row["weight_mb"] / 1e3 * row["decode_tokens_per_s"]
+            row["roofline_fraction"] = row["achieved_gbs"] / bandwidth
         rows.append(row)
         del llm
     peers = [p for p in args.peers.split(",") if p]
@@ -134,7 +139,8 @@ def main() -> None:
         if base is None:
             continue
         for row in rows:
-            row[f"decode_vs_{peer}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            if row["decode_tokens_per_s"]:
+                row[f"decode_vs_{peer}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             row[f"prefill_vs_{peer}"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
 
     print(f"\n{args.model}, batch 1, {len(ids)}-token prompt, {args.new_tokens} new tokens, greedy, "

@@ -15,6 +15,8 @@ from torch import nn
 from kvgen.kernels import load
 from kvgen.kernels.formats import BLOCK_BYTES, QK, QuantizedWeight
 
+_dequantize_scratch = torch.empty(0)  # shared: a forward pass uses one weight at a time
+
 GEMM_ROWS_THRESHOLD = 16  # from this many rows on, dequantize + MKL fp32 GEMM wins (512 rows: 599 vs 282 tok/s)
 X8_BLOCK_BYTES = 8 + QK
 
@@ -34,9 +36,17 @@ class QuantizedLinear(nn.Module):
         self._blocks_ptr = self.blocks.data_ptr()
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight as fp32 [out, in]."""
-        out = torch.empty(self.out_features, self.in_features)
+    def dequantized(self, reuse_scratch: bool = False) -> torch.Tensor:
+        """The weight as fp32 [out, in]. reuse_scratch: write into one buffer shared by every layer
+        (valid until the next call), which spares prefill from faulting in fresh memory per matmul."""
+        global _dequantize_scratch
+        size = self.out_features * self.in_features
+        if reuse_scratch:
+            if _dequantize_scratch.numel() < size:
+                _dequantize_scratch = torch.empty(size)
+            out = _dequantize_scratch[:size].view(self.out_features, self.in_features)
+        else:
+            out = torch.empty(self.out_features, self.in_features)
         self._dequantize(self.blocks.data_ptr(), out.data_ptr(), self.out_features, self.in_features)
         return out
 
@@ -47,7 +57,7 @@ class QuantizedLinear(nn.Module):
             rows = rows.float().contiguous()
         m = rows.shape[0]
         if m >= GEMM_ROWS_THRESHOLD:
-            y = F.linear(rows, self.dequantized())
+            y = F.linear(rows, self.dequantized(reuse_scratch=True))
         else:
             needed = m * (self.in_features // QK) * X8_BLOCK_BYTES  # the C side writes m rows of blocks
             if self._scratch.numel() < needed:
