@@ -84,3 +84,18 @@ def test_token_by_token_perplexity_matches_the_torch_path(quantized: dict) -> No
     finally:
         llm.model.use_fast_decode = True
     assert abs(fast - reference) / reference < 0.01, (fast, reference)
+
+
+def test_threads_sharing_a_model_get_their_own_results(quantized: dict) -> None:
+    """The C path and quantized layers reuse scratch memory; concurrent requests must not mix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgen import SamplingParams
+
+    llm = get(quantized, "smollm2")
+    prompts = ["The three primary colors are", "def fibonacci(n):\n    ", "In a distant galaxy, the starship"] * 2
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    alone = [llm.generate(p, params).token_ids for p in prompts]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        together = list(pool.map(lambda p: llm.generate(p, params).token_ids, prompts))
+    assert together == alone

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import numpy as np
@@ -29,11 +30,14 @@ def check_mode(mode: str) -> WeightMode:
 
 def resolve_mode(mode: WeightMode, file_is_quantized: bool) -> Literal["fp32", "int8", "q4"]:
     """`auto` -> q4 for quantized files if the kernels are usable; a mode needing kernels falls back."""
-    from kvgen.kernels import load
+    from kvgen.kernels import build, load
 
     if mode == "fp32":
         return "fp32"
     if load() is None:
+        if mode != "auto":
+            warnings.warn(f"--weights {mode} needs kvgen's C kernels, which could not be built "
+                          f"({build.last_error}); using fp32 weights instead", stacklevel=3)  # fmt: skip
         return "fp32"
     if mode == "auto":
         return "q4" if file_is_quantized else "fp32"

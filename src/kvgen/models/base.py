@@ -6,6 +6,7 @@ positions, masks and the cache lives here once.
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -35,6 +36,7 @@ class DecoderLM(nn.Module):
     def __init__(self, config: ModelConfig, weights: WeightSource):
         super().__init__()
         self.config = config
+        self._forward_lock = threading.Lock()
         self.embed_tokens = frozen(weights.take_tensor("model.embed_tokens.weight"))  # [V, H]
         self.layers = nn.ModuleList([self.build_block(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
@@ -106,8 +108,15 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [B, S] at positions cache.seq_len.. -> logits [B, logits_to_keep or S, V].
 
-        Appends the S positions to `cache` (committed only after every layer succeeded).
+        Appends the S positions to `cache` (committed only after every layer succeeded). One forward
+        at a time per model: the C decode path and the quantized layers reuse scratch buffers.
         """
+        with self._forward_lock:
+            return self._forward(input_ids, cache, positions, logits_to_keep)
+
+    def _forward(
+        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None
+    ) -> torch.Tensor:
         batch, seq = input_ids.shape
         if batch == 1 and seq == 1 and positions is None:
             fast = self._decode_fast(input_ids, cache)

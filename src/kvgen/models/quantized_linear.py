@@ -8,6 +8,8 @@ bounds that case.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,8 @@ from torch import nn
 from kvgen.kernels import load
 from kvgen.kernels.formats import BLOCK_BYTES, QK, QuantizedWeight
 
-_dequantize_scratch = torch.empty(0)  # shared: a forward pass uses one weight at a time
+# One per thread: within a forward pass one weight is used at a time; threads must not share it.
+_scratch = threading.local()
 
 GEMM_ROWS_THRESHOLD = 16  # from this many rows on, dequantize + MKL fp32 GEMM wins (512 rows: 599 vs 282 tok/s)
 X8_BLOCK_BYTES = 8 + QK
@@ -39,12 +42,12 @@ class QuantizedLinear(nn.Module):
     def dequantized(self, reuse_scratch: bool = False) -> torch.Tensor:
         """The weight as fp32 [out, in]. reuse_scratch: write into one buffer shared by every layer
         (valid until the next call), which spares prefill from faulting in fresh memory per matmul."""
-        global _dequantize_scratch
         size = self.out_features * self.in_features
         if reuse_scratch:
-            if _dequantize_scratch.numel() < size:
-                _dequantize_scratch = torch.empty(size)
-            out = _dequantize_scratch[:size].view(self.out_features, self.in_features)
+            buffer = getattr(_scratch, "weights", None)
+            if buffer is None or buffer.numel() < size:
+                buffer = _scratch.weights = torch.empty(size)
+            out = buffer[:size].view(self.out_features, self.in_features)
         else:
             out = torch.empty(self.out_features, self.in_features)
         self._dequantize(self.blocks.data_ptr(), out.data_ptr(), self.out_features, self.in_features)
