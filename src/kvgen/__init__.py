@@ -1,5 +1,6 @@
 """kvgen: a language-model inference engine built around the KV cache."""
 
+from kvgen.config import CacheConfig
 from kvgen.errors import KvgenError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 from kvgen.generate import Chunk, GenerationResult, Generator, Usage
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache
@@ -8,7 +9,7 @@ from kvgen.sampling import SamplingParams
 from kvgen.session import Session
 
 __all__ = [
-    "LLM", "CacheSpec", "Chunk", "ContiguousCache", "GenerationResult", "Generator", "KVCache", "KvgenError",
+    "LLM", "CacheConfig", "CacheSpec", "Chunk", "ContiguousCache", "GenerationResult", "Generator", "KVCache", "KvgenError",
     "ModelLoadError", "PromptTooLongError", "SamplingParams", "Session", "UnsupportedModelError", "Usage",
     "load_model",
 ]  # fmt: skip

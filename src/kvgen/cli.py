@@ -25,6 +25,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+    parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged"), help="KV cache kind")
+    parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
+    parser.add_argument("--kv-budget-mb", type=float, default=512.0, help="size of the block pool (paged)")
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
@@ -56,9 +59,13 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models` starts fast
     from kvgen.llm import LLM
 
+    from kvgen.config import CacheConfig
+
+    cache = CacheConfig(args.kv_cache, args.kv_block_size, args.kv_budget_mb)
     return LLM.load(
-        args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context, weights=args.weights
-    )
+        args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
+        weights=args.weights, cache=cache,
+    )  # fmt: skip
 
 
 def stats_line(result: GenerationResult) -> str:

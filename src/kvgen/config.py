@@ -78,3 +78,22 @@ class ModelConfig:
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ...]:
     """Gemma 3 interleaves 5 sliding-window layers with 1 global layer (llama.cpp hard-codes the same)."""
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+
+
+CacheKind = Literal["contiguous", "paged"]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
+    paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests."""
+
+    kind: CacheKind = "contiguous"
+    block_size: int = 16
+    budget_mb: float = 512.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("contiguous", "paged"):
+            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous or paged")
+        if self.block_size <= 0 or self.budget_mb <= 0:
+            raise ValueError(f"block_size and budget_mb must be positive, got {self.block_size} and {self.budget_mb}")

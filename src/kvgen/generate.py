@@ -12,9 +12,11 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvgen.config import CacheConfig
 from kvgen.errors import PromptTooLongError
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.params import SamplingParams
@@ -66,10 +68,14 @@ class Chunk:
 class Generator:
     """Runs requests one at a time on one model."""
 
-    def __init__(self, model: DecoderLM, tokenizer: Tokenizer, max_context: int | None = None):
+    def __init__(
+        self, model: DecoderLM, tokenizer: Tokenizer, max_context: int | None = None, cache: CacheConfig | None = None
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = min(max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.cache_config = cache or CacheConfig()
+        self._paged_storage: PagedStorage | None = None  # created on first use, shared by all requests
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -87,7 +93,12 @@ class Generator:
         return ids
 
     def new_cache(self, num_tokens: int) -> KVCache:
+        """An empty cache of the configured kind, with room for `num_tokens` (more can come later)."""
         spec = CacheSpec.for_model(self.model.config, self.model.dtype)
+        if self.cache_config.kind == "paged":
+            if self._paged_storage is None:
+                self._paged_storage = PagedStorage.create(spec, self.cache_config.budget_mb, self.cache_config.block_size)
+            return PagedCache(self._paged_storage)
         return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
@@ -100,7 +111,7 @@ class Generator:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         cache = self.new_cache(len(ids) + params.max_new_tokens)
-        return GenerationStream(self, cache, ids, reused=0, params=params)
+        return GenerationStream(self, cache, ids, reused=0, params=params, owns_cache=True)
 
 
 class GenerationStream:
@@ -110,8 +121,12 @@ class GenerationStream:
     When the stream ends, the cache holds the prompt and every generated token but the last.
     """
 
-    def __init__(self, generator: Generator, cache: KVCache, prompt_ids: list[int], reused: int, params: SamplingParams):
+    def __init__(
+        self, generator: Generator, cache: KVCache, prompt_ids: list[int], reused: int, params: SamplingParams,
+        owns_cache: bool = False,
+    ):  # fmt: skip
         self.generator = generator
+        self.owns_cache = owns_cache  # a one-shot request: free the cache when the stream ends
         self.cache = cache
         self.prompt_ids = prompt_ids
         self.reused = reused
@@ -135,8 +150,16 @@ class GenerationStream:
             ids.update(self.generator.tokenizer.eos_token_ids)
         return ids
 
-    @torch.inference_mode()
     def _run(self) -> Iterator[Chunk]:
+        try:
+            yield from self._generate()
+        finally:  # also on an exception or when the consumer abandons the stream
+            release = getattr(self.cache, "release", None)
+            if self.owns_cache and release is not None:
+                release()
+
+    @torch.inference_mode()
+    def _generate(self) -> Iterator[Chunk]:
         model, result, params = self.generator.model, self.result, self.params
         sampler, stop_ids = Sampler(params), self._stop_ids()
         detokenizer = self.generator.tokenizer.detokenizer()

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from kvgen.config import CacheConfig
 from kvgen.generate import GenerationResult, GenerationStream, Generator
 from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
@@ -34,18 +35,20 @@ def load_checkpoint(
 
 
 class LLM:
-    def __init__(self, model: DecoderLM, checkpoint: Checkpoint, max_context: int | None = None):
+    def __init__(
+        self, model: DecoderLM, checkpoint: Checkpoint, max_context: int | None = None, cache: CacheConfig | None = None
+    ):
         self.model = model
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
         self.path = checkpoint.path
         self.weights = checkpoint.weights
-        self.generator = Generator(model, self.tokenizer, max_context)
+        self.generator = Generator(model, self.tokenizer, max_context, cache)
 
     @classmethod
     def load(
         cls, name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True,
-        max_context: int | None = None, weights: str = "auto",
+        max_context: int | None = None, weights: str = "auto", cache: CacheConfig | None = None,
     ) -> "LLM":  # fmt: skip
         """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder.
 
@@ -53,7 +56,7 @@ class LLM:
         kvgen/loading/weight_format.py.
         """
         checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
-        return cls(build_model(checkpoint), checkpoint, max_context)
+        return cls(build_model(checkpoint), checkpoint, max_context, cache)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         return self.generator.generate(prompt, params)

@@ -77,7 +77,7 @@ def load() -> ctypes.CDLL | None:
     library.kvgen_block_pre.argtypes = [pointer] * 6
     library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count]
     library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
-                                            count, count, count, count]  # fmt: skip
+                                            count, count, count, count, count, pointer, count]  # fmt: skip
     for name in ("kvgen_decode_layers", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
                  "kvgen_linear_q4", "kvgen_linear_q8",
                  "kvgen_dequantize_q4", "kvgen_dequantize_q8"):  # fmt: skip

@@ -108,20 +108,32 @@ void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const f
     block_pre(b, h, cos, sin, k_out, v_out, b->head_dim);
 }
 
+// Where a cache keeps one layer's keys or values (see KVLayout in kv/interface.py): one strided
+// buffer (table == NULL) or blocks of `block_size` positions listed by a block table.
+typedef struct {
+    const float* base;
+    int64_t head_stride, pos_stride, block_stride, block_size;
+    const int64_t* table;
+} kv_layout;
+
+static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) {
+    if (l->table == NULL) return l->base + head * l->head_stride + pos * l->pos_stride;
+    return l->base + l->table[pos / l->block_size] * l->block_stride + head * l->head_stride +
+           (pos % l->block_size) * l->pos_stride;
+}
+
 // Attention of one query per head over keys[start, end), online softmax (no score buffer).
-static void attend(const block_t* b, const float* keys, int64_t k_head_stride, int64_t k_pos_stride,
-                   const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end) {
+static void attend(const block_t* b, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end) {
     const int64_t d = b->head_dim, group = b->num_heads / b->num_kv_heads;
 #pragma omp parallel for schedule(static)
     for (int64_t head = 0; head < b->num_heads; head++) {
         const float* q = b->qkv_out + head * d;
-        const float* kh = keys + (head / group) * k_head_stride;
-        const float* vh = values + (head / group) * v_head_stride;
+        const int64_t kv_head = head / group;
         float* out = b->attn + head * d;
         float running_max = -INFINITY, total = 0.0f;
         for (int64_t j = 0; j < d; j++) out[j] = 0.0f;
         for (int64_t pos = start; pos < end; pos++) {
-            const float s = dot(q, kh + pos * k_pos_stride, d) * b->scale;
+            const float s = dot(q, kv_at(keys, kv_head, pos), d) * b->scale;
             if (s > running_max) {  // rescale what was accumulated under the old maximum
                 const float correction = expf(running_max - s);
                 total *= correction;
@@ -130,7 +142,7 @@ static void attend(const block_t* b, const float* keys, int64_t k_head_stride, i
             }
             const float p = expf(s - running_max);
             total += p;
-            const float* vp = vh + pos * v_pos_stride;
+            const float* vp = kv_at(values, kv_head, pos);
             for (int64_t j = 0; j < d; j++) out[j] += p * vp[j];
         }
         const float inv = 1.0f / total;
@@ -142,9 +154,9 @@ static inline float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_head_stride, int64_t k_pos_stride,
-                      const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end) {
-    attend(b, keys, k_head_stride, k_pos_stride, values, v_head_stride, v_pos_stride, start, end);
+static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
+                       int64_t end) {
+    attend(b, keys, values, start, end);
     apply_linear(&b->o, b->attn, b->xq, b->x);
     if (b->attn_out_norm) rms_norm(b->x, b->attn_out_norm, b->eps, b->hidden, b->x);
     for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
@@ -161,21 +173,29 @@ void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_h
     for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
 }
 
-// Every block for one token, when the cache is one strided fp32 buffer per K and V
-// ([layers, 1, kv_heads, capacity, head_dim]): the new keys/values are written in place at
-// `position` and attention reads the buffer directly. rope: [kinds, 2, head_dim] (cos, sin),
-// rope_kind / window: per layer (window 0 = full attention).
+// keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.
+void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_head_stride, int64_t k_pos_stride,
+                      const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end) {
+    const kv_layout k = {keys, k_head_stride, k_pos_stride, 0, 1, NULL};
+    const kv_layout v = {values, v_head_stride, v_pos_stride, 0, 1, NULL};
+    block_post(b, h, &k, &v, start, end);
+}
+
+// Every block for one token, reading and appending K/V in the cache's own storage (KVLayout):
+// the new key/value is written at `position`, attention reads positions [start, position].
+// rope: [kinds, 2, head_dim] (cos, sin); rope_kind, window: per layer (window 0 = full attention).
 void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, const float* rope,
                          const int64_t* rope_kind, const int64_t* window, float* k_base, float* v_base,
-                         int64_t layer_stride, int64_t head_stride, int64_t pos_stride, int64_t position) {
+                         int64_t layer_stride, int64_t head_stride, int64_t pos_stride, int64_t block_stride,
+                         int64_t block_size, const int64_t* table, int64_t position) {
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const block_t* b = &blocks[layer];
         const int64_t d = b->head_dim;
         const float* cos = rope + rope_kind[layer] * 2 * d;
-        float* k_layer = k_base + layer * layer_stride;
-        float* v_layer = v_base + layer * layer_stride;
-        block_pre(b, h, cos, cos + d, k_layer + position * pos_stride, v_layer + position * pos_stride, head_stride);
+        const kv_layout k = {k_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
+        const kv_layout v = {v_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
+        block_pre(b, h, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position), head_stride);
         const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-        kvgen_block_post(b, h, k_layer, head_stride, pos_stride, v_layer, head_stride, pos_stride, start, position + 1);
+        block_post(b, h, &k, &v, start, position + 1);
     }
 }

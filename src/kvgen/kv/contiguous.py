@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.kv.interface import CacheSpec, KVCache, KVLayout
 
 
 class ContiguousCache(KVCache):
@@ -54,11 +54,12 @@ class ContiguousCache(KVCache):
         self._values[layer, :, :, start:end] = values
         return self._keys[layer, :, :, :end], self._values[layer, :, :, :end]
 
-    def strided_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.spec.dtype != torch.float32:
+    def kernel_layout(self, num_tokens: int) -> KVLayout | None:
+        if self.spec.dtype != torch.float32 or self.batch_size != 1:
             return None
         self.reserve(num_tokens)
-        return self._keys, self._values
+        k = self._keys  # [L, 1, H, C, D]
+        return KVLayout(self._keys, self._values, k.stride(0), k.stride(2), k.stride(3))
 
     def commit(self, num_tokens: int) -> None:
         if self._seq_len + num_tokens > self.capacity:

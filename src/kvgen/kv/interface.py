@@ -39,6 +39,23 @@ class CacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+@dataclass
+class KVLayout:
+    """Addresses of a cache's fp32 storage: element (layer, head, pos, d) of K is at
+    keys + layer*layer_stride + block*block_stride + head*head_stride + offset*pos_stride + d, where
+    block = block_table[pos // block_size] and offset = pos % block_size when there is a block table,
+    and block = 0, offset = pos for one contiguous buffer."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    layer_stride: int
+    head_stride: int
+    pos_stride: int
+    block_stride: int = 0
+    block_size: int = 0
+    block_table: torch.Tensor | None = None  # int64 [num_blocks of this sequence]
+
+
 class KVCache(ABC):
     """One sequence's (or one fixed batch's) keys and values for every layer."""
 
@@ -81,12 +98,12 @@ class KVCache(ABC):
     def reset(self) -> None:
         self.truncate(0)
 
-    def strided_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Optional: the fp32 storage [layers, B, H_kv, capacity, D] of K and V, with room for
-        `num_tokens` positions, for kernels that append in place at seq_len (then `commit`).
+    def kernel_layout(self, num_tokens: int) -> "KVLayout | None":
+        """Optional: where positions 0..num_tokens-1 live, for kernels that append at seq_len in
+        place and read keys directly (the caller then `commit`s). Room for `num_tokens` is made first.
 
-        Only a cache whose storage is exactly such a buffer returns it; every other cache returns
-        None and is written through `update`.
+        Only caches that store plain fp32 K/V return a layout; every other cache returns None and is
+        written through `update`.
         """
         return None
 

@@ -104,16 +104,18 @@ class FastDecoder:
 
         rope: [kinds, 2, head_dim] cos/sin for this position; rope_kind: [layers] index into it.
         """
-        buffers = cache.strided_buffers(cache.seq_len + 1)
-        if buffers is None:
+        layout = cache.kernel_layout(cache.seq_len + 1)
+        if layout is None:
             self._step_through_update(h, rope, rope_kind, cache)
             return
-        keys, values = buffers  # [L, 1, H_kv, C, D]
-        assert keys.stride() == values.stride() and keys.stride(4) == 1
+        keys, values = layout.keys, layout.values
+        assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
+        table = layout.block_table
         self.library.kvgen_decode_layers(
             self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), rope_kind.data_ptr(),
-            self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(2),
-            keys.stride(3), cache.seq_len,
+            self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), layout.layer_stride, layout.head_stride,
+            layout.pos_stride, layout.block_stride, layout.block_size, table.data_ptr() if table is not None else None,
+            cache.seq_len,
         )  # fmt: skip
         cache.commit(1)
 
