@@ -1,0 +1,105 @@
+"""One suite, every cache: the behaviour kv/interface.py promises, checked on each implementation.
+
+Add a cache to CACHES and it must pass all of this before anything else may use it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from kvgen.kv import CacheSpec, ContiguousCache, KVCache, PagedCache, PagedStorage
+from kvgen.kv.block_pool import BlockPool
+
+SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=8)
+CACHES: dict[str, Callable[[], KVCache]] = {
+    "contiguous": lambda: ContiguousCache(SPEC, capacity=8, max_capacity=256),
+    "paged": lambda: PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4))),
+}
+
+
+@pytest.fixture(params=sorted(CACHES))
+def cache(request: pytest.FixtureRequest) -> KVCache:
+    return CACHES[request.param]()
+
+
+def step(cache: KVCache, length: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward pass's worth of updates (every layer), then commit; returns what update gave."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in range(SPEC.num_layers):
+        k = torch.randn(1, SPEC.num_kv_heads, length, SPEC.head_dim, generator=generator)
+        v = torch.randn(1, SPEC.num_kv_heads, length, SPEC.head_dim, generator=generator)
+        keys, values = cache.update(layer, k, v)
+        out.append((keys.clone(), values.clone()))
+    cache.commit(length)
+    return out
+
+
+def test_update_returns_history_plus_new_positions(cache: KVCache) -> None:
+    first = step(cache, 5, seed=1)
+    second = step(cache, 3, seed=2)
+    for layer in range(SPEC.num_layers):
+        keys, values = second[layer]
+        assert keys.shape == (1, SPEC.num_kv_heads, 8, SPEC.head_dim)
+        torch.testing.assert_close(keys[:, :, :5], first[layer][0], rtol=0, atol=0)
+        torch.testing.assert_close(values[:, :, :5], first[layer][1], rtol=0, atol=0)
+    assert cache.seq_len == 8
+    cache.check_invariants()
+
+
+def test_uncommitted_writes_do_not_count(cache: KVCache) -> None:
+    step(cache, 4, seed=1)
+    generator = torch.Generator().manual_seed(9)
+    cache.update(0, torch.randn(1, 2, 2, 8, generator=generator), torch.randn(1, 2, 2, 8, generator=generator))
+    assert cache.seq_len == 4  # a forward that died after layer 0
+    again = step(cache, 2, seed=3)  # the next pass overwrites those positions
+    reference = CACHES["contiguous"]()
+    step(reference, 4, seed=1)
+    expected = step(reference, 2, seed=3)
+    for got, want in zip(again, expected):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+
+
+def test_truncate_then_continue_equals_never_having_gone_further(cache: KVCache) -> None:
+    step(cache, 6, seed=1)
+    step(cache, 5, seed=2)
+    cache.truncate(6)
+    assert cache.seq_len == 6
+    continued = step(cache, 2, seed=3)
+    reference = CACHES["contiguous"]()
+    step(reference, 6, seed=1)
+    for got, want in zip(continued, step(reference, 2, seed=3)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(100)
+    cache.check_invariants()
+
+
+def test_fork_is_independent_in_both_directions(cache: KVCache) -> None:
+    step(cache, 5, seed=1)
+    twin = cache.fork()
+    assert twin.seq_len == 5
+    twin_out = step(twin, 2, seed=7)
+    cache_out = step(cache, 2, seed=8)
+    reference = CACHES["contiguous"]()
+    step(reference, 5, seed=1)
+    fork_ref = reference.fork()
+    for got, want in zip(twin_out, step(fork_ref, 2, seed=7)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for got, want in zip(cache_out, step(reference, 2, seed=8)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    cache.check_invariants()
+    twin.check_invariants()
+
+
+def test_reset_and_memory(cache: KVCache) -> None:
+    step(cache, 7, seed=1)
+    assert cache.memory_bytes() >= 7 * SPEC.bytes_per_token
+    cache.reset()
+    assert cache.seq_len == 0
+    step(cache, 3, seed=2)
+    assert cache.seq_len == 3
+    cache.check_invariants()
