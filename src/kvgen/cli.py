@@ -25,7 +25,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
-    parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged"), help="KV cache kind")
+    parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged", "quantized"), help="KV cache kind")
+    parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3")
+    parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
     parser.add_argument("--kv-budget-mb", type=float, default=512.0, help="size of the block pool (paged)")
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
@@ -47,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_options(chat)
     commands.add_parser("models", help="list the short model names and whether they are installed")
+    kv_check = commands.add_parser("kv-check", help="measure each K/V storage dtype on this model and recommend one")
+    kv_check.add_argument("model_name", nargs="?", default=None, help="same as --model")
+    kv_check.add_argument("--text", default=None, help="calibration text file (default: a built-in passage)")
+    kv_check.add_argument("--tokens", type=int, default=512, help="calibration tokens to score")
+    _add_model_options(kv_check)
     return parser
 
 
@@ -61,7 +68,7 @@ def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models
 
     from kvgen.config import CacheConfig
 
-    cache = CacheConfig(args.kv_cache, args.kv_block_size, args.kv_budget_mb)
+    cache = CacheConfig(args.kv_cache, args.kv_block_size, args.kv_budget_mb, args.kv_dtype_k, args.kv_dtype_v)
     return LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
         weights=args.weights, cache=cache,
@@ -130,7 +137,27 @@ def cmd_models(_: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models}
+def cmd_kv_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvgen.kv_check import CALIBRATION_TEXT, check, report
+
+    if args.model_name:
+        args.model = args.model_name
+    if args.text and not Path(args.text).is_file():
+        raise ValueError(f"calibration text {args.text!r} not found: give a readable text file")
+    text = Path(args.text).read_text(errors="replace") if args.text else CALIBRATION_TEXT
+    llm = _load(args)
+    ids = llm.tokenizer.encode(text)[: args.tokens + 1]
+    if len(ids) < 64:
+        raise ValueError(f"the calibration text has only {len(ids)} tokens; give at least 64")
+    exact, results = check(llm.model, ids)
+    print(f"{llm.path.name}: {len(ids) - 1} calibration tokens, exact-cache perplexity {exact.perplexity:.3f}")
+    print(report(results))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

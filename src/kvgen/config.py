@@ -80,20 +80,32 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
-CacheKind = Literal["contiguous", "paged"]
+CacheKind = Literal["contiguous", "paged", "quantized"]
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
-    paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests."""
+    paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests.
+    quantized: K and V rounded through `k_dtype` / `v_dtype` (kv/codecs.py), the last `residual`
+    tokens kept in full precision."""
 
     kind: CacheKind = "contiguous"
     block_size: int = 16
     budget_mb: float = 512.0
+    k_dtype: str = "fp32"
+    v_dtype: str = "fp32"
+    residual: int = 32
 
     def __post_init__(self) -> None:
-        if self.kind not in ("contiguous", "paged"):
-            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous or paged")
+        if self.kind not in ("contiguous", "paged", "quantized"):
+            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous, paged or quantized")
+        from kvgen.kv.codecs import KV_DTYPES
+
+        for name in (self.k_dtype, self.v_dtype):
+            if name not in KV_DTYPES:
+                raise ValueError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
+        if self.residual < 0:
+            raise ValueError(f"residual must be >= 0, got {self.residual}")
         if self.block_size <= 0 or self.budget_mb <= 0:
             raise ValueError(f"block_size and budget_mb must be positive, got {self.block_size} and {self.budget_mb}")

@@ -17,6 +17,7 @@ from kvgen.errors import PromptTooLongError
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
+from kvgen.kv.quantized import QuantizedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.params import SamplingParams
@@ -99,6 +100,9 @@ class Generator:
             if self._paged_storage is None:
                 self._paged_storage = PagedStorage.create(spec, self.cache_config.budget_mb, self.cache_config.block_size)
             return PagedCache(self._paged_storage)
+        if self.cache_config.kind == "quantized":
+            c = self.cache_config
+            return QuantizedCache(spec, min(num_tokens, self.max_context), self.max_context, c.k_dtype, c.v_dtype, c.residual)
         return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:

@@ -12,11 +12,14 @@ import torch
 
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache, PagedCache, PagedStorage
 from kvgen.kv.block_pool import BlockPool
+from kvgen.kv.quantized import QuantizedCache
 
 SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=8)
 CACHES: dict[str, Callable[[], KVCache]] = {
     "contiguous": lambda: ContiguousCache(SPEC, capacity=8, max_capacity=256),
     "paged": lambda: PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4))),
+    # Identity codecs: exercises the rounding bookkeeping, and must then equal the reference exactly.
+    "quantized": lambda: QuantizedCache(SPEC, 8, 256, "fp32", "fp32", residual=3),
 }
 
 
