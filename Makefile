@@ -61,6 +61,7 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/decode.py --prompt-tokens 512 --new-tokens 1 --name prefill512 --weights q4,fp32 --repeats 3
 	$(PY) benchmarks/weights_quality.py
 	$(PY) benchmarks/paged_utilisation.py
+	$(PY) benchmarks/kv_quality.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -47,7 +47,8 @@ def kl_divergence(reference: Scores, other: Scores) -> float:
     """Mean KL(reference || other) per position, in nats."""
     assert reference.distributions is not None and other.distributions is not None
     p = reference.distributions.exp()
-    return (p * (reference.distributions - other.distributions)).sum(-1).mean().item()
+    # KL is >= 0; float rounding can leave a true zero at -1e-9.
+    return max(0.0, (p * (reference.distributions - other.distributions)).sum(-1).mean().item())
 
 
 def top1_agreement(reference: Scores, other: Scores) -> float:
