@@ -25,7 +25,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
-    parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged", "quantized"), help="KV cache kind")
+    parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged", "quantized", "window"),
+                        help="KV cache kind")  # fmt: skip
     parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3")
     parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")

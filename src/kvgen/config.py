@@ -80,7 +80,7 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
-CacheKind = Literal["contiguous", "paged", "quantized"]
+CacheKind = Literal["contiguous", "paged", "quantized", "window"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class CacheConfig:
     """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
     paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests.
     quantized: K and V rounded through `k_dtype` / `v_dtype` (kv/codecs.py), the last `residual`
-    tokens kept in full precision."""
+    tokens kept in full precision. window: sliding-window layers keep only their window."""
 
     kind: CacheKind = "contiguous"
     block_size: int = 16
@@ -98,8 +98,8 @@ class CacheConfig:
     residual: int = 32
 
     def __post_init__(self) -> None:
-        if self.kind not in ("contiguous", "paged", "quantized"):
-            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous, paged or quantized")
+        if self.kind not in ("contiguous", "paged", "quantized", "window"):
+            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous, paged, quantized or window")
         from kvgen.kv.codecs import KV_DTYPES
 
         for name in (self.k_dtype, self.v_dtype):

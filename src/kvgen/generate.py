@@ -18,6 +18,7 @@ from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.params import SamplingParams
@@ -100,6 +101,8 @@ class Generator:
             if self._paged_storage is None:
                 self._paged_storage = PagedStorage.create(spec, self.cache_config.budget_mb, self.cache_config.block_size)
             return PagedCache(self._paged_storage)
+        if self.cache_config.kind == "window":
+            return WindowedCache.for_model(self.model.config, self.model.dtype, min(num_tokens, self.max_context))
         if self.cache_config.kind == "quantized":
             c = self.cache_config
             return QuantizedCache(spec, min(num_tokens, self.max_context), self.max_context, c.k_dtype, c.v_dtype, c.residual)
