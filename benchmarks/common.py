@@ -79,3 +79,26 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def _fmt(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def quality_arguments(doc: str | None) -> Any:
+    """The options both quality benchmarks take: which models, how many tokens of which play."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,gemma3-270m")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--play", default="hamlet")
+    return parser.parse_args()
+
+
+def compared(exact: Any, scores: Any) -> dict[str, float]:
+    """Perplexity, its change, KL divergence and top-1 agreement of `scores` against `exact`."""
+    from kvgen.quality import kl_divergence, top1_agreement
+
+    return {
+        "perplexity": scores.perplexity,
+        "delta_ppl_pct": 100 * (scores.perplexity / exact.perplexity - 1),
+        "kld": kl_divergence(exact, scores),
+        "top1_agreement": top1_agreement(exact, scores),
+    }

@@ -9,20 +9,18 @@ Weights stay fp32 so only the cache's rounding is measured; the text is fed 16 t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from common import print_table, write_results  # noqa: E402
+from common import compared, print_table, quality_arguments, write_results  # noqa: E402
 
 from kvgen import LLM  # noqa: E402
 from kvgen.kv.codecs import key_codec, value_codec  # noqa: E402
 from kvgen.kv.interface import CacheSpec  # noqa: E402
 from kvgen.kv_check import _scores  # noqa: E402
-from kvgen.quality import kl_divergence, top1_agreement  # noqa: E402
 from tests.support.shakespeare import play_text  # noqa: E402
 
 PAIRS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8"), ("int8", "int8"),
@@ -30,11 +28,7 @@ PAIRS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8"), (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="smollm2,gemma3-270m")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--play", default="hamlet")
-    args = parser.parse_args()
+    args = quality_arguments(__doc__)
 
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
@@ -45,12 +39,8 @@ def main() -> None:
         for k, v in PAIRS:
             scores = exact if (k, v) == ("fp32", "fp32") else _scores(llm.model, ids, k, v, 16, 32)
             bits = (key_codec(k).bits_per_value + value_codec(v).bits_per_value) / 2
-            rows.append({
-                "model": name, "k": k, "v": v, "perplexity": scores.perplexity,
-                "delta_ppl_pct": 100 * (scores.perplexity / exact.perplexity - 1),
-                "kld": kl_divergence(exact, scores), "top1_agreement": top1_agreement(exact, scores),
-                "bytes_per_token": values_per_token * bits / 8,
-            })  # fmt: skip
+            rows.append({"model": name, "k": k, "v": v, **compared(exact, scores),
+                         "bytes_per_token": values_per_token * bits / 8})  # fmt: skip
     print(f"\n{args.play}, {args.tokens} tokens, fp32 weights, 16-token chunks, 32-token full-precision window")
     print_table(rows, ["model", "k", "v", "perplexity", "delta_ppl_pct", "kld", "top1_agreement", "bytes_per_token"])
     path = write_results("kv_quality", {"config": vars(args), "rows": rows})

@@ -7,26 +7,21 @@ path) over the same tokens.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from common import print_table, write_results  # noqa: E402
+from common import compared, print_table, quality_arguments, write_results  # noqa: E402
 
 from kvgen import LLM  # noqa: E402
-from kvgen.quality import kl_divergence, score, top1_agreement  # noqa: E402
+from kvgen.quality import score  # noqa: E402
 from tests.support.shakespeare import play_text  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="smollm2,gemma3-270m")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--play", default="hamlet")
-    args = parser.parse_args()
+    args = quality_arguments(__doc__)
 
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
@@ -38,11 +33,7 @@ def main() -> None:
         for mode in ("int8", "q4"):
             llm = LLM.load(name, progress=False, weights=mode)
             scores = score(llm.model, llm.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
-            rows.append({
-                "model": name, "weights": mode, "perplexity": scores.perplexity,
-                "delta_ppl_pct": 100 * (scores.perplexity / exact.perplexity - 1),
-                "kld": kl_divergence(exact, scores), "top1_agreement": top1_agreement(exact, scores),
-            })  # fmt: skip
+            rows.append({"model": name, "weights": mode, **compared(exact, scores)})
     print(f"\n{args.play}, {args.tokens} tokens, decoded one token at a time")
     print_table(rows, ["model", "weights", "perplexity", "delta_ppl_pct", "kld", "top1_agreement"])
     path = write_results("weights_quality", {"config": vars(args), "rows": rows})
