@@ -13,6 +13,7 @@ import torch
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache, PagedCache, PagedStorage
 from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.tracing import TracingCache
 from kvgen.kv.window import WindowedCache
 
 SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=8)
@@ -23,6 +24,7 @@ CACHES: dict[str, Callable[[], KVCache]] = {
     "quantized": lambda: QuantizedCache(SPEC, 8, 256, "fp32", "fp32", residual=3),
     # Windows far larger than these tests' sequences: nothing is dropped, so results equal the reference.
     "window": lambda: WindowedCache(SPEC, [None, 64, 64], capacity=8),
+    "tracing(paged)": lambda: TracingCache(PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4)))),
 }
 
 
