@@ -139,6 +139,7 @@ class GenerationStream:
         self.reused = reused
         self.params = params
         self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
+        self.shifted = 0  # positions dropped by context shifts
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -148,8 +149,19 @@ class GenerationStream:
         return next(self._iterator)
 
     def ids_in_cache(self) -> list[int]:
-        """The token ids whose keys and values the cache holds now (valid at any point of the stream)."""
+        """The token ids whose keys and values the cache holds now (valid at any point of the stream;
+        after a context shift the cache no longer matches any token prefix, so nothing is reusable)."""
+        if self.shifted:
+            return []
         return (self.prompt_ids + self.result.token_ids)[: self.cache.seq_len]
+
+    def _shift_context(self) -> None:
+        """Keep the first context_keep positions, drop the older half of the rest (llama.cpp's
+        context shift); the kept keys are re-rotated to their new positions."""
+        keep = min(self.params.context_keep, self.cache.seq_len - 2)
+        discard = (self.cache.seq_len - keep) // 2
+        self.cache.remove_range(keep, keep + discard, self.generator.model.rerotate)
+        self.shifted += discard
 
     def _stop_ids(self) -> set[int]:
         ids = set(self.params.stop_token_ids)
@@ -170,7 +182,8 @@ class GenerationStream:
         model, result, params = self.generator.model, self.result, self.params
         sampler, stop_ids = Sampler(params), self._stop_ids()
         detokenizer = self.generator.tokenizer.detokenizer()
-        budget = min(params.max_new_tokens, self.generator.max_context - len(self.prompt_ids))
+        max_context = self.generator.max_context
+        budget = params.max_new_tokens if params.context_shift else min(params.max_new_tokens, max_context - len(self.prompt_ids))
 
         started = time.perf_counter()
         self.cache.truncate(self.reused)
@@ -193,6 +206,8 @@ class GenerationStream:
             if len(result.token_ids) >= budget:
                 result.finish_reason = "length"
                 break
+            if params.context_shift and self.cache.seq_len + 1 > max_context:
+                self._shift_context()
             logits = model(torch.tensor([[token]]), self.cache)[0, -1]
             token = sampler(logits)
             result.timings.decode_tokens += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.kv.interface import CacheSpec, KVCache, KVLayout
+from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
 
 
 class ContiguousCache(KVCache):
@@ -70,6 +70,17 @@ class ContiguousCache(KVCache):
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")
         self._seq_len = num_tokens
+
+    def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
+        if not 0 <= start <= end <= self._seq_len:
+            raise ValueError(f"cannot remove positions {start}..{end}: the cache holds {self._seq_len}")
+        removed, tail = end - start, slice(end, self._seq_len)
+        moved = slice(start, self._seq_len - removed)
+        for layer in range(self.spec.num_layers):
+            keys = self._keys[layer, :, :, tail].clone()
+            self._keys[layer, :, :, moved] = rerotate(layer, keys, -removed) if removed else keys
+            self._values[layer, :, :, moved] = self._values[layer, :, :, tail].clone()
+        self._seq_len -= removed
 
     def fork(self) -> "ContiguousCache":
         # Contiguous storage cannot share pages: a fork copies the used part only.

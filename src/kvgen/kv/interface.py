@@ -12,9 +12,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 
 from kvgen.config import ModelConfig
+
+# (layer, keys [B, H, S, D], delta) -> the keys as RoPE would have rotated them delta positions later.
+Rerotate = Callable[[int, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,12 @@ class KVCache(ABC):
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def remove_range(self, start: int, end: int, rerotate: "Rerotate") -> None:
+        """Drop positions start..end-1; later positions move back by end - start. Keys stored after
+        RoPE are turned by `rerotate(layer, keys, -(end - start))` so they read as their new positions.
+        Optional: caches that cannot move positions raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove a range of positions")
 
     def kernel_layout(self, num_tokens: int) -> "KVLayout | None":
         """Optional: where positions 0..num_tokens-1 live, for kernels that append at seq_len in

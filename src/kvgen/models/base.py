@@ -16,7 +16,7 @@ from torch import nn
 from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import KVCache
 from kvgen.models.layers import AttentionMask, RMSNorm
-from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
+from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, frozen, linear
 
 RopeKey = tuple[float, RopeScaling | None]
@@ -54,6 +54,12 @@ class DecoderLM(nn.Module):
 
     def build_block(self, config: ModelConfig, layer: int, weights: WeightSource) -> nn.Module:
         raise NotImplementedError
+
+    def rerotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys [B, H, S, D] rotated by RoPE at position p -> as if at p + delta (exact: RoPE angles add)."""
+        rope = self.ropes[self._rope_name(self.rope_keys[layer])]
+        cos, sin = rope(torch.tensor([[delta]]), torch.float32)  # [1, 1, 1, D]
+        return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
 
     def rope_key(self, layer: int) -> RopeKey:
         return self.config.rope_theta, self.config.rope_scaling

@@ -20,6 +20,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # When the context is full: drop the older half of what follows the first `context_keep` tokens
+    # (re-rotating the keys that move) and go on, instead of stopping with finish_reason "length".
+    context_shift: bool = False
+    context_keep: int = 4
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -28,6 +32,7 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.context_keep >= 0, f"context_keep must be >= 0, got {self.context_keep!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
