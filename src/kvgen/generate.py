@@ -173,9 +173,8 @@ class GenerationStream:
         try:
             yield from self._generate()
         finally:  # also on an exception or when the consumer abandons the stream
-            release = getattr(self.cache, "release", None)
-            if self.owns_cache and release is not None:
-                release()
+            if self.owns_cache:
+                self.cache.release()
 
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:

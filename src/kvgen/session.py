@@ -40,8 +40,7 @@ class Session:
         """Continue from the cache: `prompt` is the whole conversation so far, as text or ids."""
         ids = self.generator.encode_prompt(prompt)
         # Keep at least one prompt token to prefill: its logits choose the first new token.
-        reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)
-        self.cache.truncate(min(reused, self.cache.seq_len))
+        reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)  # the stream truncates to it
         self._last = GenerationStream(self.generator, self.cache, ids, reused, params or SamplingParams())
         return self._last
 

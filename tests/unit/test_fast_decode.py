@@ -37,8 +37,7 @@ def compare_block(llm: LLM, layer: int, position: int) -> float:
     with torch.inference_mode():
         model(torch.randint(0, 1000, (1, position)), cache)  # fill the cache (torch prefill)
         h = torch.randn(model.config.hidden_size) * 2
-        name = model._rope_name(model.rope_keys[layer])
-        cos, sin = model.ropes[name](torch.tensor([[position]]), torch.float32)
+        cos, sin = model.rope_for(layer)(torch.tensor([[position]]), torch.float32)
         window = model.config.window_for(layer)
         mask = AttentionMask.build(position, 1, 0, position + 1, window)
         reference_cache = cache.fork()

@@ -39,6 +39,10 @@ def test_rewind_is_refused_once_needed_positions_were_dropped() -> None:
     assert cache.can_truncate(10) and not cache.can_truncate(9)  # a query at 9 needs position 6
     with pytest.raises(ValueError, match="positions before 7 were dropped; recompute"):
         cache.truncate(9)
+    cache.reset()  # emptying is always allowed, dropped positions or not
+    assert cache.seq_len == 0 and cache.visible_start(1) == 0
+    append(cache, 0, 3)
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("weights", ["fp32", "q4"])

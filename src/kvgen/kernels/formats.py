@@ -32,10 +32,6 @@ class QuantizedWeight:
     out_features: int
     in_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
-
     def scales(self) -> np.ndarray:
         """[N, blocks, 2] float32: each block's d and m (for integrity checks)."""
         b = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.kind])

@@ -193,11 +193,4 @@ void kvgen_dequantize_q8(const block_q8* w, float* out, int64_t n, int64_t k) {
     }
 }
 
-int kvgen_has_avx2(void) {
-#ifdef __AVX2__
-    return 1;
-#else
-    return 0;
-#endif
-}
 #include "decode.c"

@@ -55,9 +55,6 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
-    def contains(self, block: Block) -> bool:
-        return block.prev_free is not None
-
     def block_ids(self) -> list[int]:
         """Free block ids in reuse order (for tests and debugging; O(n))."""
         ids, node = [], self._head.next_free

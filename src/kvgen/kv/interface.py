@@ -103,6 +103,11 @@ class KVCache(ABC):
     def reset(self) -> None:
         self.truncate(0)
 
+    def release(self) -> None:
+        """Give back what the cache holds (a finished, cancelled or failed request). For caches over
+        a shared pool this returns their blocks; resetting is all the others need."""
+        self.reset()
+
     def remove_range(self, start: int, end: int, rerotate: "Rerotate") -> None:
         """Drop positions start..end-1; later positions move back by end - start. Keys stored after
         RoPE are turned by `rerotate(layer, keys, -(end - start))` so they read as their new positions.

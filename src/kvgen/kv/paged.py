@@ -128,15 +128,11 @@ class PagedCache(KVCache):
     def truncate(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")
-        keep = self.storage.pool.blocks_for(num_tokens)
+        keep = self.storage.pool.blocks_for(num_tokens)  # truncate(0) = release: every block back to the pool
         self.storage.pool.free(self.blocks[keep:])
         del self.blocks[keep:]
         self._seq_len = num_tokens
         self._refresh_table()
-
-    def release(self) -> None:
-        """Give every block back to the pool (a finished, cancelled or failed request)."""
-        self.truncate(0)
 
     def fork(self) -> "PagedCache":
         twin = PagedCache(self.storage)

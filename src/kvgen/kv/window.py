@@ -102,6 +102,12 @@ class WindowedCache(KVCache):
             )
         self._seq_len = num_tokens
 
+    def reset(self) -> None:
+        """Empty (always allowed, unlike a rewind behind dropped positions)."""
+        self._seq_len = 0
+        for held in self.layers:
+            held.base = 0
+
     def fork(self) -> "WindowedCache":
         twin = WindowedCache.__new__(WindowedCache)
         twin.spec, twin._seq_len = self.spec, self._seq_len

@@ -133,30 +133,20 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def tensor_type_name(type_id: int) -> str:
-    import gguf
-
-    try:
-        return gguf.GGMLQuantizationType(type_id).name
-    except ValueError:
-        return f"unknown type id {type_id}"
-
-
 def load_gguf(
     path: Path, dtype: torch.dtype = torch.float32, progress: bool = True, weights: WeightMode = "fp32"
 ) -> Checkpoint:
     file = GGUFFile(path)
     config = config_from_gguf(file.metadata, set(file.tensors))
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata, config.architecture)
-    unsupported = {n: tensor_type_name(t.type_id) for n, t in file.tensors.items()
-                   if tensor_type_name(t.type_id) not in SUPPORTED_TENSOR_TYPES}  # fmt: skip
+    unsupported = {n: t.type_name for n, t in file.tensors.items() if t.type_name not in SUPPORTED_TENSOR_TYPES}
     if unsupported:
         name, qtype = next(iter(unsupported.items()))
         raise UnsupportedModelError(
             f"tensor {name!r} (and {len(unsupported) - 1} more) uses quantization {qtype}, which kvgen cannot "
             f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)} (re-quantize with llama-quantize, e.g. to Q4_K_M)"
         )
-    is_quantized = any(tensor_type_name(t.type_id) not in ("F32", "F16", "BF16") for t in file.tensors.values())
+    is_quantized = any(t.type_name not in ("F32", "F16", "BF16") for t in file.tensors.values())
     mode = resolve_mode(weights, is_quantized)
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -176,25 +166,25 @@ def load_gguf(
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
 
 
-def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized(file: GGUFFile, info: TensorInfo, config: ModelConfig) -> np.ndarray:
+    """float32 values in HF layout (gguf-py's dequantization)."""
     import gguf
 
     array = gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
-    array = _to_hf_layout(array, info.name, config)
+    return _to_hf_layout(array, info.name, config)
+
+
+def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    array = _dequantized(file, info, config)
     # F32 tensors come back as views of the read-only file map: copy so the weights own their memory.
     array = np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
     return torch.from_numpy(array).to(dtype)
 
 
 def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str) -> QuantizedWeight:
-    import gguf
-
-    type_name = tensor_type_name(info.type_id)
     raw = _to_hf_layout(file.raw(info), info.name, config)  # Q/K row order fixed on whole block rows
-    dequantized = None
-    if type_name not in EXACT_SOURCES:
-        dequantized = _to_hf_layout(gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id)), info.name, config)
-    return quantize_gguf_rows(type_name, raw, dequantized, mode)  # type: ignore[arg-type]
+    dequantized = None if info.type_name in EXACT_SOURCES else _dequantized(file, info, config)
+    return quantize_gguf_rows(info.type_name, raw, dequantized, mode)  # type: ignore[arg-type]
 
 
 def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:

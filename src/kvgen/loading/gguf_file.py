@@ -33,6 +33,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy order (outermost first), i.e. GGUF dims reversed
     type_id: int
+    type_name: str  # gguf-py's name (Q4_1, F32, ...), or "unknown type id N"
     offset: int  # absolute byte offset in the file
     num_bytes: int
 
@@ -115,13 +116,14 @@ class GGUFFile:
         import gguf
 
         try:
-            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+            qtype = gguf.GGMLQuantizationType(type_id)
+            type_name, (block_size, type_size) = qtype.name, gguf.GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            block_size, type_size = 1, 0  # unknown type: reported by the loader with its name
+            type_name, block_size, type_size = f"unknown type id {type_id}", 1, 0  # refused by the loader
         num_bytes = int(np.prod(shape)) // block_size * type_size
         if offset + num_bytes > len(self._map):
             raise ModelLoadError(
                 f"{self.path} is truncated: tensor {name!r} needs bytes up to {offset + num_bytes} but the file "
                 f"has {len(self._map)}; download or convert it again"
             )
-        return TensorInfo(name, shape, type_id, offset, num_bytes)
+        return TensorInfo(name, shape, type_id, type_name, offset, num_bytes)

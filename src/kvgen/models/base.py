@@ -7,7 +7,6 @@ positions, masks and the cache lives here once.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +19,6 @@ from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequenci
 from kvgen.models.weights import WeightSource, frozen, linear
 
 RopeKey = tuple[float, RopeScaling | None]
-
-
-class Block(Protocol):
-    def __call__(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
-    ) -> torch.Tensor: ...
 
 
 class DecoderLM(nn.Module):
@@ -44,29 +37,43 @@ class DecoderLM(nn.Module):
         head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
         self.lm_head = linear(head)  # [V, H]
         divisors = weights.take_tensor("rope_freqs") if weights.has("rope_freqs") else None  # Llama 3.1 GGUFs store their rope scaling as divisors
-        self.rope_keys = [self.rope_key(i) for i in range(config.num_layers)]
-        self.ropes = nn.ModuleDict()
-        for theta, scaling in dict.fromkeys(self.rope_keys):
+        # One RotaryEmbedding per distinct (theta, scaling); each layer knows which one it uses.
+        layer_keys = [self.rope_key(i) for i in range(config.num_layers)]
+        distinct = list(dict.fromkeys(layer_keys))
+        self.ropes = nn.ModuleList()
+        for theta, scaling in distinct:
             inv_freq = inverse_frequencies(config.head_dim, theta, scaling)
             if divisors is not None and theta == config.rope_theta:
                 inv_freq = inv_freq / divisors
-            self.ropes[self._rope_name((theta, scaling))] = RotaryEmbedding(inv_freq)
+            self.ropes.append(RotaryEmbedding(inv_freq))
+        self.rope_index = [distinct.index(key) for key in layer_keys]  # per layer: which of self.ropes
 
     def build_block(self, config: ModelConfig, layer: int, weights: WeightSource) -> nn.Module:
         raise NotImplementedError
 
     def rerotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys [B, H, S, D] rotated by RoPE at position p -> as if at p + delta (exact: RoPE angles add)."""
-        rope = self.ropes[self._rope_name(self.rope_keys[layer])]
-        cos, sin = rope(torch.tensor([[delta]]), torch.float32)  # [1, 1, 1, D]
+        cos, sin = self.rope_for(layer)(torch.tensor([[delta]]), torch.float32)  # [1, 1, 1, D]
         return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
 
     def rope_key(self, layer: int) -> RopeKey:
         return self.config.rope_theta, self.config.rope_scaling
 
-    @staticmethod
-    def _rope_name(key: RopeKey) -> str:
-        return f"theta_{key[0]:g}_{key[1]}".replace(".", "_")
+    def rope_for(self, layer: int) -> RotaryEmbedding:
+        return self.ropes[self.rope_index[layer]]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # scale in the weights' dtype, as HF does
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(h))
+        if self.config.final_logit_softcapping:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,7 +83,6 @@ class DecoderLM(nn.Module):
     # set False to force the torch path (the reference the C path is tested against).
     use_fast_decode: bool = True
     _fast_decoder: object | None = None
-    _rope_kind: torch.Tensor | None = None  # per layer: index of its RoPE table in self.ropes
 
     def fast_decoder(self):  # -> FastDecoder | None, built on first use
         from kvgen.models.fast_decode import FastDecoder
@@ -89,21 +95,11 @@ class DecoderLM(nn.Module):
         decoder = self.fast_decoder() if self.use_fast_decode else None
         if decoder is None:
             return None
-        position = cache.seq_len
-        h = F.embedding(input_ids[0], self.embed_tokens)[0].clone()  # [H]
-        if self.embed_scale is not None:
-            h *= torch.tensor(self.embed_scale, dtype=h.dtype)
-        positions = torch.tensor([[position]])
-        names = list(self.ropes)
-        rope = torch.stack([torch.cat(self.ropes[name](positions, h.dtype)).reshape(2, -1) for name in names])
-        if self._rope_kind is None:
-            self._rope_kind = torch.tensor([names.index(self._rope_name(key)) for key in self.rope_keys])
-        decoder.step(h, rope, self._rope_kind, cache)
-        logits = self.lm_head(self.norm(h[None, None]))  # [1, 1, V]
-        if self.config.final_logit_softcapping:
-            cap = self.config.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        h = self._embed(input_ids)[0, 0].contiguous()  # [H], updated in place by the C blocks
+        positions = torch.tensor([[cache.seq_len]])
+        rope = torch.stack([torch.cat(rope(positions, h.dtype)).reshape(2, -1) for rope in self.ropes])  # [kinds, 2, D]
+        decoder.step(h, rope, cache)
+        return self._logits(h[None, None])  # [1, 1, V]
 
     def forward(
         self,
@@ -131,21 +127,15 @@ class DecoderLM(nn.Module):
         start = cache.seq_len
         if positions is None:
             positions = torch.arange(start, start + seq).expand(batch, seq)
-        h = F.embedding(input_ids, self.embed_tokens)  # [B, S, H]
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        ropes = {name: rope(positions, h.dtype) for name, rope in self.ropes.items()}
+        h = self._embed(input_ids)  # [B, S, H]
+        ropes = [rope(positions, h.dtype) for rope in self.ropes]
         masks: dict[tuple[int | None, int], AttentionMask] = {}
         for i, block in enumerate(self.layers):
             window, key_start = self.config.window_for(i), cache.visible_start(i)
             if (window, key_start) not in masks:
                 masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window)
-            h = block(h, ropes[self._rope_name(self.rope_keys[i])], cache, masks[window, key_start])
+            h = block(h, ropes[self.rope_index[i]], cache, masks[window, key_start])
         cache.commit(seq)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.norm(h))  # [B, S', V]
-        if self.config.final_logit_softcapping:
-            cap = self.config.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self._logits(h)  # [B, S', V]

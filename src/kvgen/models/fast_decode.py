@@ -61,6 +61,7 @@ class FastDecoder:
         self.v_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)
         self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
         self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
+        self._rope_index = torch.tensor(model.rope_index)  # [layers] int64, for the C side
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -99,31 +100,31 @@ class FastDecoder:
             self._scratch(widest // QK * X8_BLOCK_BYTES, torch.uint8),
         )  # fmt: skip
 
-    def step(self, h: torch.Tensor, rope: torch.Tensor, rope_kind: torch.Tensor, cache: KVCache) -> None:
+    def step(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
         """Run every block on h [hidden] (updated in place) at position cache.seq_len; commits 1 position.
 
-        rope: [kinds, 2, head_dim] cos/sin for this position; rope_kind: [layers] index into it.
+        rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes.
         """
         layout = cache.kernel_layout(cache.seq_len + 1)
         if layout is None:
-            self._step_through_update(h, rope, rope_kind, cache)
+            self._step_through_update(h, rope, cache)
             return
         keys, values = layout.keys, layout.values
         assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
         table = layout.block_table
         self.library.kvgen_decode_layers(
-            self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), rope_kind.data_ptr(),
+            self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
             self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), layout.layer_stride, layout.head_stride,
             layout.pos_stride, layout.block_stride, layout.block_size, table.data_ptr() if table is not None else None,
             cache.seq_len,
         )  # fmt: skip
         cache.commit(1)
 
-    def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, rope_kind: torch.Tensor, cache: KVCache) -> None:
+    def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
         """The general path: each block's new key/value goes through cache.update()."""
         config, lib = self.model.config, self.library
         position = cache.seq_len
-        ropes = [(rope[kind, 0], rope[kind, 1]) for kind in rope_kind.tolist()]
+        ropes = [(rope[kind, 0], rope[kind, 1]) for kind in self.model.rope_index]
         h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
         for layer, block in enumerate(self.blocks):
             cos, sin = ropes[layer]

@@ -33,9 +33,6 @@ class WeightSource:
         assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor, not quantized"
         return weight
 
-    def take_optional(self, name: str) -> Weight | None:
-        return self.take(name) if name in self._tensors else None
-
 
 def frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
