@@ -17,7 +17,7 @@ from kvgen.errors import PromptTooLongError
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
-from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.kvquant import build_quantized_cache
 from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
@@ -105,7 +105,8 @@ class Generator:
             return WindowedCache.for_model(self.model.config, self.model.dtype, min(num_tokens, self.max_context))
         if self.cache_config.kind == "quantized":
             c = self.cache_config
-            return QuantizedCache(spec, min(num_tokens, self.max_context), self.max_context, c.k_dtype, c.v_dtype, c.residual)
+            return build_quantized_cache(self.model, self.tokenizer, min(num_tokens, self.max_context), self.max_context,
+                                         c.k_dtype, c.v_dtype, c.residual)  # fmt: skip
         return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
