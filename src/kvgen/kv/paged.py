@@ -47,6 +47,7 @@ class PagedCache(KVCache):
         self.spec = storage.spec
         self.blocks: list[Block] = []
         self._seq_len = 0
+        self._removed = 0  # positions dropped by remove_range since the cache was last empty
         self._table = torch.zeros(0, dtype=torch.int64)  # block ids, kept in step with self.blocks
 
     @property
@@ -136,7 +137,12 @@ class PagedCache(KVCache):
         self.storage.pool.free(self.blocks[keep:])
         del self.blocks[keep:]
         self._seq_len = num_tokens
+        self._removed = self._removed if num_tokens else 0
         self._refresh_table()
+
+    @property
+    def positions_removed(self) -> int:
+        return self._removed
 
     def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
         """As ContiguousCache.remove_range: the tail moves back into the removed positions (shared
@@ -153,6 +159,7 @@ class PagedCache(KVCache):
             values = self._gather(self.storage.values[layer], self._seq_len)[:, :, end:]
             self._write(layer, start, rerotate(layer, keys, -removed), values)
         self.truncate(new_len)
+        self._removed += removed
 
     def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
         """Share `source`'s whole blocks of the prefix by reference count; copy its partial last block
@@ -172,12 +179,13 @@ class PagedCache(KVCache):
             self.storage.copy_block(source.blocks[whole].block_id, copy[0].block_id)
         self.storage.pool.free(self.blocks)
         self.blocks, self._seq_len = [*shared, *copy], num_tokens
+        self._removed = source._removed if num_tokens == source.seq_len else 0
         self._refresh_table()
 
     def fork(self) -> "PagedCache":
         twin = PagedCache(self.storage)
         self.storage.pool.share(self.blocks)
-        twin.blocks, twin._seq_len = list(self.blocks), self._seq_len
+        twin.blocks, twin._seq_len, twin._removed = list(self.blocks), self._seq_len, self._removed
         twin._refresh_table()
         return twin
 
