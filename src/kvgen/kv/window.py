@@ -57,7 +57,7 @@ class _Layer:
         """Once `limit` positions are held, keep only what the next query needs plus `extra`."""
         if self.limit is None or seq_len - self.base < self.limit:
             return
-        keep_from = max(self.base, self.first_needed(seq_len) - self.extra)
+        keep_from = max(self.base, self.first_needed(max(0, seq_len - self.extra)))  # what a rewind of `extra` needs
         self._move(keep_from - self.base, seq_len - keep_from, max(self.limit, seq_len - keep_from))
         self.base = keep_from
 
