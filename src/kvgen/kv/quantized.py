@@ -175,6 +175,17 @@ class QuantizedCache(KVCache):
             self._num_blocks = kept_blocks
         self._seq_len = num_tokens
 
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        self._check_copy_source(source, num_tokens)
+        assert isinstance(source, QuantizedCache)
+        mine = (self.key_codec, self.value_codec, self.residual, self.block_tokens)
+        if (source.key_codec, source.value_codec, source.residual, source.block_tokens) != mine:
+            raise ValueError("copy_prefix between quantized caches needs the same codecs, residual window and block size")
+        copy, max_capacity = source.fork(), self.max_capacity
+        copy.truncate(num_tokens)
+        self.__dict__.update(copy.__dict__)
+        self.max_capacity = max(max_capacity, self.capacity)
+
     def fork(self) -> "QuantizedCache":
         twin = QuantizedCache.__new__(QuantizedCache)
         twin.__dict__.update(self.__dict__)
