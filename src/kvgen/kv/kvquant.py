@@ -175,14 +175,15 @@ def _key_rope(model: DecoderLM) -> Any:
 
 def calibrate(model: DecoderLM, ids: list[int]) -> Codebooks:
     """Record every layer's K/V (and their Fisher weights) over `ids`, then fit the codebooks."""
-    recorder = _GradientRecorder(CacheSpec.for_model(model.config))
-    weighting = "fisher"
-    with torch.inference_mode(False), torch.enable_grad():
-        logits = model(torch.tensor([ids]), recorder, logits_to_keep=len(ids))[0]  # [T, V]
-        try:
+    recorder, weighting = _GradientRecorder(CacheSpec.for_model(model.config)), "fisher"
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            logits = model(torch.tensor([ids]), recorder, logits_to_keep=len(ids))[0]  # [T, V]
             F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).backward()
-        except RuntimeError:  # weights that autograd cannot go through (in-place scratch, C kernels)
-            weighting = "activation^2"
+    except RuntimeError:  # weights autograd cannot go through (C kernels, in-place scratch)
+        recorder, weighting = _GradientRecorder(CacheSpec.for_model(model.config)), "activation^2"
+        with torch.no_grad():
+            model(torch.tensor([ids]), recorder, logits_to_keep=1)
     rope, positions = _key_rope(model), torch.arange(len(ids))
     key_books, value_books = [], []
     for layer in range(model.config.num_layers):
