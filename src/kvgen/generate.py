@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -23,6 +23,10 @@ from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler
+
+if TYPE_CHECKING:
+    from kvgen.speculative.adaptive import SpeculativeStats
+    from kvgen.speculative.config import SpeculativeConfig
 
 
 @dataclass
@@ -59,6 +63,7 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" (EOS / stop token) or "length"
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    speculative: "SpeculativeStats | None" = None  # draft/accept counts when speculative decoding ran
 
 
 @dataclass(frozen=True)
@@ -108,17 +113,21 @@ class Generator:
             return QuantizedCache(spec, min(num_tokens, self.max_context), self.max_context, c.k_dtype, c.v_dtype, c.residual)
         return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        stream = self.stream(prompt, params)
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, speculative: "SpeculativeConfig | None" = None
+    ) -> GenerationResult:
+        stream = self.stream(prompt, params, speculative)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> "GenerationStream":
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, speculative: "SpeculativeConfig | None" = None
+    ) -> "GenerationStream":
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         cache = self.new_cache(len(ids) + params.max_new_tokens)
-        return GenerationStream(self, cache, ids, reused=0, params=params, owns_cache=True)
+        return GenerationStream(self, cache, ids, reused=0, params=params, owns_cache=True, speculative=speculative)
 
 
 class GenerationStream:
@@ -126,11 +135,12 @@ class GenerationStream:
 
     `cache` must hold the KV of `prompt_ids[:reused]` already; the rest of the prompt is prefilled.
     When the stream ends, the cache holds the prompt and every generated token but the last.
+    With `speculative`, decode steps draft and verify several tokens at a time (kvgen/speculative).
     """
 
     def __init__(
         self, generator: Generator, cache: KVCache, prompt_ids: list[int], reused: int, params: SamplingParams,
-        owns_cache: bool = False,
+        owns_cache: bool = False, speculative: "SpeculativeConfig | None" = None,
     ):  # fmt: skip
         self.generator = generator
         self.owns_cache = owns_cache  # a one-shot request: free the cache when the stream ends
@@ -140,6 +150,8 @@ class GenerationStream:
         self.params = params
         self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
         self.shifted = 0  # positions dropped by context shifts
+        self.speculative = speculative
+        self._speculator = None  # SpeculativeDecoder, built after prefill when speculative is set
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -173,6 +185,8 @@ class GenerationStream:
         try:
             yield from self._generate()
         finally:  # also on an exception or when the consumer abandons the stream
+            if self._speculator is not None:
+                self._speculator.proposer.release()
             if self.owns_cache:
                 self.cache.release()
 
@@ -191,6 +205,13 @@ class GenerationStream:
         logits = model(torch.tensor([pending]), self.cache)[0, -1]  # [V]
         token = sampler(logits)
         result.timings.prefill_seconds = time.perf_counter() - started
+        ahead: list[int] = []  # tokens a speculative step produced that are not emitted yet
+        if self.speculative is not None:
+            from kvgen.speculative.decoder import speculative_decoder  # lazy: speculative imports session
+
+            self._speculator = speculative_decoder(self.generator, self.cache, params, sampler, self.speculative)
+            self._speculator.start(self.prompt_ids + [token])
+            result.speculative = self._speculator.stats
 
         pieces: list[str] = []  # joined once at the end: no per-token string copies
         decode_started = time.perf_counter()
@@ -205,11 +226,19 @@ class GenerationStream:
             if len(result.token_ids) >= budget:
                 result.finish_reason = "length"
                 break
-            if params.context_shift and self.cache.seq_len + 1 > max_context:
-                self._shift_context()
-            logits = model(torch.tensor([[token]]), self.cache)[0, -1]
-            token = sampler(logits)
+            if ahead:
+                token = ahead.pop(0)
+            elif self._speculator is not None and not self.shifted and self.cache.seq_len + 1 < max_context:
+                ahead = self._speculator.step(budget - len(result.token_ids))
+                token = ahead.pop(0)
+            else:
+                if params.context_shift and self.cache.seq_len + 1 > max_context:
+                    self._shift_context()
+                logits = model(torch.tensor([[token]]), self.cache)[0, -1]
+                token = sampler(logits)
             result.timings.decode_tokens += 1
+        if ahead:  # stopped inside a verified run: the cache must hold the emitted tokens but the last
+            self.cache.truncate(len(self.prompt_ids) + len(result.token_ids) - 1)
         tail = detokenizer.flush()
         pieces.append(tail)
         result.text = "".join(pieces)

@@ -21,6 +21,7 @@ from kvgen.loading.weight_format import check_mode
 from kvgen.models import DecoderLM, build_model
 from kvgen.sampling.params import SamplingParams
 from kvgen.session import Session
+from kvgen.speculative.config import SpeculativeConfig
 
 
 def load_checkpoint(
@@ -58,11 +59,15 @@ class LLM:
         checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
         return cls(build_model(checkpoint), checkpoint, max_context, cache)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        return self.generator.generate(prompt, params)
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, speculative: SpeculativeConfig | None = None
+    ) -> GenerationResult:
+        return self.generator.generate(prompt, params, speculative)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
-        return self.generator.stream(prompt, params)
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, speculative: SpeculativeConfig | None = None
+    ) -> GenerationStream:
+        return self.generator.stream(prompt, params, speculative)
 
     def session(self, system_prompt: str | None = None) -> Session:
         return Session(self.generator, system_prompt)

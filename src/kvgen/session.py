@@ -6,10 +6,13 @@ common prefix is prefilled. That holds for chat templates that re-render the who
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from kvgen.generate import Chunk, GenerationResult, GenerationStream, Generator
 from kvgen.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvgen.speculative.config import SpeculativeConfig
 
 INITIAL_CAPACITY = 1024  # positions; the cache doubles when a conversation grows past it
 
@@ -36,19 +39,23 @@ class Session:
     def cached_ids(self) -> list[int]:
         return self._last.ids_in_cache() if self._last is not None else []
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, speculative: "SpeculativeConfig | None" = None
+    ) -> GenerationStream:
         """Continue from the cache: `prompt` is the whole conversation so far, as text or ids."""
         ids = self.generator.encode_prompt(prompt)
         # Keep at least one prompt token to prefill: its logits choose the first new token.
         reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)  # the stream truncates to it
-        self._last = GenerationStream(self.generator, self.cache, ids, reused, params or SamplingParams())
+        self._last = GenerationStream(self.generator, self.cache, ids, reused, params or SamplingParams(), speculative=speculative)
         return self._last
 
-    def chat(self, user_message: str, params: SamplingParams | None = None) -> Iterator[Chunk]:
+    def chat(
+        self, user_message: str, params: SamplingParams | None = None, speculative: "SpeculativeConfig | None" = None
+    ) -> Iterator[Chunk]:
         """Add a user turn, stream the assistant's answer, and record it in `messages` when done."""
         messages = self.messages + [{"role": "user", "content": user_message}]
         prompt = self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        stream = self.stream(self.generator.tokenizer.encode(prompt, add_special_tokens=False), params)
+        stream = self.stream(self.generator.tokenizer.encode(prompt, add_special_tokens=False), params, speculative)
         yield from stream
         self.messages = messages + [{"role": "assistant", "content": stream.result.text}]
         self.last_result = stream.result

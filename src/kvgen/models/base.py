@@ -124,18 +124,39 @@ class DecoderLM(nn.Module):
             fast = self._decode_fast(input_ids, cache)
             if fast is not None:
                 return fast
+        h = self._hidden_states(input_ids, cache, positions, self.config.num_layers)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return self._logits(h)  # [B, S', V]
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> the last block's output [B, S, H] (before the final norm), after the
+        first `num_layers` blocks only if given (a layer-skip draft; `cache` then needs only those
+        layers). `logits_from_hidden` turns them into logits. Always the torch path."""
+        num_layers = self.config.num_layers if num_layers is None else num_layers
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
+        with self._forward_lock:
+            return self._hidden_states(input_ids, cache, None, num_layers)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] block output -> [..., V] logits (final norm, head, softcapping)."""
+        return self._logits(h)
+
+    def _hidden_states(
+        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, num_layers: int
+    ) -> torch.Tensor:
+        batch, seq = input_ids.shape
         start = cache.seq_len
         if positions is None:
             positions = torch.arange(start, start + seq).expand(batch, seq)
         h = self._embed(input_ids)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
         masks: dict[tuple[int | None, int], AttentionMask] = {}
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(self.layers[:num_layers]):
             window, key_start = self.config.window_for(i), cache.visible_start(i)
             if (window, key_start) not in masks:
                 masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window)
             h = block(h, ropes[self.rope_index[i]], cache, masks[window, key_start])
         cache.commit(seq)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        return self._logits(h)  # [B, S', V]
+        return h  # [B, S, H]
