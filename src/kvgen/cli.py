@@ -37,6 +37,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    parser.add_argument("--speculative", default=None, choices=("lookup", "self", "draft", "eagle"),
+                        help="speculative decoding: lookup (n-gram in the context), self (first layers), "
+                             "draft (--draft-model), eagle (the shipped head)")  # fmt: skip
+    parser.add_argument("--draft-tokens", type=int, default=4, help="first draft length (adapts from there)")
+    parser.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
+    parser.add_argument("--draft-weights", default="q4", choices=WEIGHT_MODES, help="weights of the draft model")
+    parser.add_argument("--draft-layers", type=int, default=None, help="layers of the self-draft (default: half)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,22 +83,42 @@ def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models
     )  # fmt: skip
 
 
+def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
+    if args.speculative is None:
+        return None
+    from kvgen.llm import LLM
+    from kvgen.speculative import SpeculativeConfig
+
+    draft = None
+    if args.speculative == "draft":
+        if args.draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model (a model with the same tokenizer)")
+        draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights)
+    return SpeculativeConfig(
+        args.speculative, num_draft_tokens=args.draft_tokens, max_draft_tokens=max(8, args.draft_tokens),
+        draft_model=draft, draft_layers=args.draft_layers,
+    )  # fmt: skip
+
+
 def stats_line(result: GenerationResult) -> str:
     t, u = result.timings, result.usage
     cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
     return (
         f"[prompt {u.prompt_tokens} tokens{cached}, generated {u.completion_tokens} tokens | "
-        f"prefill {t.prefill_tokens_per_second:.1f} tok/s, decode {t.decode_tokens_per_second:.1f} tok/s]"
+        f"prefill {t.prefill_tokens_per_second:.1f} tok/s, decode {t.decode_tokens_per_second:.1f} tok/s"
+        + (f", draft acceptance {result.speculative.acceptance_rate:.0%}" if result.speculative else "")
+        + "]"
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
+    speculative = _speculative(args)
     llm = _load(args)
     prompt = args.prompt
     if args.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    stream = llm.stream(prompt, params)
+    stream = llm.stream(prompt, params, speculative)
     if not args.chat_template:
         print(args.prompt, end="", flush=True)
     for chunk in stream:
@@ -103,6 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
+    speculative = _speculative(args)
     llm = _load(args)
     session = llm.session(system_prompt=args.system)
     print("kvgen chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -119,7 +147,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not line:
             continue
-        for chunk in session.chat(line, params):
+        for chunk in session.chat(line, params, speculative):
             print(chunk.text, end="", flush=True)
         print()
         assert session.last_result is not None

@@ -151,6 +151,8 @@ class GenerationStream:
         self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
         self.shifted = 0  # positions dropped by context shifts
         self.speculative = speculative
+        # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
+        self._proposer = speculative.build_proposer(generator) if speculative is not None else None
         self._speculator = None  # SpeculativeDecoder, built after prefill when speculative is set
         self._iterator = self._run()
 
@@ -185,8 +187,8 @@ class GenerationStream:
         try:
             yield from self._generate()
         finally:  # also on an exception or when the consumer abandons the stream
-            if self._speculator is not None:
-                self._speculator.proposer.release()
+            if self._proposer is not None:
+                self._proposer.release()
             if self.owns_cache:
                 self.cache.release()
 
@@ -207,9 +209,9 @@ class GenerationStream:
         result.timings.prefill_seconds = time.perf_counter() - started
         ahead: list[int] = []  # tokens a speculative step produced that are not emitted yet
         if self.speculative is not None:
-            from kvgen.speculative.decoder import speculative_decoder  # lazy: speculative imports session
+            from kvgen.speculative.decoder import SpeculativeDecoder  # lazy: speculative imports session
 
-            self._speculator = speculative_decoder(self.generator, self.cache, params, sampler, self.speculative)
+            self._speculator = SpeculativeDecoder(model, self.cache, self._proposer, sampler, self.speculative, max_context)
             self._speculator.start(self.prompt_ids + [token])
             result.speculative = self._speculator.stats
 

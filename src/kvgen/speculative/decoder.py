@@ -11,7 +11,6 @@ import torch
 
 from kvgen.kv.interface import KVCache
 from kvgen.models.base import DecoderLM
-from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler
 from kvgen.speculative.adaptive import DraftLengthController, SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
@@ -86,11 +85,3 @@ class SpeculativeDecoder:
         self.stats.accepted_tokens += accepted
         return tokens
 
-
-def speculative_decoder(
-    generator, cache: KVCache, params: SamplingParams, sampler: Sampler, config: SpeculativeConfig,
-    constraint: TokenConstraint | None = None,
-) -> SpeculativeDecoder:  # fmt: skip
-    """A decoder for one request of `generator` (a kvgen Generator), with a fresh proposer."""
-    proposer = config.build_proposer(generator)
-    return SpeculativeDecoder(generator.model, cache, proposer, sampler, config, generator.max_context, constraint)
