@@ -17,7 +17,7 @@ PROMPTS = [
 CACHES = {
     "contiguous": CacheConfig(),
     "paged": CacheConfig(kind="paged", block_size=4, budget_mb=64),  # small blocks: rollbacks free blocks
-    "window": CacheConfig(kind="window"),
+    "window": CacheConfig(kind="window", window=16, extra=8),  # every layer narrowed to 16: drops positions
     "quantized": CacheConfig(kind="quantized", k_dtype="fp16", v_dtype="fp16", residual=0),
 }
 PARAMS = SamplingParams(max_new_tokens=20)

@@ -76,6 +76,9 @@ def test_bad_speculative_setups_fail_before_any_work(tiny: LLM):
         SpeculativeConfig("lookup", num_draft_tokens=0)
     with pytest.raises(ValueError, match="L must be in"):
         tiny.stream("hi", speculative=SpeculativeConfig("self", draft_layers=2))  # the tiny model has 2 layers
+    narrow = Generator(tiny.model, tiny.tokenizer, cache=CacheConfig(kind="window", window=16, extra=2))
+    with pytest.raises(ValueError, match="set extra >= 8"):
+        narrow.stream("hi", speculative=SpeculativeConfig("lookup"))
     session = tiny.session()
     with pytest.raises(ValueError, match="hidden size"):  # the shipped head is for SmolLM2 (576 wide)
         session.stream("hi", speculative=SpeculativeConfig("eagle"))

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvgen.config import CacheConfig
+
 if TYPE_CHECKING:
     from kvgen.generate import Generator
     from kvgen.speculative.proposer import Proposer
@@ -47,8 +49,20 @@ class SpeculativeConfig:
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
 
+    def check_cache(self, cache: CacheConfig) -> None:
+        """Rejected drafts are rolled back with truncate: the cache must be able to rewind that far."""
+        if cache.kind == "sinks":
+            raise ValueError("speculative decoding needs a cache that can rewind; a sinks cache cannot once it evicts: "
+                             "use the window cache with extra >= max_draft_tokens instead")  # fmt: skip
+        if cache.kind in ("window", "chunked") and cache.extra < self.max_draft_tokens:
+            raise ValueError(
+                f"a {cache.kind} cache rewinds exactly only up to `extra` ({cache.extra}) tokens, and drafts "
+                f"of up to {self.max_draft_tokens} may be rejected: set extra >= {self.max_draft_tokens} (--kv-extra)"
+            )
+
     def build_proposer(self, generator: "Generator") -> "Proposer":
         """A fresh proposer for one request on `generator`'s model (proposers hold per-request state)."""
+        self.check_cache(generator.cache_config)
         model, max_context = generator.model, generator.max_context
         if self.method == "lookup":
             from kvgen.speculative.prompt_lookup import PromptLookupProposer
