@@ -213,6 +213,10 @@ class GenerationStream:
     def __next__(self) -> Chunk:
         return next(self._iterator)
 
+    def close(self) -> None:
+        """Cancel: stop generating and free the request's cache (when the stream owns it)."""
+        self._iterator.close()
+
     def ids_in_cache(self) -> list[int]:
         """The token ids whose keys and values the cache holds now (valid at any point of the stream;
         after a context shift the cache no longer matches any token prefix, so nothing is reusable)."""
