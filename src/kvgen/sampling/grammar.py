@@ -114,6 +114,9 @@ class TokenConstraint(Protocol):
 _llg_tokenizers: "WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer]" = WeakKeyDictionary()
 _llg_lock = threading.Lock()
 # Mask computation overlaps the forward pass; a few workers so concurrent sessions do not queue.
+# Off by default: measured on a 2-core machine, a mask thread running beside the forward pass slowed
+# the OpenMP decode kernels far more than the mask costs (benchmarks/structured.py --overlap).
+OVERLAP_MASK = False
 _mask_workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvgen-grammar-mask")
 
 
@@ -149,7 +152,7 @@ class GrammarConstraint:
 
     def prefetch(self) -> None:
         """Start computing the next mask on a worker thread (call right after advance)."""
-        if not self._mask_ready and self._pending is None:
+        if OVERLAP_MASK and not self._mask_ready and self._pending is None:
             self._pending = _mask_workers.submit(self._fill_bitmask)
 
     def _fill_bitmask(self) -> None:
