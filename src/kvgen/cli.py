@@ -32,7 +32,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-sinks", type=int, default=4, help="first tokens always kept (sinks; default 4)")
     parser.add_argument("--kv-chunk", type=int, default=None, help="attention chunk size (chunked)")
     parser.add_argument("--kv-extra", type=int, default=0, help="older tokens kept past the window, for exact rewinds (window, chunked)")
-    parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3")
+    parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3 kvquant3")
     parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
     parser.add_argument("--kv-budget-mb", type=float, default=512.0, help="size of the block pool (paged)")
@@ -194,7 +194,7 @@ def cmd_kv_check(args: argparse.Namespace) -> int:
     ids = llm.tokenizer.encode(text)[: args.tokens + 1]
     if len(ids) < 64:
         raise ValueError(f"the calibration text has only {len(ids)} tokens; give at least 64")
-    exact, results = check(llm.model, ids)
+    exact, results = check(llm.model, llm.tokenizer, ids)
     print(f"{llm.path.name}: {len(ids) - 1} calibration tokens, exact-cache perplexity {exact.perplexity:.3f}")
     print(report(results))
     return 0

@@ -17,7 +17,7 @@ from kvgen.errors import PromptTooLongError
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
-from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.kvquant import build_quantized_cache
 from kvgen.kv.sinks import SinkCache
 from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
@@ -118,7 +118,7 @@ class Generator:
             assert c.window is not None  # CacheConfig checked it
             return SinkCache.for_model(self.model.config, self.model.dtype, c.sinks, c.window, self.model.rerotate)
         if c.kind == "quantized":
-            return QuantizedCache(spec, capacity, self.max_context, c.k_dtype, c.v_dtype, c.residual)
+            return build_quantized_cache(self.model, self.tokenizer, capacity, self.max_context, c.k_dtype, c.v_dtype, c.residual)
         return ContiguousCache(spec, capacity=capacity, max_capacity=self.max_context)
 
     def check_params(self, params: SamplingParams) -> None:
