@@ -80,7 +80,8 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
-CacheKind = Literal["contiguous", "paged", "quantized", "window"]
+CacheKind = Literal["contiguous", "paged", "quantized", "window", "compressed", "tiered"]
+CACHE_KINDS = ("contiguous", "paged", "quantized", "window", "compressed", "tiered")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,10 @@ class CacheConfig:
     """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
     paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests.
     quantized: K and V rounded through `k_dtype` / `v_dtype` (kv/codecs.py), the last `residual`
-    tokens kept in full precision. window: sliding-window layers keep only their window."""
+    tokens kept in full precision. window: sliding-window layers keep only their window.
+    compressed: positions older than the last `exact_window` mean-pooled in chunks of `chunk`
+    (kv/compressed.py). tiered: blocks of `block_size` in hot RAM (`hot_tokens`), warm RAM packed as
+    `warm_dtype` (`warm_tokens`), the rest in files on disk (kv/tiered.py)."""
 
     kind: CacheKind = "contiguous"
     block_size: int = 16
@@ -96,10 +100,24 @@ class CacheConfig:
     k_dtype: str = "fp32"
     v_dtype: str = "fp32"
     residual: int = 32
+    chunk: int = 8
+    exact_window: int = 64
+    hot_tokens: int = 256
+    warm_tokens: int = 1024
+    warm_dtype: str = "fp16"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("contiguous", "paged", "quantized", "window"):
-            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous, paged, quantized or window")
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose one of {', '.join(CACHE_KINDS)}")
+        if self.chunk < 2 or self.exact_window < 0 or self.hot_tokens < 0 or self.warm_tokens < 0:
+            raise ValueError(
+                f"need chunk >= 2 and exact_window, hot_tokens, warm_tokens >= 0; got {self.chunk}, "
+                f"{self.exact_window}, {self.hot_tokens}, {self.warm_tokens}"
+            )
+        from kvgen.kv.tier_store import WARM_DTYPES
+
+        if self.warm_dtype not in WARM_DTYPES:
+            raise ValueError(f"unknown warm tier dtype {self.warm_dtype!r}; choose one of {', '.join(WARM_DTYPES)}")
         from kvgen.kv.codecs import KV_DTYPES
 
         for name in (self.k_dtype, self.v_dtype):

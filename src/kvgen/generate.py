@@ -14,10 +14,12 @@ import torch
 
 from kvgen.config import CacheConfig
 from kvgen.errors import PromptTooLongError
+from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.tiered import TieredCache
 from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
@@ -106,7 +108,17 @@ class Generator:
         if self.cache_config.kind == "quantized":
             c = self.cache_config
             return QuantizedCache(spec, min(num_tokens, self.max_context), self.max_context, c.k_dtype, c.v_dtype, c.residual)
+        if self.cache_config.kind in ("compressed", "tiered"):
+            return self._new_lossy_cache(spec, num_tokens)
         return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
+
+    def _new_lossy_cache(self, spec: CacheSpec, num_tokens: int) -> KVCache:
+        c = self.cache_config
+        if c.kind == "tiered":
+            return TieredCache(spec, c.block_size, c.hot_tokens, c.warm_tokens, c.warm_dtype)
+        if any(self.model.config.window_for(i) for i in range(self.model.config.num_layers)):
+            raise ValueError("the compressed cache is for full-attention models; for sliding-window layers use --kv-cache window")
+        return CompressedCache(spec, c.chunk, c.exact_window, capacity=min(num_tokens, self.max_context))
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         stream = self.stream(prompt, params)

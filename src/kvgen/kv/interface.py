@@ -126,5 +126,11 @@ class KVCache(ABC):
     def visible_start(self, layer: int) -> int:
         return 0
 
+    def key_bias(self) -> torch.Tensor | None:
+        """Optional: an additive attention bias [n] for the first n slots `update` returns (the same
+        for every layer, all older than the next forward's queries). A cache whose slot stands for
+        several positions (a pooled chunk) gives it log(count); None (the default) means no bias."""
+        return None
+
     def check_invariants(self) -> None:
         assert 0 <= self.seq_len <= self.capacity, f"seq_len {self.seq_len} outside [0, {self.capacity}]"

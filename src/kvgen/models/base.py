@@ -120,7 +120,8 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None
     ) -> torch.Tensor:
         batch, seq = input_ids.shape
-        if batch == 1 and seq == 1 and positions is None:
+        key_bias = cache.key_bias()  # the C decode step knows no bias: a biased cache takes the torch path
+        if batch == 1 and seq == 1 and positions is None and key_bias is None:
             fast = self._decode_fast(input_ids, cache)
             if fast is not None:
                 return fast
@@ -133,7 +134,7 @@ class DecoderLM(nn.Module):
         for i, block in enumerate(self.layers):
             window, key_start = self.config.window_for(i), cache.visible_start(i)
             if (window, key_start) not in masks:
-                masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window)
+                masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window, key_bias)
             h = block(h, ropes[self.rope_index[i]], cache, masks[window, key_start])
         cache.commit(seq)
         if logits_to_keep:

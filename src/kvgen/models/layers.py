@@ -32,27 +32,41 @@ class RMSNorm(nn.Module):
 class AttentionMask:
     """What SDPA needs for one forward pass and one kind of layer (full or a given window)."""
 
-    mask: torch.Tensor | None  # [B or 1, 1, S, L] bool, True = may attend
+    mask: torch.Tensor | None  # [B or 1, 1, S, L]: bool (True = may attend) or float (added to scores)
     is_causal: bool
 
     @classmethod
-    def build(cls, query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None) -> "AttentionMask":
+    def build(
+        cls, query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None,
+        key_bias: torch.Tensor | None = None,
+    ) -> "AttentionMask":  # fmt: skip
         """Causal (and windowed) mask for queries at query_start.. over keys at key_start..
 
         Decode without a window needs no mask at all, and a fresh prefill without a window uses SDPA's
-        own causal path; only the other cases materialise an [S, L] mask.
+        own causal path; only the other cases materialise an [S, L] mask. `key_bias` (the cache's
+        `key_bias()`) makes it an additive float mask with the bias on the first keys.
         """
+        if key_bias is not None:
+            allowed = cls.allowed(query_start, num_queries, key_start, num_keys, window)
+            additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))  # [1, 1, S, L]
+            additive[..., : key_bias.shape[0]] += key_bias
+            return cls(additive, False)
         windowed = window is not None and query_start + num_queries - key_start > window
         if not windowed and num_queries == 1:
             return cls(None, False)
         if not windowed and query_start == 0 and key_start == 0:
             return cls(None, True)
+        return cls(cls.allowed(query_start, num_queries, key_start, num_keys, window), False)
+
+    @staticmethod
+    def allowed(query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None) -> torch.Tensor:
+        """[1, 1, S, L] bool, True where the query at query_start+i may see the key at key_start+j."""
         query_pos = torch.arange(query_start, query_start + num_queries)[:, None]
         key_pos = torch.arange(key_start, key_start + num_keys)[None, :]
         allowed = key_pos <= query_pos
         if window is not None:
             allowed &= query_pos - key_pos < window
-        return cls(allowed[None, None], False)
+        return allowed[None, None]
 
 
 class Attention(nn.Module):
