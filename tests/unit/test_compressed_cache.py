@@ -17,15 +17,14 @@ from kvgen.kv import CacheSpec, ContiguousCache
 from kvgen.kv.compressed import CompressedCache
 from kvgen.models.layers import AttentionMask
 from kvgen.quality import score, top1_agreement
+from tests.support.kv import random_kv
 from tests.support.shakespeare import play_text
 
 SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=4)
 
 
 def kv(seed: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (1, SPEC.num_kv_heads, length, SPEC.head_dim)
-    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    return random_kv(SPEC, seed, length)
 
 
 def pooled_view(history: torch.Tensor, sink: int, chunk: int, num_pooled: int) -> torch.Tensor:
@@ -165,7 +164,8 @@ TestCompressedVersusReference.settings = settings(max_examples=60, stateful_step
 @pytest.mark.slow
 def test_smollm2_stays_close_to_the_exact_cache(smollm2: LLM) -> None:
     """Over 400 tokens of Hamlet fed 16 at a time (most positions read back pooled: exact window 64,
-    chunk 8), the top-1 prediction agrees with the exact cache on >= 80% of positions (measured 0.0)."""
+    chunk 8), the top-1 prediction agrees with the exact cache on >= 80% of positions (benchmarks/compressed_quality.py
+    measures it over 512 tokens: docs/kv-caches.md)."""
     spec = CacheSpec.for_model(smollm2.config)
     ids = smollm2.tokenizer.encode(play_text("hamlet"))[:401]
     exact = score(smollm2.model, lambda n: ContiguousCache(spec, n), ids, 16, keep_distributions=True)

@@ -14,14 +14,13 @@ from kvgen.kv import CacheSpec, ContiguousCache
 from kvgen.kv.codecs import value_codec
 from kvgen.kv.tier_store import ColdBlockError, pack, unpack_layer
 from kvgen.kv.tiered import TieredCache
+from tests.support.kv import random_kv
 
 SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=4)
 
 
 def kv(seed: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (1, SPEC.num_kv_heads, length, SPEC.head_dim)
-    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    return random_kv(SPEC, seed, length)
 
 
 def append(caches: list, seed: int, length: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
