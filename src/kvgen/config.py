@@ -80,8 +80,8 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
-CacheKind = Literal["contiguous", "paged", "quantized", "window", "compressed", "tiered"]
-CACHE_KINDS = ("contiguous", "paged", "quantized", "window", "compressed", "tiered")
+CacheKind = Literal["contiguous", "paged", "quantized", "window", "sinks", "chunked", "compressed", "tiered"]
+CACHE_KINDS: tuple[str, ...] = ("contiguous", "paged", "quantized", "window", "sinks", "chunked", "compressed", "tiered")
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,13 @@ class CacheConfig:
     """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
     paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests.
     quantized: K and V rounded through `k_dtype` / `v_dtype` (kv/codecs.py), the last `residual`
-    tokens kept in full precision. window: sliding-window layers keep only their window.
-    compressed: positions older than the last `exact_window` mean-pooled in chunks of `chunk`
-    (kv/compressed.py). tiered: blocks of `block_size` in hot RAM (`hot_tokens`), warm RAM packed as
-    `warm_dtype` (`warm_tokens`), the rest in files on disk (kv/tiered.py)."""
+    tokens kept in full precision. window: layers keep only their window (the model's sliding
+    windows, narrowed to `window` on every layer when it is set), plus `extra` older positions so a
+    rewind of up to `extra` tokens stays exact. sinks: StreamingLLM, the first `sinks` positions plus
+    the last `window` (kv/sinks.py). chunked: each query sees only its chunk of `chunk` positions.
+    compressed: positions older than the last `exact_window` mean-pooled in chunks of `pool_chunk`,
+    the first `sinks` kept exact (kv/compressed.py). tiered: blocks of `block_size` in hot RAM
+    (`hot_tokens`), warm RAM packed as `warm_dtype` (`warm_tokens`), the rest on disk (kv/tiered.py)."""
 
     kind: CacheKind = "contiguous"
     block_size: int = 16
@@ -100,7 +103,11 @@ class CacheConfig:
     k_dtype: str = "fp32"
     v_dtype: str = "fp32"
     residual: int = 32
-    chunk: int = 8
+    window: int | None = None
+    extra: int = 0
+    sinks: int = 4
+    chunk: int | None = None
+    pool_chunk: int = 8
     exact_window: int = 64
     hot_tokens: int = 256
     warm_tokens: int = 1024
@@ -109,15 +116,6 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"unknown KV cache kind {self.kind!r}; choose one of {', '.join(CACHE_KINDS)}")
-        if self.chunk < 2 or self.exact_window < 0 or self.hot_tokens < 0 or self.warm_tokens < 0:
-            raise ValueError(
-                f"need chunk >= 2 and exact_window, hot_tokens, warm_tokens >= 0; got {self.chunk}, "
-                f"{self.exact_window}, {self.hot_tokens}, {self.warm_tokens}"
-            )
-        from kvgen.kv.tier_store import WARM_DTYPES
-
-        if self.warm_dtype not in WARM_DTYPES:
-            raise ValueError(f"unknown warm tier dtype {self.warm_dtype!r}; choose one of {', '.join(WARM_DTYPES)}")
         from kvgen.kv.codecs import KV_DTYPES
 
         for name in (self.k_dtype, self.v_dtype):
@@ -127,3 +125,32 @@ class CacheConfig:
             raise ValueError(f"residual must be >= 0, got {self.residual}")
         if self.block_size <= 0 or self.budget_mb <= 0:
             raise ValueError(f"block_size and budget_mb must be positive, got {self.block_size} and {self.budget_mb}")
+        self._check_window_options()
+        self._check_compressed_and_tiered_options()
+
+    def _check_compressed_and_tiered_options(self) -> None:
+        if self.pool_chunk < 2 or self.exact_window < 0 or self.hot_tokens < 0 or self.warm_tokens < 0:
+            raise ValueError(
+                f"need pool_chunk >= 2 and exact_window, hot_tokens, warm_tokens >= 0; got {self.pool_chunk}, "
+                f"{self.exact_window}, {self.hot_tokens}, {self.warm_tokens}"
+            )
+        from kvgen.kv.tier_store import WARM_DTYPES
+
+        if self.warm_dtype not in WARM_DTYPES:
+            raise ValueError(f"unknown warm tier dtype {self.warm_dtype!r}; choose one of {', '.join(WARM_DTYPES)}")
+
+    def _check_window_options(self) -> None:
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be a positive number of tokens, got {value}")
+        if self.extra < 0 or self.sinks < 0:
+            raise ValueError(f"extra and sinks must be >= 0, got {self.extra} and {self.sinks}")
+        if self.kind == "sinks" and self.window is None:
+            raise ValueError("a sinks cache needs a window (--kv-window N): the recent positions kept besides the sinks")
+        if self.kind == "chunked" and self.chunk is None:
+            raise ValueError("a chunked cache needs a chunk size (--kv-chunk N)")
+        uses = {"window": ("window", "sinks", "chunked"), "chunk": ("chunked",), "extra": ("window", "chunked")}
+        for name, kinds in uses.items():
+            if getattr(self, name) not in (None, 0) and self.kind not in kinds:
+                raise ValueError(f"{name} applies to the {' / '.join(kinds)} cache kinds, not to {self.kind!r}")

@@ -93,7 +93,7 @@ def test_log_bias_makes_pooling_exact_when_a_chunk_repeats_one_key(queries: int)
     cache.commit(prefix)
     assert cache.num_pooled == (prefix - 4 - sink) // chunk > 0
     q = torch.randn(1, 4, queries, 4, generator=generator)
-    mask = AttentionMask.build(prefix, queries, cache.visible_start(0), prefix + queries - cache.visible_start(0), None, cache.key_bias())
+    mask = AttentionMask.build(prefix, queries, cache.visible_start(0), prefix + queries - cache.visible_start(0), None, key_bias=cache.key_bias())
     got_k, got_v = cache.update(0, keys[:, :, prefix:], values[:, :, prefix:])
     got = F.scaled_dot_product_attention(q, got_k, got_v, attn_mask=mask.mask, enable_gqa=True)
     full_mask = AttentionMask.allowed(prefix, queries, 0, length, None)
@@ -179,12 +179,27 @@ def test_smollm2_stays_close_to_the_exact_cache(smollm2: LLM) -> None:
 def test_generation_through_config_runs_and_frees(smollm2: LLM) -> None:
     """CacheConfig("compressed") end to end: a long prompt is pooled, generation goes on, and with a
     window wider than the whole request the tokens equal the contiguous cache's."""
-    compressed = Generator(smollm2.model, smollm2.tokenizer, cache=CacheConfig("compressed", chunk=8, exact_window=512))
+    compressed = Generator(smollm2.model, smollm2.tokenizer, cache=CacheConfig("compressed", pool_chunk=8, exact_window=512))
     ids = smollm2.tokenizer.encode(play_text("hamlet"))[:200]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     assert compressed.generate(ids, params).token_ids == smollm2.generate(ids, params).token_ids
-    pooled = Generator(smollm2.model, smollm2.tokenizer, cache=CacheConfig("compressed", chunk=8, exact_window=32))
+    pooled = Generator(smollm2.model, smollm2.tokenizer, cache=CacheConfig("compressed", pool_chunk=8, exact_window=32))
     stream = pooled.stream(ids, params)
     result = list(stream) and stream.result
     assert len(result.token_ids) == 12 and result.text.strip()
     assert stream.cache.seq_len == 0 and stream.cache.num_pooled == 0  # released when the stream ended
+
+
+@torch.inference_mode()
+def test_forward_batch_applies_each_rows_pooled_bias(smollm2: LLM) -> None:
+    """A batched step over two pooled caches gives the logits of one forward per row."""
+    spec = CacheSpec.for_model(smollm2.config)
+    ids = smollm2.tokenizer.encode(play_text("hamlet"))[:60]
+    caches = [CompressedCache(spec, chunk=4, window=8, sink=2, capacity=8) for _ in range(2)]
+    smollm2.model(torch.tensor([ids[:50]]), caches[0])
+    smollm2.model(torch.tensor([ids[10:40]]), caches[1])
+    assert all(c.num_pooled > 0 for c in caches)
+    twins = [c.fork() for c in caches]
+    batched = smollm2.model.forward_batch([ids[50:52], [ids[40]]], caches)
+    single = [smollm2.model(torch.tensor([ids[50:52]]), twins[0])[0, -1], smollm2.model(torch.tensor([[ids[40]]]), twins[1])[0, -1]]
+    torch.testing.assert_close(batched, torch.stack(single), rtol=1e-4, atol=1e-4)

@@ -118,6 +118,17 @@ class CompressedCache(KVCache):
             return num_tokens
         return num_tokens - (num_tokens - self.sink) % self.chunk
 
+    def can_resume(self, num_tokens: int) -> bool:
+        """True where `truncate(num_tokens)` is allowed (the rule above; pooled chunks before it stay pooled)."""
+        return 0 <= num_tokens <= self._seq_len and self.truncation_point(num_tokens) == num_tokens
+
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        self._check_copy_source(source, num_tokens)
+        twin = source.fork()
+        twin.truncate(num_tokens)
+        self.chunk, self.window, self.sink, self.bias = twin.chunk, twin.window, twin.sink, twin.bias
+        self._keys, self._values, self._seq_len, self._pooled = twin._keys, twin._values, twin._seq_len, twin._pooled
+
     def truncate(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")

@@ -286,6 +286,21 @@ class TieredCache(KVCache):
         twin._seq_len = self._seq_len
         return twin
 
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        """Take `source`'s first positions: a fork of it (its own copies of cold files), truncated."""
+        self._check_copy_source(source, num_tokens)
+        twin = source.fork()
+        twin.truncate(num_tokens)
+        self.release()
+        self.block_size, self.warm_dtype = twin.block_size, twin.warm_dtype
+        self._blocks, self._lru, self._seq_len = twin._blocks, twin._lru, twin._seq_len
+        self._tail_k, self._tail_v = twin._tail_k, twin._tail_v
+        if twin._finalizer is not None:  # the files now belong to this cache: so does their cleanup
+            twin._finalizer.detach()
+            self._dir, self._files_created = twin._dir, twin._files_created
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
+        twin._blocks, twin._finalizer, twin._dir = [], None, None
+
     def check_invariants(self) -> None:
         super().check_invariants()
         assert 0 <= self._seq_len - self._sealed_end < self.block_size, f"tail of {self._seq_len - self._sealed_end} positions"

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig, RopeScaling
-from kvgen.kv.interface import KVCache
+from kvgen.kv.interface import AttentionSpan, KVCache
+from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, frozen, linear
@@ -130,13 +131,59 @@ class DecoderLM(nn.Module):
             positions = torch.arange(start, start + seq).expand(batch, seq)
         h = self._embed(input_ids)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
-        masks: dict[tuple[int | None, int], AttentionMask] = {}
+        masks: dict[tuple[AttentionSpan, int], AttentionMask] = {}
         for i, block in enumerate(self.layers):
-            window, key_start = self.config.window_for(i), cache.visible_start(i)
-            if (window, key_start) not in masks:
-                masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window, key_bias)
-            h = block(h, ropes[self.rope_index[i]], cache, masks[window, key_start])
+            span, key_start = cache.attention_span(i, self.config.window_for(i)), cache.visible_start(i)
+            if (span, key_start) not in masks:
+                num_keys = start + seq - key_start
+                masks[span, key_start] = AttentionMask.build(
+                    start, seq, key_start, num_keys, span.window, span.sinks, span.chunk, key_bias=key_bias
+                )
+            h = block(h, ropes[self.rope_index[i]], cache, masks[span, key_start])
         cache.commit(seq)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return self._logits(h)  # [B, S', V]
+
+    def forward_batch(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+        """Ragged batch: row i appends token_ids[i] (>= 1 tokens) at caches[i].seq_len.. to its own
+        cache -> logits of each row's last token, [B, V].
+
+        One forward with a batch dimension (rows padded to the longest); every cache is committed
+        only after all layers succeeded, so a failure leaves every cache's length as it was.
+        """
+        if len(token_ids) != len(caches) or not caches:
+            raise ValueError(f"forward_batch needs one cache per row and at least one row, got {len(token_ids)} rows and {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_batch got the same cache for two rows: each row needs its own cache")
+        if any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("every row of forward_batch needs at least one token")
+        if len(caches) == 1:  # no padding to do: the single-sequence path (and its C decode kernel)
+            return self.forward(torch.tensor(token_ids), caches[0])[:, -1]
+        with self._forward_lock:
+            return self._forward_batch(token_ids, caches)
+
+    def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+        lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]
+        longest = max(lengths)
+        padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
+        positions = torch.tensor(starts)[:, None] + torch.arange(longest)[None, :]  # [B, S]
+        h = self._embed(padded)  # [B, S, H]
+        ropes = [rope(positions, h.dtype) for rope in self.ropes]
+        view = BatchCacheView(caches, lengths)
+        masks: dict[tuple[tuple[AttentionSpan, ...], tuple[int, ...]], AttentionMask] = {}
+        key_biases = [c.key_bias() for c in caches]
+        for i, block in enumerate(self.layers):
+            window = self.config.window_for(i)
+            spans = tuple(c.attention_span(i, window) for c in caches)
+            key_starts = tuple(c.visible_start(i) for c in caches)
+            if (spans, key_starts) not in masks:
+                allowed = build_batch_mask(starts, lengths, list(key_starts), list(spans))
+                if any(bias is not None for bias in key_biases):  # pooled slots (compressed caches)
+                    allowed = AttentionMask.with_key_bias(allowed, key_biases)
+                masks[spans, key_starts] = AttentionMask(allowed, False)
+            h = block(h, ropes[self.rope_index[i]], view, masks[spans, key_starts])
+        for cache, n in zip(caches, lengths):
+            cache.commit(n)
+        last = h[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
+        return self._logits(last[:, None])[:, 0]  # [B, V]
