@@ -171,6 +171,9 @@ class TieredCache(KVCache):
             moved = slice(full * self.block_size, full * self.block_size + rest)
             self._tail_k[:, :, :rest] = self._tail_k[:, :, moved].clone()
             self._tail_v[:, :, :rest] = self._tail_v[:, :, moved].clone()
+            if self._tail_k.shape[2] > 2 * self.block_size:  # a long prefill grew it: back to one block
+                self._tail_k = self._tail_k[:, :, : self.block_size].clone()
+                self._tail_v = self._tail_v[:, :, : self.block_size].clone()
         self._rebalance()
         self._prefetch(0)  # the next pass starts at layer 0
 
