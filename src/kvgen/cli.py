@@ -32,6 +32,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-sinks", type=int, default=4, help="first tokens always kept (sinks; default 4)")
     parser.add_argument("--kv-chunk", type=int, default=None, help="attention chunk size (chunked)")
     parser.add_argument("--kv-extra", type=int, default=0, help="older tokens kept past the window, for exact rewinds (window, chunked)")
+    parser.add_argument("--kv-pool-chunk", type=int, default=8, help="positions pooled into one slot (compressed)")
+    parser.add_argument("--kv-exact-window", type=int, default=64, help="recent positions kept exact (compressed)")
+    parser.add_argument("--kv-hot-tokens", type=int, default=256, help="positions kept in fp32 RAM (tiered)")
+    parser.add_argument("--kv-warm-tokens", type=int, default=1024, help="positions kept packed in RAM, the rest on disk (tiered)")
+    parser.add_argument("--kv-warm-dtype", default="fp16", help="warm tier packing (tiered): fp32 fp16 bf16 int8")
     parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3 kvquant3")
     parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
@@ -111,6 +116,8 @@ def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models
     cache = CacheConfig(
         args.kv_cache, args.kv_block_size, args.kv_budget_mb, args.kv_dtype_k, args.kv_dtype_v,
         window=args.kv_window, extra=args.kv_extra, sinks=args.kv_sinks, chunk=args.kv_chunk,
+        pool_chunk=args.kv_pool_chunk, exact_window=args.kv_exact_window, hot_tokens=args.kv_hot_tokens,
+        warm_tokens=args.kv_warm_tokens, warm_dtype=args.kv_warm_dtype,
     )  # fmt: skip
     return LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,

@@ -14,11 +14,13 @@ import torch
 
 from kvgen.config import CacheConfig
 from kvgen.errors import PromptTooLongError
+from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.kvquant import build_quantized_cache
 from kvgen.kv.sinks import SinkCache
+from kvgen.kv.tiered import TieredCache
 from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
@@ -119,6 +121,12 @@ class Generator:
             return SinkCache.for_model(self.model.config, self.model.dtype, c.sinks, c.window, self.model.rerotate)
         if c.kind == "quantized":
             return build_quantized_cache(self.model, self.tokenizer, capacity, self.max_context, c.k_dtype, c.v_dtype, c.residual)
+        if c.kind == "tiered":
+            return TieredCache(spec, c.block_size, c.hot_tokens, c.warm_tokens, c.warm_dtype)
+        if c.kind == "compressed":
+            if any(self.model.config.window_for(i) for i in range(self.model.config.num_layers)):
+                raise ValueError("the compressed cache is for full-attention models; for sliding-window layers use --kv-cache window")
+            return CompressedCache(spec, c.pool_chunk, c.exact_window, c.sinks, capacity=capacity)
         return ContiguousCache(spec, capacity=capacity, max_capacity=self.max_context)
 
     def check_params(self, params: SamplingParams) -> None:
