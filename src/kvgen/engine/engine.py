@@ -24,6 +24,9 @@ from kvgen.sampling.params import SamplingParams
 
 
 class LLMEngine:
+    # SamplingParams fields the engine honours; the server rejects the others with a clear 400.
+    supported_params = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"})
+
     def __init__(self, llm, config: EngineConfig | None = None):  # llm: kvgen.LLM
         self.config = config or EngineConfig()
         self.model, self.tokenizer = llm.model, llm.tokenizer
