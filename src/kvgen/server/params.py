@@ -17,7 +17,8 @@ def _not_supported(field: str) -> APIError:
 
 
 def build_params(body: CompletionRequest | ChatCompletionRequest, chat: bool, max_tokens_limit: int, engine) -> list[SamplingParams]:
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
+    default = min(DEFAULT_MAX_TOKENS["chat" if chat else "completions"], max_tokens_limit)
+    max_tokens = body.max_completion_tokens or body.max_tokens or default
     if max_tokens > max_tokens_limit:
         raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {max_tokens_limit}", param="max_tokens")
     fields: dict = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
