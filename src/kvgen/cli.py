@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from kvgen.config import CACHE_KINDS
 from kvgen.errors import KvgenError
 from kvgen.generate import GenerationResult
 from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -25,8 +26,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
-    parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged", "quantized", "window"),
-                        help="KV cache kind")  # fmt: skip
+    parser.add_argument("--kv-cache", default="contiguous", choices=CACHE_KINDS, help="KV cache kind (docs/kv-caches.md)")
+    parser.add_argument("--kv-window", type=int, default=None, help="window of recent tokens kept (window, sinks, chunked)")
+    parser.add_argument("--kv-sinks", type=int, default=4, help="first tokens always kept (sinks; default 4)")
+    parser.add_argument("--kv-chunk", type=int, default=None, help="attention chunk size (chunked)")
+    parser.add_argument("--kv-extra", type=int, default=0, help="older tokens kept past the window, for exact rewinds (window, chunked)")
     parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3")
     parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
@@ -81,7 +85,10 @@ def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models
 
     from kvgen.config import CacheConfig
 
-    cache = CacheConfig(args.kv_cache, args.kv_block_size, args.kv_budget_mb, args.kv_dtype_k, args.kv_dtype_v)
+    cache = CacheConfig(
+        args.kv_cache, args.kv_block_size, args.kv_budget_mb, args.kv_dtype_k, args.kv_dtype_v,
+        window=args.kv_window, extra=args.kv_extra, sinks=args.kv_sinks, chunk=args.kv_chunk,
+    )  # fmt: skip
     return LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
         weights=args.weights, cache=cache,

@@ -80,7 +80,8 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
-CacheKind = Literal["contiguous", "paged", "quantized", "window"]
+CacheKind = Literal["contiguous", "paged", "quantized", "window", "sinks", "chunked"]
+CACHE_KINDS: tuple[str, ...] = ("contiguous", "paged", "quantized", "window", "sinks", "chunked")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,10 @@ class CacheConfig:
     """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
     paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests.
     quantized: K and V rounded through `k_dtype` / `v_dtype` (kv/codecs.py), the last `residual`
-    tokens kept in full precision. window: sliding-window layers keep only their window."""
+    tokens kept in full precision. window: layers keep only their window (the model's sliding
+    windows, narrowed to `window` on every layer when it is set), plus `extra` older positions so a
+    rewind of up to `extra` tokens stays exact. sinks: StreamingLLM, the first `sinks` positions plus
+    the last `window` (kv/sinks.py). chunked: each query sees only its chunk of `chunk` positions."""
 
     kind: CacheKind = "contiguous"
     block_size: int = 16
@@ -96,10 +100,14 @@ class CacheConfig:
     k_dtype: str = "fp32"
     v_dtype: str = "fp32"
     residual: int = 32
+    window: int | None = None
+    extra: int = 0
+    sinks: int = 4
+    chunk: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("contiguous", "paged", "quantized", "window"):
-            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose contiguous, paged, quantized or window")
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"unknown KV cache kind {self.kind!r}; choose one of {', '.join(CACHE_KINDS)}")
         from kvgen.kv.codecs import KV_DTYPES
 
         for name in (self.k_dtype, self.v_dtype):
@@ -109,3 +117,20 @@ class CacheConfig:
             raise ValueError(f"residual must be >= 0, got {self.residual}")
         if self.block_size <= 0 or self.budget_mb <= 0:
             raise ValueError(f"block_size and budget_mb must be positive, got {self.block_size} and {self.budget_mb}")
+        self._check_window_options()
+
+    def _check_window_options(self) -> None:
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be a positive number of tokens, got {value}")
+        if self.extra < 0 or self.sinks < 0:
+            raise ValueError(f"extra and sinks must be >= 0, got {self.extra} and {self.sinks}")
+        if self.kind == "sinks" and self.window is None:
+            raise ValueError("a sinks cache needs a window (--kv-window N): the recent positions kept besides the sinks")
+        if self.kind == "chunked" and self.chunk is None:
+            raise ValueError("a chunked cache needs a chunk size (--kv-chunk N)")
+        uses = {"window": ("window", "sinks", "chunked"), "chunk": ("chunked",), "extra": ("window", "chunked")}
+        for name, kinds in uses.items():
+            if getattr(self, name) not in (None, 0) and self.kind not in kinds:
+                raise ValueError(f"{name} applies to the {' / '.join(kinds)} cache kinds, not to {self.kind!r}")

@@ -18,6 +18,7 @@ from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.sinks import SinkCache
 from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
@@ -101,12 +102,15 @@ class Generator:
             if self._paged_storage is None:
                 self._paged_storage = PagedStorage.create(spec, self.cache_config.budget_mb, self.cache_config.block_size)
             return PagedCache(self._paged_storage)
-        if self.cache_config.kind == "window":
-            return WindowedCache.for_model(self.model.config, self.model.dtype, min(num_tokens, self.max_context))
-        if self.cache_config.kind == "quantized":
-            c = self.cache_config
-            return QuantizedCache(spec, min(num_tokens, self.max_context), self.max_context, c.k_dtype, c.v_dtype, c.residual)
-        return ContiguousCache(spec, capacity=min(num_tokens, self.max_context), max_capacity=self.max_context)
+        c, capacity = self.cache_config, min(num_tokens, self.max_context)
+        if c.kind in ("window", "chunked"):
+            return WindowedCache.for_model(self.model.config, self.model.dtype, capacity, c.window, c.chunk, c.extra)
+        if c.kind == "sinks":
+            assert c.window is not None  # CacheConfig checked it
+            return SinkCache.for_model(self.model.config, self.model.dtype, c.sinks, c.window, self.model.rerotate)
+        if c.kind == "quantized":
+            return QuantizedCache(spec, capacity, self.max_context, c.k_dtype, c.v_dtype, c.residual)
+        return ContiguousCache(spec, capacity=capacity, max_capacity=self.max_context)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         stream = self.stream(prompt, params)
@@ -151,7 +155,7 @@ class GenerationStream:
     def ids_in_cache(self) -> list[int]:
         """The token ids whose keys and values the cache holds now (valid at any point of the stream;
         after a context shift the cache no longer matches any token prefix, so nothing is reusable)."""
-        if self.shifted:
+        if self.shifted or self.cache.positions_removed:  # context shift, or a sink cache's evictions
             return []
         return (self.prompt_ids + self.result.token_ids)[: self.cache.seq_len]
 

@@ -12,7 +12,9 @@ import torch
 
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache, PagedCache, PagedStorage
 from kvgen.kv.block_pool import BlockPool
+from kvgen.kv.interface import AttentionSpan
 from kvgen.kv.quantized import QuantizedCache
+from kvgen.kv.sinks import SinkCache
 from kvgen.kv.tracing import TracingCache
 from kvgen.kv.window import WindowedCache
 
@@ -24,6 +26,10 @@ CACHES: dict[str, Callable[[], KVCache]] = {
     "quantized": lambda: QuantizedCache(SPEC, 8, 256, "fp32", "fp32", residual=3),
     # Windows far larger than these tests' sequences: nothing is dropped, so results equal the reference.
     "window": lambda: WindowedCache(SPEC, [None, 64, 64], capacity=8),
+    "window+extra": lambda: WindowedCache(SPEC, [None, 64, 64], capacity=8, extra=4),
+    "chunked": lambda: WindowedCache(SPEC, [AttentionSpan(chunk=64)] * 3, capacity=8),
+    "sinks": lambda: SinkCache(SPEC, sinks=4, window=64, rerotate=lambda layer, keys, delta: keys + delta),
+    "tracing(window)": lambda: TracingCache(WindowedCache(SPEC, [None, 64, 64], capacity=8)),
     "tracing(paged)": lambda: TracingCache(PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4)))),
 }
 
@@ -111,3 +117,56 @@ def test_reset_and_memory(cache: KVCache) -> None:
     step(cache, 3, seed=2)
     assert cache.seq_len == 3
     cache.check_invariants()
+
+
+def shift_marker(layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """A stand-in for RoPE re-rotation that is easy to check: moving back d positions subtracts d."""
+    return keys + delta
+
+
+def test_remove_range_moves_the_tail_back_like_the_contiguous_cache(cache: KVCache) -> None:
+    step(cache, 9, seed=1)
+    reference = CACHES["contiguous"]()
+    step(reference, 9, seed=1)
+    try:
+        cache.remove_range(2, 5, shift_marker)
+    except NotImplementedError as error:
+        assert "cannot remove a range" in str(error)
+        assert cache.seq_len == 9
+        return
+    reference.remove_range(2, 5, shift_marker)
+    assert cache.seq_len == reference.seq_len == 6 and cache.positions_removed == 3
+    for got, want in zip(step(cache, 2, seed=4), step(reference, 2, seed=4)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot remove positions"):
+        cache.remove_range(5, 20, shift_marker)
+    cache.check_invariants()
+
+
+def test_copy_prefix_gives_the_first_positions_and_leaves_the_source_alone(cache: KVCache) -> None:
+    step(cache, 7, seed=1)
+    target = cache.fork()
+    target.reset()
+    step(target, 3, seed=9)  # something to overwrite
+    target.copy_prefix(cache, 5)
+    assert target.seq_len == 5 and cache.seq_len == 7
+    reference = CACHES["contiguous"]()
+    step(reference, 7, seed=1)
+    reference.truncate(5)
+    for got, want in zip(step(target, 2, seed=3), step(reference, 2, seed=3)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot copy 8 positions: the source holds 7"):
+        target.copy_prefix(cache, 8)
+    with pytest.raises(ValueError, match="two different caches"):
+        cache.copy_prefix(cache, 2)
+    with pytest.raises(ValueError, match="same kind and shape"):
+        target.copy_prefix(ContiguousCache(CacheSpec(1, 1, 2), 4), 0)
+    assert target.seq_len == 7
+    cache.check_invariants()
+    target.check_invariants()
+
+
+def test_can_resume_is_true_for_every_held_prefix_when_nothing_was_dropped(cache: KVCache) -> None:
+    step(cache, 6, seed=1)
+    assert [cache.can_resume(n) for n in (-1, 0, 3, 6, 7)] == [False, True, True, True, False]

@@ -52,7 +52,7 @@ def test_generation_continues_past_the_context_with_shift(smollm2) -> None:
 
 
 def test_caches_that_cannot_move_positions_say_so() -> None:
-    from kvgen.kv.window import WindowedCache
+    from kvgen.kv.quantized import QuantizedCache
 
-    with pytest.raises(NotImplementedError, match="WindowedCache cannot remove a range"):
-        WindowedCache(CacheSpec(1, 1, 2), [4]).remove_range(0, 1, lambda layer, k, d: k)
+    with pytest.raises(NotImplementedError, match="QuantizedCache cannot remove a range"):
+        QuantizedCache(CacheSpec(1, 1, 2), 4, 8, "int8", "int8").remove_range(0, 1, lambda layer, k, d: k)

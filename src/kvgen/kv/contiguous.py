@@ -22,6 +22,7 @@ class ContiguousCache(KVCache):
         self.batch_size = batch_size
         self.max_capacity = max_capacity if max_capacity is not None else capacity
         self._seq_len = 0
+        self._removed = 0  # positions dropped by remove_range since the cache was last empty
         shape = (spec.num_layers, batch_size, spec.num_kv_heads, min(capacity, self.max_capacity), spec.head_dim)
         self._keys = torch.zeros(shape, dtype=spec.dtype)  # [L, B, H, C, D]
         self._values = torch.zeros(shape, dtype=spec.dtype)  # [L, B, H, C, D]
@@ -70,6 +71,12 @@ class ContiguousCache(KVCache):
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")
         self._seq_len = num_tokens
+        if num_tokens == 0:
+            self._removed = 0
+
+    @property
+    def positions_removed(self) -> int:
+        return self._removed
 
     def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
         if not 0 <= start <= end <= self._seq_len:
@@ -81,6 +88,17 @@ class ContiguousCache(KVCache):
             self._keys[layer, :, :, moved] = rerotate(layer, keys, -removed) if removed else keys
             self._values[layer, :, :, moved] = self._values[layer, :, :, tail].clone()
         self._seq_len -= removed
+        self._removed += removed
+
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        self._check_copy_source(source, num_tokens)
+        assert isinstance(source, ContiguousCache)
+        if source.batch_size != self.batch_size:
+            raise ValueError(f"cannot copy a batch of {source.batch_size} into a cache of batch {self.batch_size}")
+        self.reserve(num_tokens)
+        self._keys[:, :, :, :num_tokens] = source._keys[:, :, :, :num_tokens]
+        self._values[:, :, :, :num_tokens] = source._values[:, :, :, :num_tokens]
+        self._seq_len, self._removed = num_tokens, source._removed if num_tokens == source.seq_len else 0
 
     def fork(self) -> "ContiguousCache":
         # Contiguous storage cannot share pages: a fork copies the used part only.
@@ -88,7 +106,7 @@ class ContiguousCache(KVCache):
         twin.reserve(self.capacity)
         twin._keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
         twin._values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
-        twin._seq_len = self._seq_len
+        twin._seq_len, twin._removed = self._seq_len, self._removed
         return twin
 
     def memory_bytes(self) -> int:

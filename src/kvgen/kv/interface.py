@@ -44,6 +44,44 @@ class CacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+@dataclass(frozen=True)
+class AttentionSpan:
+    """Which earlier positions a query may attend to, besides itself and causality.
+
+    window: only the last `window` positions (the query's own included); None = all.
+    sinks: the first `sinks` positions stay visible whatever the window (StreamingLLM's sinks).
+    chunk: only positions in the query's own chunk of `chunk` positions (Llama 4's chunked layers).
+    """
+
+    window: int | None = None
+    sinks: int = 0
+    chunk: int | None = None
+
+    def first_needed(self, position: int) -> int:
+        """First position a query at `position` sees, sinks aside."""
+        first = 0
+        if self.window is not None:
+            first = max(first, position - self.window + 1)
+        if self.chunk is not None:
+            first = max(first, position // self.chunk * self.chunk)
+        return first
+
+    def decode_start(self, position: int, key_start: int) -> int:
+        """Index, among keys that start at position `key_start`, of the first key one query at
+        `position` sees; everything from there on is visible (what a one-range kernel needs)."""
+        first = max(key_start, self.first_needed(position))
+        assert self.sinks <= key_start or first <= self.sinks, (
+            f"query at {position} sees sinks 0..{self.sinks - 1} and then {first}..: not one range of keys"
+        )
+        return (key_start if self.sinks > key_start else first) - key_start
+
+    def narrowed(self, window: int | None) -> "AttentionSpan":
+        """This span with a further window (the model's own), the narrower of the two."""
+        if window is None or (self.window is not None and self.window <= window):
+            return self
+        return AttentionSpan(window, self.sinks, self.chunk)
+
+
 @dataclass
 class KVLayout:
     """Addresses of a cache's fp32 storage: element (layer, head, pos, d) of K is at
@@ -125,6 +163,45 @@ class KVCache(ABC):
 
     def visible_start(self, layer: int) -> int:
         return 0
+
+    def attention_span(self, layer: int, model_window: int | None) -> AttentionSpan:
+        """What a query of `layer` may see: the model's own window, unless the cache narrows it
+        (a sliding window imposed on every layer, attention sinks, chunked attention)."""
+        return AttentionSpan(model_window)
+
+    @property
+    def positions_removed(self) -> int:
+        """Positions dropped from the middle of the sequence (remove_range, sink eviction). While it is
+        not 0, position i no longer holds token i, so the cache is no prefix of any token sequence."""
+        return 0
+
+    def can_resume(self, num_tokens: int) -> bool:
+        """Whether the sequence can go on from its first `num_tokens` positions (dropping the rest)
+        exactly as if the later ones had never been added (ollama's CanResume). False where a window
+        has dropped positions a query at `num_tokens` needs."""
+        return 0 <= num_tokens <= self.seq_len
+
+    def copy_prefix(self, source: "KVCache", num_tokens: int) -> None:
+        """Replace this cache's contents with `source`'s first `num_tokens` positions (ollama's
+        CopyPrefix; shared storage is shared, not copied, where the cache allows)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy a prefix from another cache")
+
+    def _check_copy_source(self, source: "KVCache", num_tokens: int) -> None:
+        """The checks every copy_prefix makes before it changes anything."""
+        if source is self:
+            raise ValueError("copy_prefix needs two different caches: use truncate to shorten one cache")
+        if type(source) is not type(self) or source.spec != self.spec:
+            raise ValueError(
+                f"cannot copy a prefix from a {type(source).__name__} ({source.spec}) into a "
+                f"{type(self).__name__} ({self.spec}): both caches must be of the same kind and shape"
+            )
+        if not 0 <= num_tokens <= source.seq_len:
+            raise ValueError(f"cannot copy {num_tokens} positions: the source holds {source.seq_len}")
+        if not source.can_resume(num_tokens):
+            raise ValueError(
+                f"the source cannot resume from position {num_tokens} (positions it needs were dropped): "
+                "recompute the prefix instead"
+            )
 
     def check_invariants(self) -> None:
         assert 0 <= self.seq_len <= self.capacity, f"seq_len {self.seq_len} outside [0, {self.capacity}]"

@@ -11,7 +11,7 @@ import torch
 
 from kvgen.errors import KvgenError
 from kvgen.kv.block_pool import Block, BlockPool
-from kvgen.kv.interface import CacheSpec, KVCache, KVLayout
+from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
 
 
 class CacheFullError(KvgenError):
@@ -47,6 +47,7 @@ class PagedCache(KVCache):
         self.spec = storage.spec
         self.blocks: list[Block] = []
         self._seq_len = 0
+        self._removed = 0  # positions dropped by remove_range since the cache was last empty
         self._table = torch.zeros(0, dtype=torch.int64)  # block ids, kept in step with self.blocks
 
     @property
@@ -58,14 +59,25 @@ class PagedCache(KVCache):
         return len(self.blocks) * self.storage.block_size
 
     def reserve(self, num_tokens: int) -> bool:
-        """Hold blocks for `num_tokens` positions; False (nothing taken) if the pool is short."""
-        missing = self.storage.pool.blocks_for(num_tokens) - len(self.blocks)
-        if missing <= 0:
-            return True
-        fresh = self.storage.pool.allocate(missing)
+        """Hold writable blocks for `num_tokens` positions in all; False (nothing taken) if the pool is short."""
+        return self.prepare_write(min(self._seq_len, num_tokens), num_tokens)
+
+    def prepare_write(self, start: int, end: int) -> bool:
+        """Make positions start..end-1 writable: blocks up to `end`, and a private copy of every
+        shared block in the range (copy-on-write done now, so the write itself cannot fail).
+        False, with nothing changed, when the pool has too few free blocks."""
+        size = self.storage.block_size
+        missing = max(0, self.storage.pool.blocks_for(end) - len(self.blocks))
+        written = range(start // size, min(len(self.blocks), -(-end // size))) if end > start else range(0)
+        shared = [i for i in written if self.blocks[i].ref_count > 1]
+        fresh = self.storage.pool.allocate(missing + len(shared)) if missing or shared else []
         if fresh is None:
             return False
-        self.blocks.extend(fresh)
+        for index, copy in zip(shared, fresh):
+            self.storage.copy_block(self.blocks[index].block_id, copy.block_id)
+            self.storage.pool.free([self.blocks[index]])  # still referenced by the other sequence
+            self.blocks[index] = copy
+        self.blocks.extend(fresh[len(shared) :])
         self._refresh_table()
         return True
 
@@ -79,22 +91,11 @@ class PagedCache(KVCache):
         self._refresh_table()
 
     def _prepare_write(self, start: int, end: int) -> None:
-        if not self.reserve(end):
+        if not self.prepare_write(start, end):
             raise CacheFullError(
                 f"the KV block pool is full ({self.storage.pool.num_blocks} blocks of {self.storage.block_size} "
                 "tokens): raise the KV budget, lower max_new_tokens, or free other sequences"
             )
-        size = self.storage.block_size
-        for index in range(start // size, -(-end // size)):
-            block = self.blocks[index]
-            if block.ref_count > 1:  # shared with a fork: copy before writing
-                replacement = self.storage.pool.allocate(1)
-                if replacement is None:
-                    raise CacheFullError("the KV block pool is full: no block left to copy a shared block into")
-                self.storage.copy_block(block.block_id, replacement[0].block_id)
-                self.storage.pool.free([block])
-                self.blocks[index] = replacement[0]
-                self._refresh_table()
 
     def _refresh_table(self) -> None:
         self._table = torch.tensor([b.block_id for b in self.blocks], dtype=torch.int64)
@@ -103,8 +104,13 @@ class PagedCache(KVCache):
         assert keys.shape[0] == 1, "a PagedCache holds one sequence"
         start, end = self._seq_len, self._seq_len + keys.shape[2]
         self._prepare_write(start, end)
+        self._write(layer, start, keys, values)
+        return self._gather(self.storage.keys[layer], end), self._gather(self.storage.values[layer], end)
+
+    def _write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store [1, H, S, D] at positions start.. of `layer` (blocks already prepared)."""
         size, store_k, store_v = self.storage.block_size, self.storage.keys[layer], self.storage.values[layer]
-        position = start
+        position, end = start, start + keys.shape[2]
         while position < end:  # one slice copy per block spanned
             block, offset = self.blocks[position // size].block_id, position % size
             count = min(size - offset, end - position)
@@ -112,7 +118,6 @@ class PagedCache(KVCache):
             store_k[block, :, offset : offset + count] = keys[0, :, source]
             store_v[block, :, offset : offset + count] = values[0, :, source]
             position += count
-        return self._gather(store_k, end), self._gather(store_v, end)
 
     def _gather(self, store: torch.Tensor, length: int) -> torch.Tensor:
         """[N, H, bs, D] -> this sequence's first `length` positions, [1, H, length, D] (a copy: the
@@ -141,12 +146,55 @@ class PagedCache(KVCache):
         self.storage.pool.free(self.blocks[keep:])
         del self.blocks[keep:]
         self._seq_len = num_tokens
+        self._removed = self._removed if num_tokens else 0
+        self._refresh_table()
+
+    @property
+    def positions_removed(self) -> int:
+        return self._removed
+
+    def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
+        """As ContiguousCache.remove_range: the tail moves back into the removed positions (shared
+        blocks there are copied first), then the blocks past the new end go back to the pool."""
+        if not 0 <= start <= end <= self._seq_len:
+            raise ValueError(f"cannot remove positions {start}..{end}: the cache holds {self._seq_len}")
+        removed, new_len = end - start, self._seq_len - (end - start)
+        if removed == 0:
+            return
+        if not self.prepare_write(start, new_len):
+            raise CacheFullError("the KV block pool is full: no block left to copy a shared block into before moving positions")
+        for layer in range(self.spec.num_layers):
+            keys = self._gather(self.storage.keys[layer], self._seq_len)[:, :, end:]  # [1, H, tail, D] copies
+            values = self._gather(self.storage.values[layer], self._seq_len)[:, :, end:]
+            self._write(layer, start, rerotate(layer, keys, -removed), values)
+        self.truncate(new_len)
+        self._removed += removed
+
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        """Share `source`'s whole blocks of the prefix by reference count; copy its partial last block
+        (so neither sequence's next write has to). Full pool: CacheFullError, nothing changed."""
+        self._check_copy_source(source, num_tokens)
+        assert isinstance(source, PagedCache)
+        if source.storage is not self.storage:
+            raise ValueError("copy_prefix between paged caches needs one shared PagedStorage")
+        size = self.storage.block_size
+        whole, partial = divmod(num_tokens, size)
+        copy = self.storage.pool.allocate(1 if partial else 0)
+        if copy is None:
+            raise CacheFullError("the KV block pool is full: no block left for the partial last block of the prefix")
+        shared = source.blocks[:whole]
+        self.storage.pool.share(shared)
+        if partial:
+            self.storage.copy_block(source.blocks[whole].block_id, copy[0].block_id)
+        self.storage.pool.free(self.blocks)
+        self.blocks, self._seq_len = [*shared, *copy], num_tokens
+        self._removed = source._removed if num_tokens == source.seq_len else 0
         self._refresh_table()
 
     def fork(self) -> "PagedCache":
         twin = PagedCache(self.storage)
         self.storage.pool.share(self.blocks)
-        twin.blocks, twin._seq_len = list(self.blocks), self._seq_len
+        twin.blocks, twin._seq_len, twin._removed = list(self.blocks), self._seq_len, self._removed
         twin._refresh_table()
         return twin
 

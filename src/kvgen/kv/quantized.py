@@ -62,6 +62,14 @@ class QuantizedCache(KVCache):
         for marks in self._rounded:
             marks[0], marks[1] = min(marks[0], num_tokens), min(marks[1], num_tokens)
 
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        self._check_copy_source(source, num_tokens)
+        assert isinstance(source, QuantizedCache)
+        if (source.key_codec, source.value_codec, source.residual) != (self.key_codec, self.value_codec, self.residual):
+            raise ValueError("copy_prefix between quantized caches needs the same codecs and residual window")
+        self.mirror.copy_prefix(source.mirror, num_tokens)
+        self._rounded = [[min(k, num_tokens), min(v, num_tokens)] for k, v in source._rounded]
+
     def fork(self) -> "QuantizedCache":
         twin = QuantizedCache.__new__(QuantizedCache)
         twin.spec, twin.key_codec, twin.value_codec, twin.residual = self.spec, self.key_codec, self.value_codec, self.residual

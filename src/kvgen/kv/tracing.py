@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgen.kv.interface import KVCache, KVLayout
+from kvgen.kv.interface import AttentionSpan, KVCache, KVLayout, Rerotate
 
 
 @dataclass(frozen=True)
 class CacheOp:
-    name: str  # update, commit, truncate, fork, reset, kernel_layout
+    name: str  # update, commit, truncate, fork, reset, kernel_layout, remove_range, copy_prefix
     layer: int | None = None
     num_tokens: int | None = None  # positions written / committed / kept
     seq_len_before: int = 0
@@ -47,6 +47,24 @@ class TracingCache(KVCache):
 
     def visible_start(self, layer: int) -> int:
         return self.inner.visible_start(layer)
+
+    def attention_span(self, layer: int, model_window: int | None) -> AttentionSpan:
+        return self.inner.attention_span(layer, model_window)
+
+    @property
+    def positions_removed(self) -> int:
+        return self.inner.positions_removed
+
+    def can_resume(self, num_tokens: int) -> bool:
+        return self.inner.can_resume(num_tokens)
+
+    def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
+        self._record("remove_range", num_tokens=end - start)
+        self.inner.remove_range(start, end, rerotate)
+
+    def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
+        self._record("copy_prefix", num_tokens=num_tokens)
+        self.inner.copy_prefix(source.inner if isinstance(source, TracingCache) else source, num_tokens)
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._record("update", layer, keys.shape[2])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig, RopeScaling
-from kvgen.kv.interface import KVCache
+from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
@@ -130,12 +130,13 @@ class DecoderLM(nn.Module):
             positions = torch.arange(start, start + seq).expand(batch, seq)
         h = self._embed(input_ids)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
-        masks: dict[tuple[int | None, int], AttentionMask] = {}
+        masks: dict[tuple[AttentionSpan, int], AttentionMask] = {}
         for i, block in enumerate(self.layers):
-            window, key_start = self.config.window_for(i), cache.visible_start(i)
-            if (window, key_start) not in masks:
-                masks[window, key_start] = AttentionMask.build(start, seq, key_start, start + seq - key_start, window)
-            h = block(h, ropes[self.rope_index[i]], cache, masks[window, key_start])
+            span, key_start = cache.attention_span(i, self.config.window_for(i)), cache.visible_start(i)
+            if (span, key_start) not in masks:
+                num_keys = start + seq - key_start
+                masks[span, key_start] = AttentionMask.build(start, seq, key_start, num_keys, span.window, span.sinks, span.chunk)
+            h = block(h, ropes[self.rope_index[i]], cache, masks[span, key_start])
         cache.commit(seq)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -167,13 +168,14 @@ class DecoderLM(nn.Module):
         h = self._embed(padded)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
         view = BatchCacheView(caches, lengths)
-        masks: dict[tuple[int | None, tuple[int, ...]], AttentionMask] = {}
+        masks: dict[tuple[tuple[AttentionSpan, ...], tuple[int, ...]], AttentionMask] = {}
         for i, block in enumerate(self.layers):
             window = self.config.window_for(i)
+            spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
-            if (window, key_starts) not in masks:
-                masks[window, key_starts] = AttentionMask(build_batch_mask(starts, lengths, list(key_starts), window), False)
-            h = block(h, ropes[self.rope_index[i]], view, masks[window, key_starts])
+            if (spans, key_starts) not in masks:
+                masks[spans, key_starts] = AttentionMask(build_batch_mask(starts, lengths, list(key_starts), list(spans)), False)
+            h = block(h, ropes[self.rope_index[i]], view, masks[spans, key_starts])
         for cache, n in zip(caches, lengths):
             cache.commit(n)
         last = h[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.kv.interface import KVCache
+from kvgen.kv.interface import AttentionSpan, KVCache
 
 
 class BatchCacheView:
@@ -40,11 +40,14 @@ def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def build_batch_mask(starts: list[int], lengths: list[int], key_starts: list[int], window: int | None) -> torch.Tensor:
+def build_batch_mask(
+    starts: list[int], lengths: list[int], key_starts: list[int], spans: list[AttentionSpan]
+) -> torch.Tensor:
     """Per-row mask [B, 1, S_max, L_max], True = may attend.
 
     Row i: query j (< lengths[i]) sits at position starts[i] + j; key k at key_starts[i] + k, and the
-    row holds starts[i] + lengths[i] - key_starts[i] keys. Padded queries may see key 0 only, so SDPA
+    row holds starts[i] + lengths[i] - key_starts[i] keys; spans[i] narrows what it sees (window,
+    sinks, chunk) as AttentionMask.build does for one row. Padded queries may see key 0 only, so SDPA
     never meets an all-False row (whose softmax would be NaN); their outputs are discarded.
     """
     num_queries = max(lengths)
@@ -52,12 +55,20 @@ def build_batch_mask(starts: list[int], lengths: list[int], key_starts: list[int
     longest = max(num_keys)
     q = torch.arange(num_queries)[None, :, None]  # [1, S, 1]
     k = torch.arange(longest)[None, None, :]  # [1, 1, L]
-    start = torch.tensor(starts)[:, None, None]  # [B, 1, 1]
-    key_start = torch.tensor(key_starts)[:, None, None]
-    query_pos, key_pos = start + q, key_start + k  # [B, S, 1], [B, 1, L]
+    query_pos = torch.tensor(starts)[:, None, None] + q  # [B, S, 1]
+    key_pos = torch.tensor(key_starts)[:, None, None] + k  # [B, 1, L]
     allowed = (key_pos <= query_pos) & (k < torch.tensor(num_keys)[:, None, None])
-    if window is not None:
-        allowed &= query_pos - key_pos < window
+    unlimited = query_pos.max().item() + 1  # a window or chunk this long narrows nothing
+    window = _per_row([s.window for s in spans], unlimited)
+    sinks = _per_row([s.sinks for s in spans], 0)
+    chunk = _per_row([s.chunk for s in spans], unlimited)
+    allowed &= (query_pos - key_pos < window) | (key_pos < sinks)
+    allowed &= key_pos // chunk == query_pos // chunk
     padded_query = q >= torch.tensor(lengths)[:, None, None]  # [B, S, 1]
     allowed = torch.where(padded_query, k == 0, allowed)
     return allowed[:, None]  # [B, 1, S, L]
+
+
+def _per_row(values: list[int | None], default: int) -> torch.Tensor:
+    """One value per row as a [B, 1, 1] tensor, `default` where a row has none."""
+    return torch.tensor([default if v is None else v for v in values])[:, None, None]

@@ -131,10 +131,8 @@ class FastDecoder:
             lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr)
             keys, values = cache.update(layer, self.k_new, self.v_new)  # [1, H_kv, L, D] views
             assert keys.dtype == torch.float32 and keys.stride(3) == 1 and values.stride(3) == 1
-            key_start = cache.visible_start(layer)
-            end = keys.shape[2]
-            window = config.window_for(layer)
-            start = max(0, position - window + 1 - key_start) if window else 0
+            span = cache.attention_span(layer, config.window_for(layer))
+            start, end = span.decode_start(position, cache.visible_start(layer)), keys.shape[2]
             lib.kvgen_block_post(ctypes.byref(block), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2),
                                  values.data_ptr(), values.stride(1), values.stride(2), start, end)  # fmt: skip
         cache.commit(1)

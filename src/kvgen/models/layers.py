@@ -36,22 +36,30 @@ class AttentionMask:
     is_causal: bool
 
     @classmethod
-    def build(cls, query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None) -> "AttentionMask":
-        """Causal (and windowed) mask for queries at query_start.. over keys at key_start..
+    def build(
+        cls, query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None,
+        sinks: int = 0, chunk: int | None = None,
+    ) -> "AttentionMask":  # fmt: skip
+        """Causal mask for queries at query_start.. over keys at key_start.., narrowed to the last
+        `window` positions (the first `sinks` stay visible) and to the query's own `chunk`.
 
         Decode without a window needs no mask at all, and a fresh prefill without a window uses SDPA's
         own causal path; only the other cases materialise an [S, L] mask.
         """
-        windowed = window is not None and query_start + num_queries - key_start > window
-        if not windowed and num_queries == 1:
+        query_end = query_start + num_queries
+        windowed = window is not None and query_end - key_start > window
+        chunked = chunk is not None and key_start < (query_end - 1) // chunk * chunk
+        if not windowed and not chunked and num_queries == 1:
             return cls(None, False)
-        if not windowed and query_start == 0 and key_start == 0:
+        if not windowed and not chunked and query_start == 0 and key_start == 0:
             return cls(None, True)
-        query_pos = torch.arange(query_start, query_start + num_queries)[:, None]
+        query_pos = torch.arange(query_start, query_end)[:, None]
         key_pos = torch.arange(key_start, key_start + num_keys)[None, :]
         allowed = key_pos <= query_pos
         if window is not None:
-            allowed &= query_pos - key_pos < window
+            allowed &= (query_pos - key_pos < window) | (key_pos < sinks)
+        if chunk is not None:
+            allowed &= key_pos // chunk == query_pos // chunk
         return cls(allowed[None, None], False)
 
 
