@@ -16,7 +16,7 @@ from kvgen.engine.config import EngineConfig
 from kvgen.engine.request import Request, RequestOutput, RequestStatus
 from kvgen.engine.runner import ModelRunner
 from kvgen.engine.scheduler import Scheduler
-from kvgen.errors import PromptTooLongError
+from kvgen.generate import Generator
 from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.interface import CacheSpec
 from kvgen.kv.paged import PagedStorage
@@ -40,6 +40,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.storage, self.config)
         self.runner = ModelRunner(self.model)
         self.requests: dict[str, Request] = {}
+        self._prompts = Generator(self.model, self.tokenizer, self.max_context)  # the same prompt checks as one-shot generation
 
     def make_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -48,18 +49,7 @@ class LLMEngine:
         """A validated request, not yet queued (safe to call from any thread: it touches no state).
         Raises ValueError saying what to change when the request cannot run."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty: give some text or token ids")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_context:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but the context holds {self.max_context} (prompt + output): "
-                f"shorten it to at most {self.max_context - 1} tokens"
-            )
+        ids = self._prompts.encode_prompt(prompt)  # empty, out-of-vocabulary or too-long prompts raise
         longest = min(len(ids) + params.max_new_tokens, self.max_context)
         pool = self.storage.pool
         if pool.blocks_for(longest) > pool.num_blocks:
