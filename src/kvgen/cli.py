@@ -15,6 +15,7 @@ from kvgen.errors import KvgenError
 from kvgen.generate import GenerationResult
 from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
 from kvgen.loading.weight_format import WEIGHT_MODES
+from kvgen.sampling.grammar import StructuredOutput
 from kvgen.sampling.params import SamplingParams
 
 EXIT_USAGE = 2
@@ -39,7 +40,18 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating prompt or output tokens")
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--min-new-tokens", type=int, default=0, help="hold off EOS until this many tokens")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeat for several); not printed")
+    structured = parser.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    structured.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
+    structured.add_argument("--regex", help="constrain the output to this regular expression")
+    structured.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or GBNF (llama.cpp) grammar")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
 
 
@@ -74,10 +86,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _structured(args: argparse.Namespace) -> StructuredOutput | None:
+    from pathlib import Path
+
+    def read(path: str, what: str) -> str:
+        if not Path(path).is_file():
+            raise ValueError(f"{what} file {path!r} not found: give a readable file")
+        return Path(path).read_text()
+
+    if args.json_schema:
+        return StructuredOutput.json_schema(read(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return StructuredOutput.json_object()
+    if args.regex:
+        return StructuredOutput.regex(args.regex)
+    if args.grammar:
+        text = read(args.grammar, "--grammar")
+        return StructuredOutput.gbnf(text) if "::=" in text else StructuredOutput.lark(text)
+    return None
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
+        stop=tuple(args.stop), structured=_structured(args),
+    )  # fmt: skip
 
 
 def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models` starts fast

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from kvgen.config import CacheConfig
-from kvgen.generate import GenerationResult, GenerationStream, Generator
+from kvgen.generate import ChunkCallback, GenerationResult, GenerationStream, Generator
 from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
 from kvgen.loading.hf import load_hf_folder
@@ -58,11 +58,19 @@ class LLM:
         checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
         return cls(build_model(checkpoint), checkpoint, max_context, cache)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        return self.generator.generate(prompt, params)
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None
+    ) -> GenerationResult:
+        return self.generator.generate(prompt, params, on_chunk)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
-        return self.generator.stream(prompt, params)
+    def generate_n(self, prompt: str | Sequence[int], params: SamplingParams) -> list[GenerationResult]:
+        """params.n samples that share one prefill of the prompt."""
+        return self.generator.generate_n(prompt, params)
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None
+    ) -> GenerationStream:
+        return self.generator.stream(prompt, params, on_chunk)
 
     def session(self, system_prompt: str | None = None) -> Session:
         return Session(self.generator, system_prompt)
