@@ -105,3 +105,42 @@ def test_metrics_count_requests_tokens_and_latencies(client, server) -> None:
     assert values['kvgen_requests_total{endpoint="completions",status="ok"}'] >= 1
     assert values["kvgen_generation_tokens_total"] >= 5
     assert values["kvgen_time_to_first_token_seconds_count"] >= 1
+
+
+def test_json_schema_output_validates(client, server) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Invent a person; answer in JSON."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert reply.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "A JSON list of colors."}],
+                                         max_tokens=40, temperature=0, response_format={"type": "json_object"})  # fmt: skip
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    server.assert_no_leaks()
+
+
+def test_stop_strings_and_logprobs_match_the_reference(client, server, smollm2) -> None:
+    ids = smollm2.tokenizer.encode(PROMPTS[0])
+    full = smollm2.generate(ids, SamplingParams(max_new_tokens=12)).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = smollm2.generate(ids, SamplingParams(max_new_tokens=12, stop=(stop,)))
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop], logprobs=2)
+    assert reply.choices[0].text == expected.text and stop not in reply.choices[0].text
+    assert reply.choices[0].finish_reason == "stop"
+    reference = smollm2.generate(ids, SamplingParams(max_new_tokens=4, logprobs=True, top_logprobs=2)).logprobs
+    chat_free = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    got = chat_free.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in reference], abs=1e-4)
+    assert [len(top) for top in got.top_logprobs] == [2] * 4
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                              temperature=0, logprobs=True, top_logprobs=1, stream=True)  # fmt: skip
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 1 and e.logprob <= 0 for e in entries)
+    server.assert_no_leaks()

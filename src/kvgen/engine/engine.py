@@ -25,7 +25,11 @@ from kvgen.sampling.params import SamplingParams
 
 class LLMEngine:
     # SamplingParams fields the engine honours; the server rejects the others with a clear 400.
-    supported_params = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"})
+    supported_params = frozenset({
+        "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "stop", "ignore_eos",
+        "logprobs", "top_logprobs", "structured",
+    })  # fmt: skip
 
     def __init__(self, llm, config: EngineConfig | None = None):  # llm: kvgen.LLM
         self.config = config or EngineConfig()
@@ -49,6 +53,10 @@ class LLMEngine:
         """A validated request, not yet queued (safe to call from any thread: it touches no state).
         Raises ValueError saying what to change when the request cannot run."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"the engine runs one sample per request, got n={params.n}: submit n requests (seeds seed + i)")
+        if params.context_shift:
+            raise ValueError("context_shift is not supported by the batching engine: leave it off")
         ids = self._prompts.encode_prompt(prompt)  # empty, out-of-vocabulary or too-long prompts raise
         longest = min(len(ids) + params.max_new_tokens, self.max_context)
         pool = self.storage.pool
@@ -60,7 +68,8 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
-        return Request(request_id, ids, params, self.tokenizer, frozenset(stop_ids), self.max_context, priority, salt)
+        vocab = self.model.config.vocab_size
+        return Request(request_id, ids, params, self.tokenizer, frozenset(stop_ids), self.max_context, vocab, priority, salt)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

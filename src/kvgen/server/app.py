@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.server.choices import ChoiceResult, collect, run_choices
 from kvgen.server.errors import APIError, install_error_handlers
+from kvgen.server.logprobs import chat_logprobs, completion_logprobs
 from kvgen.server.metrics import ServerMetrics
 from kvgen.server.params import build_params
 from kvgen.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -102,14 +103,15 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         choices = run_choices(engine, request_id, prompt_ids, params, body.priority, metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(finish(stream_events(choices, head, chat, include_usage), endpoint), media_type="text/event-stream")
+            events = stream_events(choices, head, chat, include_usage, engine.engine.tokenizer, params[0].logprobs)
+            return StreamingResponse(finish(events, endpoint), media_type="text/event-stream")
         try:
             results = await until_disconnect(http, collect(choices, len(params)))
         finally:
             done(endpoint, "ok")
         if any(r.finish_reason == "error" for r in results):
             raise APIError(500, f"generation failed: {results[0].error}", kind="server_error")
-        return JSONResponse(full_response(results, head, chat))
+        return JSONResponse(full_response(results, head, chat, engine.engine.tokenizer, params[0].logprobs))
 
     def done(endpoint: str, status: str) -> None:
         state["in_flight"] -= 1
@@ -146,21 +148,29 @@ def usage_body(results: list[ChoiceResult]) -> dict:
             "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}}  # fmt: skip
 
 
-def full_response(results: list[ChoiceResult], head: dict, chat: bool) -> dict:
+def logprobs_body(tokenizer, logprobs: list, chat: bool, wanted: bool, offset: int = 0) -> dict | None:
+    if not wanted:
+        return None
+    return chat_logprobs(tokenizer, logprobs) if chat else completion_logprobs(tokenizer, logprobs, offset)
+
+
+def full_response(results: list[ChoiceResult], head: dict, chat: bool, tokenizer, wanted: bool) -> dict:
     if chat:
         choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-                    "logprobs": None} for r in results]  # fmt: skip
+                    "logprobs": logprobs_body(tokenizer, r.logprobs, chat, wanted)} for r in results]  # fmt: skip
         return head | {"object": "chat.completion", "choices": choices, "usage": usage_body(results)}
-    choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None} for r in results]
+    choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason,
+                "logprobs": logprobs_body(tokenizer, r.logprobs, chat, wanted)} for r in results]  # fmt: skip
     return head | {"object": "text_completion", "choices": choices, "usage": usage_body(results)}
 
 
-async def stream_events(choices, head: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def stream_events(choices, head: dict, chat: bool, include_usage: bool, tokenizer, wanted: bool) -> AsyncIterator[str]:
     """SSE: a chunk per new text (per choice), a last chunk per choice with its finish_reason, then
     (when asked) a chunk with the usage and no choices, then [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     results: dict[int, ChoiceResult] = {}
     started: set[int] = set()
+    offsets: dict[int, int] = {}  # completions' text_offset goes on across chunks
 
     def event(choice: dict, usage: dict | None = None) -> str:
         body = head | {"object": kind, "choices": [choice] if choice else []}
@@ -176,13 +186,16 @@ async def stream_events(choices, head: dict, chat: bool, include_usage: bool) ->
             if output.finish_reason == "error":
                 yield f"data: {json.dumps({'error': {'message': output.error, 'type': 'server_error'}})}\n\n"
                 return
-            if output.text:
-                delta = {"delta": {"content": output.text}} if chat else {"text": output.text, "logprobs": None}
-                yield event({"index": index, **delta, "finish_reason": None})
+            logprobs = logprobs_body(tokenizer, output.logprobs, chat, wanted, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(output.text)
+            text_key = "delta" if chat else "text"
+            text_value = {"content": output.text} if chat else output.text
             if output.finished:
                 results[index] = result
-                end = {"delta": {}} if chat else {"text": "", "logprobs": None}
-                yield event({"index": index, **end, "finish_reason": output.finish_reason})
+                yield event({"index": index, text_key: text_value if output.text else ({} if chat else ""),
+                             "logprobs": logprobs, "finish_reason": output.finish_reason})  # fmt: skip
+            elif output.text or logprobs:
+                yield event({"index": index, text_key: text_value, "logprobs": logprobs, "finish_reason": None})
     finally:  # also when the client went away: cancels what still runs
         await choices.aclose()
     if include_usage:

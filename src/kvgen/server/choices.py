@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.request import RequestOutput
 from kvgen.sampling.params import SamplingParams
+from kvgen.sampling.sampler import TokenLogprob
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ChoiceResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 Event = tuple[int, RequestOutput, ChoiceResult]
@@ -44,6 +46,7 @@ async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, promp
             metrics.generation_tokens.inc(len(output.token_ids))
             last = now
         pieces.append(output.text)
+        result.logprobs.extend(output.logprobs)
         if output.finished:
             result.text, result.finish_reason, result.error = "".join(pieces), output.finish_reason, output.error
             if output.usage is not None:
