@@ -92,6 +92,7 @@ class AsyncLLMEngine:
             self._wakeup.wait(timeout=0.5)
             self._wakeup.clear()
             while self.engine.has_unfinished() or not self._commands.empty():
+                forwards = self.engine.runner.num_forwards
                 with self._state_lock:
                     while not self._commands.empty():
                         self._commands.get()()
@@ -106,6 +107,9 @@ class AsyncLLMEngine:
                 self._deliver(outputs)
                 if self._stopped:
                     return
+                if self.engine.runner.num_forwards == forwards:  # nothing could run: don't spin
+                    self._wakeup.wait(timeout=0.01)
+                    self._wakeup.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

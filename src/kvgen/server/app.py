@@ -105,12 +105,15 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream_events(choices, head, chat, include_usage, engine.engine.tokenizer, params[0].logprobs)
             return StreamingResponse(finish(events, endpoint), media_type="text/event-stream")
+        status = "cancelled"
         try:
             results = await until_disconnect(http, collect(choices, len(params)))
+            failed = [r for r in results if r.finish_reason == "error"]
+            status = "error" if failed else "ok"
         finally:
-            done(endpoint, "ok")
-        if any(r.finish_reason == "error" for r in results):
-            raise APIError(500, f"generation failed: {results[0].error}", kind="server_error")
+            done(endpoint, status)
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0].error}", kind="server_error")
         return JSONResponse(full_response(results, head, chat, engine.engine.tokenizer, params[0].logprobs))
 
     def done(endpoint: str, status: str) -> None:
