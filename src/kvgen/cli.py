@@ -1,4 +1,4 @@
-"""Command line: `kvgen generate`, `kvgen chat`, `kvgen models`.
+"""Command line: `kvgen generate`, `kvgen chat`, `kvgen serve`, `kvgen models`.
 
 A mistake in the input (a path, a file, a prompt, a parameter) prints one line on stderr and exits
 with status 2; only bugs show a traceback.
@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     kv_check.add_argument("--text", default=None, help="calibration text file (default: a built-in passage)")
     kv_check.add_argument("--tokens", type=int, default=512, help="calibration tokens to score")
     _add_model_options(kv_check)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("model_name", nargs="?", default=None, help="same as --model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: env KVGEN_API_KEY, else none)")
+    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask for")
+    serve.add_argument("--max-concurrent", type=int, default=256, help="requests served at once; more get HTTP 429")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
+    serve.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one forward (chunked prefill)")
+    serve.add_argument("--no-prefix-cache", action="store_true")
+    serve.add_argument("--eviction", default="lru", choices=("lru", "lfu"), help="prefix-cache eviction policy")
+    _add_model_options(serve)
     return parser
 
 
@@ -207,7 +219,17 @@ def cmd_kv_check(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check}
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from kvgen.server.launch import serve
+
+    if args.model_name:
+        args.model = args.model_name
+    return serve(args, _load(args), api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
