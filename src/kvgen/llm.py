@@ -44,6 +44,7 @@ class LLM:
         self.path = checkpoint.path
         self.weights = checkpoint.weights
         self.generator = Generator(model, self.tokenizer, max_context, cache)
+        self._batch = None  # BatchGenerator, built on the first generate_batch
 
     @classmethod
     def load(
@@ -71,6 +72,16 @@ class LLM:
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None
     ) -> GenerationStream:
         return self.generator.stream(prompt, params, on_chunk)
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Several prompts decoded together (one batched forward per step); a result per prompt."""
+        if self._batch is None:
+            from kvgen.batch import BatchGenerator  # the engine imports this module's neighbours
+
+            self._batch = BatchGenerator(self)
+        return self._batch.generate(prompts, params)
 
     def session(self, system_prompt: str | None = None) -> Session:
         return Session(self.generator, system_prompt)
