@@ -4,36 +4,25 @@ Users of quantized KV caches get silent corruption when a model's keys do not su
 carry outlier channels; some models' values do too). This scores a calibration text with every K
 dtype (values exact) and every V dtype (keys exact), compares each with the exact cache (KL
 divergence, top-1 agreement, perplexity), and recommends per K and V the fewest bits that stay
-under the thresholds.
+under the thresholds. kvquant3's codebooks are fit on kv/kvquant.py's CALIBRATION_TEXT, the default
+text here too: pass --text with other text for a measure that is not on the fitting data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from kvgen.kv.codecs import KV_DTYPES, key_codec, value_codec
-from kvgen.kv.interface import CacheSpec
+from kvgen.kv.codecs import KV_DTYPES
+from kvgen.kv.kvquant import CALIBRATION_TEXT, build_quantized_cache
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.models.base import DecoderLM
 from kvgen.quality import Scores, kl_divergence, score, top1_agreement
 
 KLD_LIMIT = 0.01  # nats per token
 TOP1_LIMIT = 0.97
-CALIBRATION_TEXT = (
-    "The committee met on a grey Tuesday morning to decide what should be done about the old bridge. "
-    "Some members argued that it ought to be repaired, since the town had crossed it for two hundred years "
-    "and the stone was still sound; others pointed to the cracks along the northern arch and to the cost of "
-    "divers, scaffolding and engineers. A farmer who had driven his cattle over it since boyhood asked to "
-    "speak. \"I do not know the first thing about arches,\" he said, \"but I know that the river rose higher "
-    "last spring than my father ever saw it rise, and that the water came within a hand's breadth of the road.\" "
-    "Nobody answered at once. The chairwoman wrote three numbers on the board: the price of repair, the price "
-    "of a new crossing, and the number of days the valley would be cut in two if nothing were done and the "
-    "bridge failed in the next flood. Then she turned to the engineer, who had said nothing so far, and asked "
-    "him which of the three numbers he would trust least. He smiled, took off his glasses, and said that the "
-    "third one was the only number on the board that nobody in the room could change."
-)
 
 
 @dataclass
@@ -51,27 +40,29 @@ class DtypeResult:
         return self.kld <= KLD_LIMIT and self.top1 >= TOP1_LIMIT
 
 
-def _scores(model: DecoderLM, ids: list[int], k: str, v: str, chunk: int, residual: int) -> Scores:
-    spec = CacheSpec.for_model(model.config, model.dtype)
+def quantized_cache(model: DecoderLM, tokenizer: Any, k: str, v: str, residual: int = 32) -> Callable[[int], QuantizedCache]:
+    """A factory of empty caches of `num_tokens` positions storing K and V as `k` and `v`."""
+    return lambda num_tokens: build_quantized_cache(model, tokenizer, num_tokens, num_tokens, k, v, residual)
 
-    def factory(num_tokens: int) -> QuantizedCache:
-        return QuantizedCache(spec, num_tokens, num_tokens, k, v, residual)
 
-    return score(model, factory, ids, chunk_size=chunk, keep_distributions=True)
+def _scores(model: DecoderLM, tokenizer: Any, ids: list[int], k: str, v: str, chunk: int, residual: int) -> Scores:
+    return score(model, quantized_cache(model, tokenizer, k, v, residual), ids, chunk_size=chunk, keep_distributions=True)
 
 
 @torch.inference_mode()
-def check(model: DecoderLM, ids: list[int], chunk: int = 16, residual: int = 32,
+def check(model: DecoderLM, tokenizer: Any, ids: list[int], chunk: int = 16, residual: int = 32,
           dtypes: tuple[str, ...] = KV_DTYPES) -> tuple[Scores, list[DtypeResult]]:  # fmt: skip
-    exact = _scores(model, ids, "fp32", "fp32", chunk, residual)
+    exact = _scores(model, tokenizer, ids, "fp32", "fp32", chunk, residual)
     results = []
     for part in ("K", "V"):
         for dtype in dtypes:
             k, v = (dtype, "fp32") if part == "K" else ("fp32", dtype)
-            scores = _scores(model, ids, k, v, chunk, residual)
-            codec = key_codec(dtype) if part == "K" else value_codec(dtype)
+            factory = quantized_cache(model, tokenizer, k, v, residual)
+            scores = score(model, factory, ids, chunk_size=chunk, keep_distributions=True)
+            cache = factory(1)
+            bits = (cache.key_codec if part == "K" else cache.value_codec).bits_per_value(cache.spec.head_dim)
             results.append(DtypeResult(
-                part, dtype, codec.bits_per_value, scores.perplexity,
+                part, dtype, bits, scores.perplexity,
                 100 * (scores.perplexity / exact.perplexity - 1), kl_divergence(exact, scores),
                 top1_agreement(exact, scores),
             ))  # fmt: skip
@@ -85,10 +76,10 @@ def recommend(results: list[DtypeResult], part: str) -> DtypeResult:
 
 
 def report(results: list[DtypeResult]) -> str:
-    lines = [f"{'part':4s} {'dtype':6s} {'bits':>6s} {'ppl':>9s} {'dPPL%':>7s} {'KLD':>8s} {'top-1':>6s}  verdict"]
+    lines = [f"{'part':4s} {'dtype':8s} {'bits':>6s} {'ppl':>9s} {'dPPL%':>7s} {'KLD':>8s} {'top-1':>6s}  verdict"]
     for r in results:
         verdict = "ok" if r.accepted else f"REJECT (KLD > {KLD_LIMIT} or top-1 < {TOP1_LIMIT})"
-        lines.append(f"{r.part:4s} {r.dtype:6s} {r.bits_per_value:6.2f} {r.perplexity:9.3f} {r.delta_ppl_pct:+7.2f} "
+        lines.append(f"{r.part:4s} {r.dtype:8s} {r.bits_per_value:6.2f} {r.perplexity:9.3f} {r.delta_ppl_pct:+7.2f} "
                      f"{r.kld:8.5f} {r.top1:6.3f}  {verdict}")  # fmt: skip
     k, v = recommend(results, "K"), recommend(results, "V")
     lines.append(f"recommended: --kv-cache quantized --kv-dtype-k {k.dtype} --kv-dtype-v {v.dtype}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from kvgen.kv.codecs import KV_DTYPES
 from kvgen.kv_check import KLD_LIMIT, DtypeResult, recommend
 from tests.cli.test_cli import kvgen
 from tests.support.models import model_path
@@ -32,7 +33,7 @@ def test_kv_check_command_reports_every_dtype_and_a_consistent_choice() -> None:
     result = kvgen("kv-check", "smollm2", "--tokens", "128", "--weights", "fp32", "--no-progress")
     assert result.returncode == 0, result.stderr
     rows = re.findall(r"^([KV])\s+(\w+)\s+([\d.]+)\s+[\d.]+\s+[+-][\d.]+\s+([\d.]+)\s+([\d.]+)\s+(ok|REJECT)", result.stdout, re.M)
-    assert len(rows) == 14  # 7 dtypes for K, 7 for V
+    assert len(rows) == 2 * len(KV_DTYPES)  # every dtype for K, then for V
     chosen = re.search(r"--kv-dtype-k (\w+) --kv-dtype-v (\w+)", result.stdout)
     assert chosen is not None
     for part, pick in zip("KV", chosen.groups()):

@@ -1,75 +1,167 @@
-"""K/V storage codecs: how a cached key or value is rounded, and what it costs in bits.
+"""K/V storage codecs: how a block of cached vectors is packed into bytes, and read back.
 
-Each codec rounds a block of cached vectors [H, S, D] exactly as its storage would (quantize, then
-dequantize). Per-token codecs round each position on its own; KIVI's key codec rounds each channel
-over a group of tokens (keys have outlier channels, values do not), so it waits for a full group.
+A codec encodes whole blocks of BLOCK_TOKENS positions: `encode(x [H, N, B, D], layer)` returns the
+tensors that are really stored (codes bit-packed into uint8, fp8, int8, fp16/bf16, plus scales and
+offsets), each [H, N, ...]; `decode(parts, layer)` gives fp32 [H, N, B, D] back. Per-token codecs
+round each position on its own; KIVI's key codec rounds each channel over the block (keys have
+outlier channels, values do not). KVQuant's 3-bit codecs live in kv/kvquant.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from abc import ABC, abstractmethod
 
 import torch
 
+from kvgen.kv.bitpack import pack, unpack
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
+BLOCK_TOKENS = 32  # positions packed together (also KIVI's key group)
+CHANNEL_GROUP = 32  # channels sharing one scale/offset in the per-token integer codecs
+MIN_STEP = 1e-6  # scales below this would underflow fp16
+
+Parts = dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Codec:
+class Codec(ABC):
     name: str
-    bits_per_value: float  # storage, including amortized scales (fp16 scale/offset per group)
-    round: Callable[[torch.Tensor], torch.Tensor]  # [H, S, D] -> same shape, as stored
-    group_tokens: int = 1  # positions rounded together (1 = each position alone)
+    keys_before_rope: bool = False  # encode() wants keys as they were before RoPE
+    sink_tokens: int = 0  # leading positions this codec wants kept in full precision
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        """x [H, N, B, D] fp32 -> stored tensors, each [H, N, ...]."""
+
+    @abstractmethod
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        """Stored tensors [H, N, ...] -> fp32 [H, N, B, D]."""
+
+    def round(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """x [H, S, D] (S a multiple of BLOCK_TOKENS) -> as stored and read back."""
+        heads, seq, dim = x.shape
+        blocks = x.reshape(heads, seq // BLOCK_TOKENS, BLOCK_TOKENS, dim)
+        return self.decode(self.encode(blocks, layer), layer).reshape(heads, seq, dim)
+
+    def bits_per_value(self, head_dim: int) -> float:
+        """Stored bits per cached value, scales and offsets included, measured on the real tensors."""
+        parts = self.encode(torch.zeros(1, 1, BLOCK_TOKENS, head_dim), 0)
+        return 8 * sum(p.numel() * p.element_size() for p in parts.values()) / (BLOCK_TOKENS * head_dim)
 
 
-def _cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: x.to(dtype).to(x.dtype)
+class CastCodec(Codec):
+    """fp32 / fp16 / bf16: the values themselves in a narrower float."""
+
+    def __init__(self, name: str, dtype: torch.dtype):
+        self.name, self.dtype = name, dtype
+
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        return {"x": x.to(self.dtype)}
+
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        return parts["x"].float()
 
 
-def _fp8(x: torch.Tensor) -> torch.Tensor:
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # per position
-    return (x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale
+def _fp16_scale(x: torch.Tensor) -> torch.Tensor:
+    """A positive fp16 scale; codes are computed with the rounded scale so they match what is stored."""
+    return x.clamp(min=MIN_STEP).to(torch.float16)
 
 
-def _int8(x: torch.Tensor) -> torch.Tensor:
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(x / scale).clamp(-127, 127) * scale
+class Fp8Codec(Codec):
+    """float8 e4m3 with one fp16 scale per position."""
+
+    name = "fp8"
+
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        scale = _fp16_scale(x.abs().amax(-1, keepdim=True) / FP8_MAX)  # [H, N, B, 1]
+        return {"codes": (x / scale.float()).to(torch.float8_e4m3fn), "scale": scale}
+
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        return parts["codes"].float() * parts["scale"].float()
 
 
-def _asymmetric(x: torch.Tensor, bits: int, dim: int, group: int) -> torch.Tensor:
-    """Min/max rounding to 2**bits levels over groups of `group` elements along `dim`."""
-    moved = x.movedim(dim, -1)
-    shape = moved.shape
-    grouped = moved.reshape(*shape[:-1], shape[-1] // group, group)
-    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
-    step = ((high - low) / (2**bits - 1)).clamp(min=1e-12)
-    rounded = torch.round((grouped - low) / step) * step + low
-    return rounded.reshape(shape).movedim(-1, dim)
+class Int8Codec(Codec):
+    """Symmetric int8 with one fp16 scale per position."""
+
+    name = "int8"
+
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        scale = _fp16_scale(x.abs().amax(-1, keepdim=True) / 127)  # [H, N, B, 1]
+        return {"codes": torch.round(x / scale.float()).clamp(-127, 127).to(torch.int8), "scale": scale}
+
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        return parts["codes"].float() * parts["scale"].float()
 
 
-KIVI_GROUP = 32
+def min_max_encode(x: torch.Tensor, bits: int) -> Parts:
+    """Asymmetric rounding to 2**bits levels over the last dim of x [..., G]: codes, fp16 step and low."""
+    low = x.amin(-1, keepdim=True).to(torch.float16)
+    step = _fp16_scale((x.amax(-1, keepdim=True) - low.float()) / (2**bits - 1))
+    codes = torch.round((x - low.float()) / step.float()).clamp(0, 2**bits - 1)
+    return {"codes": codes, "step": step, "low": low}
+
+
+class PerTokenIntCodec(Codec):
+    """Min/max integer codes per position, one fp16 step and offset per CHANNEL_GROUP channels
+    (KIVI's value codec at 4 bits; the plain uniform baseline at 3)."""
+
+    def __init__(self, name: str, bits: int):
+        self.name, self.bits = name, bits
+
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        heads, blocks, tokens, dim = x.shape
+        grouped = x.reshape(heads, blocks, tokens, dim // CHANNEL_GROUP, CHANNEL_GROUP)
+        parts = min_max_encode(grouped, self.bits)
+        parts["codes"] = pack(parts["codes"].reshape(heads, blocks, tokens, dim), self.bits)
+        return parts
+
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        step, low = parts["step"], parts["low"]  # [H, N, B, D/G, 1]
+        codes = unpack(parts["codes"], self.bits).reshape(*step.shape[:-1], CHANNEL_GROUP)
+        return (codes * step.float() + low.float()).flatten(-2)
+
+
+class KiviKeyCodec(Codec):
+    """KIVI keys: int4 per channel over the block's positions (fp16 step and offset per channel)."""
+
+    name = "int4"
+
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        parts = min_max_encode(x.transpose(-1, -2), 4)  # per channel: [H, N, D, B]
+        parts["codes"] = pack(parts["codes"].transpose(-1, -2), 4)  # [H, N, B, D/2]
+        return parts
+
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        codes = unpack(parts["codes"], 4)  # [H, N, B, D]
+        return codes * parts["step"].float().transpose(-1, -2) + parts["low"].float().transpose(-1, -2)
+
+
 CODECS: dict[str, Codec] = {
-    "fp32": Codec("fp32", 32, lambda x: x),
-    "fp16": Codec("fp16", 16, _cast(torch.float16)),
-    "bf16": Codec("bf16", 16, _cast(torch.bfloat16)),
-    "fp8": Codec("fp8", 8 + 16 / 64, _fp8),
-    "int8": Codec("int8", 8 + 16 / 64, _int8),
-    # KIVI 4-bit: values per token in groups of 32 channels...
-    "int4": Codec("int4", 4 + 32 / KIVI_GROUP, lambda x: _asymmetric(x, 4, dim=-1, group=KIVI_GROUP)),
-    # ...keys per channel over groups of 32 tokens.
-    "int4-kivi-keys": Codec("int4", 4 + 32 / KIVI_GROUP, lambda x: _asymmetric(x, 4, dim=1, group=KIVI_GROUP), KIVI_GROUP),
-    "int3": Codec("int3", 3 + 32 / KIVI_GROUP, lambda x: _asymmetric(x, 3, dim=-1, group=KIVI_GROUP)),
+    "fp32": CastCodec("fp32", torch.float32),
+    "fp16": CastCodec("fp16", torch.float16),
+    "bf16": CastCodec("bf16", torch.bfloat16),
+    "fp8": Fp8Codec(),
+    "int8": Int8Codec(),
+    "int4": PerTokenIntCodec("int4", 4),
+    "int4-kivi-keys": KiviKeyCodec(),
+    "int3": PerTokenIntCodec("int3", 3),
 }
-KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3")
+# kvquant3 needs the model (calibrated codebooks, RoPE): kv/kvquant.py builds its codecs.
+KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "kvquant3")
+MODEL_CALIBRATED = ("kvquant3",)
+
+
+def check_dtype(name: str) -> None:
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
 
 
 def key_codec(name: str) -> Codec:
-    """int4 keys follow KIVI (per channel over tokens); everything else is per position."""
+    """int4 keys follow KIVI (per channel over a block); everything else is per position."""
     return CODECS["int4-kivi-keys"] if name == "int4" else value_codec(name)
 
 
 def value_codec(name: str) -> Codec:
-    if name not in KV_DTYPES:
-        raise ValueError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
+    check_dtype(name)
+    if name in MODEL_CALIBRATED:
+        raise ValueError(f"KV dtype {name!r} is calibrated on a model: build it with kv.kvquant.codecs_for(model, ...)")
     return CODECS[name]

@@ -1,81 +1,206 @@
-"""QuantizedCache: K and V rounded through separate codecs, with a full-precision recent window.
+"""QuantizedCache: K and V packed through separate codecs, with full-precision sink and recent tokens.
 
-Positions older than the last `residual` tokens are rounded exactly as the codec stores them (KIVI
-keeps the most recent tokens in full precision; its per-channel key groups are rounded once a whole
-group has left that window). Attention reads an fp32 mirror holding the rounded values, so outputs
-are those of the quantized storage, but the packed storage itself and a kernel that attends over it
-are not built yet: memory_bytes() reports the fp32 mirror, and `stored_bytes_per_token` what the
-codecs would keep.
+Storage per layer (all positions of a sequence, in order):
+  sink    the first `sink_tokens` positions, fp32 (KVQuant keeps the attention sink exact)
+  packed  blocks of BLOCK_TOKENS positions, stored only as the codecs' codes and scales (PackedStore)
+  tail    the most recent positions, fp32: at least `residual` of them (KIVI's full-precision window)
+          plus the part of a block not yet full
+
+Writes go to the tail; `commit` packs every whole block that has left the residual window, so a
+forward pass that fails half-way changes nothing (only committed positions are ever packed).
+
+Attention reads ONE scratch buffer per cache, [H, capacity, D] for K and V, shared by all layers
+(they run one after another): `update` decodes the layer's blocks into it block-wise, so no fp32 copy
+of the history is held per layer. The returned views are valid until the next `update`.
+Keys of a codec with `keys_before_rope` are un-rotated before packing and rotated back on reading.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
 
-from kvgen.kv.contiguous import ContiguousCache
-from kvgen.kv.codecs import Codec, key_codec, value_codec
+from kvgen.kv.codecs import BLOCK_TOKENS, Codec, key_codec, value_codec
 from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.kv.packed import PackedStore
+from kvgen.models.rotary import rotate_half
+
+# (layer, positions [N]) -> RoPE cos, sin [N, D] of that layer, fp32
+KeyRope = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class QuantizedCache(KVCache):
-    def __init__(self, spec: CacheSpec, capacity: int, max_capacity: int, k_dtype: str, v_dtype: str, residual: int = 32):
-        self.spec = spec
-        self.key_codec, self.value_codec = key_codec(k_dtype), value_codec(v_dtype)
-        self.residual = residual
-        self.mirror = ContiguousCache(spec, capacity, max_capacity=max_capacity)
-        self._rounded = [[0, 0] for _ in range(spec.num_layers)]  # per layer: positions rounded in K, V
+    def __init__(self, spec: CacheSpec, capacity: int, max_capacity: int, k_dtype: str | Codec, v_dtype: str | Codec,
+                 residual: int = 32, key_rope: KeyRope | None = None, block_tokens: int = BLOCK_TOKENS):  # fmt: skip
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if residual < 0:
+            raise ValueError(f"residual must be >= 0, got {residual}")
+        self.key_codec = key_codec(k_dtype) if isinstance(k_dtype, str) else k_dtype
+        self.value_codec = value_codec(v_dtype) if isinstance(v_dtype, str) else v_dtype
+        if self.key_codec.keys_before_rope and key_rope is None:
+            raise ValueError(f"key codec {self.key_codec.name!r} stores keys before RoPE: pass key_rope (the model's rotary tables)")
+        self.spec, self.residual, self.key_rope, self.block_tokens = spec, residual, key_rope, block_tokens
+        self.max_capacity = max(max_capacity, capacity)
+        self.keys_stored_before_rope = self.key_codec.keys_before_rope
+        self.sink_tokens = max(self.key_codec.sink_tokens, self.value_codec.sink_tokens)
+        layers, heads, dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        blocks = math.ceil(max(capacity - self.sink_tokens, 0) / block_tokens)
+        self.key_store = PackedStore(self.key_codec, layers, heads, dim, blocks, block_tokens)
+        self.value_store = PackedStore(self.value_codec, layers, heads, dim, blocks, block_tokens)
+        self._sink = torch.zeros(2, layers, heads, self.sink_tokens, dim)  # [K/V, L, H, sink, D]
+        self._tail = torch.zeros(2, layers, heads, self._tail_size(0), dim)  # [K/V, L, H, T, D]
+        self._scratch = torch.zeros(2, heads, capacity, dim)  # [K/V, H, C, D], one layer at a time
+        self._seq_len = 0
+        self._num_blocks = 0  # packed blocks (the same for every layer)
 
     @property
     def seq_len(self) -> int:
-        return self.mirror.seq_len
+        return self._seq_len
 
     @property
     def capacity(self) -> int:
-        return self.mirror.capacity
+        return self._scratch.shape[2]
+
+    @property
+    def packed_end(self) -> int:
+        """First position not packed (the tail starts here)."""
+        return self.sink_tokens + self._num_blocks * self.block_tokens
 
     @property
     def stored_bytes_per_token(self) -> float:
-        values_per_token = self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
-        return values_per_token * (self.key_codec.bits_per_value + self.value_codec.bits_per_value) / 8
+        """Bytes the codecs store per packed position, all layers, K and V (sink and tail excluded)."""
+        dim, values = self.spec.head_dim, self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
+        return values * (self.key_codec.bits_per_value(dim) + self.value_codec.bits_per_value(dim)) / 8
+
+    def _tail_size(self, needed: int) -> int:
+        return max(needed, self.residual + self.block_tokens)
+
+    def _reserve(self, end: int) -> None:
+        if end > self.max_capacity:
+            raise ValueError(f"cache needs {end} positions but is limited to {self.max_capacity}")
+        if end > self.capacity:
+            grown = torch.zeros((*self._scratch.shape[:2], min(max(end, 2 * self.capacity), self.max_capacity), self.spec.head_dim))
+            self._scratch = grown  # scratch content is rebuilt by every update
+        needed = end - self.packed_end
+        if needed > self._tail.shape[3]:
+            self._resize_tail(needed)
+
+    def _resize_tail(self, size: int) -> None:
+        kept = max(0, self._seq_len - self.packed_end)
+        tail = torch.zeros((*self._tail.shape[:3], self._tail_size(size), self.spec.head_dim))
+        tail[:, :, :, :kept] = self._tail[:, :, :, :kept]
+        self._tail = tail
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        all_keys, all_values = self.mirror.update(layer, keys, values)  # [1, H, L, D] views
-        end = all_keys.shape[2]
-        for index, (codec, stored) in enumerate(((self.key_codec, all_keys), (self.value_codec, all_values))):
-            self._rounded[layer][index] = self._round_ready(codec, stored, self._rounded[layer][index], end)
-        return all_keys, all_values
+        if keys.shape[0] != 1:
+            raise ValueError(f"QuantizedCache holds one sequence; got a batch of {keys.shape[0]}")
+        start, end = self._seq_len, self._seq_len + keys.shape[2]
+        self._reserve(end)
+        new = torch.stack((keys[0], values[0]))  # [K/V, H, S, D]
+        sink_end = min(end, self.sink_tokens)
+        if start < sink_end:
+            self._sink[:, layer, :, start:sink_end] = new[:, :, : sink_end - start]
+        first = max(start, self.sink_tokens)  # first new position that goes to the tail
+        if first < end:
+            offset = first - self.packed_end
+            self._tail[:, layer, :, offset : offset + end - first] = new[:, :, first - start :]
+        return self._assemble(layer, end)
 
-    def _round_ready(self, codec: Codec, stored: torch.Tensor, rounded: int, end: int) -> int:
-        """Round, in place, whole groups that have left the full-precision window; new boundary."""
-        ready = max(0, end - self.residual)
-        ready -= (ready - rounded) % codec.group_tokens
-        if ready > rounded:
-            block = stored[0, :, rounded:ready]  # [H, n, D]
-            stored[0, :, rounded:ready] = codec.round(block)
-        return max(rounded, ready)
+    def _assemble(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..end-1 of `layer` into the scratch buffer: sink, decoded blocks, tail."""
+        scratch, heads, dim = self._scratch, self.spec.num_kv_heads, self.spec.head_dim
+        num_sink, packed_end = min(end, self.sink_tokens), self.packed_end
+        scratch[:, :, :num_sink] = self._sink[:, layer, :, :num_sink]
+        if self._num_blocks:
+            packed = slice(self.sink_tokens, packed_end)
+            keys = self.key_store.read(layer, self._num_blocks).reshape(heads, -1, dim)  # [H, n, D]
+            if self.keys_stored_before_rope:
+                keys = self._rotate(layer, keys, self.sink_tokens, inverse=False)
+            scratch[0, :, packed] = keys
+            scratch[1, :, packed] = self.value_store.read(layer, self._num_blocks).reshape(heads, -1, dim)
+        if end > packed_end:
+            scratch[:, :, packed_end:end] = self._tail[:, layer, :, : end - packed_end]
+        return scratch[0, None, :, :end], scratch[1, None, :, :end]  # [1, H, L, D] views
+
+    def _rotate(self, layer: int, keys: torch.Tensor, first: int, inverse: bool) -> torch.Tensor:
+        """keys [H, n, D] at positions first.. rotated by RoPE (inverse: un-rotated; exact, angles negate)."""
+        assert self.key_rope is not None
+        cos, sin = self.key_rope(layer, torch.arange(first, first + keys.shape[1]))  # [n, D]
+        return keys * cos - rotate_half(keys) * sin if inverse else keys * cos + rotate_half(keys) * sin
 
     def commit(self, num_tokens: int) -> None:
-        self.mirror.commit(num_tokens)
+        if self._seq_len + num_tokens > self.capacity:
+            raise AssertionError(f"commit of {num_tokens} past capacity {self.capacity} at {self._seq_len}")
+        self._seq_len += num_tokens
+        self._pack_ready()
+
+    def _pack_ready(self) -> None:
+        """Pack every whole block of the tail that has left the residual window."""
+        packed_end = self.packed_end
+        ready = (self._seq_len - packed_end - self.residual) // self.block_tokens
+        if self._seq_len < self.sink_tokens or ready <= 0:
+            return
+        count, heads, dim = ready * self.block_tokens, self.spec.num_kv_heads, self.spec.head_dim
+        for store in (self.key_store, self.value_store):
+            store.reserve(self._num_blocks + ready, self._num_blocks)
+        for layer in range(self.spec.num_layers):
+            keys, values = self._tail[:, layer, :, :count]  # [H, n, D] each
+            if self.keys_stored_before_rope:
+                keys = self._rotate(layer, keys, packed_end, inverse=True)
+            self.key_store.write(layer, self._num_blocks, keys.reshape(heads, ready, self.block_tokens, dim))
+            self.value_store.write(layer, self._num_blocks, values.reshape(heads, ready, self.block_tokens, dim))
+        rest = self._seq_len - packed_end - count
+        self._tail[:, :, :, :rest] = self._tail[:, :, :, count : count + rest].clone()
+        self._num_blocks += ready
+        if self._tail.shape[3] > 2 * self._tail_size(0):  # a long prefill grew it: give that back
+            self._resize_tail(rest)
 
     def truncate(self, num_tokens: int) -> None:
-        self.mirror.truncate(num_tokens)
-        for marks in self._rounded:
-            marks[0], marks[1] = min(marks[0], num_tokens), min(marks[1], num_tokens)
+        if not 0 <= num_tokens <= self._seq_len:
+            raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")
+        if num_tokens < self.packed_end and self._num_blocks:
+            # Blocks wholly before num_tokens stay; the kept start of a cut block returns to the tail
+            # as stored (already rounded; it is rounded again when packed anew).
+            kept_blocks, partial = divmod(max(0, num_tokens - self.sink_tokens), self.block_tokens)
+            if partial:
+                for layer in range(self.spec.num_layers):
+                    keys = self.key_store.read_block(layer, kept_blocks)[:, :partial]  # [H, p, D]
+                    if self.keys_stored_before_rope:
+                        keys = self._rotate(layer, keys, self.sink_tokens + kept_blocks * self.block_tokens, inverse=False)
+                    self._tail[0, layer, :, :partial] = keys
+                    self._tail[1, layer, :, :partial] = self.value_store.read_block(layer, kept_blocks)[:, :partial]
+            self._num_blocks = kept_blocks
+        self._seq_len = num_tokens
 
     def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
         self._check_copy_source(source, num_tokens)
         assert isinstance(source, QuantizedCache)
-        if (source.key_codec, source.value_codec, source.residual) != (self.key_codec, self.value_codec, self.residual):
-            raise ValueError("copy_prefix between quantized caches needs the same codecs and residual window")
-        self.mirror.copy_prefix(source.mirror, num_tokens)
-        self._rounded = [[min(k, num_tokens), min(v, num_tokens)] for k, v in source._rounded]
+        mine = (self.key_codec, self.value_codec, self.residual, self.block_tokens)
+        if (source.key_codec, source.value_codec, source.residual, source.block_tokens) != mine:
+            raise ValueError("copy_prefix between quantized caches needs the same codecs, residual window and block size")
+        copy, max_capacity = source.fork(), self.max_capacity
+        copy.truncate(num_tokens)
+        self.__dict__.update(copy.__dict__)
+        self.max_capacity = max(max_capacity, self.capacity)
 
     def fork(self) -> "QuantizedCache":
         twin = QuantizedCache.__new__(QuantizedCache)
-        twin.spec, twin.key_codec, twin.value_codec, twin.residual = self.spec, self.key_codec, self.value_codec, self.residual
-        twin.mirror = self.mirror.fork()
-        twin._rounded = [list(marks) for marks in self._rounded]
+        twin.__dict__.update(self.__dict__)
+        twin.key_store, twin.value_store = self.key_store.copy(), self.value_store.copy()
+        twin._sink, twin._tail = self._sink.clone(), self._tail.clone()
+        twin._scratch = torch.zeros_like(self._scratch)
         return twin
 
     def memory_bytes(self) -> int:
-        return self.mirror.memory_bytes()
+        held = (self._sink, self._tail, self._scratch)
+        return self.key_store.nbytes() + self.value_store.nbytes() + sum(t.numel() * t.element_size() for t in held)
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        if self._num_blocks:
+            assert self.packed_end <= self._seq_len, f"packed up to {self.packed_end} past seq_len {self._seq_len}"
+            assert self._seq_len - self.packed_end < self.residual + self.block_tokens, "a ready block was left unpacked"
+        assert self._num_blocks <= self.key_store.max_blocks, "more blocks than the store holds"

@@ -121,7 +121,8 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None
     ) -> torch.Tensor:
         batch, seq = input_ids.shape
-        if batch == 1 and seq == 1 and positions is None:
+        key_bias = cache.key_bias()  # the C decode step knows no bias: a biased cache takes the torch path
+        if batch == 1 and seq == 1 and positions is None and key_bias is None:
             fast = self._decode_fast(input_ids, cache)
             if fast is not None:
                 return fast
@@ -158,7 +159,9 @@ class DecoderLM(nn.Module):
             span, key_start = cache.attention_span(i, self.config.window_for(i)), cache.visible_start(i)
             if (span, key_start) not in masks:
                 num_keys = start + seq - key_start
-                masks[span, key_start] = AttentionMask.build(start, seq, key_start, num_keys, span.window, span.sinks, span.chunk)
+                masks[span, key_start] = AttentionMask.build(
+                    start, seq, key_start, num_keys, span.window, span.sinks, span.chunk, key_bias=key_bias
+                )
             h = block(h, ropes[self.rope_index[i]], cache, masks[span, key_start])
         cache.commit(seq)
         return h  # [B, S, H]
@@ -190,12 +193,16 @@ class DecoderLM(nn.Module):
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
         view = BatchCacheView(caches, lengths)
         masks: dict[tuple[tuple[AttentionSpan, ...], tuple[int, ...]], AttentionMask] = {}
+        key_biases = [c.key_bias() for c in caches]
         for i, block in enumerate(self.layers):
             window = self.config.window_for(i)
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                masks[spans, key_starts] = AttentionMask(build_batch_mask(starts, lengths, list(key_starts), list(spans)), False)
+                allowed = build_batch_mask(starts, lengths, list(key_starts), list(spans))
+                if any(bias is not None for bias in key_biases):  # pooled slots (compressed caches)
+                    allowed = AttentionMask.with_key_bias(allowed, key_biases)
+                masks[spans, key_starts] = AttentionMask(allowed, False)
             h = block(h, ropes[self.rope_index[i]], view, masks[spans, key_starts])
         for cache, n in zip(caches, lengths):
             cache.commit(n)

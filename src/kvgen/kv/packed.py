@@ -1,0 +1,61 @@
+"""PackedStore: one codec's stored tensors for every layer, in blocks of positions (BLOCK_TOKENS).
+
+Each part the codec produces (codes, scales, offsets, outliers) lives in one preallocated tensor
+[layers, H, max_blocks, ...], written block-wise in place and read as zero-copy views; it doubles
+when a sequence outgrows it, so the history is copied O(log n) times in total, never per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.kv.codecs import BLOCK_TOKENS, Codec, Parts
+
+
+class PackedStore:
+    def __init__(self, codec: Codec, num_layers: int, num_heads: int, head_dim: int, max_blocks: int,
+                 block_tokens: int = BLOCK_TOKENS):  # fmt: skip
+        self.codec = codec
+        template = codec.encode(torch.zeros(num_heads, 1, block_tokens, head_dim), 0)  # shapes and dtypes
+        self.parts: Parts = {
+            name: torch.zeros((num_layers, num_heads, max_blocks, *t.shape[2:]), dtype=t.dtype)
+            for name, t in template.items()
+        }
+
+    @property
+    def max_blocks(self) -> int:
+        return next(iter(self.parts.values())).shape[2]
+
+    def reserve(self, num_blocks: int, used_blocks: int) -> None:
+        """Room for `num_blocks` blocks; the first `used_blocks` are kept."""
+        if num_blocks <= self.max_blocks:
+            return
+        new_max = max(num_blocks, 2 * self.max_blocks)
+        for name, old in self.parts.items():
+            grown = torch.zeros((*old.shape[:2], new_max, *old.shape[3:]), dtype=old.dtype)
+            grown[:, :, :used_blocks] = old[:, :, :used_blocks]
+            self.parts[name] = grown
+
+    def write(self, layer: int, first_block: int, x: torch.Tensor) -> None:
+        """Encode x [H, N, B, D] and store it as blocks first_block..first_block+N-1 of `layer`."""
+        encoded = self.codec.encode(x, layer)
+        for name, tensor in encoded.items():
+            self.parts[name][layer, :, first_block : first_block + x.shape[1]] = tensor
+
+    def read(self, layer: int, num_blocks: int) -> torch.Tensor:
+        """Blocks 0..num_blocks-1 of `layer`, decoded: fp32 [H, num_blocks, B, D]."""
+        views = {name: tensor[layer, :, :num_blocks] for name, tensor in self.parts.items()}
+        return self.codec.decode(views, layer)
+
+    def read_block(self, layer: int, block: int) -> torch.Tensor:
+        views = {name: tensor[layer, :, block : block + 1] for name, tensor in self.parts.items()}
+        return self.codec.decode(views, layer)[:, 0]  # [H, B, D]
+
+    def copy(self) -> "PackedStore":
+        twin = PackedStore.__new__(PackedStore)
+        twin.codec = self.codec
+        twin.parts = {name: tensor.clone() for name, tensor in self.parts.items()}
+        return twin
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
