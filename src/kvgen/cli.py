@@ -179,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    stream = llm.stream(prompt, params, speculative)
+    stream = llm.stream(prompt, params, speculative=speculative)
     if not args.chat_template:
         print(args.prompt, end="", flush=True)
     for chunk in stream:

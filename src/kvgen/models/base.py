@@ -154,6 +154,7 @@ class DecoderLM(nn.Module):
             positions = torch.arange(start, start + seq).expand(batch, seq)
         h = self._embed(input_ids)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
+        key_bias = cache.key_bias()
         masks: dict[tuple[AttentionSpan, int], AttentionMask] = {}
         for i, block in enumerate(self.layers[:num_layers]):
             span, key_start = cache.attention_span(i, self.config.window_for(i)), cache.visible_start(i)
