@@ -65,6 +65,7 @@ def main() -> None:
             rows.append({"context": context, "k": k, "v": v, "bytes_per_token_held": held,
                          "bytes_per_token_packed": packed, "memory_vs_fp32": held / baseline["held"],
                          "decode_tok_s": speed, "speed_vs_fp32": speed / baseline["speed"]})  # fmt: skip
+            print(rows[-1], flush=True)
     print_table(rows, list(rows[0]))
     print(f"\nwrote {write_results('kv_memory', {'config': vars(args), 'rows': rows})}")
 

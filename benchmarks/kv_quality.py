@@ -42,6 +42,8 @@ def main() -> None:
             # Bytes of the packed tensors per stored position (sink and recent fp32 window excluded).
             rows.append({"model": name, "k": k, "v": v, **compared(exact, scores),
                          "bytes_per_token": factory(1).stored_bytes_per_token})  # fmt: skip
+            print(rows[-1], flush=True)  # a long run shows (and keeps) its progress
+        write_results("kv_quality", {"config": vars(args), "rows": rows})
     print(f"\n{args.play}, {args.tokens} tokens, fp32 weights, 16-token chunks, 32-token full-precision window")
     print_table(rows, ["model", "k", "v", "perplexity", "delta_ppl_pct", "kld", "top1_agreement", "bytes_per_token"])
     path = write_results("kv_quality", {"config": vars(args), "rows": rows})
