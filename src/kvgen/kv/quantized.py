@@ -72,8 +72,9 @@ class QuantizedCache(KVCache):
     @property
     def stored_bytes_per_token(self) -> float:
         """Bytes the codecs store per packed position, all layers, K and V (sink and tail excluded)."""
-        dim, values = self.spec.head_dim, self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
-        return values * (self.key_codec.bits_per_value(dim) + self.value_codec.bits_per_value(dim)) / 8
+        heads, dim = self.spec.num_kv_heads, self.spec.head_dim
+        values = self.spec.num_layers * heads * dim
+        return values * (self.key_codec.bits_per_value(heads, dim) + self.value_codec.bits_per_value(heads, dim)) / 8
 
     def _tail_size(self, needed: int) -> int:
         return max(needed, self.residual + self.block_tokens)
