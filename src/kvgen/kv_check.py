@@ -60,7 +60,7 @@ def check(model: DecoderLM, tokenizer: Any, ids: list[int], chunk: int = 16, res
             factory = quantized_cache(model, tokenizer, k, v, residual)
             scores = score(model, factory, ids, chunk_size=chunk, keep_distributions=True)
             cache = factory(1)
-            bits = (cache.key_codec if part == "K" else cache.value_codec).bits_per_value(cache.spec.num_kv_heads, cache.spec.head_dim)
+            bits = (cache.key_store if part == "K" else cache.value_store).bits_per_value()
             results.append(DtypeResult(
                 part, dtype, bits, scores.perplexity,
                 100 * (scores.perplexity / exact.perplexity - 1), kl_divergence(exact, scores),

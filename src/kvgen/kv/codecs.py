@@ -42,13 +42,6 @@ class Codec(ABC):
         blocks = x.reshape(heads, seq // BLOCK_TOKENS, BLOCK_TOKENS, dim)
         return self.decode(self.encode(blocks, layer), layer).reshape(heads, seq, dim)
 
-    def bits_per_value(self, num_heads: int, head_dim: int) -> float:
-        """Stored bits per cached value, scales and offsets included, measured on the real tensors
-        (one block of every head: codecs with per-head codebooks need all the heads)."""
-        parts = self.encode(torch.zeros(num_heads, 1, BLOCK_TOKENS, head_dim), 0)
-        values = num_heads * BLOCK_TOKENS * head_dim
-        return 8 * sum(p.numel() * p.element_size() for p in parts.values()) / values
-
 
 class CastCodec(Codec):
     """fp32 / fp16 / bf16: the values themselves in a narrower float."""

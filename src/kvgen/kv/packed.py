@@ -15,7 +15,7 @@ from kvgen.kv.codecs import BLOCK_TOKENS, Codec, Parts
 class PackedStore:
     def __init__(self, codec: Codec, num_layers: int, num_heads: int, head_dim: int, max_blocks: int,
                  block_tokens: int = BLOCK_TOKENS):  # fmt: skip
-        self.codec = codec
+        self.codec, self.block_tokens, self.head_dim = codec, block_tokens, head_dim
         template = codec.encode(torch.zeros(num_heads, 1, block_tokens, head_dim), 0)  # shapes and dtypes
         self.parts: Parts = {
             name: torch.zeros((num_layers, num_heads, max_blocks, *t.shape[2:]), dtype=t.dtype)
@@ -53,9 +53,14 @@ class PackedStore:
 
     def copy(self) -> "PackedStore":
         twin = PackedStore.__new__(PackedStore)
-        twin.codec = self.codec
+        twin.codec, twin.block_tokens, twin.head_dim = self.codec, self.block_tokens, self.head_dim
         twin.parts = {name: tensor.clone() for name, tensor in self.parts.items()}
         return twin
+
+    def bits_per_value(self) -> float:
+        """Stored bits per cached value (codes, scales, offsets, outliers), from the real tensors."""
+        values = next(iter(self.parts.values())).shape[:3].numel() * self.block_tokens * self.head_dim
+        return 8 * self.nbytes() / values if values else 0.0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts.values())

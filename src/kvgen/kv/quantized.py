@@ -47,7 +47,7 @@ class QuantizedCache(KVCache):
         self.keys_stored_before_rope = self.key_codec.keys_before_rope
         self.sink_tokens = max(self.key_codec.sink_tokens, self.value_codec.sink_tokens)
         layers, heads, dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
-        blocks = math.ceil(max(capacity - self.sink_tokens, 0) / block_tokens)
+        blocks = max(1, math.ceil((capacity - self.sink_tokens) / block_tokens))
         self.key_store = PackedStore(self.key_codec, layers, heads, dim, blocks, block_tokens)
         self.value_store = PackedStore(self.value_codec, layers, heads, dim, blocks, block_tokens)
         self._sink = torch.zeros(2, layers, heads, self.sink_tokens, dim)  # [K/V, L, H, sink, D]
@@ -72,9 +72,8 @@ class QuantizedCache(KVCache):
     @property
     def stored_bytes_per_token(self) -> float:
         """Bytes the codecs store per packed position, all layers, K and V (sink and tail excluded)."""
-        heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        values = self.spec.num_layers * heads * dim
-        return values * (self.key_codec.bits_per_value(heads, dim) + self.value_codec.bits_per_value(heads, dim)) / 8
+        values = self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
+        return values * (self.key_store.bits_per_value() + self.value_store.bits_per_value()) / 8
 
     def _tail_size(self, needed: int) -> int:
         return max(needed, self.residual + self.block_tokens)
