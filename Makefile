@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench clean
+.PHONY: install models data run test test-fast bench eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,22 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/weights_quality.py
 	$(PY) benchmarks/paged_utilisation.py
 	$(PY) benchmarks/kv_quality.py
+	$(PY) benchmarks/kv_memory.py
+	$(PY) benchmarks/window_quality.py --tokens 1024 --window 256 --sinks 4
+	$(PY) benchmarks/compressed_quality.py
+	$(PY) benchmarks/tiered_decode.py
+	$(PY) benchmarks/structured.py
+	$(PY) benchmarks/batch.py
+	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/speculative.py
+
+# The EAGLE draft head for SmolLM2, trained on its own features over Shakespeare (CPU, a few minutes).
+# A small trained copy ships in src/kvgen/speculative/weights/; this rebuilds it with more data.
+EAGLE_WEIGHTS := src/kvgen/speculative/weights/eagle_smollm2.safetensors
+EAGLE_TOKENS ?= 24000
+EAGLE_STEPS ?= 600
+eagle: $(VENV)/.models $(SHAKESPEARE)/.done
+	KVGEN_SHAKESPEARE=$(SHAKESPEARE) $(PY) scripts/train_eagle.py --tokens $(EAGLE_TOKENS) --steps $(EAGLE_STEPS) --out $(EAGLE_WEIGHTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

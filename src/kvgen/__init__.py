@@ -5,12 +5,14 @@ from kvgen.errors import KvgenError, ModelLoadError, PromptTooLongError, Unsuppo
 from kvgen.generate import Chunk, GenerationResult, Generator, Usage
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache
 from kvgen.llm import LLM, load_model
-from kvgen.sampling import SamplingParams
+from kvgen.sampling import SamplingParams, StructuredOutput
 from kvgen.session import Session
+from kvgen.speculative import SpeculativeConfig
 
 __all__ = [
     "LLM", "CacheConfig", "CacheSpec", "Chunk", "ContiguousCache", "GenerationResult", "Generator", "KVCache", "KvgenError",
-    "ModelLoadError", "PromptTooLongError", "SamplingParams", "Session", "UnsupportedModelError", "Usage",
+    "ModelLoadError", "PromptTooLongError", "SamplingParams", "Session", "SpeculativeConfig", "StructuredOutput",
+    "UnsupportedModelError", "Usage",
     "load_model",
 ]  # fmt: skip
 __version__ = "0.1.0"

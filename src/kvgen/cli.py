@@ -1,4 +1,4 @@
-"""Command line: `kvgen generate`, `kvgen chat`, `kvgen models`.
+"""Command line: `kvgen generate`, `kvgen chat`, `kvgen serve`, `kvgen models`.
 
 A mistake in the input (a path, a file, a prompt, a parameter) prints one line on stderr and exits
 with status 2; only bugs show a traceback.
@@ -15,6 +15,7 @@ from kvgen.errors import KvgenError
 from kvgen.generate import GenerationResult
 from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
 from kvgen.loading.weight_format import WEIGHT_MODES
+from kvgen.sampling.grammar import StructuredOutput
 from kvgen.sampling.params import SamplingParams
 
 EXIT_USAGE = 2
@@ -31,6 +32,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-sinks", type=int, default=4, help="first tokens always kept (sinks; default 4)")
     parser.add_argument("--kv-chunk", type=int, default=None, help="attention chunk size (chunked)")
     parser.add_argument("--kv-extra", type=int, default=0, help="older tokens kept past the window, for exact rewinds (window, chunked)")
+    parser.add_argument("--kv-pool-chunk", type=int, default=8, help="positions pooled into one slot (compressed)")
+    parser.add_argument("--kv-exact-window", type=int, default=64, help="recent positions kept exact (compressed)")
+    parser.add_argument("--kv-hot-tokens", type=int, default=256, help="positions kept in fp32 RAM (tiered)")
+    parser.add_argument("--kv-warm-tokens", type=int, default=1024, help="positions kept packed in RAM, the rest on disk (tiered)")
+    parser.add_argument("--kv-warm-dtype", default="fp16", help="warm tier packing (tiered): fp32 fp16 bf16 int8")
     parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3 kvquant3")
     parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
@@ -39,8 +45,26 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating prompt or output tokens")
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--min-new-tokens", type=int, default=0, help="hold off EOS until this many tokens")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeat for several); not printed")
+    structured = parser.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    structured.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
+    structured.add_argument("--regex", help="constrain the output to this regular expression")
+    structured.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or GBNF (llama.cpp) grammar")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    parser.add_argument("--speculative", default=None, choices=("lookup", "self", "draft", "eagle"),
+                        help="speculative decoding: lookup (n-gram in the context), self (first layers), "
+                             "draft (--draft-model), eagle (the shipped head)")  # fmt: skip
+    parser.add_argument("--draft-tokens", type=int, default=4, help="first draft length (adapts from there)")
+    parser.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
+    parser.add_argument("--draft-weights", default="q4", choices=WEIGHT_MODES, help="weights of the draft model")
+    parser.add_argument("--draft-layers", type=int, default=None, help="layers of the self-draft (default: half)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +83,48 @@ def build_parser() -> argparse.ArgumentParser:
     kv_check.add_argument("--text", default=None, help="calibration text file (default: a built-in passage)")
     kv_check.add_argument("--tokens", type=int, default=512, help="calibration tokens to score")
     _add_model_options(kv_check)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("model_name", nargs="?", default=None, help="same as --model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: env KVGEN_API_KEY, else none)")
+    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask for")
+    serve.add_argument("--max-concurrent", type=int, default=256, help="requests served at once; more get HTTP 429")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
+    serve.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one forward (chunked prefill)")
+    serve.add_argument("--no-prefix-cache", action="store_true")
+    serve.add_argument("--eviction", default="lru", choices=("lru", "lfu"), help="prefix-cache eviction policy")
+    _add_model_options(serve)
     return parser
+
+
+def _structured(args: argparse.Namespace) -> StructuredOutput | None:
+    from pathlib import Path
+
+    def read(path: str, what: str) -> str:
+        if not Path(path).is_file():
+            raise ValueError(f"{what} file {path!r} not found: give a readable file")
+        return Path(path).read_text()
+
+    if args.json_schema:
+        return StructuredOutput.json_schema(read(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return StructuredOutput.json_object()
+    if args.regex:
+        return StructuredOutput.regex(args.regex)
+    if args.grammar:
+        text = read(args.grammar, "--grammar")
+        return StructuredOutput.gbnf(text) if "::=" in text else StructuredOutput.lark(text)
+    return None
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
+        stop=tuple(args.stop), structured=_structured(args),
+    )  # fmt: skip
 
 
 def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models` starts fast
@@ -76,10 +135,29 @@ def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models
     cache = CacheConfig(
         args.kv_cache, args.kv_block_size, args.kv_budget_mb, args.kv_dtype_k, args.kv_dtype_v,
         window=args.kv_window, extra=args.kv_extra, sinks=args.kv_sinks, chunk=args.kv_chunk,
+        pool_chunk=args.kv_pool_chunk, exact_window=args.kv_exact_window, hot_tokens=args.kv_hot_tokens,
+        warm_tokens=args.kv_warm_tokens, warm_dtype=args.kv_warm_dtype,
     )  # fmt: skip
     return LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
         weights=args.weights, cache=cache,
+    )  # fmt: skip
+
+
+def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
+    if args.speculative is None:
+        return None
+    from kvgen.llm import LLM
+    from kvgen.speculative import SpeculativeConfig
+
+    draft = None
+    if args.speculative == "draft":
+        if args.draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model (a model with the same tokenizer)")
+        draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights)
+    return SpeculativeConfig(
+        args.speculative, num_draft_tokens=args.draft_tokens, max_draft_tokens=max(8, args.draft_tokens),
+        draft_model=draft, draft_layers=args.draft_layers,
     )  # fmt: skip
 
 
@@ -88,17 +166,20 @@ def stats_line(result: GenerationResult) -> str:
     cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
     return (
         f"[prompt {u.prompt_tokens} tokens{cached}, generated {u.completion_tokens} tokens | "
-        f"prefill {t.prefill_tokens_per_second:.1f} tok/s, decode {t.decode_tokens_per_second:.1f} tok/s]"
+        f"prefill {t.prefill_tokens_per_second:.1f} tok/s, decode {t.decode_tokens_per_second:.1f} tok/s"
+        + (f", draft acceptance {result.speculative.acceptance_rate:.0%}" if result.speculative else "")
+        + "]"
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
+    speculative = _speculative(args)
     llm = _load(args)
     prompt = args.prompt
     if args.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    stream = llm.stream(prompt, params)
+    stream = llm.stream(prompt, params, speculative=speculative)
     if not args.chat_template:
         print(args.prompt, end="", flush=True)
     for chunk in stream:
@@ -110,6 +191,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
+    speculative = _speculative(args)
     llm = _load(args)
     session = llm.session(system_prompt=args.system)
     print("kvgen chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -126,7 +208,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not line:
             continue
-        for chunk in session.chat(line, params):
+        for chunk in session.chat(line, params, speculative):
             print(chunk.text, end="", flush=True)
         print()
         assert session.last_result is not None
@@ -165,7 +247,17 @@ def cmd_kv_check(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check}
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from kvgen.server.launch import serve
+
+    if args.model_name:
+        args.model = args.model_name
+    return serve(args, _load(args), api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

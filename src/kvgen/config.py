@@ -80,8 +80,8 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
 
 
-CacheKind = Literal["contiguous", "paged", "quantized", "window", "sinks", "chunked"]
-CACHE_KINDS: tuple[str, ...] = ("contiguous", "paged", "quantized", "window", "sinks", "chunked")
+CacheKind = Literal["contiguous", "paged", "quantized", "window", "sinks", "chunked", "compressed", "tiered"]
+CACHE_KINDS: tuple[str, ...] = ("contiguous", "paged", "quantized", "window", "sinks", "chunked", "compressed", "tiered")
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,10 @@ class CacheConfig:
     tokens kept in full precision. window: layers keep only their window (the model's sliding
     windows, narrowed to `window` on every layer when it is set), plus `extra` older positions so a
     rewind of up to `extra` tokens stays exact. sinks: StreamingLLM, the first `sinks` positions plus
-    the last `window` (kv/sinks.py). chunked: each query sees only its chunk of `chunk` positions."""
+    the last `window` (kv/sinks.py). chunked: each query sees only its chunk of `chunk` positions.
+    compressed: positions older than the last `exact_window` mean-pooled in chunks of `pool_chunk`,
+    the first `sinks` kept exact (kv/compressed.py). tiered: blocks of `block_size` in hot RAM
+    (`hot_tokens`), warm RAM packed as `warm_dtype` (`warm_tokens`), the rest on disk (kv/tiered.py)."""
 
     kind: CacheKind = "contiguous"
     block_size: int = 16
@@ -104,6 +107,11 @@ class CacheConfig:
     extra: int = 0
     sinks: int = 4
     chunk: int | None = None
+    pool_chunk: int = 8
+    exact_window: int = 64
+    hot_tokens: int = 256
+    warm_tokens: int = 1024
+    warm_dtype: str = "fp16"
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
@@ -118,6 +126,18 @@ class CacheConfig:
         if self.block_size <= 0 or self.budget_mb <= 0:
             raise ValueError(f"block_size and budget_mb must be positive, got {self.block_size} and {self.budget_mb}")
         self._check_window_options()
+        self._check_compressed_and_tiered_options()
+
+    def _check_compressed_and_tiered_options(self) -> None:
+        if self.pool_chunk < 2 or self.exact_window < 0 or self.hot_tokens < 0 or self.warm_tokens < 0:
+            raise ValueError(
+                f"need pool_chunk >= 2 and exact_window, hot_tokens, warm_tokens >= 0; got {self.pool_chunk}, "
+                f"{self.exact_window}, {self.hot_tokens}, {self.warm_tokens}"
+            )
+        from kvgen.kv.tier_store import WARM_DTYPES
+
+        if self.warm_dtype not in WARM_DTYPES:
+            raise ValueError(f"unknown warm tier dtype {self.warm_dtype!r}; choose one of {', '.join(WARM_DTYPES)}")
 
     def _check_window_options(self) -> None:
         for name in ("window", "chunk"):

@@ -8,22 +8,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
 from kvgen.config import CacheConfig
 from kvgen.errors import PromptTooLongError
+from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.kvquant import build_quantized_cache
 from kvgen.kv.sinks import SinkCache
+from kvgen.kv.tiered import TieredCache
 from kvgen.kv.window import WindowedCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
+from kvgen.sampling.grammar import GrammarConstraint
 from kvgen.sampling.params import SamplingParams
-from kvgen.sampling.sampler import Sampler
+from kvgen.sampling.sampler import Sampler, TokenLogprob
+from kvgen.sampling.stops import StopStringMatcher
+
+if TYPE_CHECKING:
+    from kvgen.speculative.adaptive import SpeculativeStats
+    from kvgen.speculative.config import SpeculativeConfig
 
 
 @dataclass
@@ -57,15 +65,23 @@ class Timings:
 class GenerationResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string, grammar complete) or "length"
+    # What stopped it: the stop string or stop token id that matched; None for EOS, grammar or length.
+    stop_reason: str | int | None = None
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs
+    speculative: "SpeculativeStats | None" = None  # draft/accept counts when speculative decoding ran
 
 
 @dataclass(frozen=True)
 class Chunk:
-    text: str  # new text that is now final (may be "" while a multi-byte character is incomplete)
+    text: str  # new text that is now final (may be "" while a character or a possible stop string is held back)
     token_id: int
+    logprob: TokenLogprob | None = None
+
+
+ChunkCallback = Callable[[Chunk], None]
 
 
 class Generator:
@@ -110,31 +126,85 @@ class Generator:
             return SinkCache.for_model(self.model.config, self.model.dtype, c.sinks, c.window, self.model.rerotate)
         if c.kind == "quantized":
             return build_quantized_cache(self.model, self.tokenizer, capacity, self.max_context, c.k_dtype, c.v_dtype, c.residual)
+        if c.kind == "tiered":
+            return TieredCache(spec, c.block_size, c.hot_tokens, c.warm_tokens, c.warm_dtype)
+        if c.kind == "compressed":
+            if any(self.model.config.window_for(i) for i in range(self.model.config.num_layers)):
+                raise ValueError("the compressed cache is for full-attention models; for sliding-window layers use --kv-cache window")
+            return CompressedCache(spec, c.pool_chunk, c.exact_window, c.sinks, capacity=capacity)
         return ContiguousCache(spec, capacity=capacity, max_capacity=self.max_context)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        stream = self.stream(prompt, params)
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        vocab = self.model.config.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
+        speculative: "SpeculativeConfig | None" = None,
+    ) -> GenerationResult:
+        """One completion. `on_chunk` is called with every chunk as it is produced; an exception it
+        raises stops generation, frees the request's cache and propagates."""
+        if params is not None and params.n > 1:
+            raise ValueError(f"params.n is {params.n}: call generate_n() for several samples of one prompt")
+        stream = self.stream(prompt, params, on_chunk, speculative)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> "GenerationStream":
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
+        speculative: "SpeculativeConfig | None" = None,
+    ) -> "GenerationStream":
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
+        self.check_params(params)
         cache = self.new_cache(len(ids) + params.max_new_tokens)
-        return GenerationStream(self, cache, ids, reused=0, params=params, owns_cache=True)
+        return GenerationStream(self, cache, ids, reused=0, params=params, owns_cache=True, on_chunk=on_chunk,
+                                speculative=speculative)  # fmt: skip
+
+    def generate_n(self, prompt: str | Sequence[int], params: SamplingParams) -> list[GenerationResult]:
+        """params.n samples of one prompt. The prompt is prefilled once; each sample forks that cache
+        (copy-on-write for the paged cache) and samples with seed + i when a seed is given."""
+        ids = self.encode_prompt(prompt)
+        self.check_params(params)
+        base = self.new_cache(len(ids) + params.max_new_tokens)
+        try:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                logits = self.model(torch.tensor([ids]), base)[0, -1]  # [V]
+            prefill_seconds = time.perf_counter() - started
+            results = []
+            for i in range(params.n):
+                stream = GenerationStream(
+                    self, base.fork(), ids, len(ids), params, owns_cache=True, first_logits=logits.clone(), seed_offset=i
+                )
+                if i == 0:  # the prefill is counted once, on the first sample
+                    stream.result.usage.cached_tokens = 0
+                    stream.result.timings.prefill_tokens, stream.result.timings.prefill_seconds = len(ids), prefill_seconds
+                for _ in stream:
+                    pass
+                results.append(stream.result)
+            return results
+        finally:
+            base.release()
 
 
 class GenerationStream:
     """Iterate for `Chunk`s; afterwards `.result` holds text, ids, finish reason, usage and timings.
 
-    `cache` must hold the KV of `prompt_ids[:reused]` already; the rest of the prompt is prefilled.
+    `cache` must hold the KV of `prompt_ids[:reused]` already; the rest of the prompt is prefilled
+    (or, with `first_logits`, the whole prompt is in the cache and these are its last logits).
     When the stream ends, the cache holds the prompt and every generated token but the last.
     """
 
     def __init__(
         self, generator: Generator, cache: KVCache, prompt_ids: list[int], reused: int, params: SamplingParams,
-        owns_cache: bool = False,
+        owns_cache: bool = False, on_chunk: ChunkCallback | None = None, first_logits: torch.Tensor | None = None,
+        seed_offset: int = 0, speculative: "SpeculativeConfig | None" = None,
     ):  # fmt: skip
         self.generator = generator
         self.owns_cache = owns_cache  # a one-shot request: free the cache when the stream ends
@@ -142,8 +212,26 @@ class GenerationStream:
         self.prompt_ids = prompt_ids
         self.reused = reused
         self.params = params
+        self.on_chunk = on_chunk
+        self.first_logits = first_logits
         self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
         self.shifted = 0  # positions dropped by context shifts
+        self.stop_ids = self._stop_ids()
+        # Built now, so a grammar the tokenizer cannot serve fails before any work (and frees nothing).
+        constraint = GrammarConstraint.create(params.structured, generator.tokenizer) if params.structured else None
+        self.sampler = Sampler(
+            params, prompt_ids=prompt_ids, vocab_size=generator.model.config.vocab_size, stop_ids=sorted(self.stop_ids),
+            constraint=constraint, seed_offset=seed_offset,
+        )  # fmt: skip
+        if params.logprobs:
+            self.result.logprobs = self.sampler.logprobs
+        self.speculative = speculative
+        if speculative is not None and (self.sampler.processors or params.logprobs):
+            raise ValueError("speculative decoding does not support penalties, logit_bias, min_new_tokens, structured "
+                             "output or logprobs yet: drop those parameters or speculative")  # fmt: skip
+        # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
+        self._proposer = speculative.build_proposer(generator) if speculative is not None else None
+        self._speculator = None  # SpeculativeDecoder, built after the prefill
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -151,6 +239,10 @@ class GenerationStream:
 
     def __next__(self) -> Chunk:
         return next(self._iterator)
+
+    def close(self) -> None:
+        """Cancel: stop generating and free the request's cache (when the stream owns it)."""
+        self._iterator.close()
 
     def ids_in_cache(self) -> list[int]:
         """The token ids whose keys and values the cache holds now (valid at any point of the stream;
@@ -175,49 +267,87 @@ class GenerationStream:
 
     def _run(self) -> Iterator[Chunk]:
         try:
-            yield from self._generate()
+            for chunk in self._generate():
+                if self.on_chunk is not None:
+                    self.on_chunk(chunk)  # an exception here ends the request: the finally frees its cache
+                yield chunk
         finally:  # also on an exception or when the consumer abandons the stream
+            if self._proposer is not None:
+                self._proposer.release()
             if self.owns_cache:
                 self.cache.release()
 
+    def _prefill(self) -> torch.Tensor:
+        """The logits [V] that choose the first new token."""
+        if self.first_logits is not None:
+            return self.first_logits
+        self.cache.truncate(self.reused)
+        pending = self.prompt_ids[self.reused :]
+        self.result.timings.prefill_tokens = len(pending)
+        return self.generator.model(torch.tensor([pending]), self.cache)[0, -1]  # [V]
+
+    def _finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.result.finish_reason, self.result.stop_reason = reason, stop_reason
+
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:
-        model, result, params = self.generator.model, self.result, self.params
-        sampler, stop_ids = Sampler(params), self._stop_ids()
+        model, result, params, sampler = self.generator.model, self.result, self.params, self.sampler
         detokenizer = self.generator.tokenizer.detokenizer()
+        stops = StopStringMatcher(params.stop)
         max_context = self.generator.max_context
         budget = params.max_new_tokens if params.context_shift else min(params.max_new_tokens, max_context - len(self.prompt_ids))
 
         started = time.perf_counter()
-        self.cache.truncate(self.reused)
-        pending = self.prompt_ids[self.reused :]
-        result.timings.prefill_tokens = len(pending)
-        logits = model(torch.tensor([pending]), self.cache)[0, -1]  # [V]
-        token = sampler(logits)
+        token = sampler(self._prefill())
         result.timings.prefill_seconds = time.perf_counter() - started
+        ahead: list[int] = []  # tokens a speculative step produced that are not emitted yet
+        if self.speculative is not None:
+            from kvgen.speculative.decoder import SpeculativeDecoder  # lazy: speculative imports session
+
+            self._speculator = SpeculativeDecoder(model, self.cache, self._proposer, sampler, self.speculative, max_context)
+            self._speculator.start(self.prompt_ids + [token])
+            result.speculative = self._speculator.stats
 
         pieces: list[str] = []  # joined once at the end: no per-token string copies
         decode_started = time.perf_counter()
         while True:
             result.token_ids.append(token)
-            if token in stop_ids:
-                result.finish_reason = "stop"
+            logprob = sampler.logprobs[-1] if params.logprobs else None
+            if token in self.stop_ids:
+                self._finish("stop", token if token in params.stop_token_ids else None)
                 break
-            text = detokenizer.add(token)
-            pieces.append(text)
-            yield Chunk(text, token)
+            check = stops.feed(detokenizer.add(token))
+            pieces.append(check.text)
+            yield Chunk(check.text, token, logprob)
+            if check.stop is not None:
+                self._finish("stop", check.stop)
+                break
+            if sampler.constraint is not None and sampler.constraint.is_finished():
+                self._finish("stop")  # the grammar is complete: nothing more may follow
+                break
             if len(result.token_ids) >= budget:
-                result.finish_reason = "length"
+                self._finish("length")
                 break
-            if params.context_shift and self.cache.seq_len + 1 > max_context:
-                self._shift_context()
-            logits = model(torch.tensor([[token]]), self.cache)[0, -1]
-            token = sampler(logits)
+            if ahead:
+                token = ahead.pop(0)
+            elif self._speculator is not None and not self.shifted and self.cache.seq_len + 1 < max_context:
+                ahead = self._speculator.step(budget - len(result.token_ids))
+                token = ahead.pop(0)
+            else:
+                if params.context_shift and self.cache.seq_len + 1 > max_context:
+                    self._shift_context()
+                token = sampler(model(torch.tensor([[token]]), self.cache)[0, -1])
             result.timings.decode_tokens += 1
-        tail = detokenizer.flush()
-        pieces.append(tail)
+        if ahead:  # stopped inside a verified run: the cache must hold the emitted tokens but the last
+            self.cache.truncate(len(self.prompt_ids) + len(result.token_ids) - 1)
+        if result.stop_reason is None or isinstance(result.stop_reason, int):
+            tail = stops.feed(detokenizer.flush())  # an incomplete character may still complete a stop
+            text = tail.text if tail.stop is not None else tail.text + stops.flush()
+            if tail.stop is not None:
+                self._finish("stop", tail.stop)
+            pieces.append(text)
+            if text:
+                yield Chunk(text, result.token_ids[-1])
         result.text = "".join(pieces)
-        if tail:
-            yield Chunk(tail, result.token_ids[-1])
         result.timings.decode_seconds = time.perf_counter() - decode_started
         result.usage.completion_tokens = len(result.token_ids)

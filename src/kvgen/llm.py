@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from kvgen.config import CacheConfig
-from kvgen.generate import GenerationResult, GenerationStream, Generator
+from kvgen.generate import ChunkCallback, GenerationResult, GenerationStream, Generator
 from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
 from kvgen.loading.hf import load_hf_folder
@@ -21,6 +21,7 @@ from kvgen.loading.weight_format import check_mode
 from kvgen.models import DecoderLM, build_model
 from kvgen.sampling.params import SamplingParams
 from kvgen.session import Session
+from kvgen.speculative.config import SpeculativeConfig
 
 
 def load_checkpoint(
@@ -44,6 +45,7 @@ class LLM:
         self.path = checkpoint.path
         self.weights = checkpoint.weights
         self.generator = Generator(model, self.tokenizer, max_context, cache)
+        self._batch = None  # BatchGenerator, built on the first generate_batch
 
     @classmethod
     def load(
@@ -58,11 +60,31 @@ class LLM:
         checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
         return cls(build_model(checkpoint), checkpoint, max_context, cache)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        return self.generator.generate(prompt, params)
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> GenerationResult:
+        return self.generator.generate(prompt, params, on_chunk, speculative)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
-        return self.generator.stream(prompt, params)
+    def generate_n(self, prompt: str | Sequence[int], params: SamplingParams) -> list[GenerationResult]:
+        """params.n samples that share one prefill of the prompt."""
+        return self.generator.generate_n(prompt, params)
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> GenerationStream:
+        return self.generator.stream(prompt, params, on_chunk, speculative)
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Several prompts decoded together (one batched forward per step); a result per prompt."""
+        if self._batch is None:
+            from kvgen.batch import BatchGenerator  # the engine imports this module's neighbours
+
+            self._batch = BatchGenerator(self)
+        return self._batch.generate(prompts, params)
 
     def session(self, system_prompt: str | None = None) -> Session:
         return Session(self.generator, system_prompt)

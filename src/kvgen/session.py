@@ -6,10 +6,13 @@ common prefix is prefilled. That holds for chat templates that re-render the who
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from kvgen.generate import Chunk, GenerationResult, GenerationStream, Generator
+from kvgen.generate import Chunk, ChunkCallback, GenerationResult, GenerationStream, Generator
 from kvgen.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvgen.speculative.config import SpeculativeConfig
 
 INITIAL_CAPACITY = 1024  # positions; the cache doubles when a conversation grows past it
 
@@ -23,6 +26,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Session:
+    """A conversation (or any growing prompt) whose KV cache is kept between turns.
+
+    Not shared between threads: give each thread its own Session (they may share one LLM; the model
+    serializes forwards). `fork()` branches the conversation (copy-on-write with the paged cache);
+    `rewind()` drops tokens or turns from the end.
+    """
+
     def __init__(self, generator: Generator, system_prompt: str | None = None):
         self.generator = generator
         self.cache = generator.new_cache(INITIAL_CAPACITY)
@@ -30,25 +40,75 @@ class Session:
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
         self._last: GenerationStream | None = None
+        self._ids: list[int] = []  # the cached ids when no stream is attached (after fork / rewind)
         self.last_result: GenerationResult | None = None
 
     @property
     def cached_ids(self) -> list[int]:
-        return self._last.ids_in_cache() if self._last is not None else []
+        """Token ids whose KV the cache holds now."""
+        ids = self._last.ids_in_cache() if self._last is not None else self._ids
+        return ids[: self.cache.seq_len]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationStream:
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
+        speculative: "SpeculativeConfig | None" = None,
+    ) -> GenerationStream:
         """Continue from the cache: `prompt` is the whole conversation so far, as text or ids."""
+        params = params or SamplingParams()
+        if params.n > 1:
+            raise ValueError("a Session continues one conversation: use n=1, or fork() the session per sample")
         ids = self.generator.encode_prompt(prompt)
+        self.generator.check_params(params)
         # Keep at least one prompt token to prefill: its logits choose the first new token.
         reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)  # the stream truncates to it
-        self._last = GenerationStream(self.generator, self.cache, ids, reused, params or SamplingParams())
+        self._last = GenerationStream(self.generator, self.cache, ids, reused, params, on_chunk=on_chunk, speculative=speculative)
         return self._last
 
-    def chat(self, user_message: str, params: SamplingParams | None = None) -> Iterator[Chunk]:
+    def chat(
+        self, user_message: str, params: SamplingParams | None = None, speculative: "SpeculativeConfig | None" = None
+    ) -> Iterator[Chunk]:
         """Add a user turn, stream the assistant's answer, and record it in `messages` when done."""
         messages = self.messages + [{"role": "user", "content": user_message}]
-        prompt = self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        stream = self.stream(self.generator.tokenizer.encode(prompt, add_special_tokens=False), params)
+        stream = self.stream(self._encode(messages, add_generation_prompt=True), params, speculative=speculative)
         yield from stream
         self.messages = messages + [{"role": "assistant", "content": stream.result.text}]
         self.last_result = stream.result
+
+    def fork(self) -> "Session":
+        """An independent copy that shares the cached prefix (copy-on-write where the cache allows)."""
+        twin = Session.__new__(Session)
+        twin.generator, twin.cache = self.generator, self.cache.fork()
+        twin.messages = [dict(m) for m in self.messages]
+        twin._last, twin._ids, twin.last_result = None, self.cached_ids, self.last_result
+        return twin
+
+    def rewind(self, *, num_tokens: int | None = None, num_turns: int | None = None) -> None:
+        """Forget the last `num_tokens` cached tokens, or the last `num_turns` user/assistant exchanges
+        (the cache then keeps only what the shorter conversation shares with it)."""
+        if (num_tokens is None) == (num_turns is None):
+            raise ValueError("rewind: give exactly one of num_tokens or num_turns")
+        ids = self.cached_ids
+        if num_tokens is not None:
+            if not 0 <= num_tokens <= len(ids):
+                raise ValueError(f"rewind: num_tokens must be in [0, {len(ids)}] (the cached tokens), got {num_tokens}")
+            keep = len(ids) - num_tokens
+        else:
+            assert num_turns is not None
+            starts = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+            if not 0 <= num_turns <= len(starts):
+                raise ValueError(f"rewind: num_turns must be in [0, {len(starts)}] (the user turns so far), got {num_turns}")
+            if num_turns:
+                self.messages = self.messages[: starts[len(starts) - num_turns]]
+            remaining = self._encode(self.messages, add_generation_prompt=False) if self.messages else []
+            keep = common_prefix_length(ids, remaining)
+        self.cache.truncate(keep)
+        self._last, self._ids = None, ids[:keep]
+
+    def close(self) -> None:
+        """Give the cache back (pool blocks for the paged cache)."""
+        self.cache.release()
+        self._last, self._ids = None, []
+
+    def _encode(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        prompt = self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.generator.tokenizer.encode(prompt, add_special_tokens=False)

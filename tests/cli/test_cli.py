@@ -88,3 +88,19 @@ def test_chat_prefills_only_the_new_turn() -> None:
     # The second turn reuses the whole first prompt and the answer generated for it.
     assert second_cached >= first_prompt + int(stats[0].group(3)) - 1
     assert second_prompt - second_cached < 20  # only "<|im_end|>\n<|im_start|>user\nAnd 3+3?..." is new
+
+
+def test_unsupported_schema_feature_is_one_line_error(tiny: Path, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array", "uniqueItems": true}')
+    assert_one_line_error(kvgen("generate", "hi", "--model", str(tiny), "--json-schema", str(schema)), "uniqueItems")
+    assert_one_line_error(kvgen("generate", "hi", "--model", str(tiny), "--grammar", "/no/such.gbnf"), "--grammar file")
+
+
+def test_generate_with_regex_and_stop() -> None:
+    model_path("smollm2")
+    result = kvgen("generate", "The year the war ended:", "--regex", " [0-9]{4}", "-n", "8", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"The year the war ended: [0-9]{4}\n", result.stdout)
+    result = kvgen("generate", "Once upon a time, there was a little girl who", "-n", "12", "--stop", " her", "--no-progress")
+    assert result.stdout == "Once upon a time, there was a little girl who loved to play with\n"

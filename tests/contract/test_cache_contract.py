@@ -13,9 +13,11 @@ import torch
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache, PagedCache, PagedStorage
 from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.codecs import CastCodec
+from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.interface import AttentionSpan
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.kv.sinks import SinkCache
+from kvgen.kv.tiered import TieredCache
 from kvgen.kv.tracing import TracingCache
 from kvgen.kv.window import WindowedCache
 
@@ -31,6 +33,10 @@ CACHES: dict[str, Callable[[], KVCache]] = {
     "quantized(sink)": lambda: QuantizedCache(SPEC, 8, 256, SINK_CODEC, "fp32", residual=1, block_tokens=2),
     # Windows far larger than these tests' sequences: nothing is dropped, so results equal the reference.
     "window": lambda: WindowedCache(SPEC, [None, 64, 64], capacity=8),
+    # An exact window wider than these tests' sequences: nothing is pooled (pooling: test_compressed_cache).
+    "compressed": lambda: CompressedCache(SPEC, chunk=2, window=32, sink=1, capacity=4),
+    # Blocks of 2 with one hot and one warm (lossless fp32) block: these sequences reach the disk tier.
+    "tiered": lambda: TieredCache(SPEC, block_size=2, hot_tokens=2, warm_tokens=2, warm_dtype="fp32"),
     "window+extra": lambda: WindowedCache(SPEC, [None, 64, 64], capacity=8, extra=4),
     "chunked": lambda: WindowedCache(SPEC, [AttentionSpan(chunk=64)] * 3, capacity=8),
     "sinks": lambda: SinkCache(SPEC, sinks=4, window=64, rerotate=lambda layer, keys, delta: keys + delta),

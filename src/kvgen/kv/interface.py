@@ -164,6 +164,12 @@ class KVCache(ABC):
     def visible_start(self, layer: int) -> int:
         return 0
 
+    def key_bias(self) -> torch.Tensor | None:
+        """Optional: an additive attention bias [n] for the first n slots `update` returns (the same
+        for every layer, all older than the next forward's queries). A cache whose slot stands for
+        several positions (a pooled chunk) gives it log(count); None (the default) means no bias."""
+        return None
+
     def attention_span(self, layer: int, model_window: int | None) -> AttentionSpan:
         """What a query of `layer` may see: the model's own window, unless the cache narrows it
         (a sliding window imposed on every layer, attention sinks, chunked attention)."""

@@ -81,6 +81,15 @@ class PagedCache(KVCache):
         self._refresh_table()
         return True
 
+    def adopt(self, blocks: list[Block], num_tokens: int) -> None:
+        """Start an empty cache from shared full blocks that hold positions 0..num_tokens-1 (a
+        prefix-cache hit): takes a reference on each; later writes go to fresh blocks after them."""
+        assert not self.blocks and self._seq_len == 0, "adopt() needs an empty cache"
+        assert num_tokens == len(blocks) * self.storage.block_size, "adopt() takes whole blocks only"
+        self.storage.pool.share(blocks)
+        self.blocks, self._seq_len = list(blocks), num_tokens
+        self._refresh_table()
+
     def _prepare_write(self, start: int, end: int) -> None:
         if not self.prepare_write(start, end):
             raise CacheFullError(

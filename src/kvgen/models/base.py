@@ -121,26 +121,51 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None
     ) -> torch.Tensor:
         batch, seq = input_ids.shape
-        if batch == 1 and seq == 1 and positions is None:
+        key_bias = cache.key_bias()  # the C decode step knows no bias: a biased cache takes the torch path
+        if batch == 1 and seq == 1 and positions is None and key_bias is None:
             fast = self._decode_fast(input_ids, cache)
             if fast is not None:
                 return fast
+        h = self._hidden_states(input_ids, cache, positions, self.config.num_layers)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return self._logits(h)  # [B, S', V]
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> the last block's output [B, S, H] (before the final norm), after the
+        first `num_layers` blocks only if given (a layer-skip draft; `cache` then needs only those
+        layers). `logits_from_hidden` turns them into logits. Always the torch path."""
+        num_layers = self.config.num_layers if num_layers is None else num_layers
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
+        with self._forward_lock:
+            return self._hidden_states(input_ids, cache, None, num_layers)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] block output -> [..., V] logits (final norm, head, softcapping)."""
+        return self._logits(h)
+
+    def _hidden_states(
+        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, num_layers: int
+    ) -> torch.Tensor:
+        batch, seq = input_ids.shape
         start = cache.seq_len
         if positions is None:
             positions = torch.arange(start, start + seq).expand(batch, seq)
         h = self._embed(input_ids)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
+        key_bias = cache.key_bias()
         masks: dict[tuple[AttentionSpan, int], AttentionMask] = {}
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(self.layers[:num_layers]):
             span, key_start = cache.attention_span(i, self.config.window_for(i)), cache.visible_start(i)
             if (span, key_start) not in masks:
                 num_keys = start + seq - key_start
-                masks[span, key_start] = AttentionMask.build(start, seq, key_start, num_keys, span.window, span.sinks, span.chunk)
+                masks[span, key_start] = AttentionMask.build(
+                    start, seq, key_start, num_keys, span.window, span.sinks, span.chunk, key_bias=key_bias
+                )
             h = block(h, ropes[self.rope_index[i]], cache, masks[span, key_start])
         cache.commit(seq)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        return self._logits(h)  # [B, S', V]
+        return h  # [B, S, H]
 
     def forward_batch(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
         """Ragged batch: row i appends token_ids[i] (>= 1 tokens) at caches[i].seq_len.. to its own
@@ -169,12 +194,16 @@ class DecoderLM(nn.Module):
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
         view = BatchCacheView(caches, lengths)
         masks: dict[tuple[tuple[AttentionSpan, ...], tuple[int, ...]], AttentionMask] = {}
+        key_biases = [c.key_bias() for c in caches]
         for i, block in enumerate(self.layers):
             window = self.config.window_for(i)
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                masks[spans, key_starts] = AttentionMask(build_batch_mask(starts, lengths, list(key_starts), list(spans)), False)
+                allowed = build_batch_mask(starts, lengths, list(key_starts), list(spans))
+                if any(bias is not None for bias in key_biases):  # pooled slots (compressed caches)
+                    allowed = AttentionMask.with_key_bias(allowed, key_biases)
+                masks[spans, key_starts] = AttentionMask(allowed, False)
             h = block(h, ropes[self.rope_index[i]], view, masks[spans, key_starts])
         for cache, n in zip(caches, lengths):
             cache.commit(n)

@@ -32,20 +32,24 @@ class RMSNorm(nn.Module):
 class AttentionMask:
     """What SDPA needs for one forward pass and one kind of layer (full or a given window)."""
 
-    mask: torch.Tensor | None  # [B or 1, 1, S, L] bool, True = may attend
+    mask: torch.Tensor | None  # [B or 1, 1, S, L]: bool (True = may attend) or float (added to scores)
     is_causal: bool
 
     @classmethod
     def build(
         cls, query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None,
-        sinks: int = 0, chunk: int | None = None,
+        sinks: int = 0, chunk: int | None = None, key_bias: torch.Tensor | None = None,
     ) -> "AttentionMask":  # fmt: skip
         """Causal mask for queries at query_start.. over keys at key_start.., narrowed to the last
         `window` positions (the first `sinks` stay visible) and to the query's own `chunk`.
 
         Decode without a window needs no mask at all, and a fresh prefill without a window uses SDPA's
-        own causal path; only the other cases materialise an [S, L] mask.
+        own causal path; only the other cases materialise an [S, L] mask. `key_bias` (the cache's
+        `key_bias()`) makes it an additive float mask with the bias on the first keys.
         """
+        if key_bias is not None:
+            allowed = cls.allowed(query_start, num_queries, key_start, num_keys, window, sinks, chunk)
+            return cls(cls.with_key_bias(allowed, [key_bias]), False)
         query_end = query_start + num_queries
         windowed = window is not None and query_end - key_start > window
         chunked = chunk is not None and key_start < (query_end - 1) // chunk * chunk
@@ -53,14 +57,31 @@ class AttentionMask:
             return cls(None, False)
         if not windowed and not chunked and query_start == 0 and key_start == 0:
             return cls(None, True)
-        query_pos = torch.arange(query_start, query_end)[:, None]
+        return cls(cls.allowed(query_start, num_queries, key_start, num_keys, window, sinks, chunk), False)
+
+    @staticmethod
+    def with_key_bias(allowed: torch.Tensor, key_biases: list[torch.Tensor | None]) -> torch.Tensor:
+        """Bool mask [B, 1, S, L] -> additive float mask, row b's bias added on its first keys."""
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        for row, bias in enumerate(key_biases):
+            if bias is not None:
+                additive[row, ..., : bias.shape[0]] += bias
+        return additive
+
+    @staticmethod
+    def allowed(
+        query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None,
+        sinks: int = 0, chunk: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """[1, 1, S, L] bool, True where the query at query_start+i may see the key at key_start+j."""
+        query_pos = torch.arange(query_start, query_start + num_queries)[:, None]
         key_pos = torch.arange(key_start, key_start + num_keys)[None, :]
         allowed = key_pos <= query_pos
         if window is not None:
             allowed &= (query_pos - key_pos < window) | (key_pos < sinks)
         if chunk is not None:
             allowed &= key_pos // chunk == query_pos // chunk
-        return cls(allowed[None, None], False)
+        return allowed[None, None]
 
 
 class Attention(nn.Module):

@@ -1,6 +1,10 @@
-"""Choosing the next token: parameters, and the sampler that applies them."""
+"""Choosing the next token: parameters, processors, stop strings, grammar constraints, the sampler."""
 
+from kvgen.sampling.grammar import GrammarConstraint, StructuredOutput, TokenConstraint
 from kvgen.sampling.params import SamplingParams
-from kvgen.sampling.sampler import Sampler
+from kvgen.sampling.sampler import Sampler, TokenLogprob
+from kvgen.sampling.stops import StopStringMatcher
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = [
+    "GrammarConstraint", "Sampler", "SamplingParams", "StopStringMatcher", "StructuredOutput", "TokenConstraint", "TokenLogprob",
+]  # fmt: skip

@@ -2,33 +2,101 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Sequence
+
 import torch
 
+from kvgen.sampling.grammar import GrammarConstraint
 from kvgen.sampling.params import SamplingParams
+from kvgen.sampling.processors import (
+    GrammarProcessor,
+    LogitBiasProcessor,
+    LogitsProcessor,
+    MinTokensProcessor,
+    PenaltyProcessor,
+)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the raw model, and the most likely alternatives
+    (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Sampler:
-    """One per request: it owns the request's random stream so a seed reproduces the same text."""
+    """One per request (or per sample): it owns the random stream, so a seed reproduces the same text,
+    and the state of the processors (token counts, grammar)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        prompt_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
+        stop_ids: Sequence[int] = (),
+        constraint: GrammarConstraint | None = None,
+        seed_offset: int = 0,
+    ):
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed + seed_offset)  # sample i of n uses seed + i
         else:
             self.generator.seed()
+        self.processors = self._build_processors(prompt_ids, vocab_size, stop_ids)
+        self.logprobs: list[TokenLogprob] = []
+
+    def _build_processors(self, prompt_ids: Sequence[int], vocab_size: int | None, stop_ids: Sequence[int]) -> list[LogitsProcessor]:
+        p = self.params
+        processors: list[LogitsProcessor] = []
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if vocab_size is None:
+                raise ValueError("penalties need the vocabulary size: pass vocab_size to the Sampler")
+            processors.append(PenaltyProcessor(p.repetition_penalty, p.presence_penalty, p.frequency_penalty, prompt_ids, vocab_size))
+        if p.logit_bias:
+            processors.append(LogitBiasProcessor(dict(p.logit_bias)))
+        if p.min_new_tokens:
+            processors.append(MinTokensProcessor(p.min_new_tokens, stop_ids))
+        if self.constraint is not None:
+            processors.append(GrammarProcessor(self.constraint))
+        return processors
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits [V] -> token id."""
+        """logits [V] (may be modified) -> token id; records the logprob when asked to."""
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if self.params.logprobs else None
+        for processor in self.processors:
+            logits = processor(logits)
         if self.params.greedy:
-            return int(torch.argmax(logits))
-        probs = self.probabilities(logits)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(torch.argmax(logits))  # no sort, no softmax
+        else:
+            token = int(torch.multinomial(self.probabilities(logits), 1, generator=self.generator))
+        for processor in self.processors:
+            processor.observe(token)
+        if raw_logprobs is not None:
+            self.logprobs.append(self._logprob(raw_logprobs, token))
+        return token
+
+    def _logprob(self, logprobs: torch.Tensor, token: int) -> TokenLogprob:
+        top: list[tuple[int, float]] = []
+        if self.params.top_logprobs:
+            values, ids = torch.topk(logprobs, self.params.top_logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        return TokenLogprob(token, float(logprobs[token]), top)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution sampling draws from: temperature, then top-k, then top-p; [V]."""
+        """The distribution sampling draws from: temperature, then min-p, top-k, top-p (vLLM's order); [V]."""
         p = self.params
         scores = logits.float() / p.temperature
+        if p.min_p > 0:
+            # Drop tokens less likely than min_p times the most likely one.
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -1,0 +1,37 @@
+"""EngineConfig: the knobs of the continuous-batching engine, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_tokens_per_step: the token budget of one forward (decodes + prefill chunks).
+    max_num_seqs: requests running at once. The KV pool is `kv_budget_mb` of blocks of
+    `block_size` tokens. prefix_cache: reuse the KV of shared prompt prefixes (kv/prefix.py),
+    evicting unused blocks by `eviction` ("lru" or "lfu") when the pool runs short."""
+
+    max_tokens_per_step: int = 512
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_budget_mb: float = 512.0
+    prefix_cache: bool = True
+    eviction: Literal["lru", "lfu"] = "lru"
+    max_context: int | None = None
+    num_blocks: int | None = None  # an exact pool size, instead of kv_budget_mb (tests, benchmarks)
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_step", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.kv_budget_mb <= 0:
+            raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb!r}")
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context!r}")

@@ -1,0 +1,161 @@
+"""Scheduler: which requests run in the next forward, and with how many tokens each.
+
+Each step has a token budget. Running requests go first, in (priority, arrival) order: a decode
+costs one token, an unfinished prompt as many as fit (chunked prefill). Then waiting requests are
+admitted while budget and max_num_seqs allow. Blocks are reserved before the step runs, so a forward
+never meets a full pool; when the pool is short the scheduler first evicts unused prefix-cache
+blocks, then preempts the lowest-priority, latest running request (its blocks are freed and it
+recomputes later — prompt and outputs so far — so nothing is lost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgen.engine.config import EngineConfig
+from kvgen.engine.request import Request, RequestStatus
+from kvgen.kv.paged import PagedCache, PagedStorage
+from kvgen.kv.prefix import PrefixIndex
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    num_tokens: int
+
+
+class Scheduler:
+    def __init__(self, storage: PagedStorage, config: EngineConfig):
+        self.storage, self.config = storage, config
+        self.pool = storage.pool
+        self.prefix = PrefixIndex(self.pool, config.eviction) if config.prefix_cache else None
+        self.waiting: list[Request] = []  # kept sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.waiting.sort(key=lambda r: r.sort_key)
+
+    def schedule(self) -> list[ScheduledRow]:
+        budget, rows, preempted_before = self.config.max_tokens_per_step, [], self.num_preemptions
+        self.running.sort(key=lambda r: r.sort_key)
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted by an earlier row of this loop
+                continue
+            count = min(request.num_pending, budget)
+            if not self._reserve_or_preempt(request, count):
+                break  # `request` itself was preempted: everyone after it already was
+            rows.append(ScheduledRow(request, count))
+            budget -= count
+        if self.num_preemptions != preempted_before:
+            return rows  # the pool is short: admit nobody until the running requests get through
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            self._attach_cache(request)
+            count = min(request.num_pending, budget)
+            if not self._reserve(request, count):
+                self._detach_cache(request)  # try again next step, when running requests have moved on
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            rows.append(ScheduledRow(request, count))
+            budget -= count
+        return rows
+
+    def _attach_cache(self, request: Request) -> None:
+        """A fresh cache for a waiting request, starting from its longest cached prefix."""
+        cache = PagedCache(self.storage)
+        if self.prefix is not None:
+            # The last known token is always recomputed: its logits give the next token.
+            match = self.prefix.match(request.all_ids, request.salt, max_tokens=len(request.all_ids) - 1)
+            cache.adopt(match.blocks, match.num_blocks * self.storage.block_size)
+            self.prefix.lock(match.node)
+            request.prefix_node = match.node
+            if request.miss_reason is None:  # first admission: what the prompt got from the cache
+                request.cached_tokens, request.miss_reason = cache.seq_len, match.reason
+        elif request.miss_reason is None:
+            request.miss_reason = "disabled"
+        request.cache = cache
+
+    def _detach_cache(self, request: Request) -> None:
+        if self.prefix is not None and request.prefix_node is not None:
+            self.prefix.unlock(request.prefix_node)
+        request.prefix_node = None
+        if request.cache is not None:
+            request.cache.release()
+        request.cache = None
+
+    def _reserve(self, request: Request, count: int) -> bool:
+        """Blocks for `count` more tokens, evicting unused prefix blocks if needed."""
+        assert request.cache is not None
+        needed = request.cache.seq_len + count
+        if request.cache.reserve(needed):
+            return True
+        if self.prefix is None:
+            return False
+        missing = self.pool.blocks_for(needed) - len(request.cache.blocks) - self.pool.num_free
+        self.prefix.evict(missing)
+        return request.cache.reserve(needed)
+
+    def _reserve_or_preempt(self, request: Request, count: int) -> bool:
+        while not self._reserve(request, count):
+            victim = self.running[-1]  # lowest priority, latest arrival
+            self.preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks and queue it again (it recomputes what it had). Its full
+        blocks are indexed first, so if nobody needs them meanwhile the recompute is a cache hit."""
+        self.index_blocks(request)
+        self.release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(request)
+
+    def index_blocks(self, request: Request) -> None:
+        """Put the request's full, computed blocks into the prefix index; keep its path locked."""
+        if self.prefix is None or request.cache is None:
+            return
+        computed = request.all_ids[: request.cache.seq_len]
+        node = self.prefix.insert(computed, request.cache.blocks, request.salt)
+        self.prefix.lock(node)
+        if request.prefix_node is not None:
+            self.prefix.unlock(request.prefix_node)
+        request.prefix_node = node
+
+    def release(self, request: Request) -> None:
+        """Drop the request from the running set and free everything it holds."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._detach_cache(request)
+
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    def check_invariants(self) -> None:
+        """Every block's reference count is exactly the caches plus the index that hold it."""
+        self.pool.check_invariants()
+        expected = [0] * self.pool.num_blocks
+        for request in self.running:
+            assert request.cache is not None, f"running request {request.request_id} has no cache"
+            request.cache.check_invariants()
+            for block in request.cache.blocks:
+                expected[block.block_id] += 1
+        for request in self.waiting:
+            assert request.cache is None, f"waiting request {request.request_id} still holds a cache"
+        if self.prefix is not None:
+            self.prefix.check_invariants()
+            for block in self.prefix.blocks():
+                expected[block.block_id] += 1
+        actual = [b.ref_count for b in self.pool.blocks]
+        leaked = [i for i, (e, a) in enumerate(zip(expected, actual)) if e != a]
+        assert not leaked, f"blocks {leaked[:10]} have ref counts {[actual[i] for i in leaked[:10]]}, expected {[expected[i] for i in leaked[:10]]}"

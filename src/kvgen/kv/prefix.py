@@ -1,0 +1,217 @@
+"""PrefixIndex: a radix tree over pool blocks (SGLang's radix cache with page size = block size).
+
+Each node below a root stands for one *full* block: the `block_size` token ids it holds and the pool
+Block with their keys/values, for the path of tokens from the root. A root per namespace (adapter /
+cache salt) keeps requests that must not share KV apart. The index holds one pool reference on every
+block it indexes, so an indexed block survives its request; `evict` drops that reference.
+
+    match(tokens)        -> the longest indexed prefix, as blocks (caller shares them)
+    insert(tokens, blocks)  indexes a sequence's full blocks (existing nodes are kept)
+    lock(node) / unlock(node)  a running request pins its path: locked nodes are never evicted
+    evict(num_blocks)    frees unlocked leaves, least recently used first (or least frequently: LFU)
+
+Positions are absolute, so a block is only reusable at the same place in the same token path; the
+keys stored after RoPE are therefore exact. Sliding-window layers (Gemma 3) need nothing special
+here: a paged cache keeps every layer's positions and the model's mask applies the window, so a hit
+reuses the whole prefix instead of re-prefilling it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvgen.kv.block_pool import Block, BlockPool
+
+EvictionPolicy = Literal["lru", "lfu"]
+MissReason = Literal["hit", "no match", "evicted", "different salt", "too short"]
+_EVICTED_MEMORY = 4096  # how many evicted paths the index remembers, to explain later misses
+
+
+@dataclass(eq=False)
+class PrefixNode:
+    tokens: tuple[int, ...]  # this block's token ids (empty for a root)
+    block: Block | None
+    parent: PrefixNode | None
+    depth: int = 0  # blocks from the root, this one included
+    children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
+    lock_ref: int = 0  # running requests whose path goes through this node
+    last_access: int = 0
+    hit_count: int = 0
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0
+    hits: int = 0  # queries that reused at least one block
+    misses: int = 0
+    evictions: int = 0  # blocks evicted
+    tokens_queried: int = 0
+    tokens_reused: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of queried prompt tokens whose KV was reused."""
+        return self.tokens_reused / self.tokens_queried if self.tokens_queried else 0.0
+
+
+@dataclass
+class PrefixMatch:
+    blocks: list[Block]  # the matched blocks, in order (not yet shared: the caller takes its refs)
+    node: PrefixNode  # the deepest matched node (a root when nothing matched)
+    reason: MissReason
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class PrefixIndex:
+    def __init__(self, pool: BlockPool, policy: EvictionPolicy = "lru"):
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction policy {policy!r}: choose 'lru' or 'lfu'")
+        self.pool, self.policy = pool, policy
+        self.block_size = pool.block_size
+        self.roots: dict[str, PrefixNode] = {}
+        self.stats = PrefixStats()
+        self.num_blocks = 0  # blocks the index references
+        self._clock = itertools.count(1)
+        self._evicted_paths: OrderedDict[tuple, None] = OrderedDict()
+
+    def root(self, salt: str = "") -> PrefixNode:
+        if salt not in self.roots:
+            self.roots[salt] = PrefixNode((), None, None)
+        return self.roots[salt]
+
+    def _chunks(self, tokens: list[int], limit: int) -> list[tuple[int, ...]]:
+        size = self.block_size
+        return [tuple(tokens[i : i + size]) for i in range(0, limit - limit % size, size)]
+
+    def match(self, tokens: list[int], salt: str = "", max_tokens: int | None = None) -> PrefixMatch:
+        """The longest indexed prefix of `tokens[:max_tokens]` in whole blocks; counts in the stats.
+
+        Pass max_tokens = len(prompt) - 1 so the last prompt token is always computed (its logits
+        pick the first output token) and never written into a shared block."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        chunks, node, blocks, now = self._chunks(tokens, limit), self.root(salt), [], next(self._clock)
+        for chunk in chunks:
+            child = node.children.get(chunk)
+            if child is None:
+                break
+            node = child
+            blocks.append(node.block)
+        for visited in _path(node):
+            visited.last_access = now
+            visited.hit_count += 1
+        reason = "hit" if blocks else self._miss_reason(chunks, salt)
+        self.stats.queries += 1
+        self.stats.tokens_queried += len(tokens)
+        self.stats.tokens_reused += len(blocks) * self.block_size
+        if blocks:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+        return PrefixMatch(blocks, node, reason)
+
+    def _miss_reason(self, chunks: list[tuple[int, ...]], salt: str) -> MissReason:
+        if not chunks:
+            return "too short"
+        if (salt, chunks[0]) in self._evicted_paths:
+            return "evicted"
+        if any(chunks[0] in root.children for other, root in self.roots.items() if other != salt):
+            return "different salt"
+        return "no match"
+
+    def insert(self, tokens: list[int], blocks: list[Block], salt: str = "") -> PrefixNode:
+        """Index the full blocks of a sequence whose first positions live in `blocks` (one per
+        block_size tokens). Nodes that exist keep their block; new nodes take a pool reference.
+        Returns the deepest node of the path."""
+        node, now = self.root(salt), next(self._clock)
+        for chunk, block in zip(self._chunks(tokens, len(tokens)), blocks):
+            child = node.children.get(chunk)
+            if child is None:
+                child = PrefixNode(chunk, block, node, node.depth + 1)
+                node.children[chunk] = child
+                self.pool.share([block])
+                self.num_blocks += 1
+            child.last_access = now
+            node = child
+        return node
+
+    def lock(self, node: PrefixNode) -> None:
+        for visited in _path(node):
+            visited.lock_ref += 1
+
+    def unlock(self, node: PrefixNode) -> None:
+        for visited in _path(node):
+            assert visited.lock_ref > 0, "prefix node unlocked more often than locked"
+            visited.lock_ref -= 1
+
+    def evictable(self) -> list[PrefixNode]:
+        """Unlocked leaves, in eviction order."""
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        if self.policy == "lfu":
+            return sorted(leaves, key=lambda n: (n.hit_count, n.last_access))
+        return sorted(leaves, key=lambda n: n.last_access)
+
+    def evict(self, num_blocks: int) -> int:
+        """Drop up to `num_blocks` blocks (leaves first, a parent once its children are gone);
+        returns how many were dropped. A dropped block goes back to the pool once no request holds it."""
+        evicted = 0
+        while evicted < num_blocks:
+            candidates = self.evictable()
+            if not candidates:
+                break
+            for leaf in candidates:
+                if evicted >= num_blocks:
+                    break
+                self._remove(leaf)
+                evicted += 1
+        self.stats.evictions += evicted
+        return evicted
+
+    def _remove(self, leaf: PrefixNode) -> None:
+        assert leaf.parent is not None and leaf.block is not None
+        del leaf.parent.children[leaf.tokens]
+        self.pool.free([leaf.block])
+        self.num_blocks -= 1
+        if leaf.depth == 1:  # remember the first block of the path, to explain a later miss
+            salt = next(s for s, r in self.roots.items() if r is leaf.parent)
+            self._evicted_paths[salt, leaf.tokens] = None
+            while len(self._evicted_paths) > _EVICTED_MEMORY:
+                self._evicted_paths.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every unlocked block (what a fresh server would hold)."""
+        self.evict(self.num_blocks)
+
+    def _nodes(self) -> list[PrefixNode]:
+        stack, nodes = [c for r in self.roots.values() for c in r.children.values()], []
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def blocks(self) -> list[Block]:
+        return [n.block for n in self._nodes() if n.block is not None]
+
+    def check_invariants(self) -> None:
+        nodes = self._nodes()
+        assert len(nodes) == self.num_blocks, f"index counts {self.num_blocks} blocks but holds {len(nodes)}"
+        assert len({id(n.block) for n in nodes}) == len(nodes), "a block is indexed twice"
+        for node in nodes:
+            assert node.block is not None and node.block.ref_count >= 1, "an indexed block is free in the pool"
+            assert len(node.tokens) == self.block_size, "a node holds a partial block"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "a child is locked more than its parent"
+
+
+def _path(node: PrefixNode) -> list[PrefixNode]:
+    """node and its ancestors, roots excluded."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path

@@ -1,0 +1,145 @@
+"""SSMStateCache: per-layer conv state + recurrent state of Mamba-style layers, with checkpoints.
+
+A state-space layer carries a fixed-size state instead of keys and values: the last few inputs of
+its causal convolution (conv state [B, C, K]) and the recurrent state [B, C, N]. The state after
+token t summarizes tokens 0..t and cannot be rewound, so the cache keeps *checkpoints*: snapshots
+of every layer's state at chosen lengths, taken automatically once `checkpoint_every` tokens have
+passed since the last one (at a commit, so at the length the forward pass ended on) and on demand
+(`checkpoint()`). The empty state (length 0) is always available.
+
+A request sharing a prefix of length p with an earlier one resumes from `resume_point(p)` (the
+latest checkpoint <= p) and recomputes only the rest. `truncate(n)` is exact, and allowed only to
+the current length or a checkpoint; it drops the checkpoints past n.
+
+Like the KV contract, a forward pass writes each layer's new state (`write`) and the cache takes
+them all at `commit`, so a pass that fails half-way leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SSMSpec:
+    num_layers: int
+    conv_shape: tuple[int, ...]  # one layer's conv state, e.g. (B, channels, kernel)
+    state_shape: tuple[int, ...]  # one layer's recurrent state, e.g. (B, channels, state_size)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * (torch.Size(self.conv_shape).numel() + torch.Size(self.state_shape).numel()) * element
+
+
+States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: conv, recurrent
+
+
+class SSMStateCache:
+    def __init__(self, spec: SSMSpec, checkpoint_every: int = 64, max_checkpoints: int = 32):
+        if checkpoint_every <= 0 or max_checkpoints <= 0:
+            raise ValueError(f"checkpoint_every and max_checkpoints must be positive, got {checkpoint_every}, {max_checkpoints}")
+        self.spec, self.checkpoint_every, self.max_checkpoints = spec, checkpoint_every, max_checkpoints
+        self._states: States = self._zeros()
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # written by the pass in flight
+        self._checkpoints: dict[int, States] = {}  # length -> snapshot (never modified once taken)
+        self._seq_len = 0
+
+    def _zeros(self) -> States:
+        return [(torch.zeros(self.spec.conv_shape, dtype=self.spec.dtype), torch.zeros(self.spec.state_shape, dtype=self.spec.dtype))
+                for _ in range(self.spec.num_layers)]  # fmt: skip
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """Lengths that can be resumed from, ascending (0, the empty state, always)."""
+        return [0, *sorted(length for length in self._checkpoints if length)]
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        return self._states[layer][0]
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        return self._states[layer][1]
+
+    def write(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """The state of `layer` after the tokens of the pass in flight (taken at `commit`)."""
+        if conv.shape != self.spec.conv_shape or recurrent.shape != self.spec.state_shape:
+            raise ValueError(
+                f"layer {layer} state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} do not match the cache's "
+                f"{self.spec.conv_shape}, {self.spec.state_shape}"
+            )
+        self._staged[layer] = (conv.detach().to(self.spec.dtype, copy=True), recurrent.detach().to(self.spec.dtype, copy=True))
+
+    def commit(self, num_tokens: int) -> None:
+        missing = [layer for layer in range(self.spec.num_layers) if layer not in self._staged]
+        if missing:
+            raise ValueError(f"commit after a pass that wrote no state for layers {missing}: write every layer first")
+        self._states = [self._staged[layer] for layer in range(self.spec.num_layers)]
+        self._staged = {}
+        self._seq_len += num_tokens
+        if self._seq_len - self.checkpoints[-1] >= self.checkpoint_every:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Snapshot the current state at seq_len (the oldest snapshot goes past max_checkpoints)."""
+        if self._seq_len == 0:
+            return
+        self._checkpoints[self._seq_len] = [(conv.clone(), rec.clone()) for conv, rec in self._states]
+        while len(self._checkpoints) > self.max_checkpoints:
+            del self._checkpoints[min(self._checkpoints)]
+
+    def resume_point(self, num_tokens: int) -> int:
+        """The latest length <= num_tokens whose state is held (a checkpoint, the current length, or 0)."""
+        if num_tokens >= self._seq_len:
+            return self._seq_len
+        return max(length for length in self.checkpoints if length <= num_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._seq_len:
+            raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} tokens")
+        point = self.resume_point(num_tokens)
+        if point != num_tokens:
+            raise ValueError(
+                f"cannot truncate a recurrent state to {num_tokens}: the nearest checkpoint is {point}; "
+                f"truncate to {point} (resume_point) and recompute the tokens after it"
+            )
+        if num_tokens < self._seq_len:
+            snapshot = self._checkpoints.get(num_tokens)
+            self._states = [(c.clone(), r.clone()) for c, r in snapshot] if snapshot else self._zeros()
+        self._checkpoints = {length: s for length, s in self._checkpoints.items() if length <= num_tokens}
+        self._staged, self._seq_len = {}, num_tokens
+
+    def resume(self, shared_tokens: int) -> int:
+        """Rewind to the latest state within the first `shared_tokens`; returns the length to recompute from."""
+        point = self.resume_point(shared_tokens)
+        self.truncate(point)
+        return point
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def release(self) -> None:
+        self.reset()
+
+    def fork(self) -> "SSMStateCache":
+        """Checkpoints are never modified, so the twin shares them; the live state is copied."""
+        twin = SSMStateCache(self.spec, self.checkpoint_every, self.max_checkpoints)
+        twin._states = [(c.clone(), r.clone()) for c, r in self._states]
+        twin._checkpoints, twin._seq_len = dict(self._checkpoints), self._seq_len
+        return twin
+
+    def memory_bytes(self) -> int:
+        return (1 + len(self._checkpoints) + (1 if self._staged else 0)) * self.spec.bytes_per_snapshot
+
+    def check_invariants(self) -> None:
+        assert self._seq_len >= 0
+        assert all(0 < length <= self._seq_len for length in self._checkpoints), "checkpoint past seq_len"
+        assert len(self._checkpoints) <= self.max_checkpoints, "too many checkpoints"
+        for conv, rec in self._states:
+            assert conv.shape == self.spec.conv_shape and rec.shape == self.spec.state_shape, "state shape"

@@ -1,0 +1,37 @@
+"""`kvgen serve`: build the engine and the app from the CLI options and run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvgen.engine.async_engine import AsyncLLMEngine
+from kvgen.engine.config import EngineConfig
+from kvgen.engine.engine import LLMEngine
+from kvgen.server.app import ServerConfig, create_app
+
+
+def build(llm, engine_config: EngineConfig, server_config: ServerConfig):
+    """(app, async engine) for an LLM: what `kvgen serve` runs, and what the tests start."""
+    engine = AsyncLLMEngine(LLMEngine(llm, engine_config))
+    return create_app(engine, server_config), engine
+
+
+def serve(args: argparse.Namespace, llm, api_key: str | None) -> int:
+    import uvicorn
+
+    engine_config = EngineConfig(
+        max_tokens_per_step=args.max_tokens_per_step, max_num_seqs=args.max_num_seqs, block_size=args.kv_block_size,
+        kv_budget_mb=args.kv_budget_mb, prefix_cache=not args.no_prefix_cache, eviction=args.eviction,
+        max_context=args.max_context,
+    )  # fmt: skip
+    name = Path(str(args.model)).stem if Path(str(args.model)).suffix else str(args.model)
+    server_config = ServerConfig(name, api_key, args.max_tokens_limit, max_concurrent=args.max_concurrent)
+    app, engine = build(llm, engine_config, server_config)
+    print(f"kvgen: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0

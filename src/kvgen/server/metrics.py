@@ -1,0 +1,31 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, async_engine) -> None:  # AsyncLLMEngine
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvgen_requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("kvgen_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvgen_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("kvgen_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvgen_inter_token_latency_seconds", "Time between tokens of a request", buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("kvgen_requests_in_flight", "Requests the server is serving now", registry=r)
+        read = async_engine.run_locked
+        Gauge("kvgen_kv_blocks_in_use", "KV blocks held by requests or the prefix cache", registry=r).set_function(
+            lambda: read(lambda e: e.scheduler.num_blocks_in_use()))
+        Gauge("kvgen_kv_blocks_total", "KV blocks in the pool", registry=r).set_function(
+            lambda: read(lambda e: e.storage.pool.num_blocks))
+        Gauge("kvgen_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r).set_function(
+            lambda: read(lambda e: e.scheduler.prefix.stats.hit_rate if e.scheduler.prefix else 0.0))
+        Gauge("kvgen_preemptions", "Requests preempted since start", registry=r).set_function(
+            lambda: read(lambda e: e.scheduler.num_preemptions))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

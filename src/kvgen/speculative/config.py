@@ -1,0 +1,89 @@
+"""SpeculativeConfig: a request's opt-in to speculative decoding, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvgen.config import CacheConfig
+
+if TYPE_CHECKING:
+    from kvgen.generate import Generator
+    from kvgen.speculative.proposer import Proposer
+
+Method = Literal["lookup", "self", "draft", "eagle"]
+METHODS = ("lookup", "self", "draft", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: lookup (n-gram match in the context), self (the target's first `draft_layers` layers),
+    draft (a separate model with the same tokenizer: `draft_model`, an LLM or DecoderLM), eagle (a
+    small head over the target's last hidden state; `eagle_weights` or the shipped SmolLM2 head).
+
+    `num_draft_tokens` is the first draft length; with `adaptive` it then moves within
+    [min_draft_tokens, max_draft_tokens] with the rolling acceptance rate."""
+
+    method: Method = "lookup"
+    num_draft_tokens: int = 4
+    min_draft_tokens: int = 1
+    max_draft_tokens: int = 8
+    adaptive: bool = True
+    draft_model: Any = None  # kvgen LLM or DecoderLM, for method "draft"
+    draft_layers: int | None = None  # for method "self"; default: half the target's layers
+    max_ngram: int = 3  # for method "lookup"
+    min_ngram: int = 1
+    eagle_weights: str | Path | None = None  # for method "eagle"; default: the shipped head
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not 1 <= self.min_draft_tokens <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise ValueError(
+                "need 1 <= min_draft_tokens <= num_draft_tokens <= max_draft_tokens, got "
+                f"{self.min_draft_tokens}, {self.num_draft_tokens}, {self.max_draft_tokens}"
+            )
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method 'draft' needs draft_model: a kvgen LLM (or DecoderLM) sharing the target's tokenizer")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
+
+    def check_cache(self, cache: CacheConfig) -> None:
+        """Rejected drafts are rolled back with truncate: the cache must be able to rewind that far."""
+        if cache.kind == "sinks":
+            raise ValueError("speculative decoding needs a cache that can rewind; a sinks cache cannot once it evicts: "
+                             "use the window cache with extra >= max_draft_tokens instead")  # fmt: skip
+        if cache.kind in ("window", "chunked") and cache.extra < self.max_draft_tokens:
+            raise ValueError(
+                f"a {cache.kind} cache rewinds exactly only up to `extra` ({cache.extra}) tokens, and drafts "
+                f"of up to {self.max_draft_tokens} may be rejected: set extra >= {self.max_draft_tokens} (--kv-extra)"
+            )
+
+    def build_proposer(self, generator: "Generator") -> "Proposer":
+        """A fresh proposer for one request on `generator`'s model (proposers hold per-request state)."""
+        self.check_cache(generator.cache_config)
+        model, max_context = generator.model, generator.max_context
+        if self.method == "lookup":
+            from kvgen.speculative.prompt_lookup import PromptLookupProposer
+
+            return PromptLookupProposer(self.max_ngram, self.min_ngram)
+        if self.method == "self":
+            from kvgen.speculative.self_draft import SelfDraftProposer
+
+            return SelfDraftProposer(model, self.draft_layers or model.config.num_layers // 2, max_context)
+        if self.method == "draft":
+            from kvgen.speculative.draft_model import DraftModelProposer, check_same_vocabulary
+
+            draft = getattr(self.draft_model, "model", self.draft_model)  # an LLM carries .model and .tokenizer
+            if draft.config.vocab_size != model.config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the target's "
+                    f"{model.config.vocab_size}: a draft model must share the target's tokenizer"
+                )
+            if hasattr(self.draft_model, "tokenizer"):
+                check_same_vocabulary(generator.tokenizer, self.draft_model.tokenizer)
+            return DraftModelProposer(draft, max_context)
+        from kvgen.speculative.eagle import EagleProposer, load_eagle_head
+
+        return EagleProposer(model, load_eagle_head(self.eagle_weights, model))

@@ -1,0 +1,87 @@
+"""The speculative step: draft k tokens, verify them in one target forward, roll back the rest.
+
+`SpeculativeDecoder.step()` replaces one plain decode step of the generation loop and returns one or
+more tokens. Invariant between steps (the same as plain decoding): the target's cache holds every
+committed id but the last, so the last id is the next forward's first input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.kv.interface import KVCache
+from kvgen.models.base import DecoderLM
+from kvgen.sampling.sampler import Sampler
+from kvgen.speculative.adaptive import DraftLengthController, SpeculativeStats
+from kvgen.speculative.config import SpeculativeConfig
+from kvgen.speculative.proposer import DraftPolicy, Proposer, TokenConstraint, mask_logits
+from kvgen.speculative.verify import verify
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self, model: DecoderLM, cache: KVCache, proposer: Proposer, sampler: Sampler, config: SpeculativeConfig,
+        max_context: int, constraint: TokenConstraint | None = None,
+    ):  # fmt: skip
+        self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
+        self.max_context, self.constraint = max_context, constraint
+        self.policy = DraftPolicy(sampler.params)
+        self.controller = DraftLengthController(config.num_draft_tokens, config.min_draft_tokens,
+                                                config.max_draft_tokens, config.adaptive)  # fmt: skip
+        self.stats = SpeculativeStats()
+        self.ids: list[int] = []  # every committed id; all but the last are in the cache
+
+    def start(self, ids: list[int]) -> None:
+        """ids: the prompt and the first generated token (the cache holds the prompt)."""
+        assert self.cache.seq_len == len(ids) - 1, f"cache holds {self.cache.seq_len} of {len(ids)} ids"
+        self.ids = list(ids)
+
+    def step(self, max_tokens: int) -> list[int]:
+        """Between 1 and about `max_tokens` new tokens (more are never drafted than that budget)."""
+        room = self.max_context - self.cache.seq_len - 1  # positions left after the last id's own
+        k = min(self.controller.draft_length(), max_tokens - 1, room)
+        if self.proposer.needs_target_features and not self._has_features:
+            k = 0  # the first step gives the proposer the features it starts from
+        draft = self.proposer.propose(self.ids, k, self.policy, self.constraint) if k > 0 else None
+        if draft is None or not draft.tokens:
+            tokens = [self._plain_step()]
+        else:
+            tokens = self._verify_step(draft)
+        self.ids.extend(tokens)
+        return tokens
+
+    _has_features = False
+
+    def _target(self, input_ids: list[int]) -> torch.Tensor:
+        """Run the target over input_ids -> logits [S, V] (and features to the proposer if it wants)."""
+        if not self.proposer.needs_target_features:
+            return self.model(torch.tensor([input_ids]), self.cache, logits_to_keep=None)[0]
+        h = self.model.hidden_states(torch.tensor([input_ids]), self.cache)[0]  # [S, H]
+        self._features = h
+        return self.model.logits_from_hidden(h)
+
+    def _plain_step(self) -> int:
+        logits = self._target([self.ids[-1]])[-1]
+        token = self.sampler(mask_logits(logits, self.constraint))
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        if self.proposer.needs_target_features:
+            self.proposer.observe_features(self._features[-1])
+            self._has_features = True
+        self.stats.plain_steps += 1
+        return token
+
+    def _verify_step(self, draft) -> list[int]:
+        start = self.cache.seq_len
+        logits = self._target([self.ids[-1]] + draft.tokens)  # [k+1, V]
+        tokens = verify(logits, draft, self.sampler, self.constraint)
+        accepted = len(tokens) - 1
+        self.cache.truncate(start + 1 + accepted)  # the rejected drafts' keys and values go
+        if self.proposer.needs_target_features:
+            self.proposer.observe_features(self._features[accepted])
+        self.controller.record(len(draft.tokens), accepted)
+        self.stats.verify_steps += 1
+        self.stats.proposed_tokens += len(draft.tokens)
+        self.stats.accepted_tokens += accepted
+        return tokens
+

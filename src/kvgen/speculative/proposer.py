@@ -1,0 +1,131 @@
+"""The proposer interface: something that guesses the next few tokens cheaply.
+
+A proposer sees the whole committed sequence (prompt + generated, the last id not yet in the target's
+cache) and returns a `Draft`. Drafting must leave no trace the target can see: a proposer keeps its own
+state (a draft cache, an n-gram index) and re-synchronises it with the ids it is given on every call, so
+rejected drafts need no explicit rollback message.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvgen.kv.interface import KVCache
+from kvgen.sampling.params import SamplingParams
+from kvgen.sampling.sampler import Sampler
+from kvgen.session import common_prefix_length
+
+
+class TokenConstraint(Protocol):
+    """A per-request constraint (a grammar) that can mask, advance and rewind token by token."""
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: tokens allowed at the current state."""
+
+    def consume(self, token: int) -> None:
+        """Advance past `token` (which must be allowed)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed tokens."""
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # [len(tokens), V]: the distribution each token was drawn from (q in rejection sampling).
+    # None: the tokens were chosen deterministically (q is one-hot), as greedy drafts and lookups are.
+    probs: torch.Tensor | None = None
+
+
+def mask_logits(logits: torch.Tensor, constraint: TokenConstraint | None) -> torch.Tensor:
+    """Disallowed tokens get -inf, so neither argmax nor sampling can pick them."""
+    if constraint is None:
+        return logits
+    return logits.masked_fill(~constraint.allowed(), float("-inf"))
+
+
+class DraftPolicy:
+    """How a drafting model picks its tokens: argmax when the request is greedy, else a sample from
+    the request's processed distribution, drawn with the draft's own random stream."""
+
+    def __init__(self, params: SamplingParams):
+        seed = None if params.seed is None else params.seed + 1  # independent of the target's stream
+        self.sampler = Sampler(SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                              top_p=params.top_p, seed=seed))  # fmt: skip
+        self.greedy = params.greedy
+
+    def pick(self, logits: torch.Tensor, constraint: TokenConstraint | None) -> tuple[int, torch.Tensor | None]:
+        """logits [V] -> (token, the distribution it was drawn from or None when greedy)."""
+        logits = mask_logits(logits, constraint)
+        if self.greedy:
+            return int(torch.argmax(logits)), None
+        probs = self.sampler.probabilities(logits)
+        return int(torch.multinomial(probs, 1, generator=self.sampler.generator)), probs
+
+
+class Proposer(ABC):
+    # EAGLE-style proposers read the target's last hidden state; the decoder then runs the target
+    # through `hidden_states` and hands them over with `observe_features`.
+    needs_target_features: bool = False
+
+    @abstractmethod
+    def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
+        """Up to `num_tokens` guesses for what follows `ids` (possibly none). A constraint, if given,
+        must be left in the state it was found in."""
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """features [H]: the target's last block output at the last position of its cache."""
+
+    def release(self) -> None:
+        """Free what the proposer holds (its draft cache); called when the request ends."""
+
+
+class CachedDrafter(Proposer):
+    """An autoregressive drafting model with its own KV cache, kept in step with the committed ids.
+
+    After proposing d_0..d_{k-1} for `ids`, the draft cache holds ids + d_0..d_{k-2}; the next call
+    keeps the longest prefix it shares with the new ids (the accepted drafts) and drops the rest.
+    """
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self._cached_ids: list[int] = []  # the ids whose KV `cache` holds, in order
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [1, S] appended to self.cache -> logits of the last position [V]."""
+
+    def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
+        keep = min(common_prefix_length(self._cached_ids, ids), len(ids) - 1)
+        self.cache.truncate(keep)
+        self._cached_ids = self._cached_ids[:keep]
+        logits = self.forward(torch.tensor([ids[keep:]]))
+        self._cached_ids = list(ids)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        consumed = 0
+        try:
+            while True:
+                token, q = policy.pick(logits, constraint)
+                tokens.append(token)
+                if q is not None:
+                    probs.append(q)
+                if len(tokens) == num_tokens:
+                    break
+                if constraint is not None:
+                    constraint.consume(token)
+                    consumed += 1
+                logits = self.forward(torch.tensor([[token]]))
+                self._cached_ids.append(token)
+        finally:
+            if constraint is not None and consumed:
+                constraint.rollback(consumed)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def release(self) -> None:
+        self.cache.release()
+        self._cached_ids = []

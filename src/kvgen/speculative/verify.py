@@ -1,0 +1,62 @@
+"""Verification: the target scores the drafted tokens in one forward, and we keep what it agrees with.
+
+Given the target's logits at the k+1 positions (the last committed token, then each drafted token),
+`verify` returns the accepted drafts followed by exactly one token from the target: the correction at
+the first rejection, or a bonus token when every draft was accepted.
+
+- Greedy: a draft is accepted when it is the target's argmax; the output is plain greedy decoding's.
+- Sampling: exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Draft x ~ q is
+  accepted with probability min(1, p(x)/q(x)); at the first rejection the token is drawn from
+  norm(max(0, p - q)). The tokens are then distributed exactly as the target's p. A deterministic draft
+  (prompt lookup, greedy drafting) is q = one-hot.
+
+With a constraint, p at every position is masked by the constraint's state after the drafts before it,
+and the constraint ends advanced past every returned token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.sampling.sampler import Sampler
+from kvgen.speculative.proposer import Draft, TokenConstraint, mask_logits
+
+
+def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, constraint: TokenConstraint | None = None) -> list[int]:
+    """logits [k+1, V] from the target for (last committed token, d_0, ..., d_{k-1}) -> new tokens."""
+    k = len(draft.tokens)
+    assert logits.shape[0] == k + 1, f"need logits for {k + 1} positions, got {logits.shape[0]}"
+    out: list[int] = []
+    for i in range(k + 1):
+        scores = mask_logits(logits[i], constraint)
+        if i == k:  # every draft accepted: one more token from the target, for free
+            token = sampler(scores)
+        elif sampler.params.greedy:
+            token = int(torch.argmax(scores))
+        else:
+            token = _accept_or_resample(sampler, scores, draft, i)
+        out.append(token)
+        if constraint is not None:
+            constraint.consume(token)
+        if i == k or token != draft.tokens[i]:
+            return out
+    raise AssertionError("unreachable: the loop returns at position k")
+
+
+def _accept_or_resample(sampler: Sampler, scores: torch.Tensor, draft: Draft, i: int) -> int:
+    """One step of rejection sampling at draft position i: the draft token, or a resampled one."""
+    x = draft.tokens[i]
+    p = sampler.probabilities(scores)  # [V]
+    if draft.probs is None:
+        q = torch.zeros_like(p)
+        q[x] = 1.0
+    else:
+        q = draft.probs[i]
+    u = float(torch.rand((), generator=sampler.generator))
+    if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < p/q, without dividing by a tiny q
+        return x
+    residual = torch.clamp(p - q, min=0)
+    total = float(residual.sum())
+    if total <= 0:  # p == q up to rounding: rejection had probability ~0; p is then the right law
+        residual, total = p, 1.0
+    return int(torch.multinomial(residual / total, 1, generator=sampler.generator))

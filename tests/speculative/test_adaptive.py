@@ -1,0 +1,52 @@
+"""The draft-length controller: grow, shrink, pause and resume, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgen.speculative.adaptive import DraftLengthController, SpeculativeStats
+
+
+def test_grows_on_high_acceptance_up_to_the_maximum():
+    c = DraftLengthController(initial=4, min_length=1, max_length=6)
+    lengths = []
+    for _ in range(4):
+        c.record(c.draft_length(), c.length)  # everything accepted
+        lengths.append(c.length)
+    assert lengths == [5, 6, 6, 6]
+
+
+def test_shrinks_on_low_acceptance_then_pauses_and_resumes():
+    c = DraftLengthController(initial=3, min_length=1, max_length=8, window=2, cooldown=3)
+    c.record(3, 0)
+    assert c.length == 2
+    c.record(2, 0)
+    assert c.length == 1
+    c.record(1, 0)  # first low step at the minimum
+    assert c.draft_length() == 1
+    c.record(1, 0)  # a whole window (2 steps) low at the minimum: pause
+    assert [c.draft_length() for _ in range(4)] == [0, 0, 0, 1]  # 3 plain tokens, then drafting again
+    assert c.rolling_acceptance == 1.0  # a fresh window after the pause
+
+
+def test_middle_acceptance_keeps_the_length():
+    c = DraftLengthController(initial=4)
+    c.record(4, 2)  # 0.5: between the thresholds
+    assert c.length == 4
+
+
+def test_fixed_length_when_not_adaptive():
+    c = DraftLengthController(initial=4, adaptive=False)
+    c.record(4, 0)
+    assert c.length == 4 and c.draft_length() == 4
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="min_length <= initial <= max_length"):
+        DraftLengthController(initial=9, max_length=8)
+
+
+def test_stats_rates():
+    stats = SpeculativeStats(verify_steps=4, proposed_tokens=16, accepted_tokens=12)
+    assert stats.acceptance_rate == 0.75
+    assert stats.tokens_per_verify == 4.0

@@ -1,0 +1,23 @@
+"""`--speculative` on the command line: same greedy text as without it, acceptance in the stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.cli.test_cli import assert_one_line_error, kvgen
+from tests.support.tiny_gguf import write_tiny_gguf
+
+
+def test_generate_with_prompt_lookup_prints_the_plain_greedy_text(tmp_path: Path) -> None:
+    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    args = ("generate", "abcabcabcabc", "--model", tiny, "--no-progress", "-n", "24")
+    plain, speculative = kvgen(*args), kvgen(*args, "--speculative", "lookup")
+    assert plain.returncode == 0 and speculative.returncode == 0, speculative.stderr
+    assert speculative.stdout == plain.stdout
+    assert "draft acceptance" in speculative.stderr
+
+
+def test_draft_method_without_a_draft_model_is_a_one_line_error(tmp_path: Path) -> None:
+    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    result = kvgen("generate", "hi", "--model", tiny, "--no-progress", "--speculative", "draft")
+    assert_one_line_error(result, "needs --draft-model")
