@@ -37,9 +37,11 @@ class Codec(ABC):
         """Stored tensors [H, N, ...] -> fp32 [H, N, B, D]."""
 
     def round(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """x [H, S, D] (S a multiple of BLOCK_TOKENS) -> as stored and read back."""
+        """x [H, S, D] -> as stored and read back, in blocks of BLOCK_TOKENS (one block of S when S
+        is not a multiple: per-position codecs round the same either way)."""
         heads, seq, dim = x.shape
-        blocks = x.reshape(heads, seq // BLOCK_TOKENS, BLOCK_TOKENS, dim)
+        block = BLOCK_TOKENS if seq % BLOCK_TOKENS == 0 else seq
+        blocks = x.reshape(heads, seq // block, block, dim)
         return self.decode(self.encode(blocks, layer), layer).reshape(heads, seq, dim)
 
 

@@ -1,8 +1,8 @@
 """Storage for the tiered cache's lower tiers: the warm packing and the checksummed cold files.
 
 A block is K and V for `block_size` positions of every layer, [L, H, bs, D] each. Warm blocks are
-packed by a codec of kv/codecs.py into real smaller tensors (fp16/bf16 casts; int8 with an fp32
-scale per position, rounding exactly as `value_codec("int8")` does). Cold blocks are one file each:
+packed by a codec of kv/codecs.py into real smaller tensors (fp16/bf16 casts; int8 with an fp16
+scale per position: the int8 KV codec's own encoding). Cold blocks are one file each:
 
     b"KVGTIER1" | u32 header length | JSON header | per layer: the packed tensors' raw bytes
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvgen.errors import KvgenError
+from kvgen.kv.codecs import CODECS
 
 MAGIC = b"KVGTIER1"
 WARM_DTYPES = ("fp32", "fp16", "bf16", "int8")
@@ -40,9 +41,8 @@ def pack(keys: torch.Tensor, values: torch.Tensor, dtype: str) -> Packed:
     if dtype == "int8":
         packed: Packed = {}
         for name, x in (("k", keys), ("v", values)):
-            scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127  # per position, as codecs._int8
-            packed[name] = torch.round(x / scale).clamp(-127, 127).to(torch.int8).contiguous()
-            packed[name + "_scale"] = scale.contiguous()
+            parts = CODECS["int8"].encode(x, 0)  # per position: int8 codes and an fp16 scale
+            packed[name], packed[name + "_scale"] = parts["codes"].contiguous(), parts["scale"].contiguous()
         return packed
     raise ValueError(f"unknown warm tier dtype {dtype!r}; choose one of {', '.join(WARM_DTYPES)}")
 
