@@ -27,7 +27,7 @@ from kvgen.models.base import DecoderLM
 from kvgen.sampling.grammar import GrammarConstraint
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler, TokenLogprob
-from kvgen.sampling.stops import StopStringMatcher
+from kvgen.sampling.output import OutputTracker, stop_token_ids
 
 if TYPE_CHECKING:
     from kvgen.speculative.adaptive import SpeculativeStats
@@ -216,7 +216,7 @@ class GenerationStream:
         self.first_logits = first_logits
         self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
         self.shifted = 0  # positions dropped by context shifts
-        self.stop_ids = self._stop_ids()
+        self.stop_ids = stop_token_ids(params, generator.tokenizer)
         # Built now, so a grammar the tokenizer cannot serve fails before any work (and frees nothing).
         constraint = GrammarConstraint.create(params.structured, generator.tokenizer) if params.structured else None
         self.sampler = Sampler(
@@ -259,12 +259,6 @@ class GenerationStream:
         self.cache.remove_range(keep, keep + discard, self.generator.model.rerotate)
         self.shifted += discard
 
-    def _stop_ids(self) -> set[int]:
-        ids = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ids.update(self.generator.tokenizer.eos_token_ids)
-        return ids
-
     def _run(self) -> Iterator[Chunk]:
         try:
             for chunk in self._generate():
@@ -286,16 +280,12 @@ class GenerationStream:
         self.result.timings.prefill_tokens = len(pending)
         return self.generator.model(torch.tensor([pending]), self.cache)[0, -1]  # [V]
 
-    def _finish(self, reason: str, stop_reason: str | int | None = None) -> None:
-        self.result.finish_reason, self.result.stop_reason = reason, stop_reason
-
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:
         model, result, params, sampler = self.generator.model, self.result, self.params, self.sampler
-        detokenizer = self.generator.tokenizer.detokenizer()
-        stops = StopStringMatcher(params.stop)
         max_context = self.generator.max_context
         budget = params.max_new_tokens if params.context_shift else min(params.max_new_tokens, max_context - len(self.prompt_ids))
+        output = OutputTracker(params, self.generator.tokenizer, self.stop_ids, budget, sampler.constraint)
 
         started = time.perf_counter()
         token = sampler(self._prefill())
@@ -312,21 +302,12 @@ class GenerationStream:
         decode_started = time.perf_counter()
         while True:
             result.token_ids.append(token)
-            logprob = sampler.logprobs[-1] if params.logprobs else None
-            if token in self.stop_ids:
-                self._finish("stop", token if token in params.stop_token_ids else None)
+            text = output.add(token)
+            if output.stopped_on_token:
                 break
-            check = stops.feed(detokenizer.add(token))
-            pieces.append(check.text)
-            yield Chunk(check.text, token, logprob)
-            if check.stop is not None:
-                self._finish("stop", check.stop)
-                break
-            if sampler.constraint is not None and sampler.constraint.is_finished():
-                self._finish("stop")  # the grammar is complete: nothing more may follow
-                break
-            if len(result.token_ids) >= budget:
-                self._finish("length")
+            pieces.append(text)
+            yield Chunk(text, token, sampler.logprobs[-1] if params.logprobs else None)
+            if output.finish_reason is not None:
                 break
             if ahead:
                 token = ahead.pop(0)
@@ -340,14 +321,11 @@ class GenerationStream:
             result.timings.decode_tokens += 1
         if ahead:  # stopped inside a verified run: the cache must hold the emitted tokens but the last
             self.cache.truncate(len(self.prompt_ids) + len(result.token_ids) - 1)
-        if result.stop_reason is None or isinstance(result.stop_reason, int):
-            tail = stops.feed(detokenizer.flush())  # an incomplete character may still complete a stop
-            text = tail.text if tail.stop is not None else tail.text + stops.flush()
-            if tail.stop is not None:
-                self._finish("stop", tail.stop)
-            pieces.append(text)
-            if text:
-                yield Chunk(text, result.token_ids[-1])
+        tail = output.flush()
+        pieces.append(tail)
+        if tail:
+            yield Chunk(tail, result.token_ids[-1])
+        result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
         result.text = "".join(pieces)
         result.timings.decode_seconds = time.perf_counter() - decode_started
         result.usage.completion_tokens = len(result.token_ids)

@@ -20,6 +20,7 @@ from kvgen.generate import Generator
 from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.interface import CacheSpec
 from kvgen.kv.paged import PagedStorage
+from kvgen.sampling.output import stop_token_ids
 from kvgen.sampling.params import SamplingParams
 
 
@@ -65,11 +66,9 @@ class LLMEngine:
                 f"prompt + max_new_tokens ({longest} tokens) needs more KV blocks than the whole pool has "
                 f"({pool.num_blocks} blocks of {pool.block_size}): lower max_new_tokens or raise the KV budget"
             )
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.tokenizer.eos_token_ids)
+        stop_ids = stop_token_ids(params, self.tokenizer)
         vocab = self.model.config.vocab_size
-        return Request(request_id, ids, params, self.tokenizer, frozenset(stop_ids), self.max_context, vocab, priority, salt)
+        return Request(request_id, ids, params, self.tokenizer, stop_ids, self.max_context, vocab, priority, salt)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

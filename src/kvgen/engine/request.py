@@ -14,7 +14,7 @@ from kvgen.loading.tokenizer import Tokenizer
 from kvgen.sampling.grammar import GrammarConstraint
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler, TokenLogprob
-from kvgen.sampling.stops import StopStringMatcher
+from kvgen.sampling.output import OutputTracker
 
 _arrivals = itertools.count()
 
@@ -70,8 +70,8 @@ class Request:
         constraint = GrammarConstraint.create(p.structured, self.tokenizer) if p.structured else None
         self.sampler = Sampler(p, prompt_ids=self.prompt_ids, vocab_size=self.vocab_size, stop_ids=sorted(self.stop_ids),
                                constraint=constraint)  # fmt: skip
-        self.detokenizer = self.tokenizer.detokenizer()
-        self.stops = StopStringMatcher(p.stop)
+        budget = min(p.max_new_tokens, self.max_context - len(self.prompt_ids))
+        self.output = OutputTracker(p, self.tokenizer, self.stop_ids, budget, constraint)
 
     @property
     def all_ids(self) -> list[int]:
@@ -101,22 +101,11 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         logprobs = self.sampler.logprobs[-1:] if self.params.logprobs else []
-        if token in self.stop_ids:
-            return self._finish("stop", token, self._flush(), logprobs)
-        check = self.stops.feed(self.detokenizer.add(token))
-        if check.stop is not None:  # the stop string and anything held back with it are dropped
-            return self._finish("stop", token, check.text, logprobs)
-        constraint = self.sampler.constraint
-        if constraint is not None and constraint.is_finished():
-            return self._finish("stop", token, check.text + self._flush(), logprobs)
-        if len(self.output_ids) >= self.params.max_new_tokens or len(self.all_ids) >= self.max_context:
-            return self._finish("length", token, check.text + self._flush(), logprobs)
-        return RequestOutput(self.request_id, [token], check.text, logprobs=logprobs)
-
-    def _flush(self) -> str:
-        """The text still held by the detokenizer and the stop matcher (no stop string can follow)."""
-        tail = self.stops.feed(self.detokenizer.flush())
-        return tail.text if tail.stop is not None else tail.text + self.stops.flush()
+        text = self.output.add(token)
+        if self.output.finish_reason is None:
+            return RequestOutput(self.request_id, [token], text, logprobs=logprobs)
+        text += self.output.flush()  # the request ends: release what the stop matcher held back
+        return self._finish(self.output.finish_reason, token, text, logprobs)
 
     def _finish(self, reason: str, token: int, text: str, logprobs: list[TokenLogprob]) -> RequestOutput:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
