@@ -5,7 +5,9 @@ block is leaked afterwards."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import openai
 import pytest
@@ -18,6 +20,13 @@ from tests.support.models import PROMPTS
 NUM_CLIENTS = 64
 NUM_PROMPTS = 16
 MAX_TOKENS = 8
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the clients' requests did not all reach the server"
+        time.sleep(0.05)
 
 
 def mixed_prompts(llm) -> list[list[int]]:
@@ -49,7 +58,12 @@ def test_64_concurrent_streams_all_complete_and_equal_alone(smollm2) -> None:
             return text, finish, usage
 
         with ThreadPoolExecutor(NUM_CLIENTS) as pool:
-            results = list(pool.map(stream, jobs))
+            # All 64 arrive before the engine takes any: on a slow machine requests trickling in
+            # one by one could each finish before the pool fills, and nothing would be preempted.
+            with live.engine.paused():
+                futures = [pool.submit(stream, job) for job in jobs]
+                wait_until(lambda: live.engine.num_queued_commands() >= NUM_CLIENTS, timeout=120)
+            results = [future.result() for future in futures]
         live.assert_no_leaks()
         preemptions = live.engine.run_locked(lambda e: e.scheduler.num_preemptions)
     assert preemptions > 0, "the pool was meant to be too small for every request at once"

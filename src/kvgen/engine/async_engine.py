@@ -12,8 +12,9 @@ import asyncio
 import logging
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 from kvgen.engine.engine import LLMEngine
 from kvgen.engine.request import Request, RequestOutput
@@ -69,6 +70,17 @@ class AsyncLLMEngine:
         """Read engine state consistently from another thread (between steps)."""
         with self._state_lock:
             return fn(self.engine)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the engine between steps: requests submitted meanwhile queue up and all reach the
+        scheduler at the next step (a burst that arrives at once, whatever the machine's speed)."""
+        with self._state_lock:
+            yield
+
+    def num_queued_commands(self) -> int:
+        """Submissions and cancellations the engine thread has not taken yet."""
+        return self._commands.qsize()
 
     def shutdown(self) -> None:
         self._stopped = True
