@@ -226,9 +226,6 @@ class GenerationStream:
         if params.logprobs:
             self.result.logprobs = self.sampler.logprobs
         self.speculative = speculative
-        if speculative is not None and (self.sampler.processors or params.logprobs):
-            raise ValueError("speculative decoding does not support penalties, logit_bias, min_new_tokens, structured "
-                             "output or logprobs yet: drop those parameters or speculative")  # fmt: skip
         # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
         self._proposer = speculative.build_proposer(generator) if speculative is not None else None
         self._speculator = None  # SpeculativeDecoder, built after the prefill
@@ -302,7 +299,7 @@ class GenerationStream:
         decode_started = time.perf_counter()
         while True:
             result.token_ids.append(token)
-            text = output.add(token)
+            text = output.add(token, more_follow=bool(ahead))
             if output.stopped_on_token:
                 break
             pieces.append(text)

@@ -9,31 +9,8 @@ import torch
 from kvgen import LLM, SamplingParams, SpeculativeConfig
 from kvgen.sampling.sampler import Sampler
 from kvgen.speculative.decoder import SpeculativeDecoder
+from tests.speculative.constraints import NoRepeatFromSet
 from tests.support.tiny_gguf import write_tiny_gguf
-
-
-class NoRepeatFromSet:
-    """Allows only `tokens`, never the token just consumed: the mask depends on the state, so a wrong
-    rollback changes later masks."""
-
-    def __init__(self, tokens: set[int], vocab: int):
-        self.base = torch.zeros(vocab, dtype=torch.bool)
-        self.base[list(tokens)] = True
-        self.consumed: list[int] = []
-
-    def allowed(self) -> torch.Tensor:
-        mask = self.base.clone()
-        if self.consumed:
-            mask[self.consumed[-1]] = False
-        return mask
-
-    def consume(self, token: int) -> None:
-        assert bool(self.allowed()[token]), f"token {token} is not allowed here"
-        self.consumed.append(token)
-
-    def rollback(self, num_tokens: int) -> None:
-        assert 0 <= num_tokens <= len(self.consumed)
-        del self.consumed[len(self.consumed) - num_tokens :]
 
 
 @torch.inference_mode()
@@ -43,8 +20,8 @@ def plain_masked_greedy(llm: LLM, prompt: list[int], constraint: NoRepeatFromSet
     out, token = [], prompt[-1]
     for _ in range(count):
         logits = llm.model(torch.tensor([[token]]), cache)[0, -1]
-        token = int(torch.argmax(logits.masked_fill(~constraint.allowed(), float("-inf"))))
-        constraint.consume(token)
+        token = int(torch.argmax(logits.masked_fill(~constraint.allowed_mask(logits.shape[-1]), float("-inf"))))
+        assert constraint.advance(token)
         out.append(token)
     return out
 
@@ -54,8 +31,9 @@ def speculative_masked_greedy(llm: LLM, prompt: list[int], constraint: NoRepeatF
                               config: SpeculativeConfig) -> tuple[list[int], SpeculativeDecoder]:  # fmt: skip
     cache = llm.generator.new_cache(len(prompt) + count + 16)
     llm.model(torch.tensor([prompt[:-1]]), cache)
-    decoder = SpeculativeDecoder(llm.model, cache, config.build_proposer(llm.generator), Sampler(SamplingParams()),
-                                 config, llm.generator.max_context, constraint)  # fmt: skip
+    sampler = Sampler(SamplingParams(), constraint=constraint)
+    decoder = SpeculativeDecoder(llm.model, cache, config.build_proposer(llm.generator), sampler, config,
+                                 llm.generator.max_context)  # fmt: skip
     decoder.start(prompt)
     out: list[int] = []
     while len(out) < count:
@@ -74,8 +52,8 @@ def test_constrained_speculation_equals_constrained_greedy_on_a_tiny_model(tiny,
     prompt = tiny.tokenizer.encode("abcabdabcabdabcabd")
     allowed = set(prompt) | set(tiny.tokenizer.encode("e", add_special_tokens=False))
     config = SpeculativeConfig(method, draft_layers=1) if method == "self" else SpeculativeConfig(method)
-    reference = plain_masked_greedy(tiny, prompt, NoRepeatFromSet(allowed, tiny.config.vocab_size), 24)
-    constraint = NoRepeatFromSet(allowed, tiny.config.vocab_size)
+    reference = plain_masked_greedy(tiny, prompt, NoRepeatFromSet(allowed), 24)
+    constraint = NoRepeatFromSet(allowed)
     tokens, decoder = speculative_masked_greedy(tiny, prompt, constraint, 24, config)
     assert tokens == reference
     assert constraint.consumed == tokens  # drafts were rolled back; only emitted tokens remain
@@ -87,8 +65,8 @@ def test_constrained_speculation_equals_constrained_greedy_on_smollm2(smollm2):
     prompt = smollm2.tokenizer.encode("Colors: red, green, blue, red, green, blue, red, green,")
     allowed = set(prompt)
     config = SpeculativeConfig("lookup")
-    reference = plain_masked_greedy(smollm2, prompt, NoRepeatFromSet(allowed, smollm2.config.vocab_size), 16)
-    constraint = NoRepeatFromSet(allowed, smollm2.config.vocab_size)
+    reference = plain_masked_greedy(smollm2, prompt, NoRepeatFromSet(allowed), 16)
+    constraint = NoRepeatFromSet(allowed)
     tokens, decoder = speculative_masked_greedy(smollm2, prompt, constraint, 16, config)
     assert tokens == reference and constraint.consumed == tokens
     assert decoder.stats.accepted_tokens > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.prompt_lookup import PromptLookupProposer
 from kvgen.speculative.proposer import DraftPolicy
-from tests.speculative.test_verify import ForbidSet
+from tests.speculative.constraints import ForbidSet
 
 POLICY = DraftPolicy(SamplingParams())
 
@@ -33,6 +33,6 @@ def test_index_follows_a_growing_history_and_a_changed_one():
 
 def test_drafts_stop_at_the_first_token_the_constraint_forbids():
     lookup = PromptLookupProposer()
-    constraint = ForbidSet({3}, vocab=10)
+    constraint = ForbidSet({3})
     assert lookup.propose([1, 2, 5, 3, 4, 1, 2], 4, POLICY, constraint).tokens == [5]
     assert constraint.consumed == []  # left as found

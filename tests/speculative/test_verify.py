@@ -12,6 +12,7 @@ from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler
 from kvgen.speculative.proposer import Draft
 from kvgen.speculative.verify import verify
+from tests.speculative.constraints import ForbidSet
 from tests.speculative.stats import CHI2_CRITICAL_0_001, chi_square
 
 
@@ -31,25 +32,8 @@ def test_greedy_accepts_the_agreeing_prefix_then_corrects():
 def test_greedy_verification_obeys_the_constraint_mask():
     logits = torch.tensor([[0, 0, 5, 1], [5, 0, 0, 0]], dtype=torch.float32)
     constraint = ForbidSet({2})
-    assert verify(logits, Draft([2]), Sampler(SamplingParams()), constraint) == [3]
+    assert verify(logits, Draft([2]), Sampler(SamplingParams(), constraint=constraint)) == [3]
     assert constraint.consumed == [3]
-
-
-class ForbidSet:
-    def __init__(self, forbidden: set[int], vocab: int = 4):
-        self.forbidden, self.vocab, self.consumed = forbidden, vocab, []
-
-    def allowed(self) -> torch.Tensor:
-        mask = torch.ones(self.vocab, dtype=torch.bool)
-        mask[list(self.forbidden)] = False
-        return mask
-
-    def consume(self, token: int) -> None:
-        assert token not in self.forbidden
-        self.consumed.append(token)
-
-    def rollback(self, num_tokens: int) -> None:
-        del self.consumed[len(self.consumed) - num_tokens :]
 
 
 def sampled_first_tokens(p: list[float], q: list[float] | None, trials: int, seed: int = 0) -> torch.Tensor:

@@ -42,8 +42,12 @@ class OutputTracker:
         self.stop_reason: str | int | None = None  # the stop string or stop token id that matched
         self.stopped_on_token = False
 
-    def add(self, token: int) -> str:
-        """The text that `token` makes final ("" while it is held back, or for a stop id)."""
+    def add(self, token: int, more_follow: bool = False) -> str:
+        """The text that `token` makes final ("" while it is held back, or for a stop id).
+
+        more_follow: tokens after this one were already chosen (a verified speculative run), so the
+        grammar's state is past them and says nothing about this token; a run always ends at the
+        token that completes the grammar, so only its last token needs the check."""
         self.num_tokens += 1
         if token in self.stop_ids:
             self.stopped_on_token = True
@@ -52,7 +56,7 @@ class OutputTracker:
         check = self.stops.feed(self.detokenizer.add(token))
         if check.stop is not None:
             self._finish("stop", check.stop)
-        elif self.constraint is not None and self.constraint.is_finished():
+        elif not more_follow and self.constraint is not None and self.constraint.is_finished():
             self._finish("stop")  # the grammar is complete: nothing more may follow
         elif self.num_tokens >= self.budget:
             self._finish("length")

@@ -10,7 +10,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from kvgen.sampling.grammar import GrammarConstraint
+from kvgen.sampling.grammar import TokenConstraint
 
 
 class LogitsProcessor(Protocol):
@@ -80,16 +80,17 @@ class MinTokensProcessor:
 
 
 class GrammarProcessor:
-    """Masks every token the grammar does not allow next, and feeds it the chosen token."""
+    """Masks every token the constraint (a grammar) does not allow next, and feeds it the chosen token."""
 
-    def __init__(self, constraint: GrammarConstraint):
+    def __init__(self, constraint: TokenConstraint):
         self.constraint = constraint
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.constraint.apply(logits)
+        return logits.masked_fill_(~self.constraint.allowed_mask(logits.shape[-1]), float("-inf"))
 
     def observe(self, token_id: int) -> None:
         if not self.constraint.advance(token_id):
-            raise RuntimeError(f"the grammar rejected token {token_id} it had allowed: {self.constraint.error()}")
-        if not self.constraint.is_finished():
-            self.constraint.prefetch()  # the next mask is computed while the model runs
+            raise RuntimeError(f"the grammar rejected token {token_id} it had allowed")
+        prefetch = getattr(self.constraint, "prefetch", None)  # GrammarConstraint: next mask while the model runs
+        if prefetch is not None and not self.constraint.is_finished():
+            prefetch()

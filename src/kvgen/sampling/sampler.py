@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from kvgen.sampling.grammar import GrammarConstraint
+from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.processors import (
     GrammarProcessor,
@@ -39,7 +39,7 @@ class Sampler:
         prompt_ids: Sequence[int] = (),
         vocab_size: int | None = None,
         stop_ids: Sequence[int] = (),
-        constraint: GrammarConstraint | None = None,
+        constraint: TokenConstraint | None = None,
         seed_offset: int = 0,
     ):
         self.params = params
@@ -69,18 +69,28 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] (may be modified) -> token id; records the logprob when asked to."""
+        return self.choose(logits, self.pick)
+
+    def choose(self, logits: torch.Tensor, pick: Callable[[torch.Tensor], int]) -> int:
+        """Run the processors over logits [V] (may be modified), let `pick` choose from the processed
+        scores, then advance the processors past the choice and record its logprob. Speculative
+        verification passes its own `pick` (accept a draft or resample) and gets the same penalties,
+        grammar and logprobs as plain sampling."""
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if self.params.logprobs else None
         for processor in self.processors:
             logits = processor(logits)
-        if self.params.greedy:
-            token = int(torch.argmax(logits))  # no sort, no softmax
-        else:
-            token = int(torch.multinomial(self.probabilities(logits), 1, generator=self.generator))
+        token = pick(logits)
         for processor in self.processors:
             processor.observe(token)
         if raw_logprobs is not None:
             self.logprobs.append(self._logprob(raw_logprobs, token))
         return token
+
+    def pick(self, scores: torch.Tensor) -> int:
+        """A token from processed scores [V]: argmax when greedy (no sort, no softmax), else a sample."""
+        if self.params.greedy:
+            return int(torch.argmax(scores))
+        return int(torch.multinomial(self.probabilities(scores), 1, generator=self.generator))
 
     def _logprob(self, logprobs: torch.Tensor, token: int) -> TokenLogprob:
         top: list[tuple[int, float]] = []

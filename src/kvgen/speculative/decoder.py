@@ -3,6 +3,9 @@
 `SpeculativeDecoder.step()` replaces one plain decode step of the generation loop and returns one or
 more tokens. Invariant between steps (the same as plain decoding): the target's cache holds every
 committed id but the last, so the last id is the next forward's first input.
+
+The request's sampler does all the choosing (its processors: penalties, logit bias, the grammar),
+so speculative output is plain decoding's; proposers draft under the sampler's grammar, if any.
 """
 
 from __future__ import annotations
@@ -14,17 +17,17 @@ from kvgen.models.base import DecoderLM
 from kvgen.sampling.sampler import Sampler
 from kvgen.speculative.adaptive import DraftLengthController, SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
-from kvgen.speculative.proposer import DraftPolicy, Proposer, TokenConstraint, mask_logits
+from kvgen.speculative.proposer import DraftPolicy, Proposer
 from kvgen.speculative.verify import verify
 
 
 class SpeculativeDecoder:
     def __init__(
         self, model: DecoderLM, cache: KVCache, proposer: Proposer, sampler: Sampler, config: SpeculativeConfig,
-        max_context: int, constraint: TokenConstraint | None = None,
+        max_context: int,
     ):  # fmt: skip
         self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
-        self.max_context, self.constraint = max_context, constraint
+        self.max_context, self.constraint = max_context, sampler.constraint
         self.policy = DraftPolicy(sampler.params)
         self.controller = DraftLengthController(config.num_draft_tokens, config.min_draft_tokens,
                                                 config.max_draft_tokens, config.adaptive)  # fmt: skip
@@ -62,9 +65,7 @@ class SpeculativeDecoder:
 
     def _plain_step(self) -> int:
         logits = self._target([self.ids[-1]])[-1]
-        token = self.sampler(mask_logits(logits, self.constraint))
-        if self.constraint is not None:
-            self.constraint.consume(token)
+        token = self.sampler(logits)
         if self.proposer.needs_target_features:
             self.proposer.observe_features(self._features[-1])
             self._has_features = True
@@ -74,7 +75,7 @@ class SpeculativeDecoder:
     def _verify_step(self, draft) -> list[int]:
         start = self.cache.seq_len
         logits = self._target([self.ids[-1]] + draft.tokens)  # [k+1, V]
-        tokens = verify(logits, draft, self.sampler, self.constraint)
+        tokens = verify(logits, draft, self.sampler)
         accepted = len(tokens) - 1
         self.cache.truncate(start + 1 + accepted)  # the rejected drafts' keys and values go
         if self.proposer.needs_target_features:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from kvgen.models.base import DecoderLM
-from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer, TokenConstraint
+from kvgen.sampling.grammar import TokenConstraint
+from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors"
 
@@ -84,8 +85,8 @@ class EagleProposer(Proposer):
         features, token = self._features[None], ids[-1]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        try:
-            for _ in range(num_tokens):
+        with DraftedPath(constraint) as path:
+            while len(tokens) < num_tokens and can_extend(constraint):
                 embedding = self.model.embed_tokens[token][None]  # [1, H]
                 features = self.head(features, embedding)
                 logits = self.model.logits_from_hidden(features)[0]  # [V]
@@ -93,9 +94,6 @@ class EagleProposer(Proposer):
                 tokens.append(token)
                 if q is not None:
                     probs.append(q)
-                if constraint is not None:
-                    constraint.consume(token)
-        finally:
-            if constraint is not None and tokens:
-                constraint.rollback(len(tokens))
+                if not path.advance(token):
+                    break
         return Draft(tokens, torch.stack(probs) if probs else None)

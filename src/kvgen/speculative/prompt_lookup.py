@@ -5,7 +5,8 @@ code, retrieval answers).
 
 from __future__ import annotations
 
-from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer, TokenConstraint
+from kvgen.sampling.grammar import TokenConstraint
+from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer
 
 
 class PromptLookupProposer(Proposer):
@@ -42,13 +43,11 @@ class PromptLookupProposer(Proposer):
         if constraint is None:
             return tokens
         kept: list[int] = []
-        try:
+        with DraftedPath(constraint) as path:
             for token in tokens:
-                if not bool(constraint.allowed()[token]):
+                if not path.allows(token):
                     break
-                constraint.consume(token)
                 kept.append(token)
-        finally:
-            if kept:
-                constraint.rollback(len(kept))
+                if not path.advance(token):
+                    break
         return kept

@@ -10,27 +10,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
 from kvgen.kv.interface import KVCache
+from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler
 from kvgen.session import common_prefix_length
-
-
-class TokenConstraint(Protocol):
-    """A per-request constraint (a grammar) that can mask, advance and rewind token by token."""
-
-    def allowed(self) -> torch.Tensor:
-        """bool [V]: tokens allowed at the current state."""
-
-    def consume(self, token: int) -> None:
-        """Advance past `token` (which must be allowed)."""
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` consumed tokens."""
 
 
 @dataclass
@@ -45,7 +31,40 @@ def mask_logits(logits: torch.Tensor, constraint: TokenConstraint | None) -> tor
     """Disallowed tokens get -inf, so neither argmax nor sampling can pick them."""
     if constraint is None:
         return logits
-    return logits.masked_fill(~constraint.allowed(), float("-inf"))
+    return logits.masked_fill(~constraint.allowed_mask(logits.shape[-1]), float("-inf"))
+
+
+def can_extend(constraint: TokenConstraint | None) -> bool:
+    """Whether a draft may go on: a finished grammar allows nothing more."""
+    return constraint is None or not constraint.is_finished()
+
+
+class DraftedPath:
+    """Advances a constraint along the tokens a proposer drafts and rewinds it afterwards, so the
+    proposer leaves the constraint as it found it (use as a context manager)."""
+
+    def __init__(self, constraint: TokenConstraint | None):
+        self.constraint, self.advanced = constraint, 0
+
+    def __enter__(self) -> "DraftedPath":
+        return self
+
+    def allows(self, token: int) -> bool:
+        c = self.constraint
+        return c is None or (not c.is_finished() and bool(c.allowed_mask(token + 1)[token]))
+
+    def advance(self, token: int) -> bool:
+        """Move past an allowed drafted token; False when nothing more may be drafted after it."""
+        if self.constraint is None:
+            return True
+        if not self.constraint.advance(token):
+            raise RuntimeError(f"the grammar rejected drafted token {token} it had allowed")
+        self.advanced += 1
+        return not self.constraint.is_finished()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.constraint is not None and self.advanced:
+            self.constraint.rollback(self.advanced)
 
 
 class DraftPolicy:
@@ -107,23 +126,16 @@ class CachedDrafter(Proposer):
         self._cached_ids = list(ids)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        consumed = 0
-        try:
-            while True:
+        with DraftedPath(constraint) as path:
+            while can_extend(constraint):
                 token, q = policy.pick(logits, constraint)
                 tokens.append(token)
                 if q is not None:
                     probs.append(q)
-                if len(tokens) == num_tokens:
+                if len(tokens) == num_tokens or not path.advance(token):
                     break
-                if constraint is not None:
-                    constraint.consume(token)
-                    consumed += 1
                 logits = self.forward(torch.tensor([[token]]))
                 self._cached_ids.append(token)
-        finally:
-            if constraint is not None and consumed:
-                constraint.rollback(consumed)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def release(self) -> None:

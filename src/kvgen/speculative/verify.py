@@ -10,8 +10,11 @@ the first rejection, or a bonus token when every draft was accepted.
   norm(max(0, p - q)). The tokens are then distributed exactly as the target's p. A deterministic draft
   (prompt lookup, greedy drafting) is q = one-hot.
 
-With a constraint, p at every position is masked by the constraint's state after the drafts before it,
-and the constraint ends advanced past every returned token.
+p at every position is the request's own processed distribution: the sampler's processors
+(penalties, logit bias, min_new_tokens, the grammar) run position by position, in the state the
+accepted tokens before it left them, and each returned token is recorded (logprobs) as plain
+sampling would. Positions are visited only while every earlier draft was accepted, so the
+processors never see a token that is not emitted. A grammar that completes ends the run.
 """
 
 from __future__ import annotations
@@ -19,28 +22,34 @@ from __future__ import annotations
 import torch
 
 from kvgen.sampling.sampler import Sampler
-from kvgen.speculative.proposer import Draft, TokenConstraint, mask_logits
+from kvgen.speculative.proposer import Draft
 
 
-def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, constraint: TokenConstraint | None = None) -> list[int]:
+def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler) -> list[int]:
     """logits [k+1, V] from the target for (last committed token, d_0, ..., d_{k-1}) -> new tokens."""
     k = len(draft.tokens)
     assert logits.shape[0] == k + 1, f"need logits for {k + 1} positions, got {logits.shape[0]}"
     out: list[int] = []
     for i in range(k + 1):
-        scores = mask_logits(logits[i], constraint)
         if i == k:  # every draft accepted: one more token from the target, for free
-            token = sampler(scores)
+            pick = sampler.pick
         elif sampler.params.greedy:
-            token = int(torch.argmax(scores))
+            pick = _argmax
         else:
-            token = _accept_or_resample(sampler, scores, draft, i)
+            pick = lambda scores, i=i: _accept_or_resample(sampler, scores, draft, i)  # noqa: E731
+        token = sampler.choose(logits[i], pick)
         out.append(token)
-        if constraint is not None:
-            constraint.consume(token)
-        if i == k or token != draft.tokens[i]:
+        if i == k or token != draft.tokens[i] or _grammar_complete(sampler):
             return out
     raise AssertionError("unreachable: the loop returns at position k")
+
+
+def _argmax(scores: torch.Tensor) -> int:
+    return int(torch.argmax(scores))
+
+
+def _grammar_complete(sampler: Sampler) -> bool:
+    return sampler.constraint is not None and sampler.constraint.is_finished()
 
 
 def _accept_or_resample(sampler: Sampler, scores: torch.Tensor, draft: Draft, i: int) -> int:
