@@ -41,3 +41,9 @@ def smollm2() -> LLM:
 @pytest.fixture(scope="session")
 def gemma3() -> LLM:
     return load_llm("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4() -> LLM:
+    """SmolLM2 with 4-bit weights: a real draft model with different weights and the same tokenizer."""
+    return LLM.load(model_path("smollm2"), progress=False, weights="q4")

@@ -42,9 +42,14 @@ def test_malformed_json(server) -> None:
             model=MODEL_NAME, messages=USER,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}),
          400, "response_format"),
+        (lambda c: c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4,
+                                        extra_body={"speculative": {"method": "telepathy"}}), 400, "speculative"),
+        (lambda c: c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4,
+                                        extra_body={"speculative": {"method": "self", "draft_layers": 99}}), 400, "draft_layers"),
     ],
     ids=["wrong-type", "empty-messages", "message-without-content", "unknown-model", "max-tokens-past-limit",
-         "prompt-past-context", "empty-prompt", "token-outside-vocab", "n-zero", "top-p-zero", "invalid-schema"],
+         "prompt-past-context", "empty-prompt", "token-outside-vocab", "n-zero", "top-p-zero", "invalid-schema",
+         "unknown-speculative-method", "draft-layers-past-the-model"],
 )  # fmt: skip
 def test_bad_requests_get_4xx_and_change_nothing(client, server, call, status, fragment) -> None:
     with pytest.raises(openai.APIStatusError) as caught:

@@ -144,3 +144,22 @@ def test_stop_strings_and_logprobs_match_the_reference(client, server, smollm2) 
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == 3 and all(len(e.top_logprobs) == 1 and e.logprob <= 0 for e in entries)
     server.assert_no_leaks()
+
+
+def test_speculative_extension_gives_the_plain_output_and_counts_acceptance(client, server, smollm2) -> None:
+    """Per-request opt-in (`speculative` in the body, sent with the openai client's extra_body):
+    the text is the plain greedy one, streamed or not, and /metrics reports drafts and acceptance."""
+    prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
+    expected = reference(smollm2, smollm2.tokenizer.encode(prompt), 16)
+    for options in ({"method": "lookup"}, {"method": "self", "draft_layers": 24, "num_draft_tokens": 3}):
+        reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"speculative": options})  # fmt: skip
+        assert reply.choices[0].text == expected and reply.usage.completion_tokens == 16, options
+        chunks = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           extra_body={"speculative": options})  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected, options
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["kvgen_spec_draft_tokens"] > 0 and values["kvgen_spec_accepted_tokens"] > 0
+    assert 0 < values["kvgen_spec_acceptance_rate"] <= 1
+    server.assert_no_leaks()

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 from kvgen.engine.engine import LLMEngine
 from kvgen.engine.request import Request, RequestOutput
 from kvgen.sampling.params import SamplingParams
+from kvgen.speculative.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,12 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0, salt: str = ""
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0, salt: str = "",
+        speculative: SpeculativeConfig | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; the last has finished=True.
         Raises ValueError (before anything is queued) when the request cannot run."""
-        request = self.engine.make_request(request_id, prompt, params, priority, salt)
+        request = self.engine.make_request(request_id, prompt, params, priority, salt, speculative)
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
         self._submit(lambda: self._add(request))

@@ -16,12 +16,15 @@ from kvgen.engine.config import EngineConfig
 from kvgen.engine.request import Request, RequestOutput, RequestStatus
 from kvgen.engine.runner import ModelRunner
 from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.speculation import RequestSpeculation, check_engine_method
 from kvgen.generate import Generator
 from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.interface import CacheSpec
 from kvgen.kv.paged import PagedStorage
 from kvgen.sampling.output import stop_token_ids
 from kvgen.sampling.params import SamplingParams
+from kvgen.speculative.adaptive import SpeculativeStats
+from kvgen.speculative.config import SpeculativeConfig
 
 
 class LLMEngine:
@@ -45,14 +48,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.storage, self.config)
         self.runner = ModelRunner(self.model)
         self.requests: dict[str, Request] = {}
+        self.speculative_totals = SpeculativeStats()  # over every speculative request (metrics)
         self._prompts = Generator(self.model, self.tokenizer, self.max_context)  # the same prompt checks as one-shot generation
 
     def make_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-        priority: int = 0, salt: str = "",
+        priority: int = 0, salt: str = "", speculative: SpeculativeConfig | None = None,
     ) -> Request:  # fmt: skip
         """A validated request, not yet queued (safe to call from any thread: it touches no state).
-        Raises ValueError saying what to change when the request cannot run."""
+        Raises ValueError saying what to change when the request cannot run. `speculative` opts
+        this request in to speculative decoding (engine/speculation.py)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"the engine runs one sample per request, got n={params.n}: submit n requests (seeds seed + i)")
@@ -68,7 +73,13 @@ class LLMEngine:
             )
         stop_ids = stop_token_ids(params, self.tokenizer)
         vocab = self.model.config.vocab_size
-        return Request(request_id, ids, params, self.tokenizer, stop_ids, self.max_context, vocab, priority, salt)
+        if speculative is not None:
+            check_engine_method(speculative)
+        request = Request(request_id, ids, params, self.tokenizer, stop_ids, self.max_context, vocab, priority, salt)
+        if speculative is not None:  # built last: nothing to free when an earlier check fails
+            proposer = speculative.build_proposer(self._prompts)
+            request.speculation = RequestSpeculation(speculative, proposer, request.sampler, self.speculative_totals)
+        return request
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -78,9 +89,9 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-        priority: int = 0, salt: str = "",
+        priority: int = 0, salt: str = "", speculative: SpeculativeConfig | None = None,
     ) -> Request:  # fmt: skip
-        request = self.make_request(request_id, prompt, params, priority, salt)
+        request = self.make_request(request_id, prompt, params, priority, salt, speculative)
         self.add(request)
         return request
 
@@ -90,43 +101,64 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.release(request)
+        request.release_speculation()
         return request.abort("cancelled")
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        self._draft()
         rows = self.scheduler.schedule()
         if not rows:
             return []
         try:
-            tokens = self.runner.run(rows)
+            new_tokens = self.runner.run(rows)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
             return [self._fail(row.request, f"{type(error).__name__}: {error}") for row in rows]
         outputs = []
-        for row, token in zip(rows, tokens):
+        for row, tokens in zip(rows, new_tokens):
             request = row.request
-            if token is None:
+            if not tokens:
                 continue
             if not request.prompt_indexed:  # the prompt is computed: let concurrent requests share it
                 self.scheduler.index_blocks(request)
                 request.prompt_indexed = True
-            output = request.append(token)
+            output = request.append(tokens)
             if output.finished:
+                # A speculative run may have gone past the finishing token: the cache keeps exactly
+                # the ids before the last, as after plain decoding, so the index matches its blocks.
+                request.cache.truncate(min(request.cache.seq_len, len(request.all_ids) - 1))
                 self.scheduler.index_blocks(request)
                 self.scheduler.release(request)
+                request.release_speculation()
                 del self.requests[request.request_id]
             outputs.append(output)
         return outputs
 
+    def _draft(self) -> None:
+        """Each speculative request that is decoding drafts for this step, within its token budget
+        and the context (the scheduler may still trim the draft)."""
+        for request in self.scheduler.running:
+            if request.speculation is None or not request.is_decoding:
+                continue
+            tokens_left = request.output.budget - len(request.output_ids)
+            positions_left = self.max_context - request.num_computed - 1
+            request.speculation.propose(request.all_ids, min(tokens_left - 1, positions_left))
+
     def _fail(self, request: Request, message: str) -> RequestOutput:
         self.scheduler.release(request)
+        request.release_speculation()
         self.requests.pop(request.request_id, None)
         return request.abort("error", message)
 
-    def generate(self, prompts: list[str | Sequence[int]], params: SamplingParams | None = None) -> list[Request]:
+    def generate(
+        self, prompts: list[str | Sequence[int]], params: SamplingParams | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> list[Request]:  # fmt: skip
         """Run prompts to completion together; the finished requests (output_ids, finish_reason), in order."""
-        requests = [self.add_request(f"generate-{id(self)}-{i}", p, params) for i, p in enumerate(prompts)]
+        requests = [self.add_request(f"generate-{id(self)}-{i}", p, params, speculative=speculative)
+                    for i, p in enumerate(prompts)]  # fmt: skip
         while any(r.status is not RequestStatus.FINISHED for r in requests):
             self.step()
         return requests

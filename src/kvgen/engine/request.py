@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from kvgen.engine.speculation import RequestSpeculation
 from kvgen.generate import Usage
 from kvgen.kv.paged import PagedCache
 from kvgen.kv.prefix import PrefixNode
@@ -63,6 +64,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None
+    speculation: RequestSpeculation | None = None  # set by the engine when the request opts in
 
     def __post_init__(self) -> None:
         # Built here, on the caller's thread: a grammar that cannot be enforced fails before queueing.
@@ -82,6 +84,11 @@ class Request:
         return self.cache.seq_len if self.cache is not None else 0
 
     @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is left to run (a decode step; it may carry drafts)."""
+        return self.num_pending == 1 and bool(self.output_ids)
+
+    @property
     def num_pending(self) -> int:
         """Tokens to run before the next sample: the rest of the prompt (after a preemption: of
         prompt + outputs), or the last sampled token."""
@@ -94,22 +101,31 @@ class Request:
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)
 
-    def append(self, token: int) -> RequestOutput:
-        """Record a sampled token (the sampler already advanced its penalties / grammar); finish the
-        request when a stop condition holds, as GenerationStream does for one request."""
-        self.output_ids.append(token)
+    def append(self, tokens: list[int]) -> RequestOutput:
+        """Record sampled tokens (one, or a verified speculative run; the sampler already advanced
+        its penalties / grammar past them); finish the request when a stop condition holds, as
+        GenerationStream does for one request. Tokens after the one that finishes are dropped."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
-        logprobs = self.sampler.logprobs[-1:] if self.params.logprobs else []
-        text = self.output.add(token)
+        kept: list[int] = []
+        pieces: list[str] = []
+        for i, token in enumerate(tokens):
+            self.output_ids.append(token)
+            kept.append(token)
+            pieces.append(self.output.add(token, more_follow=i < len(tokens) - 1))
+            if self.output.finish_reason is not None:
+                break
+        first = len(self.output_ids) - len(kept)
+        logprobs = self.sampler.logprobs[first : len(self.output_ids)] if self.params.logprobs else []
         if self.output.finish_reason is None:
-            return RequestOutput(self.request_id, [token], text, logprobs=logprobs)
-        text += self.output.flush()  # the request ends: release what the stop matcher held back
-        return self._finish(self.output.finish_reason, token, text, logprobs)
+            return RequestOutput(self.request_id, kept, "".join(pieces), logprobs=logprobs)
+        pieces.append(self.output.flush())  # the request ends: release what the stop matcher held back
+        self.status, self.finish_reason = RequestStatus.FINISHED, self.output.finish_reason
+        return RequestOutput(self.request_id, kept, "".join(pieces), True, self.finish_reason, self.usage(), logprobs=logprobs)
 
-    def _finish(self, reason: str, token: int, text: str, logprobs: list[TokenLogprob]) -> RequestOutput:
-        self.status, self.finish_reason = RequestStatus.FINISHED, reason
-        return RequestOutput(self.request_id, [token], text, True, reason, self.usage(), logprobs=logprobs)
+    def release_speculation(self) -> None:
+        if self.speculation is not None:
+            self.speculation.release()
 
     def abort(self, reason: str, error: str | None = None) -> RequestOutput:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason

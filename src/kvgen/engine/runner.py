@@ -1,7 +1,9 @@
-"""ModelRunner: a scheduled batch -> one forward_batch -> a sampled token for each row that is due.
+"""ModelRunner: a scheduled batch -> one forward_batch -> the new tokens of each row that is due.
 
 A row is due when its request has no pending tokens left after this step (a decode, or the last
-chunk of a prompt); a row that ran an earlier chunk of a prompt samples nothing.
+chunk of a prompt); a row that ran an earlier chunk of a prompt produces nothing. A speculative row
+(engine/speculation.py) runs its last token and its drafts, and produces the verified tokens: its
+cache is then cut back to what was accepted.
 """
 
 from __future__ import annotations
@@ -19,15 +21,33 @@ class ModelRunner:
         self.num_tokens = 0
 
     @torch.inference_mode()
-    def run(self, rows: list[ScheduledRow]) -> list[int | None]:
-        """One forward over every row; per row the sampled token, or None for a prompt chunk."""
-        token_ids, caches = [], []
+    def run(self, rows: list[ScheduledRow]) -> list[list[int]]:
+        """One forward over every row; per row its new tokens ([] for a prompt chunk)."""
+        token_ids, caches, num_logits, starts = [], [], [], []
         for row in rows:
-            request, start = row.request, row.request.num_computed
+            request = row.request
             assert request.cache is not None
-            token_ids.append(request.all_ids[start : start + row.num_tokens])
+            start = request.num_computed
+            draft = request.speculation.draft if request.speculation is not None else []
+            token_ids.append(request.all_ids[start : start + row.num_tokens - len(draft)] + draft)
             caches.append(request.cache)
-        logits = self.model.forward_batch(token_ids, caches)  # [B, V]
+            num_logits.append(1 + len(draft))
+            starts.append(start)
+        logits = self.model.forward_batch(token_ids, caches, num_logits)  # [sum(num_logits), V]
         self.num_forwards += 1
         self.num_tokens += sum(len(ids) for ids in token_ids)
-        return [row.request.sampler(logits[i]) if row.request.num_pending == 0 else None for i, row in enumerate(rows)]
+        new_tokens: list[list[int]] = []
+        offset = 0
+        for row, start, n in zip(rows, starts, num_logits):
+            request, row_logits = row.request, logits[offset : offset + n]
+            offset += n
+            if n > 1:  # drafts to verify: keep the accepted ones' keys and values only
+                tokens = request.speculation.verify(row_logits)
+                request.cache.truncate(start + len(tokens))  # the last id and the accepted drafts
+                new_tokens.append(tokens)
+            elif request.num_pending == 0:
+                speculation = request.speculation
+                new_tokens.append(speculation.verify(row_logits) if speculation else [request.sampler(row_logits[-1])])
+            else:
+                new_tokens.append([])
+        return new_tokens

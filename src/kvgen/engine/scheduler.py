@@ -5,7 +5,8 @@ costs one token, an unfinished prompt as many as fit (chunked prefill). Then wai
 admitted while budget and max_num_seqs allow. Blocks are reserved before the step runs, so a forward
 never meets a full pool; when the pool is short the scheduler first evicts unused prefix-cache
 blocks, then preempts the lowest-priority, latest running request (its blocks are freed and it
-recomputes later — prompt and outputs so far — so nothing is lost).
+recomputes later — prompt and outputs so far — so nothing is lost). A decode that carries
+speculative drafts gets them only while budget and free blocks allow: drafts never preempt anyone.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted by an earlier row of this loop
                 continue
             count = min(request.num_pending, budget)
+            count += self._fit_draft(request, count, budget - count)
             if not self._reserve_or_preempt(request, count):
                 break  # `request` itself was preempted: everyone after it already was
             rows.append(ScheduledRow(request, count))
@@ -101,6 +103,18 @@ class Scheduler:
         self.prefix.evict(missing)
         return request.cache.reserve(needed)
 
+    def _fit_draft(self, request: Request, count: int, spare_budget: int) -> int:
+        """How many of the request's drafted tokens run with its `count` tokens this step: as many
+        as the spare budget and the free blocks allow (the rest of the draft is dropped)."""
+        speculation = request.speculation
+        if speculation is None or not speculation.draft:
+            return 0
+        extra = min(len(speculation.draft), spare_budget) if request.is_decoding else 0
+        while extra > 0 and not self._reserve(request, count + extra):
+            extra -= 1
+        speculation.trim(extra)
+        return extra
+
     def _reserve_or_preempt(self, request: Request, count: int) -> bool:
         while not self._reserve(request, count):
             victim = self.running[-1]  # lowest priority, latest arrival
@@ -114,6 +128,8 @@ class Scheduler:
         blocks are indexed first, so if nobody needs them meanwhile the recompute is a cache hit."""
         self.index_blocks(request)
         self.release(request)
+        if request.speculation is not None:
+            request.speculation.discard()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -7,6 +7,7 @@ positions, masks and the cache lives here once.
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -167,9 +168,12 @@ class DecoderLM(nn.Module):
         cache.commit(seq)
         return h  # [B, S, H]
 
-    def forward_batch(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+    def forward_batch(
+        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Ragged batch: row i appends token_ids[i] (>= 1 tokens) at caches[i].seq_len.. to its own
-        cache -> logits of each row's last token, [B, V].
+        cache -> logits of each row's last token, [B, V]; with `num_logits`, of row i's last
+        num_logits[i] tokens (a speculative row verifies its drafts), rows one after another [sum, V].
 
         One forward with a batch dimension (rows padded to the longest); every cache is committed
         only after all layers succeeded, so a failure leaves every cache's length as it was.
@@ -180,12 +184,15 @@ class DecoderLM(nn.Module):
             raise ValueError("forward_batch got the same cache for two rows: each row needs its own cache")
         if any(len(ids) == 0 for ids in token_ids):
             raise ValueError("every row of forward_batch needs at least one token")
+        num_logits = list(num_logits) if num_logits is not None else [1] * len(token_ids)
+        if len(num_logits) != len(token_ids) or any(not 1 <= n <= len(ids) for n, ids in zip(num_logits, token_ids)):
+            raise ValueError(f"num_logits needs one count per row, each between 1 and the row's length, got {num_logits}")
         if len(caches) == 1:  # no padding to do: the single-sequence path (and its C decode kernel)
-            return self.forward(torch.tensor(token_ids), caches[0])[:, -1]
+            return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
         with self._forward_lock:
-            return self._forward_batch(token_ids, caches)
+            return self._forward_batch(token_ids, caches, num_logits)
 
-    def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+    def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor:
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
@@ -207,5 +214,7 @@ class DecoderLM(nn.Module):
             h = block(h, ropes[self.rope_index[i]], view, masks[spans, key_starts])
         for cache, n in zip(caches, lengths):
             cache.commit(n)
-        last = h[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
-        return self._logits(last[:, None])[:, 0]  # [B, V]
+        rows = [i for i, n in enumerate(num_logits) for _ in range(n)]
+        columns = [lengths[i] - n + j for i, n in enumerate(num_logits) for j in range(n)]
+        kept = h[torch.tensor(rows), torch.tensor(columns)]  # [sum(num_logits), H]
+        return self._logits(kept[None])[0]  # [sum(num_logits), V]

@@ -19,7 +19,7 @@ from kvgen.server.choices import ChoiceResult, collect, run_choices
 from kvgen.server.errors import APIError, install_error_handlers
 from kvgen.server.logprobs import chat_logprobs, completion_logprobs
 from kvgen.server.metrics import ServerMetrics
-from kvgen.server.params import build_params
+from kvgen.server.params import build_params, build_speculative
 from kvgen.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -91,6 +91,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def serve(http: Request, endpoint: str, body, prompt_ids: list[int], chat: bool) -> Response:
         admit(len(prompt_ids))
         params = build_params(body, chat, config.max_tokens_limit, engine.engine)
+        speculative = build_speculative(body, engine.engine.model)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:  # validate every choice before any runs: a bad request queues nothing
             for p in params:
@@ -100,7 +101,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         state["in_flight"] += 1
         metrics.running.inc()
         head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
-        choices = run_choices(engine, request_id, prompt_ids, params, body.priority, metrics)
+        choices = run_choices(engine, request_id, prompt_ids, params, body.priority, metrics, speculative)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream_events(choices, head, chat, include_usage, engine.engine.tokenizer, params[0].logprobs)

@@ -15,6 +15,7 @@ from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.request import RequestOutput
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import TokenLogprob
+from kvgen.speculative.config import SpeculativeConfig
 
 
 @dataclass
@@ -33,10 +34,10 @@ Event = tuple[int, RequestOutput, ChoiceResult]
 
 
 async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      priority: int, metrics) -> AsyncIterator[Event]:  # fmt: skip
+                      priority: int, metrics, speculative: SpeculativeConfig | None) -> AsyncIterator[Event]:  # fmt: skip
     result, pieces = ChoiceResult(index), []
     started = last = time.perf_counter()
-    async for output in engine.generate(f"{request_id}-{index}", prompt_ids, params, priority):
+    async for output in engine.generate(f"{request_id}-{index}", prompt_ids, params, priority, speculative=speculative):
         now = time.perf_counter()
         if output.token_ids:
             if not result.completion_tokens and not pieces:
@@ -58,8 +59,8 @@ async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, promp
 
 
 async def run_choices(engine: AsyncLLMEngine, request_id: str, prompt_ids: list[int], params: list[SamplingParams],
-                      priority: int, metrics) -> AsyncIterator[Event]:  # fmt: skip
-    streams = [_one_choice(engine, request_id, i, prompt_ids, p, priority, metrics) for i, p in enumerate(params)]
+                      priority: int, metrics, speculative: SpeculativeConfig | None = None) -> AsyncIterator[Event]:  # fmt: skip
+    streams = [_one_choice(engine, request_id, i, prompt_ids, p, priority, metrics, speculative) for i, p in enumerate(params)]
     if len(streams) == 1:
         try:
             async for event in streams[0]:

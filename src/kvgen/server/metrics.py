@@ -26,6 +26,12 @@ class ServerMetrics:
             lambda: read(lambda e: e.scheduler.prefix.stats.hit_rate if e.scheduler.prefix else 0.0))
         Gauge("kvgen_preemptions", "Requests preempted since start", registry=r).set_function(
             lambda: read(lambda e: e.scheduler.num_preemptions))
+        Gauge("kvgen_spec_draft_tokens", "Speculative draft tokens verified since start", registry=r).set_function(
+            lambda: read(lambda e: e.speculative_totals.proposed_tokens))
+        Gauge("kvgen_spec_accepted_tokens", "Speculative draft tokens accepted since start", registry=r).set_function(
+            lambda: read(lambda e: e.speculative_totals.accepted_tokens))
+        Gauge("kvgen_spec_acceptance_rate", "Accepted / verified draft tokens since start", registry=r).set_function(
+            lambda: read(lambda e: e.speculative_totals.acceptance_rate))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

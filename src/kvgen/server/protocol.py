@@ -23,6 +23,15 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class SpeculativeOptions(BaseModel):
+    """kvgen extension: this request decodes speculatively (output unchanged; see docs/speculative.md).
+    lookup: n-gram drafts from the context; self: drafts from the model's first `draft_layers` layers."""
+
+    method: Literal["lookup", "self"] = "lookup"
+    num_draft_tokens: int = Field(default=4, ge=1, le=16)
+    draft_layers: int | None = Field(default=None, ge=1)
+
+
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
@@ -40,6 +49,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     priority: int = 0  # kvgen extension: lower runs first
+    speculative: SpeculativeOptions | None = None  # kvgen extension: per-request speculative decoding
 
 
 class CompletionRequest(SamplingFields):
