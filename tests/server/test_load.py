@@ -1,7 +1,9 @@
 """Load: 64 concurrent streaming clients (openai client, one thread each) with mixed prompt and
 output lengths, on a server whose KV pool is too small for all of them at once. Every stream
-completes, at temperature 0 each equals the same request run alone, preemption happened, and no
-block is leaked afterwards."""
+completes, at temperature 0 each equals the same request run alone, and no block is leaked
+afterwards. Whether the burst preempts depends on the order the clients arrive in (finished
+requests' blocks are evicted from the prefix cache first), so preemption itself is forced by
+arithmetic in a second test: two requests that each fit the pool but not together."""
 
 from __future__ import annotations
 
@@ -65,11 +67,37 @@ def test_64_concurrent_streams_all_complete_and_equal_alone(smollm2) -> None:
                 wait_until(lambda: live.engine.num_queued_commands() >= NUM_CLIENTS, timeout=120)
             results = [future.result() for future in futures]
         live.assert_no_leaks()
-        preemptions = live.engine.run_locked(lambda e: e.scheduler.num_preemptions)
-    assert preemptions > 0, "the pool was meant to be too small for every request at once"
     eos = set(smollm2.tokenizer.eos_token_ids)
     for (prompt, max_tokens), (text, finish, completion_tokens) in zip(jobs, results):
         expected = alone[prompt][:max_tokens]  # greedy: a shorter run is a prefix of the longer one
         stopped = expected[-1] in eos
         assert text == smollm2.tokenizer.decode([t for t in expected if t not in eos]), (prompt, max_tokens)
         assert finish == ("stop" if stopped else "length") and completion_tokens == len(expected)
+
+
+@pytest.mark.slow
+def test_two_streams_that_cannot_fit_together_preempt_and_lose_nothing(smollm2) -> None:
+    """Pool of 6 blocks x 16. Two prompts of exactly 2 full blocks, 40 tokens each: both are admitted
+    at once (4 blocks), each needs 5 blocks by its end, so one must be preempted and recompute."""
+    prompts = [smollm2.tokenizer.encode(text)[:32] for text in (" ".join(PROMPTS) * 4, " ".join(reversed(PROMPTS)) * 4)]
+    assert all(len(p) == 32 for p in prompts)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = [smollm2.generate(p, params).text for p in prompts]
+    config = EngineConfig(num_blocks=6, block_size=16, max_tokens_per_step=256)
+    with live_server(smollm2, config) as live:
+        client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0, timeout=600)
+
+        def stream(prompt: list[int]) -> str:
+            chunks = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(2) as pool:
+            with live.engine.paused():  # both reach the scheduler in the same step
+                futures = [pool.submit(stream, p) for p in prompts]
+                wait_until(lambda: live.engine.num_queued_commands() >= 2, timeout=120)
+            texts = [future.result() for future in futures]
+        live.assert_no_leaks()
+        preemptions = live.engine.run_locked(lambda e: e.scheduler.num_preemptions)
+    assert preemptions > 0
+    assert texts == alone

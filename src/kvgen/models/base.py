@@ -15,6 +15,7 @@ from torch import nn
 
 from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
+from kvgen.kv.paged_batch import PagedBatchView
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
@@ -199,7 +200,7 @@ class DecoderLM(nn.Module):
         positions = torch.tensor(starts)[:, None] + torch.arange(longest)[None, :]  # [B, S]
         h = self._embed(padded)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
-        view = BatchCacheView(caches, lengths)
+        view = PagedBatchView(caches, lengths) if PagedBatchView.applies(caches) else BatchCacheView(caches, lengths)
         masks: dict[tuple[tuple[AttentionSpan, ...], tuple[int, ...]], AttentionMask] = {}
         key_biases = [c.key_bias() for c in caches]
         for i, block in enumerate(self.layers):

@@ -25,6 +25,8 @@ def build_params(body: CompletionRequest | ChatCompletionRequest, chat: bool, ma
     fields: dict = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
     if body.stop:
         fields["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.ignore_eos:
+        fields["ignore_eos"] = True
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             fields[name] = getattr(body, name)

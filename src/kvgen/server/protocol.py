@@ -49,6 +49,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     priority: int = 0  # kvgen extension: lower runs first
+    ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past an end-of-sequence token
     speculative: SpeculativeOptions | None = None  # kvgen extension: per-request speculative decoding
 
 

@@ -1,0 +1,64 @@
+"""One batched read and write of the paged block store for a ragged batch of sequences.
+
+`BatchCacheView` (models/batch.py) works for any mix of caches: per layer and per row it writes the
+row's new keys, gathers the row's history into a fresh tensor, then copies every row into a padded
+batch — about four tensor operations per row per layer, which dominates a batched decode step of a
+small model. When every row is a `PagedCache` of one `PagedStorage` (the engine's case) the slots
+are known before the first layer: `PagedBatchView` computes them once per forward, and each layer
+then does one scatter for the new keys, one for the values, and one gather of every row's blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.kv.interface import KVCache
+from kvgen.kv.paged import PagedCache
+
+
+class PagedBatchView:
+    """Duck-types the one method Attention uses (`update`) for rows that share one PagedStorage."""
+
+    @staticmethod
+    def applies(caches: list[KVCache]) -> bool:
+        return all(type(c) is PagedCache for c in caches) and len({id(c.storage) for c in caches}) == 1  # type: ignore[attr-defined]
+
+    def __init__(self, caches: list[PagedCache], lengths: list[int]):
+        storage = caches[0].storage
+        size = storage.block_size
+        self.keys_store, self.values_store = storage.keys, storage.values  # [L, N, H, bs, D]
+        starts = [c.seq_len for c in caches]
+        ends = [s + n for s, n in zip(starts, lengths)]
+        for cache, start, end in zip(caches, starts, ends):
+            cache._prepare_write(start, end)  # blocks (and copy-on-write) once per forward, not per layer
+        rows, columns, blocks, offsets = [], [], [], []
+        for i, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
+            table = [b.block_id for b in cache.blocks]
+            for j, position in enumerate(range(start, start + n)):
+                rows.append(i)
+                columns.append(j)
+                blocks.append(table[position // size])
+                offsets.append(position % size)
+        self.rows, self.columns = torch.tensor(rows), torch.tensor(columns)
+        self.slot_blocks, self.slot_offsets = torch.tensor(blocks), torch.tensor(offsets)
+        self.num_keys = max(ends)
+        self.blocks_per_row = -(-self.num_keys // size)
+        # Each row's block table padded to the longest with its first block: the padding is read but
+        # masked out (the store holds only finite values, so masked keys contribute exactly zero).
+        padded = [
+            [b.block_id for b in cache.blocks[: -(-end // size)]] for cache, end in zip(caches, ends)
+        ]
+        self.table = torch.tensor([t + [t[0]] * (self.blocks_per_row - len(t)) for t in padded]).flatten()
+        self.num_rows = len(caches)
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys/values [B, H_kv, S_max, D] -> every row's keys/values so far, [B, H_kv, L_max, D]."""
+        return self._write_then_read(self.keys_store[layer], keys), self._write_then_read(self.values_store[layer], values)
+
+    def _write_then_read(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        # store [N, H, bs, D]; the real (unpadded) new tokens, [T, H, D], go to their slots.
+        store[self.slot_blocks, :, self.slot_offsets] = new.transpose(1, 2)[self.rows, self.columns].to(store.dtype)
+        heads, size, dim = store.shape[1], store.shape[2], store.shape[3]
+        gathered = store.index_select(0, self.table).view(self.num_rows, self.blocks_per_row, heads, size, dim)
+        history = gathered.transpose(1, 2).reshape(self.num_rows, heads, self.blocks_per_row * size, dim)
+        return history[:, :, : self.num_keys]
