@@ -152,3 +152,24 @@ def test_context_shift_through_a_quantized_cache(smollm2, dtype: str) -> None:
     assert len(tokens) == 90 and stream.shifted >= 60 and packed_when_shifting
     longest_run = max(len(list(run)) for _, run in itertools.groupby(tokens))
     assert len(set(tokens)) >= 30 and longest_run <= 3 and len(text.split()) >= 50, text
+
+
+@pytest.mark.slow  # 90 decode steps
+def test_context_shift_through_a_compressed_cache_removes_whole_chunks(smollm2) -> None:
+    """The shift's range is widened to whole pooled chunks (removable_range), so the compressed cache
+    can shift too: every removal is exact for what it holds, and the text goes on."""
+    config = CacheConfig("compressed", pool_chunk=4, exact_window=16, sinks=4)
+    small = Generator(smollm2.model, smollm2.tokenizer, max_context=64, cache=config)
+    ids = smollm2.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+    stream = small.stream(ids, SamplingParams(max_new_tokens=90, ignore_eos=True, context_shift=True))
+    text, pooled = "", []
+    for chunk in stream:
+        text += chunk.text
+        stream.cache.check_invariants()
+        assert stream.cache.seq_len <= 64
+        pooled.append(stream.cache.num_pooled)
+    tokens = stream.result.token_ids
+    # 4..33 asked for at 64 positions (11 chunks pooled up to 48): widened to 4..35, whole chunks
+    assert len(tokens) == 90 and stream.shifted == 2 * 32 and max(pooled) == 11
+    longest_run = max(len(list(run)) for _, run in itertools.groupby(tokens))
+    assert len(set(tokens)) >= 30 and longest_run <= 3 and len(text.split()) >= 50, text

@@ -162,7 +162,8 @@ class CompressedCache(KVCache):
         return self._removed
 
     def removable_range(self, start: int, end: int) -> tuple[int, int]:
-        """The smallest range around start..end-1 that remove_range can drop (the rule above)."""
+        """The smallest range around start..end-1 that remove_range can drop (the rule above); the
+        generation loop's context shift widens its range to it."""
         if start == end:
             return start, end
         if self.sink < start < self.pool_end:
