@@ -250,11 +250,12 @@ class GenerationStream:
 
     def _shift_context(self) -> None:
         """Keep the first context_keep positions, drop the older half of the rest (llama.cpp's
-        context shift); the kept keys are re-rotated to their new positions."""
+        context shift); the kept keys are re-rotated to their new positions. A cache that can only
+        drop whole pooled chunks widens the range to them (removable_range)."""
         keep = min(self.params.context_keep, self.cache.seq_len - 2)
-        discard = (self.cache.seq_len - keep) // 2
-        self.cache.remove_range(keep, keep + discard, self.generator.model.rerotate)
-        self.shifted += discard
+        start, end = self.cache.removable_range(keep, keep + (self.cache.seq_len - keep) // 2)
+        self.cache.remove_range(start, end, self.generator.model.rerotate)
+        self.shifted += end - start
 
     def _run(self) -> Iterator[Chunk]:
         try:

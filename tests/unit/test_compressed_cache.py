@@ -27,6 +27,11 @@ def kv(seed: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return random_kv(SPEC, seed, length)
 
 
+def shift_marker(layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """A stand-in for RoPE re-rotation that is linear like it: moving back d positions subtracts d."""
+    return keys + delta
+
+
 def pooled_view(history: torch.Tensor, sink: int, chunk: int, num_pooled: int) -> torch.Tensor:
     """The reference: [1, H, S, D] exact history -> sinks, chunk means, then the exact rest."""
     end = sink + num_pooled * chunk
@@ -73,6 +78,28 @@ def test_truncate_rule_inside_the_pooled_region() -> None:
     assert cache.seq_len == 10 and cache.num_pooled == 2
     cache.truncate(1)  # into the sinks: nothing pooled remains
     assert cache.num_pooled == 0 and cache.key_bias() is None
+    cache.check_invariants()
+
+
+def test_remove_range_rule_drops_whole_slots_only() -> None:
+    cache = CompressedCache(SPEC, chunk=4, window=4, sink=2, capacity=4)
+    append(cache, 1, 20)  # chunks 2..5, 6..9, 10..13 pooled: slots 2, 3, 4; positions 14..19 at slots 5..10
+    keys_before = cache.update(0, *kv(0, 0))[0].clone()
+    assert cache.removable_range(11, 16) == (10, 16) and cache.removable_range(14, 16) == (14, 16)
+    with pytest.raises(ValueError, match=r"positions 2\.\.13 are pooled in chunks of 4, each removed whole; remove 10\.\.16"):
+        cache.remove_range(11, 16, shift_marker)
+    assert cache.removable_range(1, 5) == (1, 14)
+    with pytest.raises(ValueError, match=r"sinks 0\.\.1 cannot be refilled from pooled chunks; remove 1\.\.14"):
+        cache.remove_range(1, 5, shift_marker)
+    assert cache.seq_len == 20 and cache.num_pooled == 3 and cache.positions_removed == 0  # refused: unchanged
+    cache.remove_range(6, 10, shift_marker)  # the chunk 6..9 (slot 3); later slots move back one, turned by -4
+    assert (cache.seq_len, cache.num_pooled, cache.pool_end, cache.positions_removed) == (16, 2, 10, 4)
+    keys = cache.update(0, *kv(0, 0))[0]
+    assert torch.equal(keys[:, :, :3], keys_before[:, :, :3])
+    torch.testing.assert_close(keys[:, :, 3:10], keys_before[:, :, 4:11] - 4, rtol=0, atol=1e-6)
+    cache.remove_range(0, 12, shift_marker)  # the sinks, every pooled chunk and two exact positions
+    assert (cache.seq_len, cache.num_pooled, cache.positions_removed) == (4, 0, 16) and cache.key_bias() is None
+    torch.testing.assert_close(cache.update(0, *kv(0, 0))[0], keys_before[:, :, 7:11] - 16, rtol=0, atol=1e-5)
     cache.check_invariants()
 
 
@@ -144,6 +171,33 @@ class CompressedVersusReference(RuleBasedStateMachine):
         if keep < pool_end:
             entry[2] = max(0, keep - self.sink) // self.chunk
 
+    @rule(index=st.integers(0, 9), start=st.integers(0, 150), length=st.integers(0, 12))
+    def remove_range(self, index: int, start: int, length: int) -> None:
+        """Whole slots only (else refused, then the widened range suggested is removed); the plain
+        reference removes the same positions and the cache must equal its pooled view after."""
+        entry = self.entries[index % len(self.entries)]
+        cache, plain, pooled = entry
+        start = min(start, plain.seq_len)
+        end = min(start + length, plain.seq_len)
+        pool_end = self.sink + pooled * self.chunk
+        mid_chunk = lambda x: self.sink < x < pool_end and (x - self.sink) % self.chunk  # noqa: E731
+        if start < end and (mid_chunk(start) or mid_chunk(end) or (pooled and start < self.sink and end < pool_end)):
+            with pytest.raises(ValueError, match="cannot remove positions .* exactly"):
+                cache.remove_range(start, end, shift_marker)
+            widened = cache.removable_range(start, end)
+            assert widened[0] <= start < end <= widened[1] and cache.removable_range(*widened) == widened
+            start, end = widened
+        cache.remove_range(start, end, shift_marker)
+        plain.remove_range(start, end, shift_marker)
+        # A chunk survives unless the range covers it; a range into the sinks takes them all.
+        covered = lambda i: start <= self.sink + i * self.chunk and self.sink + (i + 1) * self.chunk <= end  # noqa: E731
+        entry[2] = sum(not covered(i) for i in range(pooled))
+        for layer in range(SPEC.num_layers):
+            got = [t.clone() for t in cache.update(layer, *kv(0, 0))]
+            want = [pooled_view(t, self.sink, self.chunk, entry[2]) for t in plain.update(layer, *kv(0, 0))]
+            torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+
     @rule(index=st.integers(0, 9))
     def fork(self, index: int) -> None:
         if len(self.entries) < 4:
@@ -155,6 +209,7 @@ class CompressedVersusReference(RuleBasedStateMachine):
         for cache, plain, pooled in self.entries:
             cache.check_invariants()
             assert cache.seq_len == plain.seq_len and cache.num_pooled == pooled
+            assert cache.positions_removed == plain.positions_removed
 
 
 TestCompressedVersusReference = CompressedVersusReference.TestCase

@@ -97,6 +97,75 @@ def test_close_and_context_manager_remove_everything_created(tmp_path) -> None:
     assert not any(tmp_path.iterdir())
 
 
+def shift_marker(layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """A stand-in for RoPE re-rotation that is easy to check: moving back d positions subtracts d."""
+    return keys + delta
+
+
+def read(cache: TieredCache | ContiguousCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K, V as attention reads them now (an update of no new positions)."""
+    return [tuple(t.clone() for t in cache.update(layer, *kv(0, 0))) for layer in range(SPEC.num_layers)]
+
+
+def test_remove_range_rebuilds_later_blocks_in_their_tiers(tmp_path) -> None:
+    cache = TieredCache(SPEC, block_size=4, hot_tokens=8, warm_tokens=4, warm_dtype="fp32", directory=tmp_path)
+    plain = ContiguousCache(SPEC, capacity=64)
+    append([cache, plain], 1, 18)
+    assert cache.tiers() == ["cold", "warm", "hot", "hot"]
+    old_file = next(cache.directory.iterdir())
+    for c in (cache, plain):
+        c.remove_range(6, 11, shift_marker)  # blocks 1..2 rebuilt in their tiers, block 0 kept, block 3 dropped
+    assert cache.seq_len == 13 and cache.positions_removed == 5
+    assert cache.tiers() == ["warm", "hot", "hot"]  # one block fewer: block 0 moves up a tier
+    assert list(cache.directory.iterdir()) == [old_file]  # ... and keeps its file (it did not change)
+    cache.check_invariants()
+    for (k, v), (pk, pv) in zip(read(cache), read(plain)):
+        assert torch.equal(k, pk) and torch.equal(v, pv)
+    for c in (cache, plain):
+        c.remove_range(1, 3, shift_marker)  # block 0 rebuilt too: its old file goes
+    assert cache.tiers() == ["hot", "hot"] and not any(cache.directory.iterdir())
+    cache.check_invariants()
+    for (k, v), (pk, pv) in zip(append([cache], 2, 3)[0], append([plain], 2, 3)[0]):
+        assert torch.equal(k, pk) and torch.equal(v, pv)
+    cache.close()
+
+
+@pytest.mark.parametrize("warm_dtype", ["fp16", "bf16", "int8"])
+def test_remove_range_in_lossy_tiers_rounds_only_the_turned_keys_again(warm_dtype: str) -> None:
+    cache = TieredCache(SPEC, block_size=4, hot_tokens=0, warm_tokens=8, warm_dtype=warm_dtype)
+    append([cache], 1, 18)  # [cold, cold, warm, warm] + 2 in the tail
+    reference = ContiguousCache(SPEC, capacity=64)
+    for layer, (k, v) in enumerate(read(cache)):  # what the cache holds, as the exact reference
+        reference.update(layer, k, v)
+    reference.commit(18)
+    for c in (cache, reference):
+        c.remove_range(3, 9, shift_marker)
+    cache.check_invariants()
+    rounded = slice(0, 16 - 6)  # held packed before the move: values and unmoved keys pack to the same numbers
+    for (k, v), (want_k, want_v) in zip(read(cache), read(reference)):
+        assert torch.equal(v[:, :, rounded], want_v[:, :, rounded]) and torch.equal(k[:, :, :3], want_k[:, :, :3])
+        for got, want in ((k, want_k), (v, want_v)):  # turned keys, and the old tail now sealed: one rounding
+            one_rounding = {"fp16": want.abs() * 2**-11, "bf16": want.abs() * 2**-8,
+                            "int8": want.abs().amax(-1, keepdim=True) / 254 * 1.002}[warm_dtype]  # fmt: skip
+            assert ((got - want).abs() <= one_rounding + 1e-6).all()
+    cache.close()
+
+
+def test_a_damaged_cold_file_fails_remove_range_and_changes_nothing(tmp_path) -> None:
+    cache = TieredCache(SPEC, block_size=4, hot_tokens=0, warm_tokens=0, directory=tmp_path, prefetch_workers=1)
+    append([cache], 1, 14)  # three cold blocks
+    before, files = read(cache), sorted(cache.directory.iterdir())
+    cache._drain()
+    files[2].write_bytes(files[2].read_bytes()[:-10])  # block 2: read after block 0 is rebuilt
+    with pytest.raises(ColdBlockError, match="fails its sha256 check"):
+        cache.remove_range(1, 2, shift_marker)
+    assert cache.seq_len == 14 and cache.positions_removed == 0
+    assert sorted(cache.directory.iterdir()) == files  # the new file written for block 0 is gone again
+    files[2].unlink()  # (only the damaged block is unreadable; the rest reads as before)
+    assert torch.equal(cache._block_fp32(0, cache._blocks[0])[0], torch.stack([k[0, :, :4] for k, _ in before]))
+    cache.release()
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown warm tier dtype 'int5'"):
         TieredCache(SPEC, warm_dtype="int5")
@@ -105,8 +174,8 @@ def test_bad_arguments_are_refused() -> None:
 
 
 class TieredVersusContiguous(RuleBasedStateMachine):
-    """Random appends, truncations, forks and releases over tiny budgets (every tier in use) with a
-    lossless warm tier: every update returns exactly what a contiguous cache returns."""
+    """Random appends, truncations, range removals, forks and releases over tiny budgets (every tier
+    in use) with a lossless warm tier: every update returns exactly what a contiguous cache returns."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,6 +199,17 @@ class TieredVersusContiguous(RuleBasedStateMachine):
         keep = min(keep, plain.seq_len)
         tiered.truncate(keep)
         plain.truncate(keep)
+
+    @rule(index=st.integers(0, 9), start=st.integers(0, 60), length=st.integers(0, 10))
+    def remove_range(self, index: int, start: int, length: int) -> None:
+        tiered, plain = self.pairs[index % len(self.pairs)]
+        start = min(start, plain.seq_len)
+        end = min(start + length, plain.seq_len)
+        tiered.remove_range(start, end, shift_marker)
+        plain.remove_range(start, end, shift_marker)
+        assert tiered.positions_removed == plain.positions_removed
+        for (k, v), (pk, pv) in zip(read(tiered), read(plain)):
+            assert torch.equal(k, pk) and torch.equal(v, pv)
 
     @rule(index=st.integers(0, 9))
     def fork(self, index: int) -> None:

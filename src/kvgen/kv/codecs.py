@@ -27,6 +27,9 @@ class Codec(ABC):
     name: str
     keys_before_rope: bool = False  # encode() wants keys as they were before RoPE
     sink_tokens: int = 0  # leading positions this codec wants kept in full precision
+    # Each position is encoded on its own (its parts have the block's positions on dim 2), so stored
+    # positions can be moved between blocks as codes; False where a block's positions share scales.
+    per_position: bool = True
 
     @abstractmethod
     def encode(self, x: torch.Tensor, layer: int) -> Parts:
@@ -121,6 +124,7 @@ class KiviKeyCodec(Codec):
     """KIVI keys: int4 per channel over the block's positions (fp16 step and offset per channel)."""
 
     name = "int4"
+    per_position = False
 
     def encode(self, x: torch.Tensor, layer: int) -> Parts:
         parts = min_max_encode(x.transpose(-1, -2), 4)  # per channel: [H, N, D, B]

@@ -20,6 +20,15 @@ first exact position, or at a chunk boundary inside the pooled region (the poole
 stay pooled: their positions are not restored, so what follows differs from a fresh run that still
 held them exact). Truncating to the middle of a pooled chunk raises: that chunk's positions cannot
 be recovered; `truncation_point(n)` gives the largest length <= n that can be kept.
+
+remove_range, the rule: it drops whole slots only, so it is exact for what the cache holds (the
+removed positions are gone, every other slot keeps its value; a pooled slot's mean key is turned
+like its positions: RoPE is linear, so the turned mean is the mean of the turned keys). Allowed:
+any range in the exact positions (sinks with nothing pooled, or the recent window); a range whose
+ends fall on chunk boundaries in the pooled region (the chunks it covers are removed whole); a
+range that starts in the sinks only when it also removes every pooled chunk (a sink cannot be
+refilled from a pooled chunk). Anything else raises ValueError; `removable_range(start, end)` gives
+the smallest range around it that can be removed.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import math
 
 import torch
 
-from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.kv.interface import CacheSpec, KVCache, Rerotate
 
 
 class CompressedCache(KVCache):
@@ -41,6 +50,7 @@ class CompressedCache(KVCache):
         self._values = torch.zeros(shape, dtype=spec.dtype)
         self._seq_len = 0
         self._pooled = 0  # chunks pooled, covering positions sink .. pool_end
+        self._removed = 0  # positions dropped by remove_range since the cache was last empty
 
     @property
     def seq_len(self) -> int:
@@ -128,6 +138,7 @@ class CompressedCache(KVCache):
         twin.truncate(num_tokens)
         self.chunk, self.window, self.sink, self.bias = twin.chunk, twin.window, twin.sink, twin.bias
         self._keys, self._values, self._seq_len, self._pooled = twin._keys, twin._values, twin._seq_len, twin._pooled
+        self._removed = source.positions_removed if num_tokens == source.seq_len else 0  # as ContiguousCache
 
     def truncate(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._seq_len:
@@ -141,16 +152,66 @@ class CompressedCache(KVCache):
         if num_tokens < self.pool_end:
             self._pooled = max(0, num_tokens - self.sink) // self.chunk
         self._seq_len = num_tokens
+        self._removed = self._removed if num_tokens else 0
 
     def reset(self) -> None:
-        self._seq_len, self._pooled = 0, 0
+        self._seq_len, self._pooled, self._removed = 0, 0, 0
+
+    @property
+    def positions_removed(self) -> int:
+        return self._removed
+
+    def removable_range(self, start: int, end: int) -> tuple[int, int]:
+        """The smallest range around start..end-1 that remove_range can drop (the rule above); the
+        generation loop's context shift widens its range to it."""
+        if start == end:
+            return start, end
+        if self.sink < start < self.pool_end:
+            start -= (start - self.sink) % self.chunk  # back to its chunk's first position
+        if self.sink < end < self.pool_end:
+            end += -(end - self.sink) % self.chunk  # on to the end of its chunk
+        if self._pooled and start < self.sink and end < self.pool_end:  # no sink is refilled from a pooled chunk
+            end = self.pool_end
+        return start, end
+
+    def _slot(self, position: int) -> int:
+        """Slot where `position` starts (a sink, a chunk boundary or an exact position)."""
+        if position <= self.sink:
+            return position
+        if position < self.pool_end:
+            return self.sink + (position - self.sink) // self.chunk
+        return self.num_slots(position)
+
+    def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
+        """Drop positions start..end-1 when they are whole slots (see the rule in the module doc);
+        the later slots move back, their keys (pooled means too) turned by -(end - start)."""
+        if not 0 <= start <= end <= self._seq_len:
+            raise ValueError(f"cannot remove positions {start}..{end}: the cache holds {self._seq_len}")
+        if start == end:
+            return
+        widest = self.removable_range(start, end)
+        if widest != (start, end):
+            pooled = f"positions {self.sink}..{self.pool_end - 1} are pooled in chunks of {self.chunk}, each removed whole"
+            why = f"the sinks 0..{self.sink - 1} cannot be refilled from pooled chunks" if start < self.sink else pooled
+            raise ValueError(
+                f"cannot remove positions {start}..{end} exactly: {why}; remove {widest[0]}..{widest[1]} "
+                "(removable_range) instead, or recompute the shortened text"
+            )
+        removed, first, last, used = end - start, self._slot(start), self._slot(end), self.num_slots(self._seq_len)
+        for layer in range(self.spec.num_layers):
+            keys = self._keys[layer, :, :, last:used].clone()
+            self._keys[layer, :, :, first : first + used - last] = rerotate(layer, keys, -removed)
+            self._values[layer, :, :, first : first + used - last] = self._values[layer, :, :, last:used].clone()
+        self._pooled -= max(0, min(end, self.pool_end) - max(start, self.sink)) // self.chunk
+        self._seq_len -= removed
+        self._removed += removed
 
     def fork(self) -> "CompressedCache":
         twin = CompressedCache(self.spec, self.chunk, self.window, self.sink, self.bias, capacity=1)
         used = self.num_slots(self._seq_len)
         twin._keys = self._keys.clone() if used else twin._keys
         twin._values = self._values.clone() if used else twin._values
-        twin._seq_len, twin._pooled = self._seq_len, self._pooled
+        twin._seq_len, twin._pooled, twin._removed = self._seq_len, self._pooled, self._removed
         return twin
 
     def memory_bytes(self) -> int:

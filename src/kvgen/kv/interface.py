@@ -152,6 +152,11 @@ class KVCache(ABC):
         Optional: caches that cannot move positions raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot remove a range of positions")
 
+    def removable_range(self, start: int, end: int) -> tuple[int, int]:
+        """The smallest range around start..end-1 that `remove_range` drops exactly: the range itself,
+        except where one slot stands for several positions (CompressedCache's pooled chunks)."""
+        return start, end
+
     def kernel_layout(self, num_tokens: int) -> "KVLayout | None":
         """Optional: where positions 0..num_tokens-1 live, for kernels that append at seq_len in
         place and read keys directly (the caller then `commit`s). Room for `num_tokens` is made first.

@@ -51,6 +51,19 @@ class PackedStore:
         views = {name: tensor[layer, :, block : block + 1] for name, tensor in self.parts.items()}
         return self.codec.decode(views, layer)[:, 0]  # [H, B, D]
 
+    def blocks(self, first_block: int, num_blocks: int) -> Parts:
+        """A copy of blocks first_block..num_blocks-1 of every layer, as stored."""
+        return {name: tensor[:, :, first_block:num_blocks].clone() for name, tensor in self.parts.items()}
+
+    def move_positions(self, source: Parts, sources: torch.Tensor, first: int) -> None:
+        """Stored position first + i (counted over the blocks, every layer) takes the codes of
+        position sources[i] of `source` (from `blocks`): the values move as stored, not re-rounded.
+        Only for codecs that encode each position on its own."""
+        assert self.codec.per_position, f"codec {self.codec.name!r} shares scales across positions"
+        for name, tensor in self.parts.items():
+            flat = tensor.view(*tensor.shape[:2], -1, *tensor.shape[4:])  # [L, H, blocks * B, ...], in place
+            flat[:, :, first : first + len(sources)] = source[name].flatten(2, 3)[:, :, sources]
+
     def copy(self) -> "PackedStore":
         twin = PackedStore.__new__(PackedStore)
         twin.codec, twin.block_tokens, twin.head_dim = self.codec, self.block_tokens, self.head_dim

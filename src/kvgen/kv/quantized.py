@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from kvgen.kv.codecs import BLOCK_TOKENS, Codec, key_codec, value_codec
-from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.kv.codecs import BLOCK_TOKENS, Codec, Parts, key_codec, value_codec
+from kvgen.kv.interface import CacheSpec, KVCache, Rerotate
 from kvgen.kv.packed import PackedStore
 from kvgen.models.rotary import rotate_half
 
@@ -55,6 +55,7 @@ class QuantizedCache(KVCache):
         self._scratch = torch.zeros(2, heads, capacity, dim)  # [K/V, H, C, D], one layer at a time
         self._seq_len = 0
         self._num_blocks = 0  # packed blocks (the same for every layer)
+        self._removed = 0  # positions dropped by remove_range since the cache was last empty
 
     @property
     def seq_len(self) -> int:
@@ -174,6 +175,77 @@ class QuantizedCache(KVCache):
                     self._tail[1, layer, :, :partial] = self.value_store.read_block(layer, kept_blocks)[:, :partial]
             self._num_blocks = kept_blocks
         self._seq_len = num_tokens
+        self._removed = self._removed if num_tokens else 0
+
+    @property
+    def positions_removed(self) -> int:
+        return self._removed
+
+    def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
+        """Drop positions start..end-1; later ones move back by end - start (see KVCache).
+
+        Packed blocks wholly before `start` stay as they are. From the block holding `start` on, the
+        cache is rebuilt: each layer is read as attention reads it, the range dropped, the moved keys
+        turned by `rerotate`, and the result written back as a long prefill would be (sink, tail,
+        then every block that has left the residual window is packed). Stored codes are then put
+        back wherever they still hold their position's value, so what was packed is not rounded
+        twice:
+          - values, and keys a codec stores before RoPE (kvquant3): every position that was packed
+            and lands in a packed block keeps its codes (a pre-RoPE key needs no turning: RoPE is
+            applied at its new index when read). Exact.
+          - keys stored after RoPE move turned, so they are re-encoded: one more rounding of the
+            codec (int8 ~amax/254 per position, fp8 / fp16 / bf16 one more cast; int4 KIVI keys
+            also regroup per channel over their new block). Positions before `start` in that block
+            keep their codes for per-position codecs; KIVI's group straddling `start` is re-rounded.
+          - fewer than BLOCK_TOKENS positions that were packed may land in the fp32 tail: they hold
+            their decoded values and are rounded again when packed anew (idempotent for the fp,
+            int8 and integer min/max codecs; kvquant3's values move by up to one level).
+        Peak memory: fp32 K and V of every layer from the rebuilt block on, as a prefill of that
+        length holds. Positions stay index-based, so sink, tail and blocks keep their meaning.
+        """
+        if not 0 <= start <= end <= self._seq_len:
+            raise ValueError(f"cannot remove positions {start}..{end}: the cache holds {self._seq_len}")
+        removed, old_blocks = end - start, self._num_blocks
+        if removed == 0:
+            return
+        kept_blocks = max(0, start - self.sink_tokens) // self.block_tokens  # wholly before `start`
+        stores = [(self.value_store, True), (self.key_store, self.keys_stored_before_rope)]
+        saved = [(store, moves, store.blocks(kept_blocks, old_blocks)) for store, moves in stores
+                 if store.codec.per_position and old_blocks > kept_blocks]  # fmt: skip
+        self._rebuild(kept_blocks, start, end, rerotate)
+        self._pack_ready()
+        for store, moves, parts in saved:
+            self._restore_codes(store, parts, kept_blocks, old_blocks, start, removed if moves else None)
+        self._removed += removed
+
+    def _rebuild(self, kept_blocks: int, start: int, end: int, rerotate: Rerotate) -> None:
+        """Keep the first `kept_blocks` packed blocks; every later position but start..end-1 becomes
+        fp32 sink or tail content again, moved keys turned back by end - start."""
+        removed, new_len = end - start, self._seq_len - (end - start)
+        tail_from = self.sink_tokens + kept_blocks * self.block_tokens  # the new tail's first position
+        first = min(start, tail_from)  # first position rewritten (inside the sink when start is)
+        tail = torch.zeros((*self._tail.shape[:3], self._tail_size(new_len - tail_from), self.spec.head_dim))
+        for layer in range(self.spec.num_layers):
+            keys, values = self._assemble(layer, self._seq_len)  # [1, H, L, D] at the old positions
+            moved = rerotate(layer, keys[:, :, end:], -removed)[0]  # [H, n, D]
+            kept = torch.stack((torch.cat((keys[0, :, first:start], moved), 1),
+                                torch.cat((values[0, :, first:start], values[0, :, end:]), 1)))  # fmt: skip
+            in_sink = max(0, min(self.sink_tokens, new_len) - first)  # [K/V, H, new_len - first, D]
+            self._sink[:, layer, :, first : first + in_sink] = kept[:, :, :in_sink]
+            tail[:, layer, :, : kept.shape[2] - in_sink] = kept[:, :, in_sink:]
+        self._tail, self._num_blocks, self._seq_len = tail, kept_blocks, new_len
+
+    def _restore_codes(self, store: PackedStore, saved: Parts, kept_blocks: int, old_blocks: int,
+                       start: int, moved_by: int | None) -> None:  # fmt: skip
+        """Give each newly packed position the codes it had before the move, where it had some that
+        still hold its value: always for positions before `start`, for moved ones only when
+        `moved_by` is given (their stored value needs no turning)."""
+        first, old_end = kept_blocks * self.block_tokens, old_blocks * self.block_tokens  # counted over the blocks
+        new = torch.arange(first, self._num_blocks * self.block_tokens)
+        before = new + self.sink_tokens < start
+        old = torch.where(before, new, new + (moved_by or 0))
+        usable = (old < old_end) & (before | (moved_by is not None))  # a prefix of `new`: old grows with new
+        store.move_positions(saved, old[usable] - first, first)
 
     def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
         self._check_copy_source(source, num_tokens)
@@ -183,6 +255,7 @@ class QuantizedCache(KVCache):
             raise ValueError("copy_prefix between quantized caches needs the same codecs, residual window and block size")
         copy, max_capacity = source.fork(), self.max_capacity
         copy.truncate(num_tokens)
+        copy._removed = source._removed if num_tokens == source.seq_len else 0  # as ContiguousCache
         self.__dict__.update(copy.__dict__)
         self.max_capacity = max(max_capacity, self.capacity)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.kv.interface import CacheSpec, KVCache
+from kvgen.kv.interface import CacheSpec, KVCache, Rerotate
 from kvgen.kv.tier_store import WARM_DTYPES, Packed, pack, packed_bytes, read_layer, unpack_layer, write_block
 
 TIERS = ("hot", "warm", "cold")
@@ -67,6 +67,7 @@ class TieredCache(KVCache):
         self._tail_k, self._tail_v = torch.zeros(shape), torch.zeros(shape)  # positions sealed_end.. [L, H, n, D]
         self._scratch_k = self._scratch_v = torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim)
         self._seq_len = 0
+        self._removed = 0  # positions dropped by remove_range since the cache was last empty
         self._dir: Path | None = None
         self._finalizer: weakref.finalize | None = None
         self._files_created = 0  # names stay unique when a block index is reused after a rewind
@@ -243,7 +244,65 @@ class TieredCache(KVCache):
             self._tail_k[:, :, : self.block_size] = new_tail[0]
             self._tail_v[:, :, : self.block_size] = new_tail[1]
         self._seq_len = num_tokens
+        self._removed = self._removed if num_tokens else 0
         self._rebalance()
+
+    @property
+    def positions_removed(self) -> int:
+        return self._removed
+
+    def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
+        """Drop positions start..end-1; later ones move back by end - start (see KVCache).
+
+        Sealed blocks wholly before `start` stay as they are. Each later block that remains is
+        rebuilt from the positions that now fall in it (moved keys turned by `rerotate`) and keeps
+        the tier of the block it replaces: hot blocks are exact; warm and cold ones are packed again
+        in warm_dtype, which rounds the turned keys once more (fp16: 2^-11 relative, bf16: 2^-8,
+        int8: amax/254 per position) while values and unmoved keys pack to the same numbers (the
+        casts and int8 are idempotent). Fp32 warm storage is exact. Old blocks are read one at a
+        time, and every new block is built (cold ones written to new files) before anything is
+        dropped, so a ColdBlockError leaves the cache as it was.
+        """
+        if not 0 <= start <= end <= self._seq_len:
+            raise ValueError(f"cannot remove positions {start}..{end}: the cache holds {self._seq_len}")
+        removed, size = end - start, self.block_size
+        if removed == 0:
+            return
+        self._drain()
+        new_len = self._seq_len - removed
+        reader = _OldPositions(self)
+        fresh: list[_Block] = []
+        try:
+            for index in range(start // size, new_len // size):
+                keys, values = reader.moved(index * size, (index + 1) * size, start, removed, rerotate)
+                fresh.append(self._sealed_like(self._blocks[index], index, keys, values))
+            tail = reader.moved(new_len // size * size, new_len, start, removed, rerotate)
+        except BaseException:
+            for block in fresh:
+                if block.path is not None:
+                    block.path.unlink(missing_ok=True)
+            raise
+        for index in range(start // size, len(self._blocks)):  # replaced blocks keep their LRU rank
+            if self._blocks[index].path is not None:
+                self._blocks[index].path.unlink(missing_ok=True)
+            if index >= new_len // size:
+                self._lru.pop(index, None)
+        self._blocks[start // size :] = fresh
+        self._tail_k[:, :, : tail[0].shape[2]], self._tail_v[:, :, : tail[1].shape[2]] = tail
+        self._seq_len, self._removed = new_len, self._removed + removed
+        self._rebalance()
+
+    def _sealed_like(self, old: _Block, index: int, keys: torch.Tensor, values: torch.Tensor) -> _Block:
+        """A new sealed block of K, V [L, H, bs, D] in `old`'s tier (cold: written to a new file)."""
+        if old.tier == "hot":
+            return _Block("hot", (keys, values))
+        packed = pack(keys, values, self.warm_dtype)
+        if old.tier == "warm":
+            return _Block("warm", warm=packed)
+        block = _Block("cold", path=self._new_path(index))
+        write_block(block.path, packed)
+        self.stats["files_written"] += 1
+        return block
 
     def _forget(self, index: int) -> None:
         block = self._blocks[index]
@@ -256,7 +315,7 @@ class TieredCache(KVCache):
         self._drain()
         self._blocks.clear()
         self._lru.clear()
-        self._seq_len = 0
+        self._seq_len = self._removed = 0
         if self._finalizer is not None:
             self._finalizer()  # removes the directory and every file in it
             self._finalizer, self._dir = None, None
@@ -286,7 +345,7 @@ class TieredCache(KVCache):
             twin._blocks.append(copy)
         twin._lru = OrderedDict(self._lru)
         twin._tail_k, twin._tail_v = self._tail_k.clone(), self._tail_v.clone()
-        twin._seq_len = self._seq_len
+        twin._seq_len, twin._removed = self._seq_len, self._removed
         return twin
 
     def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
@@ -297,6 +356,7 @@ class TieredCache(KVCache):
         self.release()
         self.block_size, self.warm_dtype = twin.block_size, twin.warm_dtype
         self._blocks, self._lru, self._seq_len = twin._blocks, twin._lru, twin._seq_len
+        self._removed = source.positions_removed if num_tokens == source.seq_len else 0  # as ContiguousCache
         self._tail_k, self._tail_v = twin._tail_k, twin._tail_v
         if twin._finalizer is not None:  # the files now belong to this cache: so does their cleanup
             twin._finalizer.detach()
@@ -318,3 +378,44 @@ class TieredCache(KVCache):
         if self._dir is not None:
             files = {p for p in self._dir.iterdir()}
             assert files == {b.path for b in self._blocks if b.path is not None}, "stray or missing cold files"
+
+
+class _OldPositions:
+    """Reads a tiered cache's positions as they are before a remove_range, one old block at a time
+    (kept until the next is needed: the reads go forward), and gives them at their new places."""
+
+    def __init__(self, cache: TieredCache):
+        self.cache = cache
+        self._held: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # (block, its K, V)
+
+    def moved(self, first: int, last: int, start: int, removed: int,
+              rerotate: Rerotate) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """New positions first..last-1 after removing start..start+removed-1: K, V [L, H, n, D],
+        the keys of moved positions turned by -removed."""
+        kept_k, kept_v = self.read(first, max(first, min(last, start)))
+        moved_k, moved_v = self.read(max(first, start) + removed, max(first, start, last) + removed)
+        if moved_k.shape[2]:
+            moved_k = torch.cat([rerotate(layer, moved_k[layer, None], -removed) for layer in range(moved_k.shape[0])])
+        return torch.cat((kept_k, moved_k), 2), torch.cat((kept_v, moved_v), 2)
+
+    def read(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Old positions first..last-1: K, V [L, H, n, D] fp32 (blocks from their tier, then the tail)."""
+        cache, size = self.cache, self.cache.block_size
+        keys, values, position = [], [], first
+        while position < last:
+            index = position // size
+            if index < len(cache._blocks):
+                if self._held is None or self._held[0] != index:
+                    self._held = (index, cache._block_fp32(index, cache._blocks[index]))
+                block_k, block_v = self._held[1]
+                where = slice(position - index * size, min(size, last - index * size))
+            else:
+                block_k, block_v = cache._tail_k, cache._tail_v
+                where = slice(position - cache._sealed_end, last - cache._sealed_end)
+            keys.append(block_k[:, :, where])
+            values.append(block_v[:, :, where])
+            position += where.stop - where.start
+        if not keys:
+            empty = cache._tail_k[:, :, :0]
+            return empty, empty
+        return torch.cat(keys, 2), torch.cat(values, 2)

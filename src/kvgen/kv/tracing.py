@@ -62,6 +62,9 @@ class TracingCache(KVCache):
         self._record("remove_range", num_tokens=end - start)
         self.inner.remove_range(start, end, rerotate)
 
+    def removable_range(self, start: int, end: int) -> tuple[int, int]:
+        return self.inner.removable_range(start, end)
+
     def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
         self._record("copy_prefix", num_tokens=num_tokens)
         self.inner.copy_prefix(source.inner if isinstance(source, TracingCache) else source, num_tokens)
