@@ -1,4 +1,4 @@
-"""ModelRunner: a scheduled batch -> one forward_batch -> the new tokens of each row that is due.
+"""ModelRunner: a scheduled batch -> batched forwards -> the new tokens of each row that is due.
 
 A row is due when its request has no pending tokens left after this step (a decode, or the last
 chunk of a prompt); a row that ran an earlier chunk of a prompt produces nothing. A speculative row
@@ -14,6 +14,10 @@ from kvgen.engine.scheduler import ScheduledRow
 from kvgen.models.base import DecoderLM
 
 
+# Rows of at most this many tokens are batched together: decodes (1) and speculative verifies (1 + k).
+SHORT_ROW_TOKENS = 17
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM):
         self.model = model
@@ -22,7 +26,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, rows: list[ScheduledRow]) -> list[list[int]]:
-        """One forward over every row; per row its new tokens ([] for a prompt chunk)."""
+        """Per row its new tokens ([] for a prompt chunk). The short rows (decodes, speculative
+        verifies) share one batched forward and the prompt chunks another, because a ragged batch
+        is padded to its longest row: 60 decodes beside a 450-token chunk would compute 60 x 450
+        positions (measured: 64 concurrent requests ran at 19 tok/s that way). Chunks stay
+        together: with 4-bit weights each forward of many rows dequantizes every weight once."""
+        short = [i for i, row in enumerate(rows) if row.num_tokens <= SHORT_ROW_TOKENS]
+        long = [i for i, row in enumerate(rows) if row.num_tokens > SHORT_ROW_TOKENS]
+        groups = [group for group in (short, long) if group]
+        new_tokens: list[list[int]] = [[] for _ in rows]
+        for group in groups:
+            for i, tokens in zip(group, self._run_group([rows[i] for i in group])):
+                new_tokens[i] = tokens
+        return new_tokens
+
+    def _run_group(self, rows: list[ScheduledRow]) -> list[list[int]]:
+        """One forward over `rows`; per row its new tokens."""
         token_ids, caches, num_logits, starts = [], [], [], []
         for row in rows:
             request = row.request
