@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from kvgen import SamplingParams, SpeculativeConfig, StructuredOutput
+from tests.speculative.test_greedy_equality import speculative_config
 
 SCHEMA = {
     "type": "object",
@@ -24,14 +25,6 @@ SCHEMA = {
 }
 PROMPT = ('Describe the flag as JSON like {"name": "Tricolour", "colors": ["red", "green", "blue"], "count": 3}.\n'
           'The flag "Tricolour" has colors red, green, blue, red, green, blue. JSON:')  # fmt: skip
-
-
-def speculative_config(method: str, draft_llm) -> SpeculativeConfig:
-    if method == "draft":
-        return SpeculativeConfig("draft", draft_model=draft_llm)
-    if method == "self":
-        return SpeculativeConfig("self", draft_layers=24)
-    return SpeculativeConfig(method)
 
 
 @pytest.mark.slow
@@ -64,8 +57,7 @@ def test_penalties_bias_min_tokens_and_logprobs_match_plain_decoding(smollm2, me
                             logit_bias={banned: -100.0}, min_new_tokens=20, logprobs=True, top_logprobs=3)  # fmt: skip
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
     plain = smollm2.generate(prompt, params)
-    config = SpeculativeConfig("self", draft_layers=24) if method == "self" else SpeculativeConfig(method)
-    result = smollm2.generate(prompt, params, speculative=config)
+    result = smollm2.generate(prompt, params, speculative=speculative_config(method, None))
     assert result.token_ids == plain.token_ids and banned not in result.token_ids
     assert len(result.logprobs) == len(plain.logprobs) == len(result.token_ids)
     for mine, reference in zip(result.logprobs, plain.logprobs):
