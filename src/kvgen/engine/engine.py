@@ -73,10 +73,9 @@ class LLMEngine:
             )
         stop_ids = stop_token_ids(params, self.tokenizer)
         vocab = self.model.config.vocab_size
-        if speculative is not None:
-            check_engine_method(speculative)
         request = Request(request_id, ids, params, self.tokenizer, stop_ids, self.max_context, vocab, priority, salt)
         if speculative is not None:  # built last: nothing to free when an earlier check fails
+            check_engine_method(speculative)
             proposer = speculative.build_proposer(self._prompts)
             request.speculation = RequestSpeculation(speculative, proposer, request.sampler, self.speculative_totals)
         return request

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.sampling.sampler import Sampler
-from kvgen.speculative.adaptive import DraftLengthController, SpeculativeStats
+from kvgen.speculative.adaptive import SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 from kvgen.speculative.verify import verify
@@ -36,8 +36,7 @@ class RequestSpeculation:
         self.proposer, self.sampler = proposer, sampler
         self.totals = totals  # the engine's counts over every request (a metric)
         self.policy = DraftPolicy(sampler.params)
-        self.controller = DraftLengthController(config.num_draft_tokens, config.min_draft_tokens,
-                                                config.max_draft_tokens, config.adaptive)  # fmt: skip
+        self.controller = config.new_controller()
         self.stats = SpeculativeStats()
         self.draft: list[int] = []
         self._draft_probs: torch.Tensor | None = None
@@ -67,10 +66,8 @@ class RequestSpeculation:
         tokens = verify(logits, draft, self.sampler)
         accepted = len(tokens) - 1
         self.controller.record(len(draft.tokens), accepted)
-        for stats in (self.stats, self.totals):
-            stats.verify_steps += 1
-            stats.proposed_tokens += len(draft.tokens)
-            stats.accepted_tokens += accepted
+        self.stats.record_verify(len(draft.tokens), accepted)
+        self.totals.record_verify(len(draft.tokens), accepted)
         return tokens
 
     def release(self) -> None:

@@ -178,6 +178,79 @@ class GrammarConstraint:
             return allowed[:vocab_size]
         return torch.cat([allowed, torch.zeros(vocab_size - allowed.numel(), dtype=torch.bool)])
 
+    def advance(self, token_id: int) -> bool: ...
+    def rollback(self, num_tokens: int) -> None: ...
+    def is_finished(self) -> bool: ...
+    def fork(self) -> "TokenConstraint": ...
+
+
+_llg_tokenizers: "WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer]" = WeakKeyDictionary()
+_llg_lock = threading.Lock()
+# Mask computation overlaps the forward pass; a few workers so concurrent sessions do not queue.
+# Off by default: measured on a 2-core machine, a mask thread running beside the forward pass slowed
+# the OpenMP decode kernels far more than the mask costs (benchmarks/structured.py --overlap).
+OVERLAP_MASK = False
+_mask_workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvgen-grammar-mask")
+
+
+def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's view of a kvgen tokenizer (built once per tokenizer, ~0.2 s)."""
+    with _llg_lock:
+        if tokenizer not in _llg_tokenizers:
+            _llg_tokenizers[tokenizer] = llguidance.LLTokenizer(
+                tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=list(tokenizer.eos_token_ids)
+            )
+        return _llg_tokenizers[tokenizer]
+
+
+class GrammarConstraint:
+    """A TokenConstraint over an llguidance matcher (one per request). Not shared between threads;
+    its own worker thread and the caller take turns on the matcher (`_settle`)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int):
+        self.matcher = matcher
+        self.num_words = num_words  # 32-bit words in the bitmask
+        self._bitmask = torch.zeros(num_words, dtype=torch.int32)
+        self._bit_positions = torch.arange(32, dtype=torch.int32)
+        self._pending: Future[None] | None = None
+        self._mask_ready = False  # the bitmask is for the matcher's current state
+
+    @classmethod
+    def create(cls, output: StructuredOutput, tokenizer: Tokenizer) -> "GrammarConstraint":
+        ll_tokenizer = llg_tokenizer(tokenizer)
+        matcher = llguidance.LLMatcher(ll_tokenizer, output.grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured output {output.kind} cannot be enforced: {matcher.get_error()}")
+        return cls(matcher, (ll_tokenizer.vocab_size + 31) // 32)
+
+    def prefetch(self) -> None:
+        """Start computing the next mask on a worker thread (call right after advance)."""
+        if OVERLAP_MASK and not self._mask_ready and self._pending is None:
+            self._pending = _mask_workers.submit(self._fill_bitmask)
+
+    def _fill_bitmask(self) -> None:
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self.num_words * 4)
+
+    def _settle(self) -> None:
+        """Wait for a mask being computed: the matcher may be used by one thread at a time."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+            self._mask_ready = True
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        """bool [vocab_size]: True where the grammar allows the token (ids past the tokenizer's
+        vocabulary, such as padding rows of the embedding, are never allowed)."""
+        self._settle()
+        if not self._mask_ready:
+            self._fill_bitmask()
+            self._mask_ready = True
+        bits = (self._bitmask.unsqueeze(-1) >> self._bit_positions) & 1  # [W, 32]
+        allowed = bits.view(-1).bool()
+        if allowed.numel() >= vocab_size:
+            return allowed[:vocab_size]
+        return torch.cat([allowed, torch.zeros(vocab_size - allowed.numel(), dtype=torch.bool)])
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with every disallowed token set to -inf (in place)."""
         return logits.masked_fill_(~self.allowed_mask(logits.shape[-1]), float("-inf"))

@@ -91,11 +91,11 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def serve(http: Request, endpoint: str, body, prompt_ids: list[int], chat: bool) -> Response:
         admit(len(prompt_ids))
         params = build_params(body, chat, config.max_tokens_limit, engine.engine)
-        speculative = build_speculative(body, engine.engine.model)
+        speculative = build_speculative(body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:  # validate every choice before any runs: a bad request queues nothing
-            for p in params:
-                engine.engine.make_request(request_id, prompt_ids, p)
+            for p in params:  # a speculative request builds its proposer, which checks its options
+                engine.engine.make_request(request_id, prompt_ids, p, speculative=speculative).release_speculation()
         except ValueError as error:
             raise APIError(400, str(error), code="invalid_request") from error
         state["in_flight"] += 1

@@ -45,18 +45,14 @@ def build_params(body: CompletionRequest | ChatCompletionRequest, chat: bool, ma
         raise APIError(400, str(error)) from error
 
 
-def build_speculative(body: CompletionRequest | ChatCompletionRequest, model) -> SpeculativeConfig | None:
+def build_speculative(body: CompletionRequest | ChatCompletionRequest) -> SpeculativeConfig | None:
     """The request's `speculative` extension field -> a SpeculativeConfig (400 when it cannot run)."""
     options = body.speculative
     if options is None:
         return None
-    layers = options.draft_layers
-    if layers is not None and layers >= model.config.num_layers:
-        raise APIError(400, f"speculative.draft_layers must be below the model's {model.config.num_layers} layers, got {layers}",
-                       param="speculative")  # fmt: skip
     try:
         return SpeculativeConfig(options.method, num_draft_tokens=options.num_draft_tokens,
-                                 max_draft_tokens=max(8, options.num_draft_tokens), draft_layers=layers)  # fmt: skip
+                                 max_draft_tokens=max(8, options.num_draft_tokens), draft_layers=options.draft_layers)  # fmt: skip
     except ValueError as error:
         raise APIError(400, str(error), param="speculative") from error
 

@@ -17,6 +17,11 @@ class SpeculativeStats:
     accepted_tokens: int = 0
     plain_steps: int = 0  # one-token target forwards (no draft, or fallback)
 
+    def record_verify(self, proposed: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0

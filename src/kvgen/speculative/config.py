@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvgen.config import CacheConfig
+from kvgen.speculative.adaptive import DraftLengthController
 
 if TYPE_CHECKING:
     from kvgen.generate import Generator
@@ -48,6 +49,10 @@ class SpeculativeConfig:
             raise ValueError("method 'draft' needs draft_model: a kvgen LLM (or DecoderLM) sharing the target's tokenizer")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
+
+    def new_controller(self) -> DraftLengthController:
+        """A fresh draft-length controller for one request, starting at num_draft_tokens."""
+        return DraftLengthController(self.num_draft_tokens, self.min_draft_tokens, self.max_draft_tokens, self.adaptive)
 
     def check_cache(self, cache: CacheConfig) -> None:
         """Rejected drafts are rolled back with truncate: the cache must be able to rewind that far."""

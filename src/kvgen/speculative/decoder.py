@@ -15,7 +15,7 @@ import torch
 from kvgen.kv.interface import KVCache
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.sampler import Sampler
-from kvgen.speculative.adaptive import DraftLengthController, SpeculativeStats
+from kvgen.speculative.adaptive import SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import DraftPolicy, Proposer
 from kvgen.speculative.verify import verify
@@ -29,8 +29,7 @@ class SpeculativeDecoder:
         self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
         self.max_context, self.constraint = max_context, sampler.constraint
         self.policy = DraftPolicy(sampler.params)
-        self.controller = DraftLengthController(config.num_draft_tokens, config.min_draft_tokens,
-                                                config.max_draft_tokens, config.adaptive)  # fmt: skip
+        self.controller = config.new_controller()
         self.stats = SpeculativeStats()
         self.ids: list[int] = []  # every committed id; all but the last are in the cache
 
@@ -81,8 +80,6 @@ class SpeculativeDecoder:
         if self.proposer.needs_target_features:
             self.proposer.observe_features(self._features[accepted])
         self.controller.record(len(draft.tokens), accepted)
-        self.stats.verify_steps += 1
-        self.stats.proposed_tokens += len(draft.tokens)
-        self.stats.accepted_tokens += accepted
+        self.stats.record_verify(len(draft.tokens), accepted)
         return tokens
 

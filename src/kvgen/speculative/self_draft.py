@@ -23,7 +23,7 @@ class SelfDraftProposer(CachedDrafter):
     def __init__(self, model: DecoderLM, num_layers: int, max_context: int):
         if not 1 <= num_layers < model.config.num_layers:
             raise ValueError(
-                f"a self-draft uses the first L of the target's {model.config.num_layers} layers: "
+                f"a self-draft uses the first L (draft_layers) of the target's {model.config.num_layers} layers: "
                 f"L must be in [1, {model.config.num_layers - 1}], got {num_layers}"
             )
         spec = CacheSpec(num_layers, model.config.num_kv_heads, model.config.head_dim, model.dtype)
