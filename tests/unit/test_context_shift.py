@@ -80,9 +80,11 @@ def layer0(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     return keys.clone(), values.clone()
 
 
-def greedy_after(model, cache: KVCache, ids: list[int], remove: tuple[int, int] | None, steps: int = 8):
-    """Prefill `ids`, optionally remove a range, then decode greedily: the logits [steps, V] of each
-    step, the tokens, and layer 0 as attention reads it right after the removal."""
+def greedy_after(model, cache: KVCache, ids: list[int], remove: tuple[int, int] | None, steps: int = 8,
+                 follow: list[int] | None = None):  # fmt: skip
+    """Prefill `ids`, optionally remove a range, then decode greedily (or feed `follow`'s tokens):
+    the logits [steps, V] of each step, the tokens, and layer 0 as attention reads it right after
+    the removal."""
     with torch.inference_mode():
         logits = [model(torch.tensor([ids]), cache)[0, -1]]
         if remove is not None:
@@ -90,7 +92,7 @@ def greedy_after(model, cache: KVCache, ids: list[int], remove: tuple[int, int] 
             cache.check_invariants()
         first_layer, tokens = layer0(cache), []
         for _ in range(steps):
-            tokens.append(int(logits[-1].argmax()))
+            tokens.append(int(logits[-1].argmax()) if follow is None else follow[len(tokens)])
             logits.append(model(torch.tensor([tokens[-1:]]), cache)[0, -1])
     return torch.stack(logits)[1:], tokens, first_layer
 
@@ -103,11 +105,13 @@ def test_quantized_remove_range_on_smollm2(smollm2, dtype: str) -> None:
     Deeper layers saw the removed tokens, so no cache can give the logits of prefilling the shorter
     text (the exact contiguous cache differs from that by 8.1 in logits); what can be checked is:
     1. layer 0, which depends on each token alone, equals a fresh prefill of the shorter text into
-       the same kind of cache wherever both hold packed codes. kvquant3: identical (pre-RoPE codes
-       moved; measured 0 difference); int8: values identical, moved keys re-rotated and rounded again
-       (measured 0.078, two int8 roundings).
-    2. after the removal, 8 greedy steps pick the tokens the exact cache picks after the same removal,
-       with logits as close as without any removal (measured int8 0.106 vs 0.107, kvquant3 0.93 vs 1.54).
+       the same kind of cache wherever both hold packed codes: values identical (moved as codes);
+       moved keys rounded again (int8: re-rotated first, measured 0.077 vs one rounding's 0.037;
+       kvquant3: pre-RoPE, regrouped per channel over the new block, 0.73 vs 0.45).
+    2. after the removal, fed the 8 tokens the exact cache picks greedily after the same removal, the
+       logits stay as close to the exact cache's as without any removal (measured int8 0.106 vs 0.107,
+       kvquant3 1.13 vs 0.91); int8 picks the same tokens itself (3-bit flips a 0.45-logit near-tie at
+       step 2, with or without the removal).
     """
     model, tokenizer = smollm2.model, smollm2.tokenizer
     ids = tokenizer.encode(LIGHTHOUSE)
@@ -115,7 +119,8 @@ def test_quantized_remove_range_on_smollm2(smollm2, dtype: str) -> None:
     quantized = lambda: build_quantized_cache(model, tokenizer, 128, 128, dtype, dtype, residual=8)  # noqa: E731
     exact = lambda: ContiguousCache(spec, 128)  # noqa: E731
     moved = quantized()
-    logits, tokens, (keys, values) = greedy_after(model, moved, ids, (20, 50))
+    exact_logits, exact_tokens, _ = greedy_after(model, exact(), ids, (20, 50))
+    logits, _, (keys, values) = greedy_after(model, moved, ids, (20, 50), follow=exact_tokens)
     fresh = quantized()
     _, _, (fresh_keys, fresh_values) = greedy_after(model, fresh, shorter, None, steps=0)
     both = min(moved.packed_end, fresh.packed_end)  # positions packed in both caches
@@ -124,11 +129,12 @@ def test_quantized_remove_range_on_smollm2(smollm2, dtype: str) -> None:
     _, _, (exact_keys, _) = greedy_after(model, exact(), shorter, None, steps=0)
     one_rounding = (fresh_keys - exact_keys)[:, :, :both].abs().max()
     key_error = (keys - fresh_keys)[:, :, :both].abs().max()
-    assert key_error <= (1e-4 if dtype == "kvquant3" else 2.5 * one_rounding), (key_error, one_rounding)
-    exact_logits, exact_tokens, _ = greedy_after(model, exact(), ids, (20, 50))
-    assert tokens == exact_tokens
-    plain_logits, _, _ = greedy_after(model, quantized(), ids, None)  # the quantization gap alone
-    plain_gap = (plain_logits - greedy_after(model, exact(), ids, None)[0]).abs().max()
+    assert key_error <= 2.5 * one_rounding, (key_error, one_rounding)
+    if dtype == "int8":
+        assert greedy_after(model, quantized(), ids, (20, 50))[1] == exact_tokens
+    plain_exact_logits, plain_tokens, _ = greedy_after(model, exact(), ids, None)
+    plain_logits, _, _ = greedy_after(model, quantized(), ids, None, follow=plain_tokens)  # the quantization gap alone
+    plain_gap = (plain_logits - plain_exact_logits).abs().max()
     assert (logits - exact_logits).abs().max() <= 1.5 * plain_gap
 
 

@@ -33,13 +33,24 @@ def test_calibration_is_deterministic_and_codes_round_trip(smollm2: LLM) -> None
     first, second = calibrate(smollm2.model, ids), calibrate(smollm2.model, ids)
     assert first.weighting == "fisher"
     assert torch.equal(first.keys, second.keys) and torch.equal(first.values, second.values)
-    assert first.keys.shape == (30, 3, 64, 8) and first.values.shape == (30, 8)
-    assert (first.keys.diff(dim=-1) >= 0).all()  # sorted, as nearest() needs
-    # Encoding codebook values gives exactly those values back (channel d of head h, level j).
-    x = first.keys[3].permute(0, 2, 1)[:, None, :, :].expand(3, 1, 8, 64).repeat(1, 1, 4, 1)  # [H, 1, 32, D]
-    codec = KVQuantKeyCodec(first.keys, outliers=0)  # (an outlier would come back as fp16)
-    torch.testing.assert_close(codec.decode(codec.encode(x, 3), 3), x, rtol=0, atol=0)
-    values = KVQuantValueCodec(first.values, outliers=1)
+    assert first.keys.shape == (30, 8) and first.values.shape == (30, 8)
+    assert (first.keys.diff(dim=-1) > 0).all() and (first.values.diff(dim=-1) > 0).all()  # sorted, distinct
+    assert first.keys.min() >= 0 and first.keys.max() <= 1  # levels of a channel normalised over its block
+    # Keys: a block whose channels each hold codebook levels spanning 0..1 (scaled and shifted per
+    # channel) comes back exactly; with one outlier per position the worst-rounded channel is exact.
+    book = torch.cat([torch.tensor([0.0]), first.keys[3, 1:-1], torch.tensor([1.0])])
+    scale, shift = torch.rand(3, 1, 1, 64) + 0.5, torch.randn(3, 1, 1, 64)
+    x = book[torch.arange(32) % 8][None, None, :, None] * scale + shift  # [H, 1, 32, D]
+    exact = KVQuantKeyCodec(book.expand(30, 8), outliers=0)
+    torch.testing.assert_close(exact.decode(exact.encode(x, 3), 3), x, rtol=0, atol=1e-2)
+    keys = KVQuantKeyCodec(first.keys, outliers=1)
+    k = torch.randn(3, 2, 32, 64)
+    rounded = KVQuantKeyCodec(first.keys, outliers=0)
+    plain_error = (rounded.decode(rounded.encode(k, 3), 3) - k).abs()
+    error = (keys.decode(keys.encode(k, 3), 3) - k).abs()
+    assert (error <= plain_error + 1e-3).all() and error.amax(-1).lt(plain_error.amax(-1)).all()
+    assert error.max() < (k.amax(2, keepdim=True) - k.amin(2, keepdim=True)).max() / 2
+    values = KVQuantValueCodec(first.values)
     v = torch.randn(3, 2, 32, 64)
     error = (values.decode(values.encode(v, 3), 3) - v).abs()
     assert error.max() < (v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)).max() / 2
@@ -48,7 +59,8 @@ def test_calibration_is_deterministic_and_codes_round_trip(smollm2: LLM) -> None
 @pytest.mark.slow
 def test_kvquant3_and_int4_stay_close_to_the_exact_cache_on_shakespeare(smollm2: LLM) -> None:
     """Teacher-forced over 256 tokens of Hamlet, 16 at a time (most positions read from packed blocks).
-    Measured: int4 KIVI 97% top-1, kvquant3 96% (KLD 0.013), uniform int3 93% (KLD 0.020)."""
+    Measured: int4 KIVI 99.6% top-1 (KLD 0.0025), kvquant3 96.9% (KLD 0.0054), uniform int3 93.0%
+    (KLD 0.020)."""
     ids = smollm2.tokenizer.encode(play_text("hamlet"))[:257]
     spec = CacheSpec.for_model(smollm2.config)
     exact = score(smollm2.model, lambda n: ContiguousCache(spec, n), ids, chunk_size=16, keep_distributions=True)
@@ -59,7 +71,7 @@ def test_kvquant3_and_int4_stay_close_to_the_exact_cache_on_shakespeare(smollm2:
         results[dtype] = (top1_agreement(exact, scores), kl_divergence(exact, scores))
     assert results["int4"][0] >= 0.94, results
     assert results["kvquant3"][0] >= 0.93, results
-    assert results["kvquant3"][1] < results["int3"][1], results  # beats uniform 3-bit at fewer bits
+    assert results["kvquant3"][1] < results["int3"][1] / 2, results  # beats uniform 3-bit (5% more bytes)
 
 
 @pytest.mark.slow

@@ -32,8 +32,7 @@ def rerotate(layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
 def kvquant_codecs() -> tuple[Codec, Codec]:
     """KVQuant's codecs with made-up (sorted) codebooks: the storage path, without a calibration."""
     generator = torch.Generator().manual_seed(5)
-    keys = (torch.randn(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, 8, generator=generator) * 2).sort(-1).values
-    values = torch.rand(SPEC.num_layers, 8, generator=generator).sort(-1).values
+    keys, values = torch.rand(2, SPEC.num_layers, 8, generator=generator).sort(-1).values
     return KVQuantKeyCodec(keys, outliers=1), KVQuantValueCodec(values, outliers=1)
 
 
@@ -74,8 +73,8 @@ def test_remove_range_reads_what_was_stored_moved_back(dtype: str, start: int, e
     cache = make(dtype)
     fill(cache, keys, values)
     stored_k, stored_v = read(cache)
-    # One more rounding at most: the codec's own worst error on this data, with room for KIVI's
-    # per-channel groups, which regroup over different positions after the move.
+    # One more rounding at most: the codec's own worst error on this data, with room for KIVI's and
+    # kvquant3's per-channel key groups, which regroup over different positions after the move.
     tol_k = 1.5 * (stored_k - keys).abs().max().item() + 1e-5
     tol_v = 1.5 * (stored_v - values).abs().max().item() + 1e-5
     reference = ContiguousCache(SPEC, LENGTH)
@@ -96,8 +95,6 @@ def test_remove_range_reads_what_was_stored_moved_back(dtype: str, start: int, e
     old = torch.where(new < start, new, new + end - start)
     was_packed = (old >= cache.sink_tokens) & (old < old_packed_end)
     assert torch.equal(got_v[:, :, was_packed], want_v[:, :, was_packed])
-    if dtype == "kvquant3":  # pre-RoPE keys move as codes too and get RoPE at their new index
-        torch.testing.assert_close(got_k[:, :, was_packed], want_k[:, :, was_packed], rtol=1e-5, atol=1e-5)
     # And the cache goes on: the next positions land after the moved ones.
     extra_k, extra_v = torch.randn(2, 1, SPEC.num_kv_heads, 3, SPEC.head_dim)
     for layer in range(SPEC.num_layers):
@@ -109,13 +106,14 @@ def test_remove_range_reads_what_was_stored_moved_back(dtype: str, start: int, e
     cache.check_invariants()
 
 
-@pytest.mark.parametrize(("dtype", "key_limit"), [("int8", 11.0), ("kvquant3", 1.5)])
-def test_repeated_shifts_round_post_rope_keys_again_but_not_pre_rope_ones(dtype: str, key_limit: float) -> None:
-    """Ten context shifts (drop 11 positions after the first 4, append 11): keys stored after RoPE
-    are turned and rounded again at every shift they survive (measured: int8 grows to ~6x its
-    first-write error), pre-RoPE kvquant3 keys move as codes (measured 1.1x). Values move as codes,
-    but up to a block of positions that land in the fp32 tail is rounded again when packed anew:
-    kvquant3's min/max groups are not idempotent (measured 1.7x), int8's are (1.0x)."""
+@pytest.mark.parametrize(("dtype", "key_limit"), [("int8", 11.0), ("kvquant3", 3.0)])
+def test_repeated_shifts_round_moved_keys_again_pre_rope_ones_drift_less(dtype: str, key_limit: float) -> None:
+    """Ten context shifts (drop 11 positions after the first 4, append 11): moved keys are rounded
+    again at every shift they survive. Keys stored after RoPE are also turned first (measured: int8
+    grows to ~6x its first-write error); kvquant3's pre-RoPE keys need no turning and only regroup
+    per channel over their new block (measured 2.2x; KIVI int4 3.2x). Values move as codes, but up
+    to a block of positions that land in the fp32 tail is rounded again when packed anew:
+    kvquant3's min/max groups are not idempotent (measured 1.2x), int8's are (1.0x)."""
     shifts, cut = 10, 11
     keys, values = data(LENGTH + shifts * cut)
     cache = make(dtype)

@@ -190,13 +190,15 @@ class QuantizedCache(KVCache):
         then every block that has left the residual window is packed). Stored codes are then put
         back wherever they still hold their position's value, so what was packed is not rounded
         twice:
-          - values, and keys a codec stores before RoPE (kvquant3): every position that was packed
-            and lands in a packed block keeps its codes (a pre-RoPE key needs no turning: RoPE is
-            applied at its new index when read). Exact.
+          - values, and keys a per-position codec stores before RoPE: every position that was
+            packed and lands in a packed block keeps its codes (a pre-RoPE key needs no turning:
+            RoPE is applied at its new index when read). Exact.
           - keys stored after RoPE move turned, so they are re-encoded: one more rounding of the
             codec (int8 ~amax/254 per position, fp8 / fp16 / bf16 one more cast; int4 KIVI keys
-            also regroup per channel over their new block). Positions before `start` in that block
-            keep their codes for per-position codecs; KIVI's group straddling `start` is re-rounded.
+            also regroup per channel over their new block). kvquant3's pre-RoPE keys are not
+            turned but regroup per channel too, so they are re-encoded as well. Positions before
+            `start` in that block keep their codes for per-position codecs; a per-channel group
+            straddling `start` is re-rounded.
           - fewer than BLOCK_TOKENS positions that were packed may land in the fp32 tail: they hold
             their decoded values and are rounded again when packed anew (idempotent for the fp,
             int8 and integer min/max codecs; kvquant3's values move by up to one level).
