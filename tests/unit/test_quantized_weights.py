@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kvgen import LLM
 from kvgen.kernels import load, requantize
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
-from kvgen.models.quantized_linear import GEMM_ROWS_THRESHOLD, QuantizedLinear
+from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.quality import score
 from tests.support.models import model_path
 from tests.support.shakespeare import play_text
@@ -45,11 +45,21 @@ def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_many_rows_use_a_dequantized_gemm(kind: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_use_a_dequantized_gemm(kind: str, dtype: torch.dtype) -> None:
     weight = requantize(torch.randn(64, 128), kind)
-    linear = QuantizedLinear(weight, bias=torch.arange(64.0))
-    x = torch.randn(2, GEMM_ROWS_THRESHOLD, 128)
-    torch.testing.assert_close(linear(x), F.linear(x, linear.dequantized(), torch.arange(64.0)))
+    bias = torch.arange(64.0)
+    linear = QuantizedLinear(weight, bias=bias)
+    linear.gemm_dtype = dtype
+    dense = linear.dequantized()
+    # The bf16 weights are the fp32 ones rounded to nearest even (the C conversion matches torch's).
+    assert torch.equal(linear.dequantized(dtype=torch.bfloat16), dense.bfloat16())
+    x = torch.randn(2, linear.gemm_rows, 128)
+    expected = F.linear(x.to(dtype), dense.to(dtype)).float() + bias
+    torch.testing.assert_close(linear(x), expected, rtol=0, atol=0)
+    # One row fewer takes the C path (int8 activation blocks): close to the GEMM, not the same.
+    fewer = x[:1, :-1]
+    torch.testing.assert_close(linear(fewer), F.linear(fewer, dense, bias), rtol=0.05, atol=0.3)
 
 
 @pytest.mark.parametrize("type_name", sorted(EXACT_SOURCES))

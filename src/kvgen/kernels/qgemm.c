@@ -200,26 +200,40 @@ void kvgen_linear_q8(const block_q8* w, const float* x, block_x8* scratch, float
     kvgen_gemm_q8(w, scratch, y, m_rows, n, k);
 }
 
-// Dequantize whole weights (for long prefills, where an fp32 GEMM beats re-reading blocks).
-void kvgen_dequantize_q4(const block_q4* w, float* out, int64_t n, int64_t k) {
-    const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n * nb; i++) {
-        float* o = out + i * QK;
-        for (int j = 0; j < QK / 2; j++) {
-            o[j] = w[i].d * (float)(w[i].qs[j] & 0x0F) + w[i].m;
-            o[j + QK / 2] = w[i].d * (float)(w[i].qs[j] >> 4) + w[i].m;
-        }
-    }
+// Dequantize whole weights (for long prefills, where a GEMM over plain floats beats re-reading
+// blocks): to fp32, or to bf16 for machines whose bf16 GEMM is faster (avx512_bf16 / AMX).
+static inline float as_fp32(float v) { return v; }
+static inline uint16_t as_bf16(float v) {  // round to nearest even (weights are finite)
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-void kvgen_dequantize_q8(const block_q8* w, float* out, int64_t n, int64_t k) {
-    const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n * nb; i++) {
-        float* o = out + i * QK;
-        for (int j = 0; j < QK; j++) o[j] = w[i].d * (float)w[i].qs[j] + w[i].m;
+#define DEQUANTIZE_Q4(NAME, OUT_T, CONVERT)                                                          \
+    void NAME(const block_q4* w, OUT_T* out, int64_t n, int64_t k) {                                 \
+        const int64_t nb = k / QK;                                                                   \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t i = 0; i < n * nb; i++) {                                                       \
+            OUT_T* o = out + i * QK;                                                                 \
+            for (int j = 0; j < QK / 2; j++) {                                                       \
+                o[j] = CONVERT(w[i].d * (float)(w[i].qs[j] & 0x0F) + w[i].m);                        \
+                o[j + QK / 2] = CONVERT(w[i].d * (float)(w[i].qs[j] >> 4) + w[i].m);                \
+            }                                                                                        \
+        }                                                                                            \
     }
-}
+#define DEQUANTIZE_Q8(NAME, OUT_T, CONVERT)                                                          \
+    void NAME(const block_q8* w, OUT_T* out, int64_t n, int64_t k) {                                 \
+        const int64_t nb = k / QK;                                                                   \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t i = 0; i < n * nb; i++) {                                                       \
+            OUT_T* o = out + i * QK;                                                                 \
+            for (int j = 0; j < QK; j++) o[j] = CONVERT(w[i].d * (float)w[i].qs[j] + w[i].m);        \
+        }                                                                                            \
+    }
+
+DEQUANTIZE_Q4(kvgen_dequantize_q4, float, as_fp32)
+DEQUANTIZE_Q8(kvgen_dequantize_q8, float, as_fp32)
+DEQUANTIZE_Q4(kvgen_dequantize_q4_bf16, uint16_t, as_bf16)
+DEQUANTIZE_Q8(kvgen_dequantize_q8_bf16, uint16_t, as_bf16)
 
 #include "decode.c"

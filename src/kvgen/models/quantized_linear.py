@@ -1,13 +1,17 @@
 """QuantizedLinear: nn.Linear's job with weights kept in 4- or 8-bit blocks.
 
 Few rows (decode, small batches): activations are quantized to int8 blocks and multiplied by the
-blocks directly in C, reading the weights once per 4 rows. Many rows (prefill): the weight is
-dequantized into a temporary fp32 matrix and MKL does the GEMM, since compute, not weight reads,
-bounds that case.
+blocks directly in C, reading the weights once per tile of rows. Many rows (prefill): the weight is
+dequantized into a temporary matrix and a BLAS GEMM runs, since compute, not weight reads, bounds
+that case. The matrix is bf16 where the CPU multiplies bf16 natively (AVX-512 BF16 / AMX: oneDNN's
+bf16 GEMM ran 2.5-2.8x its fp32 one on 2 EPYC cores), else fp32. bf16 rounds activations and
+outputs to 8 significant bits, as coarse as the int8 blocks of the decode path (measured on SmolLM2
+below, in docs/benchmarks.md). KVGEN_PREFILL_GEMM=fp32|bf16 overrides the choice.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -15,15 +19,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels import load
+from kvgen.kernels.build import has_fast_bf16
 from kvgen.kernels.formats import BLOCK_BYTES, QK, QuantizedWeight
 
 # One per thread: within a forward pass one weight is used at a time; threads must not share it.
 _scratch = threading.local()
 
-# From this many rows on, dequantize + MKL fp32 GEMM beats the C kernel. Measured over SmolLM2's
-# linears on 2 EPYC cores (AVX-512 machine, AVX2 kernel): 32 rows 265 vs 320 rows/s, 64 rows 341 vs 304.
+# From this many rows on, dequantize + GEMM beats the C kernel. Measured over SmolLM2's linears on
+# 2 EPYC cores (AVX-512 machine, AVX2 kernel): fp32 (MKL) 32 rows 265 vs 320 rows/s, 64 rows 341 vs
+# 304; bf16 (oneDNN) 16 rows 368 vs 405, 24 rows 378 vs 312, 32 rows 548 vs 307.
 GEMM_ROWS_THRESHOLD = 48
+BF16_GEMM_ROWS_THRESHOLD = 24
 X8_BLOCK_BYTES = 8 + QK
+
+
+def prefill_gemm_dtype() -> torch.dtype:
+    """The dtype of the many-row GEMM: KVGEN_PREFILL_GEMM (fp32 or bf16), else bf16 where it is native."""
+    choice = os.environ.get("KVGEN_PREFILL_GEMM", "auto")
+    if choice not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"KVGEN_PREFILL_GEMM must be auto, fp32 or bf16, got {choice!r}")
+    if choice == "auto":
+        return torch.bfloat16 if has_fast_bf16() else torch.float32
+    return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
 class QuantizedLinear(nn.Module):
@@ -32,7 +49,11 @@ class QuantizedLinear(nn.Module):
         library = load()
         assert library is not None, "QuantizedLinear needs the compiled kernels (kvgen.kernels.load())"
         self._linear = library.kvgen_linear_q4 if weight.kind == "q4" else library.kvgen_linear_q8
-        self._dequantize = library.kvgen_dequantize_q4 if weight.kind == "q4" else library.kvgen_dequantize_q8
+        self._dequantize = {
+            torch.float32: library.kvgen_dequantize_q4 if weight.kind == "q4" else library.kvgen_dequantize_q8,
+            torch.bfloat16: library.kvgen_dequantize_q4_bf16 if weight.kind == "q4" else library.kvgen_dequantize_q8_bf16,
+        }
+        self.gemm_dtype = prefill_gemm_dtype()  # of the many-row path; the few-row C path is int8 x 4/8-bit
         self.kind = weight.kind
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.register_buffer("blocks", weight.blocks.contiguous(), persistent=False)
@@ -41,18 +62,26 @@ class QuantizedLinear(nn.Module):
         self._blocks_ptr = self.blocks.data_ptr()
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
-    def dequantized(self, reuse_scratch: bool = False) -> torch.Tensor:
-        """The weight as fp32 [out, in]. reuse_scratch: write into one buffer shared by every layer
-        (valid until the next call), which spares prefill from faulting in fresh memory per matmul."""
+    @property
+    def gemm_rows(self) -> int:
+        """From this many rows on, forward dequantizes and runs a GEMM in `gemm_dtype`."""
+        return BF16_GEMM_ROWS_THRESHOLD if self.gemm_dtype == torch.bfloat16 else GEMM_ROWS_THRESHOLD
+
+    def dequantized(self, reuse_scratch: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as [out, in] fp32 (or bf16). reuse_scratch: write into one buffer per dtype
+        shared by every layer (valid until the next call), which spares prefill from faulting in
+        fresh memory per matmul."""
         size = self.out_features * self.in_features
         if reuse_scratch:
-            buffer = getattr(_scratch, "weights", None)
+            name = f"weights_{dtype}"
+            buffer = getattr(_scratch, name, None)
             if buffer is None or buffer.numel() < size:
-                buffer = _scratch.weights = torch.empty(size)
+                buffer = torch.empty(size, dtype=dtype)
+                setattr(_scratch, name, buffer)
             out = buffer[:size].view(self.out_features, self.in_features)
         else:
-            out = torch.empty(self.out_features, self.in_features)
-        self._dequantize(self.blocks.data_ptr(), out.data_ptr(), self.out_features, self.in_features)
+            out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        self._dequantize[dtype](self.blocks.data_ptr(), out.data_ptr(), self.out_features, self.in_features)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +90,9 @@ class QuantizedLinear(nn.Module):
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         m = rows.shape[0]
-        if m >= GEMM_ROWS_THRESHOLD:
-            y = F.linear(rows, self.dequantized(reuse_scratch=True))
+        if m >= self.gemm_rows:
+            weight = self.dequantized(reuse_scratch=True, dtype=self.gemm_dtype)
+            y = F.linear(rows.to(weight.dtype), weight).float()
         else:
             needed = m * (self.in_features // QK) * X8_BLOCK_BYTES  # the C side writes m rows of blocks
             if self._scratch.numel() < needed:
