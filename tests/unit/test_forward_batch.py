@@ -9,6 +9,7 @@ import torch
 
 from kvgen.kv import CacheFullError, CacheSpec, ContiguousCache, PagedCache, PagedStorage
 from kvgen.kv.block_pool import BlockPool
+from kvgen.kv.paged_batch import PagedBatchView
 from kvgen.kv.window import WindowedCache
 from tests.support.models import PROMPTS
 
@@ -138,3 +139,27 @@ def test_gemma3_sliding_window_rows_past_the_window(gemma3) -> None:
     logits = gemma3.model.forward_batch(rows, [dropping, full, ContiguousCache(full.spec, capacity=8, max_capacity=64)])
     for row, reference in enumerate([long_ids, long_ids[: window + 13], short_ids]):
         assert_same_logits(logits[row], alone(gemma3, reference))
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_decode_rows_attend_over_paged_blocks_in_place(name, request, monkeypatch) -> None:
+    """One-token rows over one paged store skip the gather: the C kernel reads each row's blocks
+    where they are (Gemma's sliding layers from the window's first position on). Same logits as
+    each sequence alone, and the kernel really ran, once per layer."""
+    llm = request.getfixturevalue(name)
+    window = llm.config.sliding_window or 64
+    ids = llm.tokenizer.encode(" ".join(PROMPTS) * 200)
+    histories = [ids[: window + 20], ids[7:37], ids[3 : window + 5]]  # two rows past Gemma's window
+    storage = PagedStorage(CacheSpec.for_model(llm.config), BlockPool(3 * (window + 64) // 16, 16))
+    caches = [PagedCache(storage) for _ in histories]
+    for cache, history in zip(caches, histories):
+        llm.model(torch.tensor([history[:-1]]), cache)
+    calls = []
+    original = PagedBatchView.attend_in_place
+    monkeypatch.setattr(PagedBatchView, "attend_in_place", lambda self, *a: calls.append(1) or original(self, *a))
+    logits = llm.model.forward_batch([h[-1:] for h in histories], caches)
+    assert len(calls) == llm.config.num_layers
+    for row, history in enumerate(histories):
+        assert_same_logits(logits[row], alone(llm, history), f"row {row}")

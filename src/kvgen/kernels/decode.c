@@ -122,31 +122,50 @@ static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) 
            (pos % l->block_size) * l->pos_stride;
 }
 
-// Attention of one query per head over keys[start, end), online softmax (no score buffer).
+// One query head over keys[start, end) of one kv head, online softmax (no score buffer): out [d].
+static void attend_head(const float* q, float* out, const kv_layout* keys, const kv_layout* values, int64_t kv_head,
+                        int64_t start, int64_t end, float scale, int64_t d) {
+    float running_max = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < d; j++) out[j] = 0.0f;
+    for (int64_t pos = start; pos < end; pos++) {
+        const float s = dot(q, kv_at(keys, kv_head, pos), d) * scale;
+        if (s > running_max) {  // rescale what was accumulated under the old maximum
+            const float correction = expf(running_max - s);
+            total *= correction;
+            for (int64_t j = 0; j < d; j++) out[j] *= correction;
+            running_max = s;
+        }
+        const float p = expf(s - running_max);
+        total += p;
+        const float* vp = kv_at(values, kv_head, pos);
+        for (int64_t j = 0; j < d; j++) out[j] += p * vp[j];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t j = 0; j < d; j++) out[j] *= inv;
+}
+
+// Attention of one query per head over keys[start, end).
 static void attend(const block_t* b, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end) {
     const int64_t d = b->head_dim, group = b->num_heads / b->num_kv_heads;
 #pragma omp parallel for schedule(static)
-    for (int64_t head = 0; head < b->num_heads; head++) {
-        const float* q = b->qkv_out + head * d;
-        const int64_t kv_head = head / group;
-        float* out = b->attn + head * d;
-        float running_max = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < d; j++) out[j] = 0.0f;
-        for (int64_t pos = start; pos < end; pos++) {
-            const float s = dot(q, kv_at(keys, kv_head, pos), d) * b->scale;
-            if (s > running_max) {  // rescale what was accumulated under the old maximum
-                const float correction = expf(running_max - s);
-                total *= correction;
-                for (int64_t j = 0; j < d; j++) out[j] *= correction;
-                running_max = s;
-            }
-            const float p = expf(s - running_max);
-            total += p;
-            const float* vp = kv_at(values, kv_head, pos);
-            for (int64_t j = 0; j < d; j++) out[j] += p * vp[j];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t j = 0; j < d; j++) out[j] *= inv;
+    for (int64_t head = 0; head < b->num_heads; head++)
+        attend_head(b->qkv_out + head * d, b->attn + head * d, keys, values, head / group, start, end, b->scale, d);
+}
+
+// A batch of one-token rows, each over its own blocks of one paged store, read in place (no
+// gather, no padding): q, out [rows, heads, d]; row r sees positions [starts[r], ends[r]) through
+// tables[r * table_width ..]. The store's layer holds [blocks, kv_heads, block_size, d].
+void kvgen_paged_decode_attention(const float* q, float* out, const float* k_base, const float* v_base,
+                                  int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+                                  int64_t head_stride, int64_t pos_stride, int64_t block_stride, int64_t block_size,
+                                  const int64_t* tables, int64_t table_width, const int64_t* starts, const int64_t* ends) {
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t i = 0; i < rows * heads; i++) {
+        const int64_t r = i / heads, head = i % heads;
+        const kv_layout k = {k_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
+        const kv_layout v = {v_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
+        attend_head(q + i * d, out + i * d, &k, &v, head / group, starts[r], ends[r], scale, d);
     }
 }
 

@@ -46,6 +46,19 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+// Sum of 4 adjacent u8 x s8 products per int32 lane: one VNNI instruction where the CPU has it
+// (AVX-512 VNNI with VL, or AVX-VNNI), else AVX2's multiply-add pair (no overflow either way: the
+// unsigned side is a 4-bit weight or |int8|, so pairs stay within int16).
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 static inline __m256i unpack_nibbles(const uint8_t* qs) {  // byte j -> elements j (low) and j + 16 (high)
     const __m128i packed = _mm_loadu_si128((const __m128i*)qs);
     const __m128i mask = _mm_set1_epi8(0x0F);
@@ -62,15 +75,14 @@ static inline __m256i unpack_nibbles(const uint8_t* qs) {  // byte j -> elements
 // acc + (integer dot of one block) * d_w * d_x, as one FMA.
 static inline __m256 dot_q4(__m256 acc, const block_q4* w, const block_x8* x) {
     const __m256i xq = _mm256_loadu_si256((const __m256i*)x->qs);
-    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_nibbles(w->qs), xq), _mm256_set1_epi16(1));
+    const __m256i dot = dot_u8s8(unpack_nibbles(w->qs), xq);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w->d * x->d), acc);
 }
 
 static inline __m256 dot_q8(__m256 acc, const block_q8* w, const block_x8* x) {
     const __m256i xq = _mm256_loadu_si256((const __m256i*)x->qs);
     const __m256i q = _mm256_loadu_si256((const __m256i*)w->qs);
-    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(q, xq));
-    const __m256i dot = _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+    const __m256i dot = dot_u8s8(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(q, xq));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w->d * x->d), acc);
 }
 
@@ -122,14 +134,13 @@ static inline float dot_q8_scalar(const block_q8* w, const block_x8* x) {
     {                                                                                                \
         const block_x8* xb = x + (m0 + (t)) * nb + b;                                                \
         const __m256i xq = _mm256_loadu_si256((const __m256i*)xb->qs);                               \
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);                  \
+        const __m256i dot = dot_u8s8(wq, xq);                                                        \
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(wd * xb->d), acc[t]);      \
         mins[t] += wm * xb->s;                                                                       \
     }
 #define GEMM_TILE_BODY_Q4                                                                            \
     __m256 acc[TILE];                                                                                \
     float mins[TILE] = {0};                                                                          \
-    const __m256i ones = _mm256_set1_epi16(1);                                                       \
     for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();                                     \
     for (int64_t b = 0; b < nb; b++) {                                                               \
         const __m256i wq = unpack_nibbles(wr[b].qs);                                                 \

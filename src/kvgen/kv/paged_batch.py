@@ -6,13 +6,16 @@ batch — about four tensor operations per row per layer, which dominates a batc
 small model. When every row is a `PagedCache` of one `PagedStorage` (the engine's case) the slots
 are known before the first layer: `PagedBatchView` computes them once per forward, and each layer
 then does one scatter for the new keys, one for the values, and one gather of every row's blocks.
+A batch of one-token rows (decodes) over an fp32 store skips the gather too: `attend_in_place`
+runs the C kernel that reads each row's blocks where they are.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvgen.kv.interface import KVCache
+from kvgen.kernels import load
+from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.kv.paged import PagedCache
 
 
@@ -50,14 +53,45 @@ class PagedBatchView:
         ]
         self.table = torch.tensor([t + [t[0]] * (self.blocks_per_row - len(t)) for t in padded]).flatten()
         self.num_rows = len(caches)
+        self.ends = torch.tensor(ends)
+
+    def in_place_starts(self, caches: list[KVCache], lengths: list[int], spans: tuple[AttentionSpan, ...]) -> torch.Tensor | None:
+        """Per row, the first position its one query sees, when this layer's attention can run in
+        place (`attend_in_place`): every row one token, an fp32 store, the kernels built, and each
+        row's visible keys one range. None otherwise (the caller gathers and runs SDPA)."""
+        if any(n != 1 for n in lengths) or self.keys_store.dtype != torch.float32 or load() is None:
+            return None
+        if any(span.sinks or c.visible_start(0) for span, c in zip(spans, caches)):
+            return None
+        return torch.tensor([span.decode_start(end - 1, 0) for span, end in zip(spans, self.ends.tolist())])
+
+    def attend_in_place(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        starts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Write the rows' new keys/values, then attention of q [B, H, 1, D] over each row's
+        positions starts[r]..its own, read from the blocks in place -> [B, H, 1, D]."""
+        k_store, v_store = self.keys_store[layer], self.values_store[layer]  # [N, H_kv, bs, D]
+        self._write(k_store, keys)
+        self._write(v_store, values)
+        rows, heads, _, dim = q.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        load().kvgen_paged_decode_attention(
+            q.data_ptr(), out.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), rows, heads, k_store.shape[1], dim,
+            scale, k_store.stride(1), k_store.stride(2), k_store.stride(0), k_store.shape[2],
+            self.table.data_ptr(), self.blocks_per_row, starts.data_ptr(), self.ends.data_ptr(),
+        )  # fmt: skip
+        return out
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values [B, H_kv, S_max, D] -> every row's keys/values so far, [B, H_kv, L_max, D]."""
         return self._write_then_read(self.keys_store[layer], keys), self._write_then_read(self.values_store[layer], values)
 
-    def _write_then_read(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _write(self, store: torch.Tensor, new: torch.Tensor) -> None:
         # store [N, H, bs, D]; the real (unpadded) new tokens, [T, H, D], go to their slots.
         store[self.slot_blocks, :, self.slot_offsets] = new.transpose(1, 2)[self.rows, self.columns].to(store.dtype)
+
+    def _write_then_read(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        self._write(store, new)
         heads, size, dim = store.shape[1], store.shape[2], store.shape[3]
         gathered = store.index_select(0, self.table).view(self.num_rows, self.blocks_per_row, heads, size, dim)
         history = gathered.transpose(1, 2).reshape(self.num_rows, heads, self.blocks_per_row * size, dim)

@@ -208,10 +208,14 @@ class DecoderLM(nn.Module):
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                allowed = build_batch_mask(starts, lengths, list(key_starts), list(spans))
-                if any(bias is not None for bias in key_biases):  # pooled slots (compressed caches)
-                    allowed = AttentionMask.with_key_bias(allowed, key_biases)
-                masks[spans, key_starts] = AttentionMask(allowed, False)
+                in_place = view.in_place_starts(caches, lengths, spans) if isinstance(view, PagedBatchView) else None
+                if in_place is not None:
+                    masks[spans, key_starts] = AttentionMask(None, False, in_place)
+                else:
+                    allowed = build_batch_mask(starts, lengths, list(key_starts), list(spans))
+                    if any(bias is not None for bias in key_biases):  # pooled slots (compressed caches)
+                        allowed = AttentionMask.with_key_bias(allowed, key_biases)
+                    masks[spans, key_starts] = AttentionMask(allowed, False)
             h = block(h, ropes[self.rope_index[i]], view, masks[spans, key_starts])
         for cache, n in zip(caches, lengths):
             cache.commit(n)

@@ -34,6 +34,9 @@ class AttentionMask:
 
     mask: torch.Tensor | None  # [B or 1, 1, S, L]: bool (True = may attend) or float (added to scores)
     is_causal: bool
+    # Set for a batch of one-token rows over a PagedBatchView that attends in place: per row, the
+    # first position its query sees (the mask is then not used).
+    in_place_starts: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -116,11 +119,14 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, S, D]
         k = apply_rotary(k.transpose(1, 2), *rope)  # [B, H_kv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
-        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask.mask, is_causal=mask.is_causal, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # fmt: skip
+        if mask.in_place_starts is not None:  # decodes over paged blocks, read where they are
+            out = cache.attend_in_place(self.layer, q, k, v, self.scale, mask.in_place_starts)  # type: ignore[attr-defined]
+        else:
+            keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask.mask, is_causal=mask.is_causal, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # fmt: skip
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_size))
 
 
