@@ -107,3 +107,19 @@ def test_perplexity_change_within_stated_tolerance(smollm2, mode: str) -> None:
     fast = LLM.load(model_path("smollm2"), progress=False, weights=mode)
     measured = score(fast.model, fast.generator.new_cache, ids, chunk_size=8).perplexity
     assert abs(measured - exact) / exact < PPL_TOLERANCE[mode], (exact, measured)
+
+
+def test_the_prefill_gemm_dtype_follows_the_cpu_unless_overridden(monkeypatch) -> None:
+    from kvgen.kernels.build import has_fast_bf16
+    from kvgen.models.quantized_linear import prefill_gemm_dtype
+
+    monkeypatch.delenv("KVGEN_PREFILL_GEMM", raising=False)
+    assert prefill_gemm_dtype() == (torch.bfloat16 if has_fast_bf16() else torch.float32)
+    monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp32")
+    assert prefill_gemm_dtype() == torch.float32
+    assert QuantizedLinear(requantize(torch.randn(64, 128), "q4")).gemm_rows == 48
+    monkeypatch.setenv("KVGEN_PREFILL_GEMM", "bf16")
+    assert QuantizedLinear(requantize(torch.randn(64, 128), "q4")).gemm_rows == 24
+    monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp16")
+    with pytest.raises(ValueError, match="KVGEN_PREFILL_GEMM must be auto, fp32 or bf16, got 'fp16'"):
+        prefill_gemm_dtype()

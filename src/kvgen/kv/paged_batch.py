@@ -55,13 +55,14 @@ class PagedBatchView:
         self.num_rows = len(caches)
         self.ends = torch.tensor(ends)
 
-    def in_place_starts(self, caches: list[KVCache], lengths: list[int], spans: tuple[AttentionSpan, ...]) -> torch.Tensor | None:
+    def in_place_starts(self, lengths: list[int], spans: tuple[AttentionSpan, ...]) -> torch.Tensor | None:
         """Per row, the first position its one query sees, when this layer's attention can run in
         place (`attend_in_place`): every row one token, an fp32 store, the kernels built, and each
-        row's visible keys one range. None otherwise (the caller gathers and runs SDPA)."""
+        row's visible keys one range (no sinks; a paged cache keeps every position from 0). None
+        otherwise (the caller gathers and runs SDPA)."""
         if any(n != 1 for n in lengths) or self.keys_store.dtype != torch.float32 or load() is None:
             return None
-        if any(span.sinks or c.visible_start(0) for span, c in zip(spans, caches)):
+        if any(span.sinks for span in spans):
             return None
         return torch.tensor([span.decode_start(end - 1, 0) for span, end in zip(spans, self.ends.tolist())])
 

@@ -208,7 +208,7 @@ class DecoderLM(nn.Module):
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                in_place = view.in_place_starts(caches, lengths, spans) if isinstance(view, PagedBatchView) else None
+                in_place = view.in_place_starts(lengths, spans) if isinstance(view, PagedBatchView) else None
                 if in_place is not None:
                     masks[spans, key_starts] = AttentionMask(None, False, in_place)
                 else:
