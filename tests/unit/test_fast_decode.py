@@ -98,3 +98,39 @@ def test_threads_sharing_a_model_get_their_own_results(quantized: dict) -> None:
     with ThreadPoolExecutor(max_workers=3) as pool:
         together = list(pool.map(lambda p: llm.generate(p, params).token_ids, prompts))
     assert together == alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_rows_of_a_batch_decode_in_c_as_each_row_alone(quantized: dict, name: str, monkeypatch) -> None:
+    """forward_batch over one-token rows of one paged store runs every layer in C for all rows
+    (FastDecoder.step_rows: one tiled GEMM per weight). Each row's logits equal that row decoded
+    alone by the batch-1 C step up to the int8-activation kernels' own noise: the tiled GEMM sums
+    blocks in another order, and a last-bit change can flip an int8 rounding (measured KL 0.002-0.008
+    per row, the same as the torch batched path's). A wrong position, RoPE, block or window would be
+    far off. Gemma rows run past its 512-token sliding window."""
+    from kvgen.kv import CacheSpec, PagedCache, PagedStorage
+    from kvgen.kv.block_pool import BlockPool
+    from kvgen.models.fast_decode import FastDecoder
+
+    llm = get(quantized, name)
+    model = llm.model
+    window = model.config.sliding_window or 64
+    ids = llm.tokenizer.encode(play_text("hamlet"))
+    histories = [ids[: window + 20], ids[40:70], ids[100 : window + 90], ids[7:12]]
+    storage = PagedStorage(CacheSpec.for_model(model.config), BlockPool(4 * (window + 128) // 16, 16))
+    batched, alone = ([PagedCache(storage) for _ in histories] for _ in range(2))
+    calls = []
+    original = FastDecoder.step_rows
+    monkeypatch.setattr(FastDecoder, "step_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    with torch.inference_mode():
+        for caches in (batched, alone):
+            for cache, history in zip(caches, histories):
+                model(torch.tensor([history[:-1]]), cache)
+        logits = model.forward_batch([h[-1:] for h in histories], batched)
+        references = [model(torch.tensor([h[-1:]]), cache)[0, -1] for h, cache in zip(histories, alone)]
+    assert len(calls) == 1
+    for row, reference in enumerate(references):
+        kl = torch.nn.functional.kl_div(logits[row].log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
+        assert kl < 0.03 and logits[row].argmax() == reference.argmax(), (row, kl.item())
+        assert batched[row].seq_len == alone[row].seq_len == len(histories[row])

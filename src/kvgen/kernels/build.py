@@ -87,7 +87,9 @@ def load() -> ctypes.CDLL | None:
     library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count]
     library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
                                             count, count, count, count, count, pointer, count]  # fmt: skip
-    for name in ("kvgen_decode_layers", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
+    library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
+                                          pointer, count, count, count, count, count, pointer, count, pointer, pointer]  # fmt: skip
+    for name in ("kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
                  "kvgen_linear_q4", "kvgen_linear_q8", *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

@@ -169,8 +169,51 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
     }
 }
 
+// exp of 8 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
+// series to r^7 (relative error ~2e-8 before rounding); x is clamped to [-87, 88] (no inf/denormals).
+#ifdef __AVX2__
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
+// out[i] = silu(gate[i]) * up[i] (SwiGLU) or gelu_tanh(gate[i]) * up[i] (GeGLU), n values.
+static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu);
+
 static inline float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (!gelu) {
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        const float g = gate[i];
+        out[i] = (gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * up[i];
+    }
 }
 
 static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
@@ -183,10 +226,7 @@ static void block_post(const block_t* b, float* h, const kv_layout* keys, const 
     rms_norm(h, b->mlp_in_norm, b->eps, b->hidden, b->x);
     apply_linear(&b->gate_up, b->x, b->xq, b->mlp);
     const int64_t n = b->intermediate;
-    for (int64_t i = 0; i < n; i++) {
-        const float g = b->mlp[i];
-        b->mlp[i] = (b->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * b->mlp[n + i];
-    }
+    gated_activation(b->mlp, b->mlp + n, b->mlp, n, b->gelu);  // in place: element i reads i, writes i
     apply_linear(&b->down, b->mlp, b->xq, b->x);
     if (b->mlp_out_norm) rms_norm(b->x, b->mlp_out_norm, b->eps, b->hidden, b->x);
     for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
@@ -216,5 +256,92 @@ void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, co
         block_pre(b, h, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position), head_stride);
         const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
         block_post(b, h, &k, &v, start, position + 1);
+    }
+}
+
+// Scratch for a step of `rows` one-token rows (decode_rows): each buffer holds every row.
+typedef struct {
+    float* x;        // [rows, widest]: normed inputs, then the MLP's activations
+    float* y;        // [rows, hidden]: sublayer outputs before the residual add
+    float* qkv_out;  // [rows, (heads + 2 kv_heads) * head_dim]
+    float* attn;     // [rows, heads * head_dim]
+    float* mlp;      // [rows, 2 * intermediate]
+    void* xq;        // activation blocks for [rows, widest]
+} rows_scratch;
+
+static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, int64_t rows) {
+    if (l->kind == 0) {
+        kvgen_linear_q4((const block_q4*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    } else {
+        kvgen_linear_q8((const block_q8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    }
+    if (l->has_bias) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
+    }
+}
+
+// Every block for a batch of one-token rows over one paged store: as kvgen_decode_layers does for
+// one row, with the matmuls of all rows in one tiled GEMM per weight. Row r is at positions[r],
+// reads its blocks through tables[r * table_width ..], and has its own RoPE: rope [rows, kinds, 2, d].
+void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
+                       int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, float* k_base,
+                       float* v_base, int64_t layer_stride, int64_t head_stride, int64_t pos_stride,
+                       int64_t block_stride, int64_t block_size, const int64_t* tables, int64_t table_width,
+                       const int64_t* positions, const rows_scratch* s) {
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+        const block_t* b = &blocks[layer];
+        const int64_t hidden = b->hidden, d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
+        const int64_t qkv_width = nq + 2 * nkv, inter = b->intermediate, group = b->num_heads / b->num_kv_heads;
+        float* k_layer = k_base + layer * layer_stride;
+        float* v_layer = v_base + layer * layer_stride;
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->input_norm, b->eps, hidden, s->x + r * hidden);
+        linear_rows(&b->qkv, s->x, s->xq, s->qkv_out, rows);
+        for (int64_t r = 0; r < rows; r++) {  // QK-norm, RoPE, and the new key/value into the row's slot
+            const float* cos = rope + (r * num_rope_kinds + rope_kind[layer]) * 2 * d;
+            float* q = s->qkv_out + r * qkv_width;
+            float* k = q + nq;
+            const float* v = k + nkv;
+            const kv_layout kl = {k_layer, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
+            const kv_layout vl = {v_layer, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
+            for (int64_t head = 0; head < b->num_heads; head++) {
+                if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
+                rotate_half(q + head * d, cos, cos + d, d);
+            }
+            for (int64_t head = 0; head < b->num_kv_heads; head++) {
+                if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
+                rotate_half(k + head * d, cos, cos + d, d);
+                memcpy((float*)kv_at(&kl, head, positions[r]), k + head * d, (size_t)d * sizeof(float));
+                memcpy((float*)kv_at(&vl, head, positions[r]), v + head * d, (size_t)d * sizeof(float));
+            }
+        }
+#pragma omp parallel for schedule(dynamic, 4)
+        for (int64_t i = 0; i < rows * b->num_heads; i++) {
+            const int64_t r = i / b->num_heads, head = i % b->num_heads, end = positions[r] + 1;
+            const int64_t start = window[layer] > 0 && end > window[layer] ? end - window[layer] : 0;
+            const kv_layout kl = {k_layer, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
+            const kv_layout vl = {v_layer, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
+            attend_head(s->qkv_out + r * qkv_width + head * d, s->attn + r * nq + head * d, &kl, &vl, head / group,
+                        start, end, b->scale, d);
+        }
+        linear_rows(&b->o, s->attn, s->xq, s->y, rows);
+        for (int64_t r = 0; r < rows; r++) {
+            float* y = s->y + r * hidden;
+            float* hr = h + r * hidden;
+            if (b->attn_out_norm) rms_norm(y, b->attn_out_norm, b->eps, hidden, y);
+            for (int64_t i = 0; i < hidden; i++) hr[i] += y[i];
+            rms_norm(hr, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
+        }
+        linear_rows(&b->gate_up, s->x, s->xq, s->mlp, rows);
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows; r++)  // act(gate) * up, packed [rows, inter] into x for down()
+            gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
+        linear_rows(&b->down, s->x, s->xq, s->y, rows);
+        for (int64_t r = 0; r < rows; r++) {
+            float* y = s->y + r * hidden;
+            float* hr = h + r * hidden;
+            if (b->mlp_out_norm) rms_norm(y, b->mlp_out_norm, b->eps, hidden, y);
+            for (int64_t i = 0; i < hidden; i++) hr[i] += y[i];
+        }
     }
 }

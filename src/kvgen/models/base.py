@@ -193,7 +193,31 @@ class DecoderLM(nn.Module):
         with self._forward_lock:
             return self._forward_batch(token_ids, caches, num_logits)
 
+    def _decode_rows_fast(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor | None:
+        """One-token rows over one fp32 paged store, quantized weights, few enough rows: every
+        layer in C (FastDecoder.step_rows) -> logits [B, V]; None when the torch path must run."""
+        if any(len(ids) != 1 for ids in token_ids) or not PagedBatchView.applies(caches):
+            return None
+        decoder = self.fast_decoder() if self.use_fast_decode else None
+        if decoder is None or len(caches) > decoder.max_rows:
+            return None
+        view = PagedBatchView(caches, [1] * len(caches))  # reserves each row's slot
+        if view.keys_store.dtype != torch.float32:
+            return None
+        positions = view.ends - 1
+        h = self._embed(torch.tensor(token_ids))[:, 0].contiguous()  # [B, H]
+        rope = torch.stack(
+            [torch.stack([t[:, 0, 0] for t in rope(positions[:, None], h.dtype)], dim=1) for rope in self.ropes], dim=1
+        ).contiguous()  # [B, kinds, 2, D]
+        decoder.step_rows(h, rope, view, positions)
+        for cache in caches:
+            cache.commit(1)
+        return self._logits(h[None])[0]  # [B, V]
+
     def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor:
+        fast = self._decode_rows_fast(token_ids, caches)
+        if fast is not None:
+            return fast
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]

@@ -3,8 +3,9 @@
 Eligible when every block matmul is a QuantizedLinear (the int8 / q4 weight modes) and the model is
 a family decode.c knows (pre-norm Llama blocks, Gemma 3 sandwich blocks). Keys and values still go
 through `cache.update()`; the C attention reads the views it returns, so any cache whose views are
-fp32 with a contiguous head dimension works. Everything else (prefill, batches, fp32 weights) runs
-the torch path, which stays the reference.
+fp32 with a contiguous head dimension works. `step_rows` runs a batch of one-token rows over one
+paged store the same way, all rows' matmuls in one tiled GEMM per weight (the engine's decode
+steps). Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from kvgen.kernels import load
 from kvgen.kernels.formats import QK
 from kvgen.kv.interface import KVCache
+from kvgen.kv.paged_batch import PagedBatchView
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 
@@ -25,6 +27,10 @@ _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes
 
 class _QLinear(ctypes.Structure):
     _fields_ = [("kind", _i32), ("has_bias", _i32), ("blocks", _ptr), ("bias", _ptr), ("n", _i64), ("k", _i64)]
+
+
+class _RowsScratch(ctypes.Structure):
+    _fields_ = [("x", _ptr), ("y", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr), ("xq", _ptr)]
 
 
 class _Block(ctypes.Structure):
@@ -62,6 +68,12 @@ class FastDecoder:
         self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
         self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
         self._rope_index = torch.tensor(model.rope_index)  # [layers] int64, for the C side
+        # step_rows pays while the linears would run their C kernel anyway; from the GEMM threshold
+        # on, the torch path's dequantize + GEMM is faster than the tiled kernel.
+        self.max_rows = min(layer.gemm_rows for layer in model.modules() if isinstance(layer, QuantizedLinear)) - 1
+        self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
+        self._rows_scratch = _RowsScratch()
+        self._rows_capacity = 0
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -119,6 +131,33 @@ class FastDecoder:
             cache.seq_len,
         )  # fmt: skip
         cache.commit(1)
+
+    def step_rows(self, h: torch.Tensor, rope: torch.Tensor, view: PagedBatchView, positions: torch.Tensor) -> None:
+        """Every block for one-token rows over one fp32 paged store (`view` has reserved their
+        slots): h [rows, hidden] updated in place; rope [rows, kinds, 2, head_dim]; positions [rows]
+        int64. The caller commits each row's cache."""
+        rows = h.shape[0]
+        keys, values = view.keys_store, view.values_store  # [L, N, H_kv, bs, D]
+        assert h.is_contiguous() and rope.is_contiguous() and keys.dtype == torch.float32 and keys.stride() == values.stride()
+        self.library.kvgen_decode_rows(
+            self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
+            self._rope_index.data_ptr(), self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+            keys.stride(2), keys.stride(3), keys.stride(1), keys.shape[3], view.table.data_ptr(), view.blocks_per_row,
+            positions.data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),
+        )  # fmt: skip
+
+    def _scratch_for_rows(self, rows: int) -> _RowsScratch:
+        if rows > self._rows_capacity:
+            config = self.model.config
+            widest = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
+            qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+            sizes = [(widest, torch.float32), (config.hidden_size, torch.float32), (qkv_width, torch.float32),
+                     (config.num_heads * config.head_dim, torch.float32), (2 * config.intermediate_size, torch.float32),
+                     (widest // QK * X8_BLOCK_BYTES, torch.uint8)]  # fmt: skip
+            self._rows_buffers = [torch.zeros(rows * size, dtype=dtype) for size, dtype in sizes]
+            self._rows_scratch = _RowsScratch(*(buffer.data_ptr() for buffer in self._rows_buffers))
+            self._rows_capacity = rows
+        return self._rows_scratch
 
     def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
         """The general path: each block's new key/value goes through cache.update()."""
