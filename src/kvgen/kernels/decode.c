@@ -216,20 +216,24 @@ static void gated_activation(const float* gate, const float* up, float* out, int
     }
 }
 
+// h += norm(y) (Gemma's post-sublayer norm, when given) or h += y: a sublayer's residual add.
+static void add_residual(float* h, float* y, const float* norm, float eps, int64_t hidden) {
+    if (norm) rms_norm(y, norm, eps, hidden, y);
+    for (int64_t i = 0; i < hidden; i++) h[i] += y[i];
+}
+
 static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
                        int64_t end) {
     attend(b, keys, values, start, end);
     apply_linear(&b->o, b->attn, b->xq, b->x);
-    if (b->attn_out_norm) rms_norm(b->x, b->attn_out_norm, b->eps, b->hidden, b->x);
-    for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
+    add_residual(h, b->x, b->attn_out_norm, b->eps, b->hidden);
 
     rms_norm(h, b->mlp_in_norm, b->eps, b->hidden, b->x);
     apply_linear(&b->gate_up, b->x, b->xq, b->mlp);
     const int64_t n = b->intermediate;
     gated_activation(b->mlp, b->mlp + n, b->mlp, n, b->gelu);  // in place: element i reads i, writes i
     apply_linear(&b->down, b->mlp, b->xq, b->x);
-    if (b->mlp_out_norm) rms_norm(b->x, b->mlp_out_norm, b->eps, b->hidden, b->x);
-    for (int64_t i = 0; i < b->hidden; i++) h[i] += b->x[i];
+    add_residual(h, b->x, b->mlp_out_norm, b->eps, b->hidden);
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.
@@ -326,22 +330,14 @@ void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, 
         }
         linear_rows(&b->o, s->attn, s->xq, s->y, rows);
         for (int64_t r = 0; r < rows; r++) {
-            float* y = s->y + r * hidden;
-            float* hr = h + r * hidden;
-            if (b->attn_out_norm) rms_norm(y, b->attn_out_norm, b->eps, hidden, y);
-            for (int64_t i = 0; i < hidden; i++) hr[i] += y[i];
-            rms_norm(hr, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
+            add_residual(h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
+            rms_norm(h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
         }
         linear_rows(&b->gate_up, s->x, s->xq, s->mlp, rows);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < rows; r++)  // act(gate) * up, packed [rows, inter] into x for down()
             gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
         linear_rows(&b->down, s->x, s->xq, s->y, rows);
-        for (int64_t r = 0; r < rows; r++) {
-            float* y = s->y + r * hidden;
-            float* hr = h + r * hidden;
-            if (b->mlp_out_norm) rms_norm(y, b->mlp_out_norm, b->eps, hidden, y);
-            for (int64_t i = 0; i < hidden; i++) hr[i] += y[i];
-        }
+        for (int64_t r = 0; r < rows; r++) add_residual(h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
     }
 }
