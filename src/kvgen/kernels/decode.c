@@ -222,9 +222,8 @@ static void add_residual(float* h, float* y, const float* norm, float eps, int64
     for (int64_t i = 0; i < hidden; i++) h[i] += y[i];
 }
 
-static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
-                       int64_t end) {
-    attend(b, keys, values, start, end);
+// Everything after attention (b->attn holds its output): o-proj, residual, MLP, residual.
+static void block_finish(const block_t* b, float* h) {
     apply_linear(&b->o, b->attn, b->xq, b->x);
     add_residual(h, b->x, b->attn_out_norm, b->eps, b->hidden);
 
@@ -234,6 +233,14 @@ static void block_post(const block_t* b, float* h, const kv_layout* keys, const 
     gated_activation(b->mlp, b->mlp + n, b->mlp, n, b->gelu);  // in place: element i reads i, writes i
     apply_linear(&b->down, b->mlp, b->xq, b->x);
     add_residual(h, b->x, b->mlp_out_norm, b->eps, b->hidden);
+}
+
+void kvgen_block_finish(const block_t* b, float* h) { block_finish(b, h); }
+
+static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
+                       int64_t end) {
+    attend(b, keys, values, start, end);
+    block_finish(b, h);
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.
@@ -341,3 +348,5 @@ void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, 
         for (int64_t r = 0; r < rows; r++) add_residual(h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
     }
 }
+
+#include "quantized_attention.c"

@@ -96,6 +96,16 @@ class QuantizedCache(KVCache):
         self._tail = tail
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.write(layer, keys, values)
+        return self._assemble(layer, self._seq_len + keys.shape[2])
+
+    def reserve(self, end: int) -> None:
+        """Room for positions up to `end`, so that the writes of a step move no storage."""
+        self._reserve(end)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new keys/values [1, H, S, D] at seq_len.. of `layer` without reading the history
+        back (for kernels that attend over the stored codes: kernels/quantized_attention.c)."""
         if keys.shape[0] != 1:
             raise ValueError(f"QuantizedCache holds one sequence; got a batch of {keys.shape[0]}")
         start, end = self._seq_len, self._seq_len + keys.shape[2]
@@ -108,7 +118,20 @@ class QuantizedCache(KVCache):
         if first < end:
             offset = first - self.packed_end
             self._tail[:, layer, :, offset : offset + end - first] = new[:, :, first - start :]
-        return self._assemble(layer, end)
+
+    @property
+    def sink_store(self) -> torch.Tensor:
+        """[K/V, L, H, sink_tokens, D] fp32: the positions kept whole at the start."""
+        return self._sink
+
+    @property
+    def tail_store(self) -> torch.Tensor:
+        """[K/V, L, H, T, D] fp32: positions packed_end.. (the recent window, the unfilled block)."""
+        return self._tail
+
+    @property
+    def num_packed_blocks(self) -> int:
+        return self._num_blocks
 
     def _assemble(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0..end-1 of `layer` into the scratch buffer: sink, decoded blocks, tail."""

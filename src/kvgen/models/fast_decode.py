@@ -19,6 +19,7 @@ from kvgen.kernels import load
 from kvgen.kernels.formats import QK
 from kvgen.kv.interface import KVCache
 from kvgen.kv.paged_batch import PagedBatchView
+from kvgen.models import quantized_kv_attention
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 
@@ -74,6 +75,7 @@ class FastDecoder:
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
+        self.codes_attention = quantized_kv_attention.QuantizedKVAttention(self.library)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -160,14 +162,26 @@ class FastDecoder:
         return self._rows_scratch
 
     def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
-        """The general path: each block's new key/value goes through cache.update()."""
+        """The general path: each block's new key/value goes through cache.update(), or, for a
+        quantized cache the C kernel can read, through write() with attention over its codes."""
         config, lib = self.model.config, self.library
         position = cache.seq_len
         ropes = [(rope[kind, 0], rope[kind, 1]) for kind in self.model.rope_index]
         h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
+        over_codes = quantized_kv_attention.supports(cache)
+        if over_codes:
+            self.codes_attention.prepare(cache, position + 1)
         for layer, block in enumerate(self.blocks):
             cos, sin = ropes[layer]
             lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr)
+            if over_codes:
+                cache.write(layer, self.k_new, self.v_new)
+                span = cache.attention_span(layer, config.window_for(layer))
+                start = span.decode_start(position, cache.visible_start(layer))
+                self.codes_attention.attend(cache, layer, block.qkv_out, block.attn, block.num_heads, block.scale,
+                                            start, position + 1)  # fmt: skip
+                lib.kvgen_block_finish(ctypes.byref(block), h_ptr)
+                continue
             keys, values = cache.update(layer, self.k_new, self.v_new)  # [1, H_kv, L, D] views
             assert keys.dtype == torch.float32 and keys.stride(3) == 1 and values.stride(3) == 1
             span = cache.attention_span(layer, config.window_for(layer))
