@@ -10,7 +10,7 @@ import torch
 from kvgen import LLM
 from kvgen.kernels import load
 from kvgen.models.layers import AttentionMask
-from kvgen.quality import score
+from kvgen.quality import kl_divergence, score
 from tests.support.models import model_path
 from tests.support.shakespeare import play_text
 
@@ -72,17 +72,20 @@ def test_fast_path_is_used_for_quantized_weights_only(quantized: dict, smollm2) 
 
 @pytest.mark.slow
 def test_token_by_token_perplexity_matches_the_torch_path(quantized: dict) -> None:
-    """Whole model: decoding one token at a time in C scores Hamlet like the torch path (which
-    differs only in float summation order, amplified by int8 activation rounding)."""
+    """Whole model: decoding one token at a time in C scores Hamlet like the torch path. They
+    differ in float summation order, which int8 activation rounding amplifies: measured KLD 0.0032
+    (top-1 97%) over 512 tokens, perplexity +0.6-1.2% at 128-512 tokens with either the per-position
+    or the tiled attention, so the bounds are set above that; a wrong attention moves both far more."""
     llm = get(quantized, "smollm2")
     ids = llm.tokenizer.encode(play_text("hamlet"))[:129]
-    fast = score(llm.model, llm.generator.new_cache, ids, chunk_size=1).perplexity
+    fast = score(llm.model, llm.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
     llm.model.use_fast_decode = False
     try:
-        reference = score(llm.model, llm.generator.new_cache, ids, chunk_size=1).perplexity
+        reference = score(llm.model, llm.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
     finally:
         llm.model.use_fast_decode = True
-    assert abs(fast - reference) / reference < 0.01, (fast, reference)
+    assert kl_divergence(reference, fast) < 0.01
+    assert abs(fast.perplexity - reference.perplexity) / reference.perplexity < 0.02, (fast.perplexity, reference.perplexity)
 
 
 def test_threads_sharing_a_model_get_their_own_results(quantized: dict) -> None:

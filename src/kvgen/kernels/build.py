@@ -18,7 +18,8 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in ("decode.c", "quantized_attention.c"))]  # #included
+INCLUDED = ("decode.c", "attention_tiles.c", "quantized_attention.c")  # #included by qgemm.c, in this order
+SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
 

@@ -122,25 +122,23 @@ static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) 
            (pos % l->block_size) * l->pos_stride;
 }
 
-// One query head over keys[start, end) of one kv head, online softmax (no score buffer): out [d].
+#include "attention_tiles.c"
+
+// One query head over keys[start, end) of one kv head, in tiles of 32 positions: out [d].
 static void attend_head(const float* q, float* out, const kv_layout* keys, const kv_layout* values, int64_t kv_head,
                         int64_t start, int64_t end, float scale, int64_t d) {
-    float running_max = -INFINITY, total = 0.0f;
+    softmax_state st = {-INFINITY, 0.0f};
+    const float *key_rows[32], *value_rows[32];
     for (int64_t j = 0; j < d; j++) out[j] = 0.0f;
-    for (int64_t pos = start; pos < end; pos++) {
-        const float s = dot(q, kv_at(keys, kv_head, pos), d) * scale;
-        if (s > running_max) {  // rescale what was accumulated under the old maximum
-            const float correction = expf(running_max - s);
-            total *= correction;
-            for (int64_t j = 0; j < d; j++) out[j] *= correction;
-            running_max = s;
+    for (int64_t first = start; first < end; first += 32) {
+        const int64_t n = end - first < 32 ? end - first : 32;
+        for (int64_t i = 0; i < n; i++) {
+            key_rows[i] = kv_at(keys, kv_head, first + i);
+            value_rows[i] = kv_at(values, kv_head, first + i);
         }
-        const float p = expf(s - running_max);
-        total += p;
-        const float* vp = kv_at(values, kv_head, pos);
-        for (int64_t j = 0; j < d; j++) out[j] += p * vp[j];
+        attend_tile(q, key_rows, value_rows, n, d, scale, &st, out);
     }
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / st.sum;
     for (int64_t j = 0; j < d; j++) out[j] *= inv;
 }
 
@@ -169,27 +167,6 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
     }
 }
 
-// exp of 8 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
-// series to r^7 (relative error ~2e-8 before rounding); x is clamped to [-87, 88] (no inf/denormals).
-#ifdef __AVX2__
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-#endif
 
 // out[i] = silu(gate[i]) * up[i] (SwiGLU) or gelu_tanh(gate[i]) * up[i] (GeGLU), n values.
 static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu);

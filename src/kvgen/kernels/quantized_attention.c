@@ -4,7 +4,7 @@
 // query head of its group, and dropped; the work is split over kv heads and position ranges
 // (flash-decoding) and the partial softmaxes are merged at the end.
 //
-// This file is #included by decode.c (after attend's helpers: dot, exp).
+// This file is #included by decode.c (after attention_tiles.c).
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -20,7 +20,6 @@ enum {
     CODES_INT4_TOKEN = 6,    // 4-bit codes, fp16 step/low per position per 32 channels
 };
 #define TOKEN_GROUP 32  // channels sharing a step in CODES_INT4_TOKEN (codecs.py CHANNEL_GROUP)
-#define MAX_TILE 64     // positions per tile: a packed block (BLOCK_TOKENS) at most
 
 // One codec's stored tensors for one layer (PackedStore.parts[name][layer]: [H, max_blocks, ...]).
 typedef struct {
@@ -195,68 +194,6 @@ static int64_t make_tiles(tile_t* tiles, int64_t start, int64_t end, int64_t sin
     return count;
 }
 
-// out[j] += sum_i p[i] * values[i][j], the sums kept in registers over the tile's positions.
-static void weighted_sum(const float* p, const float* values, int64_t n, int64_t d, float* out) {
-    int64_t j0 = 0;
-#ifdef __AVX2__
-    for (; j0 + 32 <= d; j0 += 32) {
-        __m256 a0 = _mm256_loadu_ps(out + j0), a1 = _mm256_loadu_ps(out + j0 + 8);
-        __m256 a2 = _mm256_loadu_ps(out + j0 + 16), a3 = _mm256_loadu_ps(out + j0 + 24);
-        for (int64_t i = 0; i < n; i++) {
-            const __m256 w = _mm256_set1_ps(p[i]);
-            const float* v = values + i * d + j0;
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
-        }
-        _mm256_storeu_ps(out + j0, a0), _mm256_storeu_ps(out + j0 + 8, a1);
-        _mm256_storeu_ps(out + j0 + 16, a2), _mm256_storeu_ps(out + j0 + 24, a3);
-    }
-#endif
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = j0; j < d; j++) out[j] += p[i] * values[i * d + j];
-}
-
-// p[i] = exp(s[i] - max) for n scores; returns their sum.
-static float exp_shifted(float* s, int64_t n, float max) {
-    int64_t i = 0;
-    float sum = 0.0f;
-#ifdef __AVX2__
-    __m256 total = _mm256_setzero_ps();
-    const __m256 m = _mm256_set1_ps(max);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
-        _mm256_storeu_ps(s + i, e);
-        total = _mm256_add_ps(total, e);
-    }
-    sum = hsum8(total);
-#endif
-    for (; i < n; i++) s[i] = expf(s[i] - max), sum += s[i];
-    return sum;
-}
-
-// Softmax-weighted sums of one query head over some tiles: out = sum p_i v_i, with max m and sum l.
-typedef struct { float max, sum; } softmax_state;
-
-static void attend_tile(const float* q, const float* keys, const float* values, int64_t n, int64_t d, float scale,
-                        softmax_state* st, float* out) {
-    float scores[MAX_TILE];
-    float tile_max = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        scores[i] = dot(q, keys + i * d, d) * scale;
-        if (scores[i] > tile_max) tile_max = scores[i];
-    }
-    if (tile_max > st->max) {  // rescale what was accumulated under the old maximum
-        const float correction = expf(st->max - tile_max);
-        st->sum *= correction;
-        for (int64_t j = 0; j < d; j++) out[j] *= correction;
-        st->max = tile_max;
-    }
-    st->sum += exp_shifted(scores, n, st->max);
-    weighted_sum(scores, values, n, d, out);
-}
-
 // q, out [heads, d]; sink_* and tail_* are [kv_heads, *, d] fp32 with the given head strides.
 void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads, int64_t kv_heads, int64_t d,
                                       float scale, const float* sink_k, const float* sink_v, int64_t sink_head_stride,
@@ -305,10 +242,12 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
                 keys = sink_k + kv_head * sink_head_stride + tile->offset * d;
                 values = sink_v + kv_head * sink_head_stride + tile->offset * d;
             }
+            const float *key_rows[MAX_TILE], *value_rows[MAX_TILE];
+            for (int64_t i = 0; i < tile->count; i++) key_rows[i] = keys + i * d, value_rows[i] = values + i * d;
             for (int64_t g = 0; g < group; g++) {
                 float* a = acc + g * (d + 2);
                 softmax_state st = {a[0], a[1]};
-                attend_tile(q + (kv_head * group + g) * d, keys, values, tile->count, d, scale, &st, a + 2);
+                attend_tile(q + (kv_head * group + g) * d, key_rows, value_rows, tile->count, d, scale, &st, a + 2);
                 a[0] = st.max, a[1] = st.sum;
             }
         }
