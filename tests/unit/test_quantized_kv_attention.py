@@ -13,7 +13,7 @@ from kvgen import LLM
 from kvgen.kernels import load
 from kvgen.kv.codecs import Int8Codec
 from kvgen.kv.interface import CacheSpec
-from kvgen.kv.kvquant import build_quantized_cache
+from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec, build_quantized_cache
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.models import quantized_kv_attention
 from kvgen.models.quantized_kv_attention import QuantizedKVAttention
@@ -30,6 +30,22 @@ class SinkInt8(Int8Codec):
     sink_tokens = 1
 
 
+def toy_rope(layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style RoPE tables [N, 64], a different base per layer (as Gemma's local/global layers)."""
+    inverse = 1.0 / (10000.0 * (1 + layer)) ** (torch.arange(0, 64, 2).float() / 64)
+    angles = positions.float()[:, None] * inverse
+    return torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+
+def kvquant3_cache(spec: CacheSpec, capacity: int, max_capacity: int) -> QuantizedCache:
+    """kvquant3 keys (per-channel codebook, 1 exact outlier per position, before RoPE) and values,
+    with made-up sorted codebooks: the kernel must read whatever levels calibration produced."""
+    levels = torch.rand(spec.num_layers, 8, generator=torch.Generator().manual_seed(1)).sort(-1).values
+    levels[:, 0], levels[:, -1] = 0.0, 1.0
+    keys, values = KVQuantKeyCodec(levels.contiguous(), outliers=1), KVQuantValueCodec(levels.flip(-1).neg().add(1).contiguous())
+    return QuantizedCache(spec, capacity, max_capacity, keys, values, key_rope=toy_rope)
+
+
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
     """Softmax attention of q [heads, D] over keys/values [H_kv, L, D] from `start`, grouped heads."""
     heads, dim = q.shape
@@ -38,12 +54,15 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
     return (torch.softmax(scores, -1) @ values[:, start:]).reshape(heads, dim)
 
 
-@pytest.mark.parametrize("k_dtype,v_dtype", [*READABLE, (SinkInt8(), "int4")])
+@pytest.mark.parametrize("k_dtype,v_dtype", [*READABLE, (SinkInt8(), "int4"), ("kvquant3", "kvquant3")])
 @pytest.mark.parametrize("length,start", [(1, 0), (7, 0), (64, 0), (100, 0), (333, 0), (333, 280), (333, 150)])
 def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype, v_dtype, length: int, start: int) -> None:
     torch.manual_seed(length + start)
     spec, heads = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=64), 9
-    cache = QuantizedCache(spec, 64, 1024, k_dtype, v_dtype)
+    if k_dtype == "kvquant3":
+        cache = kvquant3_cache(spec, 64, 1024)
+    else:
+        cache = QuantizedCache(spec, 64, 1024, k_dtype, v_dtype)
     keys, values = torch.randn(1, 3, length, 64) * 2, torch.randn(1, 3, length, 64)
     keys[..., 5] += 8  # an outlier channel, as real keys have
     for layer in range(2):
@@ -64,6 +83,7 @@ def test_codecs_the_kernel_cannot_read_keep_the_update_path() -> None:
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=64)
     for k_dtype, v_dtype in READABLE:
         assert quantized_kv_attention.supports(QuantizedCache(spec, 8, 8, k_dtype, v_dtype))
+    assert quantized_kv_attention.supports(kvquant3_cache(spec, 8, 8))
     assert not quantized_kv_attention.supports(QuantizedCache(spec, 8, 8, "int3", "int8"))
     assert not quantized_kv_attention.supports(QuantizedCache(spec, 8, 8, "int8", "int3"))
 
@@ -87,6 +107,7 @@ def greedy(llm: LLM, cache: QuantizedCache, prompt: torch.Tensor, steps: int) ->
 
 @pytest.mark.parametrize("model,prompt_length,k_dtype,v_dtype", [
     ("smollm2", 100, "int8", "int8"), ("smollm2", 100, "int4", "int4"), ("smollm2", 100, "fp16", "fp8"),
+    ("smollm2", 100, "kvquant3", "kvquant3"),
     ("gemma3-270m", 600, "int4", "int4"),  # head_dim 256, and local layers whose 512-token window is passed
 ])  # fmt: skip
 def test_models_decode_over_the_codes_as_through_update(q4_models: dict[str, LLM], model: str, prompt_length: int,

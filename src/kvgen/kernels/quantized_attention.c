@@ -18,6 +18,9 @@ enum {
     CODES_INT8 = 4,        // int8 codes, one fp16 scale per position
     CODES_INT4_CHANNEL = 5,  // KIVI keys: two 4-bit codes per byte, fp16 step/low per channel per block
     CODES_INT4_TOKEN = 6,    // 4-bit codes, fp16 step/low per position per 32 channels
+    CODES_KVQ3_KEY = 7,      // kvquant3 keys: 3-bit codebook codes, fp16 span/low per channel per block,
+                             // exact outliers per position, stored before RoPE (rotated on reading)
+    CODES_KVQ3_VALUE = 8,    // kvquant3 values: 3-bit codebook codes, fp16 span/low per position per 32 channels
 };
 #define TOKEN_GROUP 32  // channels sharing a step in CODES_INT4_TOKEN (codecs.py CHANNEL_GROUP)
 
@@ -30,6 +33,12 @@ typedef struct {
     const float* lut;         // fp8: the value of each byte
     int64_t code_head_stride, code_block_stride;  // bytes
     int64_t step_head_stride, step_block_stride;  // fp16 elements (step and low alike)
+    const float* codebook;                        // kvquant3: the layer's 8 levels in [0, 1]
+    const uint8_t* outlier_index;                 // kvquant3: [.., B, outliers] channel of each exact value
+    const uint16_t* outlier_value;                // its fp16 value
+    int64_t outliers, outlier_head_stride, outlier_block_stride;  // elements
+    const float* rope_cos;                        // keys stored before RoPE: [positions, d] tables
+    const float* rope_sin;
 } packed_codes;
 
 static inline float half_to_float(uint16_t h) {
@@ -90,9 +99,63 @@ static void decode_nibbles(const uint8_t* row, const float* step, const float* l
     }
 }
 
+// 3-bit codes of one position (8 per 3 bytes, code i at bit 3i of a little-endian word) through a
+// codebook: x = codebook[code] * span + low, span/low per channel (stride 1) or per 32 channels (0).
+static void decode_codebook(const uint8_t* row, const float* codebook, const float* span, const float* low,
+                            int64_t span_stride, int64_t d, float* x) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    // 8 codes of a 3-byte word: variable shifts, and the 8-level codebook is one register to permute.
+    const __m256 levels = _mm256_loadu_ps(codebook);
+    const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), mask = _mm256_set1_epi32(7);
+    for (; j + 8 <= d; j += 8) {
+        const uint8_t* b = row + j / 8 * 3;
+        const int word = (int)((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16);
+        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+        const __m256 s = span_stride ? _mm256_loadu_ps(span + j) : _mm256_set1_ps(span[j / TOKEN_GROUP]);
+        const __m256 o = span_stride ? _mm256_loadu_ps(low + j) : _mm256_set1_ps(low[j / TOKEN_GROUP]);
+        _mm256_storeu_ps(x + j, _mm256_fmadd_ps(_mm256_permutevar8x32_ps(levels, codes), s, o));
+    }
+#endif
+    for (; j < d; j += 8) {
+        const uint8_t* b = row + j / 8 * 3;
+        const uint32_t word = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+        for (int64_t i = 0; i < 8; i++) {
+            const int64_t c = span_stride ? j + i : (j + i) / TOKEN_GROUP;
+            x[j + i] = codebook[(word >> (3 * i)) & 7] * span[c] + low[c];
+        }
+    }
+}
+
+// kvquant3 keys and values of positions first..first+n-1 of a block (absolute position `position`
+// for the first): codebook, exact outliers, and for keys stored before RoPE the rotation back.
+static void decode_kvquant3(const packed_codes* c, const uint8_t* codes, const uint16_t* span, const uint16_t* low,
+                            int64_t head, int64_t block, int64_t first, int64_t n, int64_t d, int64_t position,
+                            float* out) {
+    const int64_t per_channel = c->kind == CODES_KVQ3_KEY;
+    float s[512], o[512];
+    if (per_channel)
+        for (int64_t j = 0; j < d; j++) s[j] = half_to_float(span[j]), o[j] = half_to_float(low[j]);
+    const int64_t outliers = head * c->outlier_head_stride + block * c->outlier_block_stride;
+    for (int64_t p = 0; p < n; p++) {
+        float* x = out + p * d;
+        if (!per_channel)
+            for (int64_t g = 0; g < d / TOKEN_GROUP; g++) {
+                s[g] = half_to_float(span[(first + p) * (d / TOKEN_GROUP) + g]);
+                o[g] = half_to_float(low[(first + p) * (d / TOKEN_GROUP) + g]);
+            }
+        decode_codebook(codes + (first + p) * (3 * d / 8), c->codebook, s, o, per_channel, d, x);
+        for (int64_t k = 0; k < c->outliers; k++) {
+            const int64_t at = outliers + (first + p) * c->outliers + k;
+            x[c->outlier_index[at]] = half_to_float(c->outlier_value[at]);
+        }
+        if (c->rope_cos) rotate_half(x, c->rope_cos + (position + p) * d, c->rope_sin + (position + p) * d, d);
+    }
+}
+
 // Positions first..first+n-1 of block `block`, kv head `head`, decoded into out [n, d].
 static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int64_t first, int64_t n, int64_t d,
-                        float* out) {
+                        int64_t position, float* out) {
     const uint8_t* codes = c->codes + head * c->code_head_stride + block * c->code_block_stride;
     const int64_t scales = head * c->step_head_stride + block * c->step_block_stride;
     const uint16_t* step = c->step ? c->step + scales : NULL;
@@ -158,6 +221,10 @@ static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int6
                 }
                 decode_nibbles(codes + (first + p) * (d / 2), s, o, 0, d, out + p * d);
             }
+            break;
+        case CODES_KVQ3_KEY:
+        case CODES_KVQ3_VALUE:
+            decode_kvquant3(c, codes, step, low, head, block, first, n, d, position, out);
             break;
     }
 }
@@ -232,8 +299,8 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
                 values = (const float*)(value_codes->codes + kv_head * value_codes->code_head_stride +
                                         tile->block * value_codes->code_block_stride) + tile->offset * d;
             } else if (tile->block >= 0) {
-                decode_tile(key_codes, kv_head, tile->block, tile->offset, tile->count, d, key_tile);
-                decode_tile(value_codes, kv_head, tile->block, tile->offset, tile->count, d, value_tile);
+                decode_tile(key_codes, kv_head, tile->block, tile->offset, tile->count, d, tile->first, key_tile);
+                decode_tile(value_codes, kv_head, tile->block, tile->offset, tile->count, d, tile->first, value_tile);
                 keys = key_tile, values = value_tile;
             } else if (tile->tail) {
                 keys = tail_k + kv_head * tail_head_stride + tile->offset * d;

@@ -2,9 +2,10 @@
 
 The torch path reads a quantized cache through `update`, which decodes every layer's whole history
 into a scratch buffer on each step. FastDecoder uses this instead when both codecs are ones the
-kernel reads (fp32, fp16, bf16, fp8, int8, KIVI int4 keys, per-token int4 values): the new key and
-value go in with `write`, and attention decodes one block of codes at a time for one kv head,
-scores it and moves on. kvquant3 and int3 keep the torch path.
+kernel reads (fp32, fp16, bf16, fp8, int8, KIVI int4 keys, per-token int4 values, kvquant3 keys
+and values): the new key and value go in with `write`, and attention decodes one block of codes at
+a time for one kv head (kvquant3's pre-RoPE keys rotated back with tables of the cache's RoPE),
+scores it and moves on. Plain int3 keeps the torch path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ctypes
 import torch
 
 from kvgen.kv.codecs import CHANNEL_GROUP, CastCodec, Codec, Fp8Codec, Int8Codec, KiviKeyCodec, PerTokenIntCodec
+from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec
 from kvgen.kv.packed import PackedStore
 from kvgen.kv.quantized import QuantizedCache
 
@@ -25,7 +27,10 @@ MAX_HEAD_DIM = 512  # its per-channel scale buffer
 class PackedCodes(ctypes.Structure):  # quantized_attention.c packed_codes
     _fields_ = [("kind", _i32), ("pad", _i32), ("codes", _ptr), ("step", _ptr), ("low", _ptr), ("lut", _ptr),
                 ("code_head_stride", _i64), ("code_block_stride", _i64),
-                ("step_head_stride", _i64), ("step_block_stride", _i64)]  # fmt: skip
+                ("step_head_stride", _i64), ("step_block_stride", _i64),
+                ("codebook", _ptr), ("outlier_index", _ptr), ("outlier_value", _ptr),
+                ("outliers", _i64), ("outlier_head_stride", _i64), ("outlier_block_stride", _i64),
+                ("rope_cos", _ptr), ("rope_sin", _ptr)]  # fmt: skip
 
 
 _CAST_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -44,37 +49,70 @@ def codes_kind(codec: Codec) -> int | None:
         return 5
     if isinstance(codec, PerTokenIntCodec) and codec.bits == 4:
         return 6
+    if isinstance(codec, KVQuantKeyCodec):
+        return 7
+    if isinstance(codec, KVQuantValueCodec):
+        return 8
     return None
 
 
 def supports(cache: object) -> bool:
-    if not isinstance(cache, QuantizedCache) or cache.keys_stored_before_rope:
+    if not isinstance(cache, QuantizedCache):
+        return False
+    if cache.keys_stored_before_rope and (not isinstance(cache.key_codec, KVQuantKeyCodec) or cache.key_rope is None):
         return False
     head_dim = cache.spec.head_dim
     shape_ok = cache.block_tokens <= MAX_TILE and head_dim <= MAX_HEAD_DIM and head_dim % CHANNEL_GROUP == 0
     return shape_ok and codes_kind(cache.key_codec) is not None and codes_kind(cache.value_codec) is not None
 
 
-def _describe(store: PackedStore, layer: int) -> PackedCodes:
+def _describe(store: PackedStore, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None) -> PackedCodes:
+    """The kernel's view of one layer of `store`; rope: cos/sin [positions, D] for pre-RoPE keys."""
     kind = codes_kind(store.codec)
     assert kind is not None
     parts = store.parts
     codes = parts["x"] if "x" in parts else parts["codes"]
-    step = parts.get("scale", parts.get("step"))
-    low = parts.get("low")
+    step = parts.get("scale", parts.get("step", parts.get("span")))
+    low, index, value = parts.get("low"), parts.get("outlier_index"), parts.get("outlier_value")
     assert all(t.is_contiguous() for t in parts.values())
+    codebook = getattr(store.codec, "codebooks", None)  # kvquant3: [layers, 8] fp32
+    assert codebook is None or (codebook.dtype == torch.float32 and codebook.is_contiguous())
+
+    def address(t: torch.Tensor | None) -> int | None:
+        return t[layer].data_ptr() if t is not None else None
+
     return PackedCodes(
-        kind, 0, codes[layer].data_ptr(), step[layer].data_ptr() if step is not None else None,
-        low[layer].data_ptr() if low is not None else None, FP8_VALUES.data_ptr(),
+        kind, 0, address(codes), address(step), address(low), FP8_VALUES.data_ptr(),
         codes.stride(1) * codes.element_size(), codes.stride(2) * codes.element_size(),
         step.stride(1) if step is not None else 0, step.stride(2) if step is not None else 0,
+        address(codebook), address(index), address(value), index.shape[-1] if index is not None else 0,
+        index.stride(1) if index is not None else 0, index.stride(2) if index is not None else 0,
+        rope[0].data_ptr() if rope else None, rope[1].data_ptr() if rope else None,
     )  # fmt: skip
 
 
 def _storage_key(cache: QuantizedCache) -> tuple:
-    """Changes whenever a tensor the descriptors point into is replaced (grown, rebuilt, forked)."""
+    """Changes whenever a tensor the descriptors point into is replaced (grown, rebuilt, forked),
+    or the positions the RoPE tables must cover grow."""
     tensors = [*cache.key_store.parts.values(), *cache.value_store.parts.values(), cache.sink_store, cache.tail_store]
-    return tuple((t.data_ptr(), t.shape) for t in tensors)
+    return (cache.capacity, *((t.data_ptr(), t.shape) for t in tensors))
+
+
+def _rope_tables(cache: QuantizedCache) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer, cos/sin [capacity, D] of positions 0.. for keys stored before RoPE (layers with
+    the same tables share one copy); None per layer otherwise."""
+    if not cache.keys_stored_before_rope:
+        return [None] * cache.spec.num_layers
+    assert cache.key_rope is not None
+    positions, tables = torch.arange(cache.capacity), []
+    distinct: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in range(cache.spec.num_layers):
+        cos, sin = (t.float().contiguous() for t in cache.key_rope(layer, positions))
+        same = next((seen for seen in distinct if torch.equal(seen[0], cos) and torch.equal(seen[1], sin)), None)
+        if same is None:
+            distinct.append(same := (cos, sin))
+        tables.append(same)
+    return tables
 
 
 class QuantizedKVAttention:
@@ -85,6 +123,7 @@ class QuantizedKVAttention:
         self._key: tuple | None = None
         self._keys: list[PackedCodes] = []
         self._values: list[PackedCodes] = []
+        self._ropes: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._rows: list[tuple[int, int, int, int]] = []  # per layer: sink K, sink V, tail K, tail V addresses
         self._strides = (0, 0)  # head strides of the sink and the tail
 
@@ -96,8 +135,9 @@ class QuantizedKVAttention:
         if key != self._key:
             layers = range(cache.spec.num_layers)
             sink, tail = cache.sink_store, cache.tail_store
-            self._keys = [_describe(cache.key_store, layer) for layer in layers]
-            self._values = [_describe(cache.value_store, layer) for layer in layers]
+            self._ropes = _rope_tables(cache)  # kept alive: the key descriptors point into them
+            self._keys = [_describe(cache.key_store, layer, self._ropes[layer]) for layer in layers]
+            self._values = [_describe(cache.value_store, layer, None) for layer in layers]
             self._rows = [(sink[0, layer].data_ptr(), sink[1, layer].data_ptr(), tail[0, layer].data_ptr(),
                            tail[1, layer].data_ptr()) for layer in layers]  # fmt: skip
             self._strides = (sink.stride(2), tail.stride(2))
