@@ -86,15 +86,16 @@ def load() -> ctypes.CDLL | None:
     library.kvgen_block_pre.argtypes = [pointer] * 6
     library.kvgen_paged_decode_attention.argtypes = [pointer] * 4 + [count] * 4 + [ctypes.c_float] + [count] * 4 + [pointer, count, pointer, pointer]
     library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count]
-    library.kvgen_block_finish.argtypes = [pointer, pointer]
     library.kvgen_quantized_decode_attention.argtypes = [pointer, pointer, count, count, count, ctypes.c_float, pointer,
                                                          pointer, count, count, pointer, pointer, count, count, pointer,
                                                          pointer, count, count, count]  # fmt: skip
+    library.kvgen_decode_layers_over_codes.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer,
+                                                       count, count]  # fmt: skip
     library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
                                             count, count, count, count, count, pointer, count]  # fmt: skip
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer]  # fmt: skip
-    for name in ("kvgen_block_finish", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
+    for name in ("kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
                  "kvgen_linear_q4", "kvgen_linear_q8", *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

@@ -212,8 +212,6 @@ static void block_finish(const block_t* b, float* h) {
     add_residual(h, b->x, b->mlp_out_norm, b->eps, b->hidden);
 }
 
-void kvgen_block_finish(const block_t* b, float* h) { block_finish(b, h); }
-
 static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
                        int64_t end) {
     attend(b, keys, values, start, end);

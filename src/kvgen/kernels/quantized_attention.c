@@ -343,3 +343,44 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
     free(partial);
     free(tiles);
 }
+
+// Where one QuantizedCache keeps its fp32 rows (kv/quantized.py `sink_store` / `tail_store`, each
+// [K/V, layers, kv_heads, positions, d]) and each layer's packed codes.
+typedef struct {
+    float* sink;
+    int64_t sink_kv_stride, sink_layer_stride, sink_head_stride, sink_len;
+    float* tail;
+    int64_t tail_kv_stride, tail_layer_stride, tail_head_stride;
+    int64_t block_size;
+    const packed_codes* key_codes;    // [layers]
+    const packed_codes* value_codes;  // [layers]
+} quantized_kv;
+
+// Every block for one token over a QuantizedCache, as kvgen_decode_layers does over fp32 storage:
+// the new key/value go to their fp32 sink or tail slot (room made by the caller), attention reads
+// the codes, and the caller commits. window: per layer (0 = full attention).
+void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, float* h, const float* rope,
+                                    const int64_t* rope_kind, const int64_t* window, const quantized_kv* kv,
+                                    int64_t num_blocks, int64_t position) {
+    const int64_t packed_end = kv->sink_len + num_blocks * kv->block_size;
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+        const block_t* b = &blocks[layer];
+        const int64_t d = b->head_dim;
+        const float* cos = rope + rope_kind[layer] * 2 * d;
+        float* sink = kv->sink + layer * kv->sink_layer_stride;
+        float* tail = kv->tail + layer * kv->tail_layer_stride;
+        if (position < kv->sink_len) {
+            block_pre(b, h, cos, cos + d, sink + position * d, sink + kv->sink_kv_stride + position * d,
+                      kv->sink_head_stride);
+        } else {
+            float* slot = tail + (position - packed_end) * d;
+            block_pre(b, h, cos, cos + d, slot, slot + kv->tail_kv_stride, kv->tail_head_stride);
+        }
+        const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
+        kvgen_quantized_decode_attention(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, sink,
+                                         sink + kv->sink_kv_stride, kv->sink_head_stride, kv->sink_len,
+                                         &kv->key_codes[layer], &kv->value_codes[layer], num_blocks, kv->block_size,
+                                         tail, tail + kv->tail_kv_stride, kv->tail_head_stride, start, position + 1);
+        block_finish(b, h);
+    }
+}

@@ -3,9 +3,10 @@
 Eligible when every block matmul is a QuantizedLinear (the int8 / q4 weight modes) and the model is
 a family decode.c knows (pre-norm Llama blocks, Gemma 3 sandwich blocks). Keys and values still go
 through `cache.update()`; the C attention reads the views it returns, so any cache whose views are
-fp32 with a contiguous head dimension works. `step_rows` runs a batch of one-token rows over one
-paged store the same way, all rows' matmuls in one tiled GEMM per weight (the engine's decode
-steps). Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
+fp32 with a contiguous head dimension works; a QuantizedCache whose codecs the kernel reads is
+attended over its stored codes instead (models/quantized_kv_attention.py). `step_rows` runs a
+batch of one-token rows over one paged store the same way, all rows' matmuls in one tiled GEMM per
+weight (the engine's decode steps). Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvgen.kernels import load
 from kvgen.kernels.formats import QK
 from kvgen.kv.interface import KVCache
 from kvgen.kv.paged_batch import PagedBatchView
+from kvgen.kv.quantized import QuantizedCache
 from kvgen.models import quantized_kv_attention
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
@@ -120,6 +122,9 @@ class FastDecoder:
         rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes.
         """
         layout = cache.kernel_layout(cache.seq_len + 1)
+        if layout is None and quantized_kv_attention.supports(cache):
+            self._step_over_codes(h, rope, cache)
+            return
         if layout is None:
             self._step_through_update(h, rope, cache)
             return
@@ -161,27 +166,25 @@ class FastDecoder:
             self._rows_capacity = rows
         return self._rows_scratch
 
+    def _step_over_codes(self, h: torch.Tensor, rope: torch.Tensor, cache: QuantizedCache) -> None:
+        """Every block in one call over a quantized cache: attention reads its stored codes."""
+        self.codes_attention.prepare(cache, cache.seq_len + 1)
+        self.library.kvgen_decode_layers_over_codes(
+            self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
+            self._windows.data_ptr(), ctypes.byref(self.codes_attention.storage), cache.num_packed_blocks,
+            cache.seq_len,
+        )  # fmt: skip
+        cache.commit(1)
+
     def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
-        """The general path: each block's new key/value goes through cache.update(), or, for a
-        quantized cache the C kernel can read, through write() with attention over its codes."""
+        """The general path: each block's new key/value goes through cache.update()."""
         config, lib = self.model.config, self.library
         position = cache.seq_len
         ropes = [(rope[kind, 0], rope[kind, 1]) for kind in self.model.rope_index]
         h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
-        over_codes = quantized_kv_attention.supports(cache)
-        if over_codes:
-            self.codes_attention.prepare(cache, position + 1)
         for layer, block in enumerate(self.blocks):
             cos, sin = ropes[layer]
             lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr)
-            if over_codes:
-                cache.write(layer, self.k_new, self.v_new)
-                span = cache.attention_span(layer, config.window_for(layer))
-                start = span.decode_start(position, cache.visible_start(layer))
-                self.codes_attention.attend(cache, layer, block.qkv_out, block.attn, block.num_heads, block.scale,
-                                            start, position + 1)  # fmt: skip
-                lib.kvgen_block_finish(ctypes.byref(block), h_ptr)
-                continue
             keys, values = cache.update(layer, self.k_new, self.v_new)  # [1, H_kv, L, D] views
             assert keys.dtype == torch.float32 and keys.stride(3) == 1 and values.stride(3) == 1
             span = cache.attention_span(layer, config.window_for(layer))

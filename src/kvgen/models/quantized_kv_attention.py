@@ -3,14 +3,16 @@
 The torch path reads a quantized cache through `update`, which decodes every layer's whole history
 into a scratch buffer on each step. FastDecoder uses this instead when both codecs are ones the
 kernel reads (fp32, fp16, bf16, fp8, int8, KIVI int4 keys, per-token int4 values, kvquant3 keys
-and values): the new key and value go in with `write`, and attention decodes one block of codes at
-a time for one kv head (kvquant3's pre-RoPE keys rotated back with tables of the cache's RoPE),
-scores it and moves on. Plain int3 keeps the torch path.
+and values): one C call runs every block, writing the new key and value into the cache's fp32
+tail (or sink) slot, and attention decodes one block of codes at a time for one kv head
+(kvquant3's pre-RoPE keys rotated back with tables of the cache's RoPE), scores it and moves on.
+Plain int3 keeps the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import TypeGuard
 
 import torch
 
@@ -56,7 +58,7 @@ def codes_kind(codec: Codec) -> int | None:
     return None
 
 
-def supports(cache: object) -> bool:
+def supports(cache: object) -> TypeGuard[QuantizedCache]:
     if not isinstance(cache, QuantizedCache):
         return False
     if cache.keys_stored_before_rope and (not isinstance(cache.key_codec, KVQuantKeyCodec) or cache.key_rope is None):
@@ -91,11 +93,16 @@ def _describe(store: PackedStore, layer: int, rope: tuple[torch.Tensor, torch.Te
     )  # fmt: skip
 
 
+class QuantizedKV(ctypes.Structure):  # quantized_attention.c quantized_kv
+    _fields_ = [("sink", _ptr), ("sink_kv_stride", _i64), ("sink_layer_stride", _i64), ("sink_head_stride", _i64),
+                ("sink_len", _i64), ("tail", _ptr), ("tail_kv_stride", _i64), ("tail_layer_stride", _i64),
+                ("tail_head_stride", _i64), ("block_size", _i64), ("key_codes", _ptr), ("value_codes", _ptr)]  # fmt: skip
+
+
 def _storage_key(cache: QuantizedCache) -> tuple:
-    """Changes whenever a tensor the descriptors point into is replaced (grown, rebuilt, forked),
-    or the positions the RoPE tables must cover grow."""
+    """Changes whenever a tensor the descriptors point into is replaced (grown, rebuilt, forked)."""
     tensors = [*cache.key_store.parts.values(), *cache.value_store.parts.values(), cache.sink_store, cache.tail_store]
-    return (cache.capacity, *((t.data_ptr(), t.shape) for t in tensors))
+    return tuple((t.data_ptr(), t.shape) for t in tensors)
 
 
 def _rope_tables(cache: QuantizedCache) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -116,41 +123,48 @@ def _rope_tables(cache: QuantizedCache) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 class QuantizedKVAttention:
-    """Per-layer descriptors of one quantized cache's storage, rebuilt when that storage moves."""
+    """The kernel's view of one quantized cache (`storage`), rebuilt only when that storage moves;
+    RoPE tables for pre-RoPE keys, rebuilt only when the cache's capacity grows."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
+        self.storage = QuantizedKV()
         self._key: tuple | None = None
-        self._keys: list[PackedCodes] = []
-        self._values: list[PackedCodes] = []
-        self._ropes: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        self._rows: list[tuple[int, int, int, int]] = []  # per layer: sink K, sink V, tail K, tail V addresses
-        self._strides = (0, 0)  # head strides of the sink and the tail
+        self._codes: tuple[ctypes.Array, ctypes.Array] | None = None  # per layer K, V; `storage` points into them
+        self._rope_key: tuple | None = None
+        self._ropes: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # the key descriptors point into them
 
     def prepare(self, cache: QuantizedCache, end: int) -> None:
         """Make room for positions up to `end` (so this step's writes move nothing), then point
-        the descriptors at the cache's storage."""
+        `storage` at the cache."""
         cache.reserve(end)
         key = (id(cache), _storage_key(cache))
-        if key != self._key:
-            layers = range(cache.spec.num_layers)
-            sink, tail = cache.sink_store, cache.tail_store
-            self._ropes = _rope_tables(cache)  # kept alive: the key descriptors point into them
-            self._keys = [_describe(cache.key_store, layer, self._ropes[layer]) for layer in layers]
-            self._values = [_describe(cache.value_store, layer, None) for layer in layers]
-            self._rows = [(sink[0, layer].data_ptr(), sink[1, layer].data_ptr(), tail[0, layer].data_ptr(),
-                           tail[1, layer].data_ptr()) for layer in layers]  # fmt: skip
-            self._strides = (sink.stride(2), tail.stride(2))
-            self._key = key
+        if key == self._key:
+            return
+        rope_key = (cache.key_rope, cache.capacity) if cache.keys_stored_before_rope else None
+        if rope_key != self._rope_key or not self._ropes:
+            self._ropes, self._rope_key = _rope_tables(cache), rope_key
+        layers = range(cache.spec.num_layers)
+        keys = (PackedCodes * len(layers))(*(_describe(cache.key_store, layer, self._ropes[layer]) for layer in layers))
+        values = (PackedCodes * len(layers))(*(_describe(cache.value_store, layer, None) for layer in layers))
+        sink, tail = cache.sink_store, cache.tail_store
+        self.storage = QuantizedKV(
+            sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2), cache.sink_tokens,
+            tail.data_ptr(), tail.stride(0), tail.stride(1), tail.stride(2), cache.block_tokens,
+            ctypes.addressof(keys), ctypes.addressof(values),
+        )  # fmt: skip
+        self._codes, self._key = (keys, values), key
 
     def attend(self, cache: QuantizedCache, layer: int, q: int, out: int, heads: int, scale: float, start: int,
                end: int) -> None:  # fmt: skip
-        """out [heads, D] = attention of q [heads, D] (addresses) over positions start..end-1."""
-        sink_k, sink_v, tail_k, tail_v = self._rows[layer]
-        sink_stride, tail_stride = self._strides
-        spec = cache.spec
+        """One layer's attention alone, after `prepare`: out [heads, D] = attention of q [heads, D]
+        (addresses) over positions start..end-1 (the decode step runs it inside
+        kvgen_decode_layers_over_codes)."""
+        assert self._codes is not None
+        sink, tail, spec = cache.sink_store, cache.tail_store, cache.spec
         self.library.kvgen_quantized_decode_attention(
-            q, out, heads, spec.num_kv_heads, spec.head_dim, scale, sink_k, sink_v, sink_stride, cache.sink_tokens,
-            ctypes.byref(self._keys[layer]), ctypes.byref(self._values[layer]), cache.num_packed_blocks,
-            cache.block_tokens, tail_k, tail_v, tail_stride, start, end,
+            q, out, heads, spec.num_kv_heads, spec.head_dim, scale, sink[0, layer].data_ptr(),
+            sink[1, layer].data_ptr(), sink.stride(2), cache.sink_tokens, ctypes.byref(self._codes[0][layer]),
+            ctypes.byref(self._codes[1][layer]), cache.num_packed_blocks, cache.block_tokens,
+            tail[0, layer].data_ptr(), tail[1, layer].data_ptr(), tail.stride(2), start, end,
         )  # fmt: skip
