@@ -71,11 +71,11 @@ def measure(llm: LLM, weights: str, context: int, decode: int, repeats: int) -> 
         for k, _, cache, logits in caches:
             samples[k].append(decode_speed(llm, cache, logits, context, decode))
     rows: list[dict[str, Any]] = []
+    fp32_held, baseline = caches[0][2].memory_bytes() / context, max(samples["fp32"])
     for k, v, cache, _ in caches:
-        held = cache.memory_bytes() / cache.seq_len
-        packed = (cache.key_store.nbytes() + cache.value_store.nbytes()) / cache.seq_len if k != "fp32" else held
-        speed, baseline = max(samples[k]), max(samples["fp32"])
-        fp32_held = caches[0][2].memory_bytes() / context
+        held = cache.memory_bytes() / context
+        packed = (cache.key_store.nbytes() + cache.value_store.nbytes()) / context if k != "fp32" else held
+        speed = max(samples[k])
         rows.append({"weights": weights, "context": context, "k": k, "v": v, "bytes_per_token_held": held,
                      "bytes_per_token_packed": packed, "memory_vs_fp32": held / fp32_held,
                      "decode_path": decode_path(weights, k, cache),
