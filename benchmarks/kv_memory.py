@@ -32,7 +32,7 @@ from common import print_table, prompt_ids, write_results  # noqa: E402
 from kvgen import LLM  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
 from kvgen.kv.interface import CacheSpec, KVCache  # noqa: E402
-from kvgen.kv.kvquant import build_quantized_cache  # noqa: E402
+from kvgen.cache_factory import build_quantized_cache  # noqa: E402
 from kvgen.models import quantized_kv_attention  # noqa: E402
 
 CONFIGS = [("fp32", "fp32"), ("int8", "int8"), ("int4", "int4"), ("kvquant3", "kvquant3")]

@@ -24,7 +24,10 @@ class BatchGenerator:
     """Owns one engine (its KV pool and prefix cache live across calls); one batch at a time."""
 
     def __init__(self, llm, config: EngineConfig | None = None):  # llm: kvgen.LLM
-        self.engine = LLMEngine(llm, config or EngineConfig(max_context=llm.generator.max_context))
+        cache = llm.generator.cache_config  # the pool stores K/V as the LLM's cache config says
+        config = config or EngineConfig(max_context=llm.generator.max_context, block_size=cache.block_size,
+                                        kv_budget_mb=cache.budget_mb)  # fmt: skip
+        self.engine = LLMEngine(llm, config, cache)
         self._lock = threading.Lock()  # the engine is driven by one thread
 
     def generate(

@@ -27,6 +27,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def _add_kv_options(parser: argparse.ArgumentParser) -> None:
+    """The cache options; each kind takes some of them (config.KIND_OPTIONS) and refuses the rest."""
     parser.add_argument("--kv-cache", default="contiguous", choices=CACHE_KINDS, help="KV cache kind (docs/kv-caches.md)")
     parser.add_argument("--kv-window", type=int, default=None, help="window of recent tokens kept (window, sinks, chunked)")
     parser.add_argument("--kv-sinks", type=int, default=4, help="first tokens always kept (sinks; default 4)")
@@ -40,7 +45,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype-k", default="fp32", help="key storage (quantized cache): fp32 fp16 bf16 fp8 int8 int4 int3 kvquant3")
     parser.add_argument("--kv-dtype-v", default="fp32", help="value storage (quantized cache), as for keys")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per block (paged)")
-    parser.add_argument("--kv-budget-mb", type=float, default=512.0, help="size of the block pool (paged)")
+    parser.add_argument("--kv-budget-mb", type=float, default=512.0, help="size of the block pool (paged; the server's pool)")
+    parser.add_argument("--kv-residual", type=int, default=None,
+                        help="recent tokens kept in fp32 (quantized, one sequence; default 32)")  # fmt: skip
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", "-n", type=int, default=128)
     parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
@@ -57,7 +67,6 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
     structured.add_argument("--regex", help="constrain the output to this regular expression")
     structured.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or GBNF (llama.cpp) grammar")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     parser.add_argument("--speculative", default=None, choices=("lookup", "self", "draft", "eagle"),
                         help="speculative decoding: lookup (n-gram in the context), self (first layers), "
                              "draft (--draft-model), eagle (the shipped head)")  # fmt: skip
@@ -74,9 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user turn of the chat template")
     _add_model_options(generate)
+    _add_kv_options(generate)
+    _add_sampling_options(generate)
     chat = commands.add_parser("chat", help="interactive multi-turn chat that keeps its KV cache between turns")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_options(chat)
+    _add_kv_options(chat)
+    _add_sampling_options(chat)
     commands.add_parser("models", help="list the short model names and whether they are installed")
     kv_check = commands.add_parser("kv-check", help="measure each K/V storage dtype on this model and recommend one")
     kv_check.add_argument("model_name", nargs="?", default=None, help="same as --model")
@@ -95,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true")
     serve.add_argument("--eviction", default="lru", choices=("lru", "lfu"), help="prefix-cache eviction policy")
     _add_model_options(serve)
+    _add_kv_options(serve)  # the engine's pool: fp32 blocks (contiguous, paged) or quantized blocks
     return parser
 
 
@@ -127,17 +141,30 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     )  # fmt: skip
 
 
-def _load(args: argparse.Namespace):  # -> LLM; imported lazily so `kvgen models` starts fast
-    from kvgen.llm import LLM
-
+def _cache_config(args: argparse.Namespace, engine: bool = False):  # -> CacheConfig
+    """The cache options as one CacheConfig. For the engine (`serve`) --kv-block-size and
+    --kv-budget-mb size its block pool (EngineConfig), whatever the kind, so they stay out of it."""
     from kvgen.config import CacheConfig
 
-    cache = CacheConfig(
-        args.kv_cache, args.kv_block_size, args.kv_budget_mb, args.kv_dtype_k, args.kv_dtype_v,
+    if not hasattr(args, "kv_cache"):  # kv-check takes no cache options: it scores every K/V dtype itself
+        return CacheConfig()
+    block_size, budget_mb = (16, 512.0) if engine else (args.kv_block_size, args.kv_budget_mb)
+    return CacheConfig(
+        args.kv_cache, block_size, budget_mb, args.kv_dtype_k, args.kv_dtype_v, residual=args.kv_residual,
         window=args.kv_window, extra=args.kv_extra, sinks=args.kv_sinks, chunk=args.kv_chunk,
         pool_chunk=args.kv_pool_chunk, exact_window=args.kv_exact_window, hot_tokens=args.kv_hot_tokens,
         warm_tokens=args.kv_warm_tokens, warm_dtype=args.kv_warm_dtype,
     )  # fmt: skip
+
+
+def _load(args: argparse.Namespace, engine: bool = False):  # -> LLM; imported lazily so `kvgen models` starts fast
+    from kvgen.llm import LLM
+
+    cache = _cache_config(args, engine)  # checked before the model loads: a bad option fails fast
+    if engine:
+        from kvgen.cache_factory import check_engine_cache
+
+        check_engine_cache(cache)
     return LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
         weights=args.weights, cache=cache,
@@ -254,7 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_name:
         args.model = args.model_name
-    return serve(args, _load(args), api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
+    return serve(args, _load(args, engine=True), api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check, "serve": cmd_serve}

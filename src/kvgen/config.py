@@ -82,6 +82,26 @@ def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ..
 
 CacheKind = Literal["contiguous", "paged", "quantized", "window", "sinks", "chunked", "compressed", "tiered"]
 CACHE_KINDS: tuple[str, ...] = ("contiguous", "paged", "quantized", "window", "sinks", "chunked", "compressed", "tiered")
+# The options each cache kind takes (CacheConfig fields besides `kind`); any other option set away
+# from its default is refused, so no option is accepted and then ignored.
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "contiguous": (),
+    "paged": ("block_size", "budget_mb"),
+    "quantized": ("k_dtype", "v_dtype", "residual"),
+    "window": ("window", "extra"),
+    "sinks": ("window", "sinks"),
+    "chunked": ("chunk", "window", "extra"),
+    "compressed": ("pool_chunk", "exact_window", "sinks"),
+    "tiered": ("block_size", "hot_tokens", "warm_tokens", "warm_dtype"),
+}
+# The command-line flag of each option, for error messages.
+OPTION_FLAGS = {
+    "block_size": "--kv-block-size", "budget_mb": "--kv-budget-mb", "k_dtype": "--kv-dtype-k", "v_dtype": "--kv-dtype-v",
+    "residual": "--kv-residual", "window": "--kv-window", "extra": "--kv-extra", "sinks": "--kv-sinks",
+    "chunk": "--kv-chunk", "pool_chunk": "--kv-pool-chunk", "exact_window": "--kv-exact-window",
+    "hot_tokens": "--kv-hot-tokens", "warm_tokens": "--kv-warm-tokens", "warm_dtype": "--kv-warm-dtype",
+}  # fmt: skip
+DEFAULT_RESIDUAL = 32  # a single-sequence quantized cache keeps this many recent positions in fp32
 
 
 @dataclass(frozen=True)
@@ -89,7 +109,8 @@ class CacheConfig:
     """Which KV cache requests get. contiguous: one buffer per request, sized to prompt + output.
     paged: blocks of `block_size` tokens from one pool of `budget_mb` shared by all requests.
     quantized: K and V rounded through `k_dtype` / `v_dtype` (kv/codecs.py), the last `residual`
-    tokens kept in full precision. window: layers keep only their window (the model's sliding
+    tokens kept in full precision (None: 32 for one sequence; the engine's pool keeps each
+    sequence's unfilled block in fp32 and takes no residual). window: layers keep only their window (the model's sliding
     windows, narrowed to `window` on every layer when it is set), plus `extra` older positions so a
     rewind of up to `extra` tokens stays exact. sinks: StreamingLLM, the first `sinks` positions plus
     the last `window` (kv/sinks.py). chunked: each query sees only its chunk of `chunk` positions.
@@ -102,7 +123,7 @@ class CacheConfig:
     budget_mb: float = 512.0
     k_dtype: str = "fp32"
     v_dtype: str = "fp32"
-    residual: int = 32
+    residual: int | None = None
     window: int | None = None
     extra: int = 0
     sinks: int = 4
@@ -121,12 +142,28 @@ class CacheConfig:
         for name in (self.k_dtype, self.v_dtype):
             if name not in KV_DTYPES:
                 raise ValueError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
-        if self.residual < 0:
+        if self.residual is not None and self.residual < 0:
             raise ValueError(f"residual must be >= 0, got {self.residual}")
         if self.block_size <= 0 or self.budget_mb <= 0:
             raise ValueError(f"block_size and budget_mb must be positive, got {self.block_size} and {self.budget_mb}")
         self._check_window_options()
         self._check_compressed_and_tiered_options()
+        self._check_options_apply()
+
+    def _check_options_apply(self) -> None:
+        taken = KIND_OPTIONS[self.kind]
+        for option, flag in OPTION_FLAGS.items():
+            if option not in taken and getattr(self, option) != CacheConfig.__dataclass_fields__[option].default:
+                kinds = [kind for kind, options in KIND_OPTIONS.items() if option in options]
+                raise ValueError(
+                    f"KV option {option} ({flag}) applies to the {' / '.join(kinds)} cache kinds, not to "
+                    f"{self.kind!r}: drop it or choose one of those kinds (--kv-cache)"
+                )
+
+    def set_options(self) -> dict[str, object]:
+        """The options this config sets away from their defaults (kind aside)."""
+        return {name: getattr(self, name) for name in OPTION_FLAGS
+                if getattr(self, name) != CacheConfig.__dataclass_fields__[name].default}  # fmt: skip
 
     def _check_compressed_and_tiered_options(self) -> None:
         if self.pool_chunk < 2 or self.exact_window < 0 or self.hot_tokens < 0 or self.warm_tokens < 0:
@@ -150,7 +187,3 @@ class CacheConfig:
             raise ValueError("a sinks cache needs a window (--kv-window N): the recent positions kept besides the sinks")
         if self.kind == "chunked" and self.chunk is None:
             raise ValueError("a chunked cache needs a chunk size (--kv-chunk N)")
-        uses = {"window": ("window", "sinks", "chunked"), "chunk": ("chunked",), "extra": ("window", "chunked")}
-        for name, kinds in uses.items():
-            if getattr(self, name) not in (None, 0) and self.kind not in kinds:
-                raise ValueError(f"{name} applies to the {' / '.join(kinds)} cache kinds, not to {self.kind!r}")

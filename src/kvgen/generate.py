@@ -12,16 +12,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
+from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
 from kvgen.errors import PromptTooLongError
-from kvgen.kv.compressed import CompressedCache
-from kvgen.kv.contiguous import ContiguousCache
-from kvgen.kv.interface import CacheSpec, KVCache
-from kvgen.kv.paged import PagedCache, PagedStorage
-from kvgen.kv.kvquant import build_quantized_cache
-from kvgen.kv.sinks import SinkCache
-from kvgen.kv.tiered import TieredCache
-from kvgen.kv.window import WindowedCache
+from kvgen.kv.interface import KVCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.grammar import GrammarConstraint
@@ -94,7 +88,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.max_context = min(max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.cache_config = cache or CacheConfig()
-        self._paged_storage: PagedStorage | None = None  # created on first use, shared by all requests
+        self.caches = CacheFactory(self.cache_config, model, tokenizer, self.max_context)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -113,26 +107,7 @@ class Generator:
 
     def new_cache(self, num_tokens: int) -> KVCache:
         """An empty cache of the configured kind, with room for `num_tokens` (more can come later)."""
-        spec = CacheSpec.for_model(self.model.config, self.model.dtype)
-        if self.cache_config.kind == "paged":
-            if self._paged_storage is None:
-                self._paged_storage = PagedStorage.create(spec, self.cache_config.budget_mb, self.cache_config.block_size)
-            return PagedCache(self._paged_storage)
-        c, capacity = self.cache_config, min(num_tokens, self.max_context)
-        if c.kind in ("window", "chunked"):
-            return WindowedCache.for_model(self.model.config, self.model.dtype, capacity, c.window, c.chunk, c.extra)
-        if c.kind == "sinks":
-            assert c.window is not None  # CacheConfig checked it
-            return SinkCache.for_model(self.model.config, self.model.dtype, c.sinks, c.window, self.model.rerotate)
-        if c.kind == "quantized":
-            return build_quantized_cache(self.model, self.tokenizer, capacity, self.max_context, c.k_dtype, c.v_dtype, c.residual)
-        if c.kind == "tiered":
-            return TieredCache(spec, c.block_size, c.hot_tokens, c.warm_tokens, c.warm_dtype)
-        if c.kind == "compressed":
-            if any(self.model.config.window_for(i) for i in range(self.model.config.num_layers)):
-                raise ValueError("the compressed cache is for full-attention models; for sliding-window layers use --kv-cache window")
-            return CompressedCache(spec, c.pool_chunk, c.exact_window, c.sinks, capacity=capacity)
-        return ContiguousCache(spec, capacity=capacity, max_capacity=self.max_context)
+        return self.caches.new_cache(num_tokens)
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this model's vocabulary."""

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from kvgen.kv.codecs import KV_DTYPES
-from kvgen.kv.kvquant import CALIBRATION_TEXT, build_quantized_cache
+from kvgen.cache_factory import build_quantized_cache
+from kvgen.kvquant_calibration import CALIBRATION_TEXT
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.models.base import DecoderLM
 from kvgen.quality import Scores, kl_divergence, score, top1_agreement

@@ -15,6 +15,8 @@ from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.codecs import CastCodec
 from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.interface import AttentionSpan
+from kvgen.kv.paged_codes import QuantizedPagedStorage
+from kvgen.kv.paged_codes_cache import QuantizedPagedCache
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.kv.sinks import SinkCache
 from kvgen.kv.tiered import TieredCache
@@ -24,6 +26,7 @@ from kvgen.kv.window import WindowedCache
 SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=8)
 SINK_CODEC = CastCodec("fp32", torch.float32)
 SINK_CODEC.sink_tokens = 3  # keeps the first 3 positions aside, as KVQuant's codec keeps its first one
+SINK_FREE_FP32 = CastCodec("fp32", torch.float32)
 CACHES: dict[str, Callable[[], KVCache]] = {
     "contiguous": lambda: ContiguousCache(SPEC, capacity=8, max_capacity=256),
     "paged": lambda: PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4))),
@@ -41,6 +44,10 @@ CACHES: dict[str, Callable[[], KVCache]] = {
     "chunked": lambda: WindowedCache(SPEC, [AttentionSpan(chunk=64)] * 3, capacity=8),
     "sinks": lambda: SinkCache(SPEC, sinks=4, window=64, rerotate=lambda layer, keys, delta: keys + delta),
     "tracing(window)": lambda: TracingCache(WindowedCache(SPEC, [None, 64, 64], capacity=8)),
+    # The engine's pool of codes, fp32 codecs (exact): blocks of 4, staging slots for partial blocks,
+    # copy-on-write of staged blocks, re-staging after truncation into an encoded block.
+    "paged codes": lambda: QuantizedPagedCache(QuantizedPagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4),
+                                                                     SINK_FREE_FP32, SINK_FREE_FP32, num_slots=8)),
     "tracing(paged)": lambda: TracingCache(PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4)))),
 }
 

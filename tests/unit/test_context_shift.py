@@ -10,7 +10,7 @@ import torch
 from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.generate import Generator
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache
-from kvgen.kv.kvquant import build_quantized_cache
+from kvgen.cache_factory import build_quantized_cache
 from kvgen.kv.quantized import QuantizedCache
 from tests.support.models import model_path
 

@@ -9,7 +9,8 @@ from kvgen import CacheConfig, LLM, SamplingParams
 from kvgen.generate import Generator
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec
-from kvgen.kv.kvquant import CALIBRATION_TEXT, KVQuantKeyCodec, KVQuantValueCodec, calibrate, weighted_kmeans
+from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec, weighted_kmeans
+from kvgen.kvquant_calibration import CALIBRATION_TEXT, calibrate
 from kvgen.kv_check import quantized_cache
 from kvgen.quality import kl_divergence, score, top1_agreement
 from tests.support.shakespeare import play_text

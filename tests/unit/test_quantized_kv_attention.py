@@ -13,10 +13,11 @@ from kvgen import LLM
 from kvgen.kernels import load
 from kvgen.kv.codecs import Int8Codec
 from kvgen.kv.interface import CacheSpec
-from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec, build_quantized_cache
+from kvgen.cache_factory import build_quantized_cache
+from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec
 from kvgen.kv.quantized import QuantizedCache
-from kvgen.models import quantized_kv_attention
-from kvgen.models.quantized_kv_attention import QuantizedKVAttention
+from kvgen.kv import quantized_decode_view
+from kvgen.kv.quantized_decode_view import QuantizedDecodeView
 from tests.support.models import model_path
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the kernel needs a C compiler")
@@ -68,7 +69,7 @@ def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype,
     for layer in range(2):
         cache.update(layer, keys[:, :, :-1], values[:, :, :-1])
     cache.commit(length - 1)
-    attention = QuantizedKVAttention(load())
+    attention = QuantizedDecodeView()
     attention.prepare(cache, length)
     cache.write(1, keys[:, :, -1:], values[:, :, -1:])
     q, out = torch.randn(heads, 64), torch.full((heads, 64), float("nan"))
@@ -82,10 +83,10 @@ def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype,
 def test_codecs_the_kernel_cannot_read_keep_the_update_path() -> None:
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=64)
     for k_dtype, v_dtype in READABLE:
-        assert quantized_kv_attention.supports(QuantizedCache(spec, 8, 8, k_dtype, v_dtype))
-    assert quantized_kv_attention.supports(kvquant3_cache(spec, 8, 8))
-    assert not quantized_kv_attention.supports(QuantizedCache(spec, 8, 8, "int3", "int8"))
-    assert not quantized_kv_attention.supports(QuantizedCache(spec, 8, 8, "int8", "int3"))
+        assert quantized_decode_view.supports(QuantizedCache(spec, 8, 8, k_dtype, v_dtype))
+    assert quantized_decode_view.supports(kvquant3_cache(spec, 8, 8))
+    assert not quantized_decode_view.supports(QuantizedCache(spec, 8, 8, "int3", "int8"))
+    assert not quantized_decode_view.supports(QuantizedCache(spec, 8, 8, "int8", "int3"))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_models_decode_over_the_codes_as_through_update(q4_models: dict[str, LLM
         return build_quantized_cache(llm.model, llm.tokenizer, size, size, k_dtype, v_dtype)
 
     with monkeypatch.context() as patch:
-        patch.setattr(quantized_kv_attention, "supports", lambda cache: False)
+        patch.setattr(quantized_decode_view, "supports", lambda cache: False)
         expected_tokens, expected_logits = greedy(llm, cache(), prompt, steps)
 
     over_codes = cache()

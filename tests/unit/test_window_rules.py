@@ -101,7 +101,7 @@ def test_cache_config_checks_window_options() -> None:
         CacheConfig("sinks")
     with pytest.raises(ValueError, match="chunked cache needs a chunk size"):
         CacheConfig("chunked")
-    with pytest.raises(ValueError, match="window applies to the window / sinks / chunked"):
+    with pytest.raises(ValueError, match=r"KV option window \(--kv-window\) applies to the window / sinks / chunked"):
         CacheConfig("paged", window=8)
     with pytest.raises(ValueError, match="chunk must be a positive"):
         CacheConfig("chunked", chunk=0)

@@ -18,13 +18,17 @@ from kvgen.engine.runner import ModelRunner
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.speculation import RequestSpeculation, check_engine_method
 from kvgen.generate import Generator
-from kvgen.kv.block_pool import BlockPool
-from kvgen.kv.interface import CacheSpec
-from kvgen.kv.paged import PagedStorage
+from kvgen.cache_factory import CacheFactory
+from kvgen.config import CacheConfig
 from kvgen.sampling.output import stop_token_ids
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.adaptive import SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
+
+
+# Staging slots of a quantized pool beyond one per running request: a prompt chunk that crosses a
+# block boundary holds two for the length of a step (kv/paged_codes.py).
+STAGING_SPARE = 4
 
 
 class LLMEngine:
@@ -35,17 +39,19 @@ class LLMEngine:
         "logprobs", "top_logprobs", "structured",
     })  # fmt: skip
 
-    def __init__(self, llm, config: EngineConfig | None = None):  # llm: kvgen.LLM
+    def __init__(self, llm, config: EngineConfig | None = None, cache: CacheConfig | None = None):  # llm: kvgen.LLM
+        """`cache` says how the pool stores K/V (fp32 blocks, or quantized with its K and V dtypes);
+        default: the LLM's own cache config. The pool's size comes from `config`. A cache kind or
+        option the pool cannot honour is a ValueError here, before anything runs."""
         self.config = config or EngineConfig()
         self.model, self.tokenizer = llm.model, llm.tokenizer
         model_context = self.model.config.max_position_embeddings
         self.max_context = min(self.config.max_context or model_context, model_context)
-        spec = CacheSpec.for_model(self.model.config, self.model.dtype)
-        if self.config.num_blocks is not None:
-            self.storage = PagedStorage(spec, BlockPool(self.config.num_blocks, self.config.block_size))
-        else:
-            self.storage = PagedStorage.create(spec, self.config.kv_budget_mb, self.config.block_size)
-        self.scheduler = Scheduler(self.storage, self.config)
+        self.cache_config = cache or llm.generator.cache_config
+        factory = CacheFactory(self.cache_config, self.model, self.tokenizer, self.max_context)
+        self.storage = factory.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
+                                             self.config.kv_budget_mb, self.config.num_blocks)  # fmt: skip
+        self.scheduler = Scheduler(self.storage, self.config, lambda: factory.engine_cache(self.storage))
         self.runner = ModelRunner(self.model)
         self.requests: dict[str, Request] = {}
         self.speculative_totals = SpeculativeStats()  # over every speculative request (metrics)

@@ -12,6 +12,7 @@ speculative drafts gets them only while budget and free blocks allow: drafts nev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from kvgen.engine.config import EngineConfig
 from kvgen.engine.request import Request, RequestStatus
@@ -26,8 +27,9 @@ class ScheduledRow:
 
 
 class Scheduler:
-    def __init__(self, storage: PagedStorage, config: EngineConfig):
+    def __init__(self, storage: PagedStorage, config: EngineConfig, new_cache: Callable[[], PagedCache] | None = None):
         self.storage, self.config = storage, config
+        self.new_cache = new_cache or (lambda: PagedCache(storage))  # an empty sequence over `storage`
         self.pool = storage.pool
         self.prefix = PrefixIndex(self.pool, config.eviction) if config.prefix_cache else None
         self.waiting: list[Request] = []  # kept sorted by (priority, arrival)
@@ -70,7 +72,7 @@ class Scheduler:
 
     def _attach_cache(self, request: Request) -> None:
         """A fresh cache for a waiting request, starting from its longest cached prefix."""
-        cache = PagedCache(self.storage)
+        cache = self.new_cache()
         if self.prefix is not None:
             # The last known token is always recomputed: its logits give the next token.
             match = self.prefix.match(request.all_ids, request.salt, max_tokens=len(request.all_ids) - 1)

@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("decode.c", "attention_tiles.c", "quantized_attention.c")  # #included by qgemm.c, in this order
+INCLUDED = ("decode.c", "attention_tiles.c", "quantized_attention.c", "paged_codes_attention.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
@@ -95,7 +95,13 @@ def load() -> ctypes.CDLL | None:
                                             count, count, count, count, count, pointer, count]  # fmt: skip
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer]  # fmt: skip
-    for name in ("kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
+    library.kvgen_paged_codes_attention.argtypes = [pointer, pointer, count, pointer, pointer, count, count, count,
+                                                    ctypes.c_float, count, pointer, pointer, count, pointer, count,
+                                                    pointer, pointer, pointer, pointer]  # fmt: skip
+    library.kvgen_decode_rows_over_codes.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer,
+                                                     pointer, pointer, count, count, count, count, pointer, pointer,
+                                                     pointer, pointer, pointer, count, pointer, pointer, pointer]  # fmt: skip
+    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
                  "kvgen_linear_q4", "kvgen_linear_q8", *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

@@ -99,10 +99,23 @@ class KVLayout:
     block_table: torch.Tensor | None = None  # int64 [num_blocks of this sequence]
 
 
+@dataclass
+class CodesView:
+    """What a cache that stores packed codes offers the one-call C decode step for one sequence:
+    `storage` is the kernel's descriptor of the cache (kernels/quantized_attention.c quantized_kv),
+    valid for this step; `num_packed_blocks` how many of its blocks hold codes."""
+
+    storage: object  # a ctypes structure
+    num_packed_blocks: int
+
+
 class KVCache(ABC):
     """One sequence's (or one fixed batch's) keys and values for every layer."""
 
     spec: CacheSpec
+    # True where the kernels read this cache's storage only through its batch view (the engine's
+    # blocks of codes): the model then runs even a single row as a batch of one.
+    batch_path_only: bool = False
 
     @property
     @abstractmethod
@@ -164,6 +177,20 @@ class KVCache(ABC):
         Only caches that store plain fp32 K/V return a layout; every other cache returns None and is
         written through `update`.
         """
+        return None
+
+    def codes_view(self, num_tokens: int) -> CodesView | None:
+        """Optional: for caches that store packed codes the C kernels read, room for `num_tokens`
+        positions and the kernels' view of the storage (the caller then `commit`s); None for every
+        other cache (written through `update`)."""
+        return None
+
+    @classmethod
+    def batch_view(cls, caches: list["KVCache"], lengths: list[int]) -> object | None:
+        """Optional: one object that reads and writes a ragged batch of these caches at once (it
+        duck-types `update`, and may attend in place: models/layers.py Attention), when every cache
+        can be served by it; None (the default) means each row goes through its own `update`.
+        Asked of the first row's class; `lengths[i]` new tokens are about to be written to row i."""
         return None
 
     def visible_start(self, layer: int) -> int:

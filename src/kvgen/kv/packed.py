@@ -47,6 +47,16 @@ class PackedStore:
         views = {name: tensor[layer, :, :num_blocks] for name, tensor in self.parts.items()}
         return self.codec.decode(views, layer)
 
+    def write_blocks(self, layer: int, block_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Encode x [H, N, B, D] and store block i as block block_ids[i] of `layer` (a paged pool's ids)."""
+        for name, tensor in self.codec.encode(x, layer).items():
+            self.parts[name][layer, :, block_ids] = tensor
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Blocks block_ids of `layer`, decoded: fp32 [H, N, B, D]."""
+        views = {name: tensor[layer, :, block_ids] for name, tensor in self.parts.items()}
+        return self.codec.decode(views, layer)
+
     def read_block(self, layer: int, block: int) -> torch.Tensor:
         views = {name: tensor[layer, :, block : block + 1] for name, tensor in self.parts.items()}
         return self.codec.decode(views, layer)[:, 0]  # [H, B, D]

@@ -12,6 +12,7 @@ import torch
 from kvgen.errors import KvgenError
 from kvgen.kv.block_pool import Block, BlockPool
 from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
+from kvgen.kv.paged_batch import PagedBatchView
 
 
 class CacheFullError(KvgenError):
@@ -39,6 +40,9 @@ class PagedStorage:
 
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_token * self.block_size
+
+    def released(self, blocks: list[Block]) -> None:
+        """Blocks a sequence gave up (nothing to do here: the pool has them back)."""
 
 
 class PagedCache(KVCache):
@@ -127,6 +131,10 @@ class PagedCache(KVCache):
         heads, dim = gathered.shape[1], gathered.shape[3]
         return gathered.transpose(0, 1).reshape(heads, -1, dim)[None, :, :length]
 
+    @classmethod
+    def batch_view(cls, caches: list[KVCache], lengths: list[int]) -> object | None:
+                return PagedBatchView(caches, lengths) if PagedBatchView.applies(caches, cls) else None
+
     def kernel_layout(self, num_tokens: int) -> KVLayout | None:
         if self.spec.dtype != torch.float32:
             return None
@@ -192,7 +200,7 @@ class PagedCache(KVCache):
         self._refresh_table()
 
     def fork(self) -> "PagedCache":
-        twin = PagedCache(self.storage)
+        twin = type(self)(self.storage)
         self.storage.pool.share(self.blocks)
         twin.blocks, twin._seq_len, twin._removed = list(self.blocks), self._seq_len, self._removed
         twin._refresh_table()

@@ -16,17 +16,17 @@ import torch
 
 from kvgen.kernels import load
 from kvgen.kv.interface import AttentionSpan, KVCache
-from kvgen.kv.paged import PagedCache
 
 
 class PagedBatchView:
     """Duck-types the one method Attention uses (`update`) for rows that share one PagedStorage."""
 
     @staticmethod
-    def applies(caches: list[KVCache]) -> bool:
-        return all(type(c) is PagedCache for c in caches) and len({id(c.storage) for c in caches}) == 1  # type: ignore[attr-defined]
+    def applies(caches: list[KVCache], cache_type: type) -> bool:
+        """Every row a `cache_type` (kv/paged.py PagedCache) over one PagedStorage."""
+        return all(type(c) is cache_type for c in caches) and len({id(c.storage) for c in caches}) == 1  # type: ignore[attr-defined]
 
-    def __init__(self, caches: list[PagedCache], lengths: list[int]):
+    def __init__(self, caches: list, lengths: list[int]):  # caches: PagedCache rows (kv/paged.py)
         storage = caches[0].storage
         size = storage.block_size
         self.keys_store, self.values_store = storage.keys, storage.values  # [L, N, H, bs, D]
@@ -82,6 +82,18 @@ class PagedBatchView:
             self.table.data_ptr(), self.blocks_per_row, starts.data_ptr(), self.ends.data_ptr(),
         )  # fmt: skip
         return out
+
+    def rows_kernel(self) -> tuple[str, tuple] | None:
+        """For one-token rows over fp32 blocks, the C step over every layer (kernels/decode.c
+        kvgen_decode_rows) and the store's arguments; None for other stores."""
+        keys, values = self.keys_store, self.values_store  # [L, N, H_kv, bs, D]
+        if keys.dtype != torch.float32:
+            return None
+        assert keys.stride() == values.stride()
+        return "kvgen_decode_rows", (
+            keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1),
+            keys.shape[3], self.table.data_ptr(), self.blocks_per_row,
+        )  # fmt: skip
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values [B, H_kv, S_max, D] -> every row's keys/values so far, [B, H_kv, L_max, D]."""

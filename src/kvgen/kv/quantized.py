@@ -23,9 +23,10 @@ from typing import Callable
 import torch
 
 from kvgen.kv.codecs import BLOCK_TOKENS, Codec, Parts, key_codec, value_codec
-from kvgen.kv.interface import CacheSpec, KVCache, Rerotate
+from kvgen.kv.interface import CacheSpec, CodesView, KVCache, Rerotate
+from kvgen.kv import quantized_decode_view
 from kvgen.kv.packed import PackedStore
-from kvgen.models.rotary import rotate_half
+from kvgen.kv.rotation import turn
 
 # (layer, positions [N]) -> RoPE cos, sin [N, D] of that layer, fp32
 KeyRope = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -56,6 +57,7 @@ class QuantizedCache(KVCache):
         self._seq_len = 0
         self._num_blocks = 0  # packed blocks (the same for every layer)
         self._removed = 0  # positions dropped by remove_range since the cache was last empty
+        self._decode_view = None  # QuantizedDecodeView, built on the first codes_view()
 
     @property
     def seq_len(self) -> int:
@@ -119,6 +121,14 @@ class QuantizedCache(KVCache):
             offset = first - self.packed_end
             self._tail[:, layer, :, offset : offset + end - first] = new[:, :, first - start :]
 
+    def codes_view(self, num_tokens: int) -> CodesView | None:
+        if not quantized_decode_view.supports(self) or quantized_decode_view.library() is None:
+            return None
+        if self._decode_view is None:
+            self._decode_view = quantized_decode_view.QuantizedDecodeView()
+        self._decode_view.prepare(self, num_tokens)
+        return CodesView(self._decode_view.storage, self._num_blocks)
+
     @property
     def sink_store(self) -> torch.Tensor:
         """[K/V, L, H, sink_tokens, D] fp32: the positions kept whole at the start."""
@@ -153,7 +163,7 @@ class QuantizedCache(KVCache):
         """keys [H, n, D] at positions first.. rotated by RoPE (inverse: un-rotated; exact, angles negate)."""
         assert self.key_rope is not None
         cos, sin = self.key_rope(layer, torch.arange(first, first + keys.shape[1]))  # [n, D]
-        return keys * cos - rotate_half(keys) * sin if inverse else keys * cos + rotate_half(keys) * sin
+        return turn(keys, cos, sin, inverse)
 
     def commit(self, num_tokens: int) -> None:
         if self._seq_len + num_tokens > self.capacity:
@@ -290,6 +300,7 @@ class QuantizedCache(KVCache):
         twin.key_store, twin.value_store = self.key_store.copy(), self.value_store.copy()
         twin._sink, twin._tail = self._sink.clone(), self._tail.clone()
         twin._scratch = torch.zeros_like(self._scratch)
+        twin._decode_view = None
         return twin
 
     def memory_bytes(self) -> int:

@@ -15,7 +15,6 @@ from torch import nn
 
 from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
-from kvgen.kv.paged_batch import PagedBatchView
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
@@ -188,28 +187,30 @@ class DecoderLM(nn.Module):
         num_logits = list(num_logits) if num_logits is not None else [1] * len(token_ids)
         if len(num_logits) != len(token_ids) or any(not 1 <= n <= len(ids) for n, ids in zip(num_logits, token_ids)):
             raise ValueError(f"num_logits needs one count per row, each between 1 and the row's length, got {num_logits}")
-        if len(caches) == 1:  # no padding to do: the single-sequence path (and its C decode kernel)
+        if len(caches) == 1 and not caches[0].batch_path_only:  # no padding: the single-sequence path and its C kernels
             return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
         with self._forward_lock:
             return self._forward_batch(token_ids, caches, num_logits)
 
     def _decode_rows_fast(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor | None:
-        """One-token rows over one fp32 paged store, quantized weights, few enough rows: every
-        layer in C (FastDecoder.step_rows) -> logits [B, V]; None when the torch path must run."""
-        if any(len(ids) != 1 for ids in token_ids) or not PagedBatchView.applies(caches):
+        """One-token rows whose caches offer the C step over every layer (a paged store of fp32
+        blocks or of codes), quantized weights, few enough rows: FastDecoder.step_rows -> logits
+        [B, V]; None when the torch path must run."""
+        if any(len(ids) != 1 for ids in token_ids):
             return None
         decoder = self.fast_decoder() if self.use_fast_decode else None
         if decoder is None or len(caches) > decoder.max_rows:
             return None
-        view = PagedBatchView(caches, [1] * len(caches))  # reserves each row's slot
-        if view.keys_store.dtype != torch.float32:
+        view = type(caches[0]).batch_view(caches, [1] * len(caches))  # reserves each row's slot
+        kernel = view.rows_kernel() if view is not None else None  # type: ignore[attr-defined]
+        if kernel is None:
             return None
-        positions = view.ends - 1
+        positions = torch.tensor([c.seq_len for c in caches])
         h = self._embed(torch.tensor(token_ids))[:, 0].contiguous()  # [B, H]
         rope = torch.stack(
             [torch.stack([t[:, 0, 0] for t in rope(positions[:, None], h.dtype)], dim=1) for rope in self.ropes], dim=1
         ).contiguous()  # [B, kinds, 2, D]
-        decoder.step_rows(h, rope, view, positions)
+        decoder.step_rows(h, rope, kernel, positions)
         for cache in caches:
             cache.commit(1)
         return self._logits(h[None])[0]  # [B, V]
@@ -224,7 +225,7 @@ class DecoderLM(nn.Module):
         positions = torch.tensor(starts)[:, None] + torch.arange(longest)[None, :]  # [B, S]
         h = self._embed(padded)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
-        view = PagedBatchView(caches, lengths) if PagedBatchView.applies(caches) else BatchCacheView(caches, lengths)
+        view = type(caches[0]).batch_view(caches, lengths) or BatchCacheView(caches, lengths)
         masks: dict[tuple[tuple[AttentionSpan, ...], tuple[int, ...]], AttentionMask] = {}
         key_biases = [c.key_bias() for c in caches]
         for i, block in enumerate(self.layers):
@@ -232,7 +233,7 @@ class DecoderLM(nn.Module):
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                in_place = view.in_place_starts(lengths, spans) if isinstance(view, PagedBatchView) else None
+                in_place = view.in_place_starts(lengths, spans)  # type: ignore[attr-defined]
                 if in_place is not None:
                     masks[spans, key_starts] = AttentionMask(None, False, in_place)
                 else:

@@ -20,6 +20,10 @@ class BatchCacheView:
     def __init__(self, caches: list[KVCache], lengths: list[int]):
         self.caches, self.lengths = caches, lengths
 
+    def in_place_starts(self, lengths: list[int], spans: tuple[AttentionSpan, ...]) -> None:
+        """Rows of arbitrary caches never attend in place: every layer goes through `update`."""
+        return None
+
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values [B, H_kv, S_max, D] -> each row's visible keys/values, [B, H_kv, L_max, D]."""
         rows = [

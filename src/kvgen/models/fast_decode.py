@@ -1,12 +1,13 @@
 """FastDecoder: one-token, batch-1 decode steps run in C (kernels/decode.c), two calls per block.
 
 Eligible when every block matmul is a QuantizedLinear (the int8 / q4 weight modes) and the model is
-a family decode.c knows (pre-norm Llama blocks, Gemma 3 sandwich blocks). Keys and values still go
-through `cache.update()`; the C attention reads the views it returns, so any cache whose views are
-fp32 with a contiguous head dimension works; a QuantizedCache whose codecs the kernel reads is
-attended over its stored codes instead (models/quantized_kv_attention.py). `step_rows` runs a
-batch of one-token rows over one paged store the same way, all rows' matmuls in one tiled GEMM per
-weight (the engine's decode steps). Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
+a family decode.c knows (pre-norm Llama blocks, Gemma 3 sandwich blocks). The cache contract says
+where keys and values live: fp32 storage read in place (`kernel_layout`, one C call per token),
+packed codes the kernels read (`codes_view`, one C call per token), or anything else through
+`cache.update()` (two C calls per block; the C attention reads the fp32 views update returns).
+`step_rows` runs a batch of one-token rows over one paged store (fp32 blocks, or blocks of codes)
+the same way, all rows' matmuls in one tiled GEMM per weight (the engine's decode steps).
+Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kernels.formats import QK
-from kvgen.kv.interface import KVCache
-from kvgen.kv.paged_batch import PagedBatchView
-from kvgen.kv.quantized import QuantizedCache
-from kvgen.models import quantized_kv_attention
+from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 
@@ -77,7 +75,6 @@ class FastDecoder:
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
-        self.codes_attention = quantized_kv_attention.QuantizedKVAttention(self.library)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -122,8 +119,9 @@ class FastDecoder:
         rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes.
         """
         layout = cache.kernel_layout(cache.seq_len + 1)
-        if layout is None and quantized_kv_attention.supports(cache):
-            self._step_over_codes(h, rope, cache)
+        codes = cache.codes_view(cache.seq_len + 1) if layout is None else None
+        if codes is not None:
+            self._step_over_codes(h, rope, cache, codes)
             return
         if layout is None:
             self._step_through_update(h, rope, cache)
@@ -139,18 +137,18 @@ class FastDecoder:
         )  # fmt: skip
         cache.commit(1)
 
-    def step_rows(self, h: torch.Tensor, rope: torch.Tensor, view: PagedBatchView, positions: torch.Tensor) -> None:
-        """Every block for one-token rows over one fp32 paged store (`view` has reserved their
-        slots): h [rows, hidden] updated in place; rope [rows, kinds, 2, head_dim]; positions [rows]
-        int64. The caller commits each row's cache."""
+    def step_rows(self, h: torch.Tensor, rope: torch.Tensor, kernel: tuple[str, tuple], positions: torch.Tensor) -> None:
+        """Every block for one-token rows over one paged store whose batch view offered `kernel`
+        (the C step's name and the storage's arguments; the view reserved the rows' slots): h
+        [rows, hidden] updated in place; rope [rows, kinds, 2, head_dim]; positions [rows] int64.
+        The caller commits each row's cache."""
         rows = h.shape[0]
-        keys, values = view.keys_store, view.values_store  # [L, N, H_kv, bs, D]
-        assert h.is_contiguous() and rope.is_contiguous() and keys.dtype == torch.float32 and keys.stride() == values.stride()
-        self.library.kvgen_decode_rows(
+        assert h.is_contiguous() and rope.is_contiguous()
+        name, storage = kernel
+        getattr(self.library, name)(
             self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
-            self._rope_index.data_ptr(), self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-            keys.stride(2), keys.stride(3), keys.stride(1), keys.shape[3], view.table.data_ptr(), view.blocks_per_row,
-            positions.data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),
+            self._rope_index.data_ptr(), self._windows.data_ptr(), *storage, positions.data_ptr(),
+            ctypes.byref(self._scratch_for_rows(rows)),
         )  # fmt: skip
 
     def _scratch_for_rows(self, rows: int) -> _RowsScratch:
@@ -166,13 +164,11 @@ class FastDecoder:
             self._rows_capacity = rows
         return self._rows_scratch
 
-    def _step_over_codes(self, h: torch.Tensor, rope: torch.Tensor, cache: QuantizedCache) -> None:
-        """Every block in one call over a quantized cache: attention reads its stored codes."""
-        self.codes_attention.prepare(cache, cache.seq_len + 1)
+    def _step_over_codes(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, codes: CodesView) -> None:
+        """Every block in one call over a cache of packed codes: attention reads the codes."""
         self.library.kvgen_decode_layers_over_codes(
             self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
-            self._windows.data_ptr(), ctypes.byref(self.codes_attention.storage), cache.num_packed_blocks,
-            cache.seq_len,
+            self._windows.data_ptr(), ctypes.byref(codes.storage), codes.num_packed_blocks, cache.seq_len,
         )  # fmt: skip
         cache.commit(1)
 

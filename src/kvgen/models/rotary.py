@@ -9,6 +9,8 @@ from torch import nn
 
 from kvgen.config import RopeScaling
 
+from kvgen.kv.rotation import rotate_half  # one definition, shared with the caches that turn pre-RoPE keys
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     # Same expression as transformers so frequencies match bit for bit.
@@ -42,11 +44,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq  # [B, S, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
         return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
