@@ -30,6 +30,8 @@ class Codec(ABC):
     # Each position is encoded on its own (its parts have the block's positions on dim 2), so stored
     # positions can be moved between blocks as codes; False where a block's positions share scales.
     per_position: bool = True
+    # encode/decode ignore `layer` (kvquant3's codebooks are per layer): all layers can go at once.
+    same_for_every_layer: bool = True
 
     @abstractmethod
     def encode(self, x: torch.Tensor, layer: int) -> Parts:

@@ -92,6 +92,7 @@ class KVQuantKeyCodec(Codec):
     keys_before_rope = True
     sink_tokens = 1
     per_position = False  # a block's positions share each channel's low and span
+    same_for_every_layer = False
 
     def __init__(self, codebooks: torch.Tensor, outliers: int):
         self.codebooks, self.outliers = codebooks, outliers  # [layers, LEVELS]
@@ -116,6 +117,7 @@ class KVQuantValueCodec(Codec):
 
     name = "kvquant3"
     sink_tokens = 1
+    same_for_every_layer = False
 
     def __init__(self, codebooks: torch.Tensor, outliers: int = 0):
         self.codebooks, self.outliers = codebooks, outliers  # [layers, LEVELS]

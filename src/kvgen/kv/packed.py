@@ -52,6 +52,17 @@ class PackedStore:
         for name, tensor in self.codec.encode(x, layer).items():
             self.parts[name][layer, :, block_ids] = tensor
 
+    def write_block_every_layer(self, block_id: int, x: torch.Tensor) -> None:
+        """Encode x [L, H, B, D] as block `block_id` of every layer (one encode when the codec is
+        the same for every layer)."""
+        if not self.codec.same_for_every_layer:
+            for layer in range(x.shape[0]):
+                self.write_blocks(layer, torch.tensor([block_id]), x[layer][:, None])
+            return
+        layers, heads = x.shape[:2]
+        for name, tensor in self.codec.encode(x.reshape(layers * heads, 1, *x.shape[2:]), 0).items():
+            self.parts[name][:, :, block_id] = tensor.reshape(layers, heads, *tensor.shape[2:])
+
     def read_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
         """Blocks block_ids of `layer`, decoded: fp32 [H, N, B, D]."""
         views = {name: tensor[layer, :, block_ids] for name, tensor in self.parts.items()}

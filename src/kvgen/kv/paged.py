@@ -41,6 +41,12 @@ class PagedStorage:
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_token * self.block_size
 
+    @property
+    def format_key(self) -> str:
+        """The storage format, wherever blocks leave the pool (prefix keys on disk, metrics)."""
+        name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.spec.dtype]
+        return f"{name}/{name}/bs{self.block_size}"
+
     def released(self, blocks: list[Block]) -> None:
         """Blocks a sequence gave up (nothing to do here: the pool has them back)."""
 

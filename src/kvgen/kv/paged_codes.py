@@ -134,10 +134,14 @@ class QuantizedPagedStorage:
     def encode_staged(self, block: Block, first_position: int) -> None:
         """A staged block became full: encode its slot into codes (every layer) and free the slot."""
         slot = self.slot_of[block.block_id]
-        ids = torch.tensor([block.block_id])
-        for layer in range(self.spec.num_layers):
-            keys, values = self.stage_keys[layer, slot][:, None], self.stage_values[layer, slot][:, None]  # [H, 1, B, D]
-            self._encode(layer, ids, keys, values, first_position)
+        if self.key_codec.keys_before_rope:  # turned back per layer, each with its own RoPE
+            ids = torch.tensor([block.block_id])
+            for layer in range(self.spec.num_layers):
+                keys, values = self.stage_keys[layer, slot][:, None], self.stage_values[layer, slot][:, None]  # [H, 1, B, D]
+                self._encode(layer, ids, keys, values, first_position)
+        else:
+            self.key_store.write_block_every_layer(block.block_id, self.stage_keys[:, slot])  # [L, H, B, D]
+            self.value_store.write_block_every_layer(block.block_id, self.stage_values[:, slot])
         self.release_slot(block)
 
     def _encode(self, layer: int, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -22,6 +22,11 @@ class ServerMetrics:
             lambda: read(lambda e: e.scheduler.num_blocks_in_use()))
         Gauge("kvgen_kv_blocks_total", "KV blocks in the pool", registry=r).set_function(
             lambda: read(lambda e: e.storage.pool.num_blocks))
+        storage = async_engine.engine.storage
+        Info("kvgen_kv_storage", "How the pool stores K/V: codecs and block size", registry=r).info({"format": storage.format_key})
+        Gauge("kvgen_kv_block_bytes", "Bytes of one pool block (every layer, K and V)", registry=r).set(storage.bytes_per_block())
+        Gauge("kvgen_kv_staging_slots_in_use", "fp32 slots holding unfilled blocks (pools of K/V codes)", registry=r).set_function(
+            lambda: read(lambda e: e.storage.num_slots - e.storage.num_free_slots if hasattr(e.storage, "num_slots") else 0))
         Gauge("kvgen_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r).set_function(
             lambda: read(lambda e: e.scheduler.prefix.stats.hit_rate if e.scheduler.prefix else 0.0))
         Gauge("kvgen_preemptions", "Requests preempted since start", registry=r).set_function(
