@@ -1,8 +1,9 @@
 """CacheFactory: the one place where a CacheConfig becomes caches.
 
 Every cache kvgen makes goes through here: the Generator's per-request caches (and so Session,
-`generate_n`, speculative targets), the engine's block storage (so `generate_batch` and the server),
-and the quantized caches `kv-check` scores. Each cache kind declares the options it takes
+`generate_n`, speculative targets), the draft caches of speculative proposers (contiguous: exact
+rewinds), the engine's block storage (so `generate_batch` and the server), and the quantized caches
+`kv-check` scores. Each cache kind declares the options it takes
 (config.KIND_OPTIONS; CacheConfig refuses the others); the engine's pool refuses the kinds and
 options it cannot honour here, at start, with the option named.
 
@@ -53,9 +54,12 @@ def check_engine_cache(config: CacheConfig) -> None:
 
 
 class CacheFactory:
-    def __init__(self, config: CacheConfig, model: DecoderLM, tokenizer: Any, max_context: int):
+    def __init__(self, config: CacheConfig, model: DecoderLM, tokenizer: Any, max_context: int,
+                 num_layers: int | None = None):  # fmt: skip
+        """num_layers: caches for the model's first layers only (a layer-skip draft)."""
         self.config, self.model, self.tokenizer, self.max_context = config, model, tokenizer, max_context
-        self.spec = CacheSpec.for_model(model.config, model.dtype)
+        spec = CacheSpec.for_model(model.config, model.dtype)
+        self.spec = spec if num_layers is None else CacheSpec(num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
         self._paged_storage: PagedStorage | None = None  # the "paged" kind's pool, shared by all requests
 
     def codecs(self, k_dtype: str, v_dtype: str) -> tuple[Codec, Codec]:

@@ -9,20 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from kvgen.generate import Chunk, ChunkCallback, GenerationResult, GenerationStream, Generator
+from kvgen.token_ids import common_prefix_length
 from kvgen.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from kvgen.speculative.config import SpeculativeConfig
 
 INITIAL_CAPACITY = 1024  # positions; the cache doubles when a conversation grows past it
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Session:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvgen import SamplingParams
-from kvgen.session import common_prefix_length
+from kvgen.token_ids import common_prefix_length
 
 
 def test_stream_chunks_add_up_to_the_result(smollm2) -> None:

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvgen.config import CacheConfig
+from kvgen.models.base import DecoderLM
 from kvgen.speculative.adaptive import DraftLengthController
 
 if TYPE_CHECKING:
-    from kvgen.generate import Generator
     from kvgen.speculative.proposer import Proposer
+
+
+class Generator(Protocol):
+    """What a proposer is built from (generate.py's Generator, or the engine's prompt checker)."""
+
+    model: DecoderLM
+    tokenizer: Any
+    max_context: int
+    cache_config: CacheConfig
 
 Method = Literal["lookup", "self", "draft", "eagle"]
 METHODS = ("lookup", "self", "draft", "eagle")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.kv.contiguous import ContiguousCache
-from kvgen.kv.interface import CacheSpec
+from kvgen.cache_factory import CacheFactory
+from kvgen.config import CacheConfig
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
 from kvgen.speculative.proposer import CachedDrafter
@@ -35,8 +35,8 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:
 
 class DraftModelProposer(CachedDrafter):
     def __init__(self, draft: DecoderLM, max_context: int):
-        super().__init__(ContiguousCache(CacheSpec.for_model(draft.config, draft.dtype), INITIAL_CAPACITY,
-                                         max_capacity=min(max_context, draft.config.max_position_embeddings)))  # fmt: skip
+        context = min(max_context, draft.config.max_position_embeddings)
+        super().__init__(CacheFactory(CacheConfig(), draft, None, context).new_cache(INITIAL_CAPACITY))  # contiguous: exact rewinds
         self.draft = draft
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

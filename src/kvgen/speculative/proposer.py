@@ -16,7 +16,7 @@ from kvgen.kv.interface import KVCache
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.sampler import Sampler
-from kvgen.session import common_prefix_length
+from kvgen.token_ids import common_prefix_length
 
 
 @dataclass

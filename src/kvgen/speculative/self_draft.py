@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.kv.contiguous import ContiguousCache
-from kvgen.kv.interface import CacheSpec
+from kvgen.cache_factory import CacheFactory
+from kvgen.config import CacheConfig
 from kvgen.models.base import DecoderLM
 from kvgen.speculative.proposer import CachedDrafter
 
@@ -26,8 +26,8 @@ class SelfDraftProposer(CachedDrafter):
                 f"a self-draft uses the first L (draft_layers) of the target's {model.config.num_layers} layers: "
                 f"L must be in [1, {model.config.num_layers - 1}], got {num_layers}"
             )
-        spec = CacheSpec(num_layers, model.config.num_kv_heads, model.config.head_dim, model.dtype)
-        super().__init__(ContiguousCache(spec, INITIAL_CAPACITY, max_capacity=max_context))
+        caches = CacheFactory(CacheConfig(), model, None, max_context, num_layers=num_layers)
+        super().__init__(caches.new_cache(INITIAL_CAPACITY))  # contiguous: exact rewinds
         self.model, self.num_layers = model, num_layers
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
