@@ -10,6 +10,7 @@ from typing import Literal
 
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
 
 
 @dataclass(frozen=True)
