@@ -11,6 +11,7 @@ from typing import Literal
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
+ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,29 @@ class MambaConfig:
     # No positions: any length fits; the generator caps prompt + output at this.
     max_position_embeddings: int = 1 << 20
     architecture: str = "mamba"
+
+
+@dataclass(frozen=True)
+class T5Config:
+    """A T5 encoder-decoder (models/t5.py): relative position buckets, no absolute positions."""
+
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_layers: int  # encoder blocks
+    num_decoder_layers: int
+    num_heads: int
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    rms_norm_eps: float = 1e-6
+    gated_gelu: bool = False  # T5 v1.1 / Flan-T5: wo(gelu(wi_0 x) * wi_1 x); T5 v1.0: wo(relu(wi x))
+    tie_word_embeddings: bool = True
+    # The decoder output is multiplied by d_model**-0.5 before the head (T5 v1.0's tied head).
+    scale_decoder_outputs: bool = True
+    decoder_start_token_id: int = 0
+    max_position_embeddings: int = 1 << 20  # relative positions: no limit but memory
+    architecture: str = "t5"
 
 
 def alternating_layer_types(num_layers: int) -> tuple[LayerType, ...]:

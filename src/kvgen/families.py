@@ -29,6 +29,9 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("mamba", "HF (fp32 weights)", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
                   "no: torch scan", "no (clear error); LLM.generate, Session, model.forward_batch",
                   "random tiny (transformers)"),
+    FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
+                  "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
+                  "no: torch path", "no (clear error); LLM.generate, CLI", "random tiny (transformers)"),
 )  # fmt: skip
 
 

@@ -113,10 +113,10 @@ class Generator:
 
     def new_cache(self, num_tokens: int) -> KVCache:
         """An empty cache of the configured kind, with room for `num_tokens` (more can come later)."""
-        if getattr(self.model, "is_recurrent", False):  # Mamba: a fixed-size state, not keys and values
+        if hasattr(self.model, "new_state_cache"):  # Mamba's fixed-size state, T5's encoder entry + decoder KV
             if self.cache_config != CacheConfig():
-                raise ValueError(f"KV cache option {self.cache_config.kind!r} does not apply to a state-space model "
-                                 "(Mamba keeps a fixed-size state); use the default cache settings")
+                raise ValueError(f"KV cache option {self.cache_config.kind!r} does not apply to {self.model.config.architecture} "
+                                 "models, which keep their own state; use the default cache settings")
             return self.model.new_state_cache()  # type: ignore[operator]
         spec = CacheSpec.for_model(self.model.config, self.model.dtype)
         if self.cache_config.kind == "paged":

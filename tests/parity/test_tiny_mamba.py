@@ -110,11 +110,11 @@ def test_batched_rows_equal_each_row_alone(mamba: tuple[Any, LLM]) -> None:
 
 def test_paths_mamba_does_not_run_refuse_clearly(mamba: tuple[Any, LLM]) -> None:
     _, llm = mamba
-    with pytest.raises(ValueError, match="state-space"):
+    with pytest.raises(ValueError, match="not served by the engine"):
         LLMEngine(llm)
     llm.generator.cache_config = CacheConfig(kind="paged")
     try:
-        with pytest.raises(ValueError, match="does not apply to a state-space model"):
+        with pytest.raises(ValueError, match="does not apply to mamba models"):
             llm.generate("hello", SamplingParams(max_new_tokens=2))
     finally:
         llm.generator.cache_config = CacheConfig()

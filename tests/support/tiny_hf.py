@@ -74,3 +74,25 @@ def save_tiny_mamba(folder: Path, tokenizer_files: Path, std: float = 0.2) -> An
     for file in tokenizer_files.iterdir():
         shutil.copy(file, folder / file.name)
     return model
+
+
+def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
+    """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
+    `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and
+    widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=49152, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, std)
+    model.save_pretrained(folder)
+    for file in tokenizer_files.iterdir():
+        shutil.copy(file, folder / file.name)
+    return model

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvgen.config import STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from kvgen.config import ENCODER_DECODER_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from kvgen.families import FAMILY_SUPPORT, family_table
 from kvgen.models import FAMILIES
 
 
 def test_every_architecture_has_a_class_and_a_support_line() -> None:
-    assert set(FAMILIES) == set(SUPPORTED_ARCHITECTURES + STATE_SPACE_ARCHITECTURES)
+    assert set(FAMILIES) == set(SUPPORTED_ARCHITECTURES + STATE_SPACE_ARCHITECTURES + ENCODER_DECODER_ARCHITECTURES)
     listed = " ".join(f.name for f in FAMILY_SUPPORT)
     for architecture in FAMILIES:
         assert architecture in listed, architecture

@@ -36,9 +36,9 @@ class LLMEngine:
     })  # fmt: skip
 
     def __init__(self, llm, config: EngineConfig | None = None):  # llm: kvgen.LLM
-        if getattr(llm.model, "is_recurrent", False):
-            raise ValueError("the engine (continuous batching over paged KV blocks) does not run state-space models "
-                             "(Mamba); use LLM.generate / Session, or model.forward_batch for batched rows")
+        if hasattr(llm.model, "new_state_cache"):
+            raise ValueError(f"{llm.model.config.architecture} models are not served by the engine (continuous batching "
+                             "over paged KV blocks runs decoder-only transformers); use LLM.generate")
         self.config = config or EngineConfig()
         self.model, self.tokenizer = llm.model, llm.tokenizer
         model_context = self.model.config.max_position_embeddings

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvgen.config import MambaConfig, ModelConfig, RopeScaling, alternating_layer_types, gemma3_layer_types
+from kvgen.config import MambaConfig, ModelConfig, RopeScaling, T5Config, alternating_layer_types, gemma3_layer_types
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.kernels.formats import QuantizedWeight
@@ -20,7 +20,7 @@ from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizabl
 
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba",
+    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -48,6 +48,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     arch = HF_MODEL_TYPES[model_type]
     if arch == "mamba":
         return _mamba_config(raw)  # type: ignore[return-value]
+    if arch == "t5":
+        return _t5_config(raw)  # type: ignore[return-value]
     try:
         hidden, num_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers = int(raw["num_hidden_layers"])
@@ -103,6 +105,27 @@ def _mamba_config(raw: dict[str, Any]) -> MambaConfig:
         )
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error}; it is not a complete mamba config") from error
+
+
+def _t5_config(raw: dict[str, Any]) -> T5Config:
+    projection = raw.get("feed_forward_proj", "relu")
+    if projection not in ("relu", "gated-gelu"):
+        raise UnsupportedModelError(f"T5 feed_forward_proj {projection!r} is not supported; kvgen runs relu and gated-gelu")
+    try:
+        return T5Config(
+            vocab_size=int(raw["vocab_size"]), d_model=int(raw["d_model"]), d_kv=int(raw["d_kv"]), d_ff=int(raw["d_ff"]),
+            num_layers=int(raw["num_layers"]), num_decoder_layers=int(raw.get("num_decoder_layers") or raw["num_layers"]),
+            num_heads=int(raw["num_heads"]),
+            relative_attention_num_buckets=int(raw.get("relative_attention_num_buckets", 32)),
+            relative_attention_max_distance=int(raw.get("relative_attention_max_distance", 128)),
+            rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-6)), gated_gelu=projection == "gated-gelu",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            # transformers 5 writes the flag; older configs scale exactly when the head is tied.
+            scale_decoder_outputs=bool(raw.get("scale_decoder_outputs", raw.get("tie_word_embeddings", True))),
+            decoder_start_token_id=int(raw.get("decoder_start_token_id") or 0),
+        )  # fmt: skip
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete t5 config") from error
 
 
 def _gemma_config(raw: dict[str, Any], arch: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -206,8 +229,8 @@ def load_hf_folder(
         except Exception as error:
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
     mode = resolve_mode(weights, file_is_quantized=False)
-    if mode != "fp32" and config.architecture == "mamba":
-        raise UnsupportedModelError(f"weights={weights!r}: Mamba models run with fp32 weights only; load with weights='fp32'")
+    if mode != "fp32" and config.architecture in ("mamba", "t5"):
+        raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
     if mode != "fp32":
         quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=folder, format="hf", weights=mode)

@@ -10,9 +10,10 @@ from kvgen.models.llama import LlamaModel
 from kvgen.models.mamba import MambaModel
 from kvgen.models.phi3 import Phi3Model
 from kvgen.models.qwen3 import Qwen3Model
+from kvgen.models.t5 import T5Model
 from kvgen.models.weights import WeightSource
 
-FAMILIES: dict[str, type[DecoderLM] | type[MambaModel]] = {
+FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "llama": LlamaModel,
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
@@ -21,10 +22,11 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel]] = {
     "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,
     "mamba": MambaModel,
+    "t5": T5Model,
 }
 
 
-def build_model(checkpoint: Checkpoint) -> DecoderLM | MambaModel:
+def build_model(checkpoint: Checkpoint) -> DecoderLM | MambaModel | T5Model:
     model = FAMILIES[checkpoint.config.architecture](checkpoint.config, WeightSource(checkpoint.tensors))  # type: ignore[arg-type]
     model.fast_decoder()  # build the C decode path now, not inside the first timed decode step
     return model.eval()

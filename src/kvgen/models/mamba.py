@@ -90,7 +90,6 @@ class MambaBlock(nn.Module):
 class MambaModel(nn.Module):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
 
-    is_recurrent = True  # no KV cache: the generator asks `new_state_cache`, the engine refuses it
     use_fast_decode = False  # the C decode path is for attention blocks
 
     def __init__(self, config: MambaConfig, weights: WeightSource):
