@@ -14,6 +14,7 @@ import torch
 
 from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.engine import LLMEngine
+from kvgen.speculative.config import SpeculativeConfig
 from kvgen.models.mamba import SCAN_CHUNK
 from tests.support.models import PROMPTS
 from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
@@ -118,5 +119,7 @@ def test_paths_mamba_does_not_run_refuse_clearly(mamba: tuple[Any, LLM]) -> None
             llm.generate("hello", SamplingParams(max_new_tokens=2))
     finally:
         llm.generator.cache_config = CacheConfig()
+    with pytest.raises(ValueError, match="speculative"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2), speculative=SpeculativeConfig(method="lookup"))
     with pytest.raises(ValueError, match="fp32"):
         LLM.load(llm.path, progress=False, weights="int8")

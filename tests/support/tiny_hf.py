@@ -48,10 +48,17 @@ def save_tiny_decoder(name: str, folder: Path, tokenizer_files: Path, std: float
         num_key_value_heads=2, tie_word_embeddings=False, **{"max_position_embeddings": 256, **extra},
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random init is tiny; widen it so rounding differences would show
-        for parameter in model.parameters():
-            parameter.normal_(0, std)
+    return _widen_and_save(transformers.AutoModelForCausalLM.from_config(config), folder, tokenizer_files, std)
+
+
+def _widen_and_save(model: Any, folder: Path, tokenizer_files: Path, std: float, keep: tuple[str, ...] = ()) -> Any:
+    """Redraw the weights N(0, std) (random init is tiny; wider weights make rounding differences
+    show), except parameters whose names end with `keep`; save with the tokenizer files."""
+    model.eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith(keep):
+                parameter.normal_(0, std)
     model.save_pretrained(folder)
     for file in tokenizer_files.iterdir():
         shutil.copy(file, folder / file.name)
@@ -65,15 +72,8 @@ def save_tiny_mamba(folder: Path, tokenizer_files: Path, std: float = 0.2) -> An
     config = transformers.MambaConfig(vocab_size=49152, hidden_size=64, state_size=16, num_hidden_layers=2, conv_kernel=4,
                                       expand=2, use_mambapy=False)  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.MambaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if not name.endswith(("A_log", "dt_proj.bias", "D")):  # keep the decay and step sizes a real model has
-                parameter.normal_(0, std)
-    model.save_pretrained(folder)
-    for file in tokenizer_files.iterdir():
-        shutil.copy(file, folder / file.name)
-    return model
+    # A_log, dt_proj.bias and D keep their initial values: the decay and step sizes a real model has.
+    return _widen_and_save(transformers.MambaForCausalLM(config), folder, tokenizer_files, std, ("A_log", "dt_proj.bias", "D"))
 
 
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
@@ -88,11 +88,4 @@ def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: f
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0, std)
-    model.save_pretrained(folder)
-    for file in tokenizer_files.iterdir():
-        shutil.copy(file, folder / file.name)
-    return model
+    return _widen_and_save(transformers.T5ForConditionalGeneration(config), folder, tokenizer_files, std)

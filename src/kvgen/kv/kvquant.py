@@ -279,6 +279,12 @@ def outliers_for(head_dim: int) -> int:
 def build_quantized_cache(model: DecoderLM, tokenizer: Any, capacity: int, max_capacity: int, k_dtype: str,
                           v_dtype: str, residual: int = 32) -> QuantizedCache:  # fmt: skip
     """A QuantizedCache for `model`: kvquant3 codecs get the model's codebooks and its RoPE tables."""
+    scaling = model.config.rope_scaling
+    if k_dtype == "kvquant3" and scaling is not None and scaling.kind == "longrope":
+        # Keys stored before RoPE are rotated at read time by position alone; LongRoPE's rotation
+        # also depends on how long the sequence has grown, so the read would be wrong.
+        raise ValueError("k_dtype 'kvquant3' stores keys before RoPE, which LongRoPE (Phi-3) models cannot use; "
+                         "choose another key dtype (e.g. int8 or int4)")
     spec = CacheSpec.for_model(model.config, model.dtype)
     outliers = outliers_for(spec.head_dim)
     if "kvquant3" in (k_dtype, v_dtype):

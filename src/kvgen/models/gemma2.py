@@ -7,8 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvgen.config import ModelConfig
-from kvgen.models.base import DecoderLM
-from kvgen.models.gemma3 import NORM_OFFSET, Gemma3Block
+from kvgen.models.gemma3 import Gemma3Block, Gemma3Model
 from kvgen.models.weights import WeightSource
 
 
@@ -16,12 +15,8 @@ class Gemma2Block(Gemma3Block):
     qk_norm_offset = None
 
 
-class Gemma2Model(DecoderLM):
-    norm_offset = NORM_OFFSET
-
-    def __init__(self, config: ModelConfig, weights: WeightSource):
-        super().__init__(config, weights)
-        self.embed_scale = config.hidden_size**0.5
+class Gemma2Model(Gemma3Model):
+    """Gemma 3's embedding scale and norms; no local RoPE base in its config, so one rotary table."""
 
     def build_block(self, config: ModelConfig, layer: int, weights: WeightSource) -> nn.Module:
         return Gemma2Block(config, layer, weights)
