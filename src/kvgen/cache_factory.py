@@ -64,6 +64,12 @@ class CacheFactory:
 
     def codecs(self, k_dtype: str, v_dtype: str) -> tuple[Codec, Codec]:
         """The key and value codecs of two KV dtypes; kvquant3 is calibrated on the model (once)."""
+        scaling = self.model.config.rope_scaling
+        if k_dtype == "kvquant3" and scaling is not None and scaling.kind == "longrope":
+            # Keys stored before RoPE are turned at read time by position alone; LongRoPE's rotation
+            # also depends on how long the sequence has grown, so the read would be wrong.
+            raise ValueError("k_dtype 'kvquant3' stores keys before RoPE, which LongRoPE (Phi-3) models cannot use; "
+                             "choose another key dtype (e.g. int8 or int4)")
         books = codebooks_for(self.model, self.tokenizer) if "kvquant3" in (k_dtype, v_dtype) else None
         key = KVQuantKeyCodec(books.keys, outliers_for(self.spec.head_dim)) if books and k_dtype == "kvquant3" else None
         value = KVQuantValueCodec(books.values) if books and v_dtype == "kvquant3" else None
@@ -78,6 +84,11 @@ class CacheFactory:
     def new_cache(self, num_tokens: int) -> KVCache:
         """An empty cache of the configured kind, with room for `num_tokens` (more can come later)."""
         c, capacity = self.config, min(num_tokens, self.max_context)
+        if hasattr(self.model, "new_state_cache"):  # Mamba's fixed-size state, T5's encoder entry + decoder KV
+            if c != CacheConfig():
+                raise ValueError(f"KV cache option {c.kind!r} does not apply to {self.model.config.architecture} "
+                                 "models, which keep their own state; use the default cache settings")
+            return self.model.new_state_cache()  # type: ignore[operator]
         if c.kind == "paged":
             if self._paged_storage is None:
                 self._paged_storage = PagedStorage.create(self.spec, c.budget_mb, c.block_size)
@@ -92,7 +103,7 @@ class CacheFactory:
         if c.kind == "tiered":
             return TieredCache(self.spec, c.block_size, c.hot_tokens, c.warm_tokens, c.warm_dtype)
         if c.kind == "compressed":
-            if any(t == "sliding" for t in self.model.config.layer_types):
+            if any(self.model.config.window_for(i) for i in range(self.model.config.num_layers)):
                 raise ValueError("the compressed cache is for full-attention models; for sliding-window layers use --kv-cache window")
             return CompressedCache(self.spec, c.pool_chunk, c.exact_window, c.sinks, capacity=capacity)
         return ContiguousCache(self.spec, capacity=capacity, max_capacity=self.max_context)

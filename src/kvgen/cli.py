@@ -251,6 +251,10 @@ def cmd_models(_: argparse.Namespace) -> int:
         else:
             note = str(path) if path else f"not installed: {known.install_hint}"
         print(f"{name:14s} {known.description}\n{'':14s} {note}")
+    from kvgen.families import family_table
+
+    print("\nModel families (any GGUF / HF folder of these architectures):")
+    print(family_table())
     return 0
 
 

@@ -9,18 +9,25 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LayerType = Literal["full", "sliding"]
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
+ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """How rotary frequencies are stretched for long context (HF `rope_scaling` / `rope_parameters`)."""
 
-    kind: Literal["linear", "llama3"]
+    kind: Literal["linear", "llama3", "longrope"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # LongRoPE (Phi-3): per-frequency divisors, short up to original_max_position, long beyond;
+    # cos/sin scaled by attention_factor.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,10 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2: attention scores pass through cap * tanh(score / cap) before the softmax.
+    attn_logit_softcapping: float | None = None
+    # Partial rotary (Phi-4-mini): RoPE turns only the first `rotary_dim` channels of each head.
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -73,6 +84,54 @@ class ModelConfig:
 
     def window_for(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba (selective state-space) LM: no attention, no positions (models/mamba.py)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    time_step_rank: int
+    num_layers: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool = True
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    # No positions: any length fits; the generator caps prompt + output at this.
+    max_position_embeddings: int = 1 << 20
+    architecture: str = "mamba"
+
+
+@dataclass(frozen=True)
+class T5Config:
+    """A T5 encoder-decoder (models/t5.py): relative position buckets, no absolute positions."""
+
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_layers: int  # encoder blocks
+    num_decoder_layers: int
+    num_heads: int
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    rms_norm_eps: float = 1e-6
+    gated_gelu: bool = False  # T5 v1.1 / Flan-T5: wo(gelu(wi_0 x) * wi_1 x); T5 v1.0: wo(relu(wi x))
+    tie_word_embeddings: bool = True
+    # The decoder output is multiplied by d_model**-0.5 before the head (T5 v1.0's tied head).
+    scale_decoder_outputs: bool = True
+    decoder_start_token_id: int = 0
+    max_position_embeddings: int = 1 << 20  # relative positions: no limit but memory
+    architecture: str = "t5"
+
+
+def alternating_layer_types(num_layers: int) -> tuple[LayerType, ...]:
+    """Gemma 2: even layers slide, odd layers see everything."""
+    return tuple("sliding" if i % 2 == 0 else "full" for i in range(num_layers))
 
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ...]:

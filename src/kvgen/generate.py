@@ -201,6 +201,9 @@ class GenerationStream:
         if params.logprobs:
             self.result.logprobs = self.sampler.logprobs
         self.speculative = speculative
+        if speculative is not None and hasattr(generator.model, "new_state_cache"):
+            raise ValueError(f"speculative decoding needs a rewindable KV cache; {generator.model.config.architecture} "
+                             "models keep their own state: generate without speculative")
         # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
         self._proposer = speculative.build_proposer(generator) if speculative is not None else None
         self._speculator = None  # SpeculativeDecoder, built after the prefill

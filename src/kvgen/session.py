@@ -54,6 +54,8 @@ class Session:
         self.generator.check_params(params)
         # Keep at least one prompt token to prefill: its logits choose the first new token.
         reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)  # the stream truncates to it
+        if hasattr(self.cache, "resume_point"):  # a recurrent state rewinds only to its checkpoints
+            reused = self.cache.resume_point(reused)
         self._last = GenerationStream(self.generator, self.cache, ids, reused, params, on_chunk=on_chunk, speculative=speculative)
         return self._last
 
@@ -94,6 +96,8 @@ class Session:
                 self.messages = self.messages[: starts[len(starts) - num_turns]]
             remaining = self._encode(self.messages, add_generation_prompt=False) if self.messages else []
             keep = common_prefix_length(ids, remaining)
+        if hasattr(self.cache, "resume_point"):  # a recurrent state rewinds only to its checkpoints
+            keep = self.cache.resume_point(keep)
         self.cache.truncate(keep)
         self._last, self._ids = None, ids[:keep]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
-from tests.support.models import model_path
+from tests.support.tiny_hf import tokenizer_folder
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,7 @@ ARCHITECTURES = {
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer
-
-    path = model_path("smollm2")
-    folder = tmp_path_factory.mktemp("tokenizer")
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
-    return folder
+    return tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

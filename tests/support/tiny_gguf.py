@@ -84,3 +84,82 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_GGUF_LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "ffn_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
+_GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def gguf_tensor_name(hf_name: str, architecture: str) -> str:
+    """llama.cpp's name for an HF parameter, as its convert_hf_to_gguf.py writes it."""
+    if hf_name in _GGUF_GLOBALS:
+        return _GGUF_GLOBALS[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, suffix = rest.rsplit(".", 1)
+    gemma = architecture.startswith("gemma")
+    name = "post_attention_norm" if gemma and part == "post_attention_layernorm" else _GGUF_LAYER_PARTS[part]
+    return f"blk.{layer}.{name}.{suffix}"
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
+    for key, value in metadata.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_array(key, [v.decode("utf-8") if isinstance(v, bytes) else v for v in value])
+
+
+def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path) -> Path:
+    """An F32 GGUF of a transformers model (Qwen3, Phi-3, Gemma 2) with the metadata and tensor
+    layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`."""
+    from kvgen.loading.gguf_file import GGUFFile
+
+    config = hf_model.config
+    arch = {"qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}[config.model_type]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma2":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float().numpy().copy()
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            values = values + 1.0  # llama.cpp stores Gemma norms as 1 + w
+        writer.add_tensor(gguf_tensor_name(name, arch), values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

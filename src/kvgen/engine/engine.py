@@ -43,6 +43,9 @@ class LLMEngine:
         """`cache` says how the pool stores K/V (fp32 blocks, or quantized with its K and V dtypes);
         default: the LLM's own cache config. The pool's size comes from `config`. A cache kind or
         option the pool cannot honour is a ValueError here, before anything runs."""
+        if hasattr(llm.model, "new_state_cache"):
+            raise ValueError(f"{llm.model.config.architecture} models are not served by the engine (continuous batching "
+                             "over paged KV blocks runs decoder-only transformers); use LLM.generate")
         self.config = config or EngineConfig()
         self.model, self.tokenizer = llm.model, llm.tokenizer
         model_context = self.model.config.max_position_embeddings

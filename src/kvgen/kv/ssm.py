@@ -39,6 +39,8 @@ States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: conv, recurrent
 
 
 class SSMStateCache:
+    positions_removed = False  # what a stream asks a KV cache: the state never drops single positions
+
     def __init__(self, spec: SSMSpec, checkpoint_every: int = 64, max_checkpoints: int = 32):
         if checkpoint_every <= 0 or max_checkpoints <= 0:
             raise ValueError(f"checkpoint_every and max_checkpoints must be positive, got {checkpoint_every}, {max_checkpoints}")
@@ -76,13 +78,22 @@ class SSMStateCache:
             )
         self._staged[layer] = (conv.detach().to(self.spec.dtype, copy=True), recurrent.detach().to(self.spec.dtype, copy=True))
 
-    def commit(self, num_tokens: int) -> None:
+    def commit(self, num_tokens: int, snapshots: dict[int, States] | None = None) -> None:
+        """Take the written states as the state after `num_tokens` more tokens. `snapshots`: every
+        layer's state after the first k tokens of this pass, for k < num_tokens, kept as checkpoints
+        at seq_len + k (a model captures them during a long prefill)."""
         missing = [layer for layer in range(self.spec.num_layers) if layer not in self._staged]
         if missing:
             raise ValueError(f"commit after a pass that wrote no state for layers {missing}: write every layer first")
+        for offset, states in sorted((snapshots or {}).items()):
+            if not 0 < offset < num_tokens or len(states) != self.spec.num_layers:
+                raise ValueError(f"a snapshot after {offset} of {num_tokens} tokens with {len(states)} layers cannot be kept")
+            self._checkpoints[self._seq_len + offset] = [(c.detach().to(self.spec.dtype), r.detach().to(self.spec.dtype)) for c, r in states]
         self._states = [self._staged[layer] for layer in range(self.spec.num_layers)]
         self._staged = {}
         self._seq_len += num_tokens
+        while len(self._checkpoints) > self.max_checkpoints:
+            del self._checkpoints[min(self._checkpoints)]
         if self._seq_len - self.checkpoints[-1] >= self.checkpoint_every:
             self.checkpoint()
 

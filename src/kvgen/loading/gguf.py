@@ -7,6 +7,7 @@ Llama's Q/K rows for its interleaved RoPE and stores Gemma norms as 1 + w).
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvgen.config import ModelConfig, RopeScaling, gemma3_layer_types
+from kvgen.config import ModelConfig, RopeScaling, alternating_layer_types, gemma3_layer_types
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.kernels.formats import EXACT_SOURCES, QuantizedWeight
@@ -23,7 +24,7 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
@@ -47,16 +48,23 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 keeps QKV fused, and gate/up fused under llama.cpp's ffn_up (no ffn_gate).
+_PHI3_LAYER_NAMES = _LAYER_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def config_from_gguf(
+    metadata: dict[str, Any], tensor_names: set[str], rope_factors: dict[str, np.ndarray] | None = None
+) -> ModelConfig:
+    """`rope_factors`: Phi-3's LongRoPE factor tensors (rope_factors_short / _long), when the file has them."""
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM, Mistral, Qwen2, Gemma 3)"
+            "(Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -84,24 +92,48 @@ def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str]) -> ModelC
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_rope_scaling(metadata, arch),
     )
-    if arch == "gemma3":
-        # llama.cpp: the 27B model scales queries by hidden/heads, the others by head_dim.
-        scalar = hidden / num_heads if num_layers == 62 else head_dim
+    if arch in _GEMMA_ARCHITECTURES:
+        # llama.cpp: the 27B models (Gemma 2: 46 layers, Gemma 3: 62) scale queries by hidden/heads.
+        scalar = hidden / num_heads if num_layers == (62 if arch == "gemma3" else 46) else head_dim
+        gemma2 = arch == "gemma2"
         return ModelConfig(
-            architecture="gemma3",
+            architecture=arch,
             hidden_act="gelu_tanh",
             sliding_window=int(get("attention.sliding_window")),
-            layer_types=gemma3_layer_types(num_layers),
-            rope_local_theta=10000.0,
+            layer_types=alternating_layer_types(num_layers) if gemma2 else gemma3_layer_types(num_layers),
+            rope_local_theta=None if gemma2 else 10000.0,
             query_pre_attn_scalar=scalar,
+            attn_logit_softcapping=metadata.get(f"{arch}.attn_logit_softcapping") if gemma2 else None,
+            final_logit_softcapping=metadata.get(f"{arch}.final_logit_softcapping") if gemma2 else None,
             **common,
         )
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    rotary = metadata.get(f"{arch}.rope.dimension_count")
+    if rope_factors and arch == "phi3":
+        common["rope_scaling"] = _longrope_from_gguf(metadata, arch, rope_factors, common["max_position_embeddings"])
     return ModelConfig(
         architecture=arch,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        sliding_window=metadata.get(f"{arch}.attention.sliding_window"),
+        attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
+        sliding_window=int(window) if window else None,
+        layer_types=("sliding",) * num_layers if window and arch == "phi3" else (),
+        rotary_dim=int(rotary) if rotary and int(rotary) != head_dim else None,
         **common,
     )
+
+
+def _longrope_from_gguf(metadata: dict[str, Any], arch: str, factors: dict[str, np.ndarray], max_positions: int) -> RopeScaling:
+    """llama.cpp's Phi-3 conversion: factors as tensors, the pretraining context and attention factor as metadata."""
+    if set(factors) != set(_ROPE_FACTOR_TENSORS):
+        raise ModelLoadError(f"the GGUF has {sorted(factors)} but LongRoPE needs both {_ROPE_FACTOR_TENSORS}; convert it again")
+    original = int(metadata.get(f"{arch}.rope.scaling.original_context_length", max_positions))
+    factor = max_positions / original
+    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        kind="longrope", factor=factor, original_max_position=original,
+        attention_factor=float(metadata.get(f"{arch}.rope.scaling.attn_factor", default)),
+        short_factor=tuple(float(f) for f in factors["rope_factors_short.weight"]),
+        long_factor=tuple(float(f) for f in factors["rope_factors_long.weight"]),
+    )  # fmt: skip
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling | None:
@@ -123,7 +155,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if not match:
         return None
     layer, part, suffix = match.groups()
-    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     return f"model.layers.{layer}.{names[part]}.{suffix}" if part in names else None
 
 
@@ -137,7 +169,8 @@ def load_gguf(
     path: Path, dtype: torch.dtype = torch.float32, progress: bool = True, weights: WeightMode = "fp32"
 ) -> Checkpoint:
     file = GGUFFile(path)
-    config = config_from_gguf(file.metadata, set(file.tensors))
+    factors = {n: _dequantized_raw(file, file.tensors[n]) for n in _ROPE_FACTOR_TENSORS if n in file.tensors}
+    config = config_from_gguf(file.metadata, set(file.tensors), factors)
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata, config.architecture)
     unsupported = {n: t.type_name for n, t in file.tensors.items() if t.type_name not in SUPPORTED_TENSOR_TYPES}
     if unsupported:
@@ -166,12 +199,15 @@ def load_gguf(
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
 
 
-def _dequantized(file: GGUFFile, info: TensorInfo, config: ModelConfig) -> np.ndarray:
-    """float32 values in HF layout (gguf-py's dequantization)."""
+def _dequantized_raw(file: GGUFFile, info: TensorInfo) -> np.ndarray:
     import gguf
 
-    array = gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
-    return _to_hf_layout(array, info.name, config)
+    return gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
+
+
+def _dequantized(file: GGUFFile, info: TensorInfo, config: ModelConfig) -> np.ndarray:
+    """float32 values in HF layout (gguf-py's dequantization)."""
+    return _to_hf_layout(_dequantized_raw(file, info), info.name, config)
 
 
 def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -193,6 +229,6 @@ def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.
             return unpermute_qk(array, config.num_heads)
         if ".attn_k." in gguf_name:
             return unpermute_qk(array, config.num_kv_heads)
-    if config.architecture == "gemma3" and gguf_name.endswith("norm.weight") and array.dtype == np.float32:
+    if config.architecture in _GEMMA_ARCHITECTURES and gguf_name.endswith("norm.weight") and array.dtype == np.float32:
         return array - 1.0
     return array

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +11,17 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvgen.config import ModelConfig, RopeScaling, gemma3_layer_types
+from kvgen.config import MambaConfig, ModelConfig, RopeScaling, T5Config, alternating_layer_types, gemma3_layer_types
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
 
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+HF_MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
+}  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
 
@@ -42,6 +46,10 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             f"model_type {model_type!r} is not supported; kvgen runs {', '.join(sorted(HF_MODEL_TYPES))}"
         )
     arch = HF_MODEL_TYPES[model_type]
+    if arch == "mamba":
+        return _mamba_config(raw)  # type: ignore[return-value]
+    if arch == "t5":
+        return _t5_config(raw)  # type: ignore[return-value]
     try:
         hidden, num_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers = int(raw["num_hidden_layers"])
@@ -62,31 +70,87 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error}; it is not a complete {model_type} config") from error
     global_rope = rope.get("full_attention", rope)
-    if arch == "gemma3":
-        layer_types = raw.get("layer_types")
-        local_rope = rope.get("sliding_attention", {})
-        return ModelConfig(
-            architecture="gemma3",
-            hidden_act="gelu_tanh",
-            rope_theta=float(global_rope.get("rope_theta", 1_000_000.0)),
-            rope_scaling=_rope_scaling(global_rope),
-            rope_local_theta=float(local_rope.get("rope_theta", raw.get("rope_local_base_freq", 10000.0))),
-            sliding_window=int(raw.get("sliding_window") or 512),
-            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
-            if layer_types
-            else gemma3_layer_types(num_layers, int(raw.get("sliding_window_pattern", 6))),
-            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", head_dim)),
-            final_logit_softcapping=raw.get("final_logit_softcapping"),
-            **common,
-        )
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+    if arch in ("gemma2", "gemma3"):
+        return _gemma_config(raw, arch, rope, common)
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+    rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     return ModelConfig(
         architecture=arch,
         rope_theta=float(global_rope.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(global_rope),
+        rope_scaling=_rope_scaling(global_rope, raw),
         attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
         sliding_window=int(window) if window else None,
         layer_types=("sliding",) * num_layers if window else (),
+        rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
+        **common,
+    )
+
+
+def _mamba_config(raw: dict[str, Any]) -> MambaConfig:
+    try:
+        hidden = int(raw["hidden_size"])
+        rank = raw.get("time_step_rank", "auto")
+        return MambaConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw.get("intermediate_size") or int(raw.get("expand", 2)) * hidden),
+            state_size=int(raw["state_size"]),
+            conv_kernel=int(raw.get("conv_kernel", 4)),
+            time_step_rank=-(-hidden // 16) if rank == "auto" else int(rank),
+            num_layers=int(raw["num_hidden_layers"]),
+            rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            use_conv_bias=bool(raw.get("use_conv_bias", True)),
+            use_bias=bool(raw.get("use_bias", False)),
+        )
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete mamba config") from error
+
+
+def _t5_config(raw: dict[str, Any]) -> T5Config:
+    projection = raw.get("feed_forward_proj", "relu")
+    if projection not in ("relu", "gated-gelu"):
+        raise UnsupportedModelError(f"T5 feed_forward_proj {projection!r} is not supported; kvgen runs relu and gated-gelu")
+    try:
+        return T5Config(
+            vocab_size=int(raw["vocab_size"]), d_model=int(raw["d_model"]), d_kv=int(raw["d_kv"]), d_ff=int(raw["d_ff"]),
+            num_layers=int(raw["num_layers"]), num_decoder_layers=int(raw.get("num_decoder_layers") or raw["num_layers"]),
+            num_heads=int(raw["num_heads"]),
+            relative_attention_num_buckets=int(raw.get("relative_attention_num_buckets", 32)),
+            relative_attention_max_distance=int(raw.get("relative_attention_max_distance", 128)),
+            rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-6)), gated_gelu=projection == "gated-gelu",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            # transformers 5 writes the flag; older configs scale exactly when the head is tied.
+            scale_decoder_outputs=bool(raw.get("scale_decoder_outputs", raw.get("tie_word_embeddings", True))),
+            decoder_start_token_id=int(raw.get("decoder_start_token_id") or 0),
+        )  # fmt: skip
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete t5 config") from error
+
+
+def _gemma_config(raw: dict[str, Any], arch: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Gemma 2 and 3: GeGLU, sandwich norms, scaled queries, soft-capped logits, sliding layers."""
+    global_rope = rope.get("full_attention", rope)
+    layer_types = raw.get("layer_types")
+    num_layers = common["num_layers"]
+    if layer_types:
+        types = tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
+    elif arch == "gemma2":
+        types = alternating_layer_types(num_layers)
+    else:
+        types = gemma3_layer_types(num_layers, int(raw.get("sliding_window_pattern", 6)))
+    local_theta = rope.get("sliding_attention", {}).get("rope_theta", raw.get("rope_local_base_freq"))
+    return ModelConfig(
+        architecture=arch,
+        hidden_act="gelu_tanh",
+        rope_theta=float(global_rope.get("rope_theta", 1_000_000.0 if arch == "gemma3" else 10000.0)),
+        rope_scaling=_rope_scaling(global_rope, raw),
+        rope_local_theta=float(local_theta) if arch == "gemma3" else None,
+        sliding_window=int(raw.get("sliding_window") or (512 if arch == "gemma3" else 4096)),
+        layer_types=types,
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", common["head_dim"])),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        attn_logit_softcapping=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
         **common,
     )
 
@@ -100,10 +164,12 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling | None:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", None):
         return None
+    if kind in ("longrope", "su"):
+        return _longrope(params, raw)
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(params["factor"]))
     if kind == "llama3":
@@ -114,7 +180,21 @@ def _rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position=int(params.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear and llama3)")
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear, llama3 and longrope)")
+
+
+def _longrope(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults: factor = max / original positions, attention
+    factor sqrt(1 + ln(factor) / ln(original))."""
+    original = int(params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") or 4096)
+    factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        kind="longrope", factor=factor, original_max_position=original, attention_factor=float(attention),
+        short_factor=tuple(float(f) for f in params["short_factor"]), long_factor=tuple(float(f) for f in params["long_factor"]),
+    )  # fmt: skip
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -149,6 +229,8 @@ def load_hf_folder(
         except Exception as error:
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
     mode = resolve_mode(weights, file_is_quantized=False)
+    if mode != "fp32" and config.architecture in ("mamba", "t5"):
+        raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
     if mode != "fp32":
         quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=folder, format="hf", weights=mode)

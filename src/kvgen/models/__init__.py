@@ -4,20 +4,30 @@ from __future__ import annotations
 
 from kvgen.loading.checkpoint import Checkpoint
 from kvgen.models.base import DecoderLM
+from kvgen.models.gemma2 import Gemma2Model
 from kvgen.models.gemma3 import Gemma3Model
 from kvgen.models.llama import LlamaModel
+from kvgen.models.mamba import MambaModel
+from kvgen.models.phi3 import Phi3Model
+from kvgen.models.qwen3 import Qwen3Model
+from kvgen.models.t5 import T5Model
 from kvgen.models.weights import WeightSource
 
-FAMILIES: dict[str, type[DecoderLM]] = {
+FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "llama": LlamaModel,
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
+    "qwen3": Qwen3Model,
+    "phi3": Phi3Model,
+    "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,
+    "mamba": MambaModel,
+    "t5": T5Model,
 }
 
 
-def build_model(checkpoint: Checkpoint) -> DecoderLM:
-    model = FAMILIES[checkpoint.config.architecture](checkpoint.config, WeightSource(checkpoint.tensors))
+def build_model(checkpoint: Checkpoint) -> DecoderLM | MambaModel | T5Model:
+    model = FAMILIES[checkpoint.config.architecture](checkpoint.config, WeightSource(checkpoint.tensors))  # type: ignore[arg-type]
     model.fast_decoder()  # build the C decode path now, not inside the first timed decode step
     return model.eval()
 

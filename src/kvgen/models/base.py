@@ -17,7 +17,7 @@ from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
-from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, frozen, linear
 
 RopeKey = tuple[float, RopeScaling | None]
@@ -44,14 +44,18 @@ class DecoderLM(nn.Module):
         distinct = list(dict.fromkeys(layer_keys))
         self.ropes = nn.ModuleList()
         for theta, scaling in distinct:
-            inv_freq = inverse_frequencies(config.head_dim, theta, scaling)
-            if divisors is not None and theta == config.rope_theta:
-                inv_freq = inv_freq / divisors
-            self.ropes.append(RotaryEmbedding(inv_freq))
+            self.ropes.append(self.build_rope(theta, scaling, divisors if theta == config.rope_theta else None))
         self.rope_index = [distinct.index(key) for key in layer_keys]  # per layer: which of self.ropes
 
     def build_block(self, config: ModelConfig, layer: int, weights: WeightSource) -> nn.Module:
         raise NotImplementedError
+
+    def build_rope(self, theta: float, scaling: RopeScaling | None, divisors: torch.Tensor | None) -> RotaryEmbedding:
+        rotary_dim = self.config.rotary_dim or self.config.head_dim  # partial rotary turns fewer channels
+        if scaling is not None and scaling.kind == "longrope":
+            return LongRopeEmbedding(rotary_dim, theta, scaling)
+        inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
+        return RotaryEmbedding(inv_freq / divisors if divisors is not None else inv_freq)
 
     def rerotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys [B, H, S, D] rotated by RoPE at position p -> as if at p + delta (exact: RoPE angles add)."""

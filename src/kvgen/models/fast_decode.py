@@ -80,6 +80,9 @@ class FastDecoder:
     def supports(model: nn.Module) -> bool:
         if load() is None or model.dtype != torch.float32:
             return False
+        # decode.c has no attention soft-capping (Gemma 2) and rotates whole heads (no partial RoPE).
+        if model.config.attn_logit_softcapping is not None or model.config.rotary_dim is not None:
+            return False
         for block in model.layers:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP):

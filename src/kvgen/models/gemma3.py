@@ -16,6 +16,8 @@ NORM_OFFSET = 1.0  # Gemma norms multiply by (1 + w)
 
 
 class Gemma3Block(nn.Module):
+    qk_norm_offset: float | None = NORM_OFFSET  # Gemma 2 has no QK-norm
+
     def __init__(self, config: ModelConfig, layer: int, weights: WeightSource):
         super().__init__()
         prefix = f"model.layers.{layer}"
@@ -24,7 +26,7 @@ class Gemma3Block(nn.Module):
             return RMSNorm(weights.take_tensor(f"{prefix}.{name}.weight") + NORM_OFFSET, config.rms_norm_eps)
 
         self.input_norm = norm("input_layernorm")
-        self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=NORM_OFFSET)
+        self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=self.qk_norm_offset)
         self.post_attn_norm = norm("post_attention_layernorm")
         self.pre_mlp_norm = norm("pre_feedforward_layernorm")
         self.mlp = GatedMLP(config, weights, f"{prefix}.mlp")

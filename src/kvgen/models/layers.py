@@ -95,13 +95,19 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.attention_scale
-        names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
-        self.qkv = fused_linear(
-            [weights.take(f"{n}.weight") for n in names], [weights.take_tensor(f"{n}.bias") if weights.has(f"{n}.bias") else None for n in names]
-        )
+        # Attention logit soft-capping (Gemma 2) needs the scores, so it runs outside SDPA.
+        self.softcap = config.attn_logit_softcapping
+        if weights.has(f"{prefix}.qkv_proj.weight"):  # Phi-3 checkpoints store QKV fused already
+            fused = f"{prefix}.qkv_proj"
+            self.qkv = linear(weights.take(f"{fused}.weight"), weights.take_tensor(f"{fused}.bias") if weights.has(f"{fused}.bias") else None)
+        else:
+            names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
+            self.qkv = fused_linear(
+                [weights.take(f"{n}.weight") for n in names], [weights.take_tensor(f"{n}.bias") if weights.has(f"{n}.bias") else None for n in names]
+            )
         self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"))
         self.q_norm = self.k_norm = None
-        if qk_norm_offset is not None:  # Gemma 3 normalises each head's q and k before RoPE
+        if qk_norm_offset is not None:  # Gemma 3 and Qwen3 normalise each head's q and k before RoPE
             eps = config.rms_norm_eps
             self.q_norm = RMSNorm(weights.take_tensor(f"{prefix}.q_norm.weight") + qk_norm_offset, eps)
             self.k_norm = RMSNorm(weights.take_tensor(f"{prefix}.k_norm.weight") + qk_norm_offset, eps)
@@ -119,7 +125,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, S, D]
         k = apply_rotary(k.transpose(1, 2), *rope)  # [B, H_kv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
-        if mask.in_place_starts is not None:  # decodes over paged blocks, read where they are
+        if self.softcap is not None:
+            out = self._softcapped(q, k, v, cache, mask)
+        elif mask.in_place_starts is not None:  # decodes over paged blocks, read where they are
             out = cache.attend_in_place(self.layer, q, k, v, self.scale, mask.in_place_starts)  # type: ignore[attr-defined]
         else:
             keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
@@ -129,6 +137,28 @@ class Attention(nn.Module):
             )  # fmt: skip
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_size))
 
+    def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
+        """softmax(cap * tanh(q.k * scale / cap) + mask) v, the eager attention of Gemma 2."""
+        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
+        groups = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # [B, H, L, D]
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, H, S, L]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        seq, num_keys = q.shape[2], keys.shape[2]
+        allowed = mask.mask
+        if mask.in_place_starts is not None:  # one-token rows of a paged batch: row r sees starts[r]..ends[r]-1
+            key_pos = torch.arange(num_keys)[None, :]
+            ends = cache.ends[:, None]  # type: ignore[attr-defined]
+            allowed = ((key_pos >= mask.in_place_starts[:, None]) & (key_pos < ends))[:, None, None]  # [B, 1, 1, L]
+        elif mask.is_causal:
+            allowed = AttentionMask.allowed(0, seq, 0, num_keys, None)
+        if allowed is not None and allowed.dtype == torch.bool:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        elif allowed is not None:
+            scores = scores + allowed
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, values)  # [B, H, S, D]
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (SwiGLU / GeGLU)."""
@@ -136,7 +166,10 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up = fused_linear([weights.take(f"{prefix}.gate_proj.weight"), weights.take(f"{prefix}.up_proj.weight")])
+        if weights.has(f"{prefix}.gate_up_proj.weight"):  # Phi-3 stores gate and up fused (gate first)
+            self.gate_up = linear(weights.take(f"{prefix}.gate_up_proj.weight"))
+        else:
+            self.gate_up = fused_linear([weights.take(f"{prefix}.gate_proj.weight"), weights.take(f"{prefix}.up_proj.weight")])
         self.down = linear(weights.take(f"{prefix}.down_proj.weight"))
         self.act = F.silu if config.hidden_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
 

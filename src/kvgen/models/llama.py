@@ -13,12 +13,14 @@ from kvgen.models.weights import WeightSource
 
 
 class LlamaBlock(nn.Module):
+    qk_norm_offset: float | None = None  # Qwen3 adds per-head q/k RMSNorm (weights used as is)
+
     def __init__(self, config: ModelConfig, layer: int, weights: WeightSource):
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=None)
+        self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=self.qk_norm_offset)
         self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = GatedMLP(config, weights, f"{prefix}.mlp")
 

@@ -19,7 +19,16 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":
+        return _longrope_frequencies(head_dim, theta, scaling.short_factor)
     return _llama3_frequencies(inv_freq, scaling)
+
+
+def _longrope_frequencies(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope needs {head_dim // 2} factors (rotary dim / 2), got {len(factors)}")
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**shape)  # same expression as transformers
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -46,6 +55,32 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 
 
+class LongRopeEmbedding(RotaryEmbedding):
+    """Phi-3 LongRoPE: short factors while every position fits the pretraining context, long
+    factors for a whole forward once one position is past it (transformers and vLLM decide per
+    call the same way); cos/sin scaled by the attention factor. Keys cached before the switch keep
+    their short-factor rotation, as in both references."""
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling):
+        super().__init__(_longrope_frequencies(rotary_dim, theta, scaling.short_factor))
+        self.register_buffer("long_inv_freq", _longrope_frequencies(rotary_dim, theta, scaling.long_factor), persistent=False)
+        self.original_max_position = scaling.original_max_position
+        self.attention_factor = scaling.attention_factor
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        long = positions.numel() > 0 and int(positions.max()) + 1 > self.original_max_position
+        inv_freq = self.long_inv_freq if long else self.inv_freq
+        freqs = positions.float()[..., None] * inv_freq  # [B, S, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D] rotated by its positions' angles."""
+    """x [B, H, S, D] rotated by its positions' angles; cos/sin narrower than D (partial rotary)
+    turn only the first channels."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        turned, kept = x[..., :rotary], x[..., rotary:]
+        return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
     return x * cos + rotate_half(x) * sin

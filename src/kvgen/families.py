@@ -1,0 +1,43 @@
+"""What each model family supports, for `kvgen models` and the docs (pure data: no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilySupport:
+    name: str
+    formats: str  # where its weights load from
+    caches: str  # which KV caches (or state caches) serve it
+    c_decode: str  # whether batch-1 / engine decode steps run in kernels/decode.c
+    engine: str  # the continuous-batching engine (and server)
+    evidence: str  # what its parity tests run on
+
+
+_ALL_KV = "all KV caches"
+_SLIDING_KV = "all KV caches; compressed refused (sliding layers), sinks only inside the model's window"
+
+FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
+    FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
+    FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
+    FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
+                  "yes; torch path for partial RoPE (Phi-4-mini)", "yes", "random tiny (transformers)"),
+    FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "no: torch path (attention soft-capping)", "yes",
+                  "random tiny (transformers)"),
+    FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights)", "yes", "Gemma 3 270M (real)"),
+    FamilySupport("mamba", "HF (fp32 weights)", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
+                  "no: torch scan", "no (clear error); LLM.generate, Session, model.forward_batch",
+                  "random tiny (transformers)"),
+    FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
+                  "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
+                  "no: torch path", "no (clear error); LLM.generate, CLI", "random tiny (transformers)"),
+)  # fmt: skip
+
+
+def family_table() -> str:
+    """One line per family: name, formats, caches, C decode, engine."""
+    lines = []
+    for f in FAMILY_SUPPORT:
+        lines.append(f"{f.name:26s} {f.formats:9s} caches: {f.caches}\n{'':36s} C decode: {f.c_decode}; engine: {f.engine}")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Qwen3, Phi-3 / Phi-4-mini and Gemma 2 against transformers on the same weights.
+
+No real checkpoint of these families installs offline, so these are small random-weight models
+that transformers itself builds and saves (tests/support/tiny_hf.py): this is the evidence for
+these families, loaded from the HF folder and from a GGUF written with llama.cpp's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import LLM, CacheConfig, SamplingParams
+from kvgen.engine import EngineConfig, LLMEngine
+from tests.support.models import PROMPTS, model_path
+from tests.support.tiny_gguf import write_gguf_from_hf
+from tests.support.tiny_hf import FAMILIES, save_tiny_decoder, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+NAMES = sorted(FAMILIES)
+TOLERANCE = 1e-3  # fp32 logits
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, LLM, Path]]:
+    """name -> (transformers model, kvgen LLM from the HF folder, folder), built on first use."""
+    return {}
+
+
+def get(tiny: dict, name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM, Path]:
+    if "tokenizer" not in tiny:
+        tiny["tokenizer"] = tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+    if name not in tiny:
+        folder = tmp_path_factory.mktemp(name)
+        model = save_tiny_decoder(name, folder, tiny["tokenizer"])
+        tiny[name] = (model, LLM.load(folder, progress=False, weights="fp32"), folder)
+    return tiny[name]
+
+
+def reference_steps(model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers fed one token at a time over its own cache -> logits [S, V]."""
+    from transformers import DynamicCache
+
+    cache, rows = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        for token in ids:
+            rows.append(model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_and_decode_logits_match(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model, llm, _ = get(tiny, name, tmp_path_factory)
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    # 80 positions: past Gemma 2's window of 8 and past Phi-3's LongRoPE switch at 64.
+    ids = prompt + torch.randint(0, 49152, (80 - len(prompt),), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        expected_prefill = model(torch.tensor([prompt])).logits[0, -1]
+        cache = llm.generator.new_cache(len(ids))
+        actual_prefill = llm.model(torch.tensor([prompt]), cache)[0, -1]
+        steps = [llm.model(torch.tensor([[t]]), cache)[0, -1] for t in ids[len(prompt) :]]
+    assert (actual_prefill - expected_prefill).abs().max().item() < TOLERANCE
+    expected_steps = reference_steps(model, ids)[len(prompt) :]
+    assert (torch.stack(steps) - expected_steps).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model, llm, _ = get(tiny, name, tmp_path_factory)
+    for prompt in PROMPTS[:4]:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            reference = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=0)
+        result = llm.generate(ids, SamplingParams(max_new_tokens=48, ignore_eos=True))
+        assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "phi4-mini", "gemma2"])
+def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model, llm, folder = get(tiny, name, tmp_path_factory)
+    path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))
+    from_gguf = LLM.load(path, progress=False, weights="fp32")
+    # GGUF stores eps as float32; everything else must come out the same.
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps) == llm.config
+    ids = from_gguf.tokenizer.encode(PROMPTS[1])
+    assert ids == llm.tokenizer.encode(PROMPTS[1])
+    with torch.inference_mode():
+        expected = model(torch.tensor([ids])).logits[0, -1]
+        actual = from_gguf.model(torch.tensor([ids]), from_gguf.generator.new_cache(len(ids)))[0, -1]
+    assert (actual - expected).abs().max().item() < TOLERANCE
+
+
+# Every cache kind, set up so it keeps every position exactly over a short sequence: each must give
+# the contiguous cache's greedy tokens (the plumbing: windows, pre-RoPE keys, paged batches).
+EXACT_CACHES = {
+    "paged": CacheConfig(kind="paged", block_size=4),
+    "window": CacheConfig(kind="window"),
+    "sinks": CacheConfig(kind="sinks", window=256),
+    "chunked": CacheConfig(kind="chunked", chunk=256),
+    "quantized": CacheConfig(kind="quantized", k_dtype="fp32", v_dtype="fp32"),
+    "tiered": CacheConfig(kind="tiered", block_size=4, hot_tokens=8, warm_tokens=8, warm_dtype="fp32"),
+    "compressed": CacheConfig(kind="compressed", exact_window=256),
+}
+
+REFUSED = {("gemma2", "compressed"): "for full-attention models", ("gemma2", "sinks"): "own sliding window"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_cache_kind_and_the_engine_decode_like_contiguous(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    _, llm, _ = get(tiny, name, tmp_path_factory)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    llm.generator.cache_config = CacheConfig()
+    expected = llm.generate(PROMPTS[2], params).token_ids
+    try:
+        for kind, config in EXACT_CACHES.items():
+            llm.generator.cache_config = config
+            if (name, kind) in REFUSED:  # Gemma 2's sliding layers: refused with a clear error
+                with pytest.raises(ValueError, match=REFUSED[name, kind]):
+                    llm.generate(PROMPTS[2], params)
+                continue
+            assert llm.generate(PROMPTS[2], params).token_ids == expected, kind
+        llm.generator.cache_config = CacheConfig()
+        engine = LLMEngine(llm, EngineConfig(num_blocks=64, max_tokens_per_step=12))  # chunked prefill, paged rows
+        requests = engine.generate(PROMPTS[:3], params)
+        assert [r.output_ids for r in requests] == [llm.generate(p, params).token_ids for p in PROMPTS[:3]]
+    finally:
+        llm.generator.cache_config = CacheConfig()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """int8 weights: Qwen3 and Phi-3 decode in C (decode.c) and match the torch path on the same
+    weights; Gemma 2 (soft-capping) and Phi-4-mini (partial RoPE) fall back to the torch path."""
+    from kvgen.kernels import load
+
+    _, _, folder = get(tiny, name, tmp_path_factory)
+    llm = LLM.load(folder, progress=False, weights="int8")
+    in_c = name in ("qwen3", "phi3")
+    if load() is None:
+        pytest.skip("the C decode path needs a C compiler")
+    assert (llm.model.fast_decoder() is not None) == in_c
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    fast = llm.generate(ids, params).token_ids
+    llm.model.use_fast_decode = False
+    assert llm.generate(ids, params).token_ids == fast
+    with torch.inference_mode():
+        logits = []
+        for use_fast in (True, False):
+            llm.model.use_fast_decode = use_fast
+            cache = llm.generator.new_cache(len(ids) + len(fast))
+            llm.model(torch.tensor([ids]), cache)
+            logits.append(torch.stack([llm.model(torch.tensor([[t]]), cache)[0, -1] for t in fast]))
+    assert (logits[0] - logits[1]).abs().max().item() < TOLERANCE
+    if name.startswith("phi"):  # LongRoPE keys cannot be moved (context shift): a clear error
+        with pytest.raises(ValueError, match="LongRoPE"):
+            llm.model.rerotate(0, torch.zeros(1, 2, 1, 16), 1)

@@ -1,0 +1,125 @@
+"""Mamba against transformers' MambaForCausalLM on the same weights, and its state cache.
+
+No Mamba checkpoint installs offline: this is a small random-weight model that transformers itself
+builds and saves (tests/support/tiny_hf.py), the only evidence for this family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import LLM, CacheConfig, SamplingParams
+from kvgen.engine import LLMEngine
+from kvgen.speculative.config import SpeculativeConfig
+from kvgen.models.mamba import SCAN_CHUNK
+from tests.support.models import PROMPTS
+from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM]:
+    folder = tmp_path_factory.mktemp("mamba")
+    model = save_tiny_mamba(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")))
+    return model, LLM.load(folder, progress=False, weights="fp32")
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_and_decode_logits_match(mamba: tuple[Any, LLM]) -> None:
+    """Every prefill position and 16 recurrent decode steps against transformers' full forward over
+    the same tokens (its greedy generate, with its own cache, is checked below)."""
+    model, llm = mamba
+    prompt, more = random_ids(SCAN_CHUNK * 2 + 10, 1), random_ids(16, 2)  # prefill crosses scan chunks
+    with torch.inference_mode():
+        cache = llm.generator.new_cache(0)
+        actual_prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        actual_steps = torch.stack([llm.model(torch.tensor([[t]]), cache)[0, -1] for t in more])
+        expected = model(torch.tensor([prompt + more])).logits[0]  # [S, V]
+    assert (actual_prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
+    assert (actual_steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+
+
+def test_greedy_tokens_match_on_four_prompts(mamba: tuple[Any, LLM]) -> None:
+    model, llm = mamba
+    for prompt in PROMPTS[:4]:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            reference = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=0)
+        assert llm.generate(ids, SamplingParams(max_new_tokens=48, ignore_eos=True)).token_ids == reference[0, len(ids) :].tolist()
+
+
+def test_session_resumes_from_a_checkpoint_of_the_shared_prefix(mamba: tuple[Any, LLM]) -> None:
+    _, llm = mamba
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    shared = random_ids(150, 3)  # checkpoints every 64 tokens: 64 and 128 lie inside the prefix
+    first, second = shared + random_ids(20, 4), shared + random_ids(30, 5)
+    session = llm.session()
+    for _ in session.stream(first, params):
+        pass
+    assert session.cache.checkpoints[:3] == [0, 64, 128]
+    stream = session.stream(second, params)
+    for _ in stream:
+        pass
+    assert stream.result.usage.cached_tokens == 128  # resumed at the latest checkpoint within the 150 shared
+    assert stream.result.token_ids == llm.generate(second, params).token_ids  # == from scratch
+    session.close()
+
+
+def test_state_memory_is_constant_in_sequence_length(mamba: tuple[Any, LLM]) -> None:
+    _, llm = mamba
+    sizes = {}
+    with torch.inference_mode():
+        for length in (128, 4096):
+            cache = llm.model.new_state_cache(checkpoint_every=64, max_checkpoints=2)
+            llm.model(torch.tensor([random_ids(length - 1, 6)]), cache)
+            llm.model(torch.tensor([[7]]), cache)  # one decode step at this length
+            assert cache.seq_len == length
+            sizes[length] = cache.memory_bytes()
+    snapshot = llm.model.new_state_cache().spec.bytes_per_snapshot
+    assert sizes[128] == sizes[4096] == 3 * snapshot  # the live state + 2 checkpoints, at any length
+
+
+def test_batched_rows_equal_each_row_alone(mamba: tuple[Any, LLM]) -> None:
+    _, llm = mamba
+    model = llm.model
+    histories, news = [random_ids(70, 8), [], random_ids(5, 9)], [random_ids(12, 10), random_ids(3, 11), [42]]
+    with torch.inference_mode():
+        alone, batched = [], [model.new_state_cache(checkpoint_every=8) for _ in histories]
+        for history, cache in zip(histories, batched):
+            if history:
+                model(torch.tensor([history]), cache)
+        singles = [cache.fork() for cache in batched]
+        for new, cache in zip(news, singles):
+            alone.append(model(torch.tensor([new]), cache)[0, -1])
+        together = model.forward_batch(news, batched)  # [3, V]
+    assert (together - torch.stack(alone)).abs().max().item() < 1e-5
+    for b, s in zip(batched, singles):
+        assert b.seq_len == s.seq_len and b.checkpoints == s.checkpoints
+        for layer in range(model.config.num_layers):
+            assert torch.allclose(b.recurrent_state(layer), s.recurrent_state(layer), atol=1e-6)
+            assert torch.allclose(b.conv_state(layer), s.conv_state(layer), atol=1e-6)  # batched GEMMs round differently
+
+
+def test_paths_mamba_does_not_run_refuse_clearly(mamba: tuple[Any, LLM]) -> None:
+    _, llm = mamba
+    with pytest.raises(ValueError, match="not served by the engine"):
+        LLMEngine(llm)
+    llm.generator.cache_config = CacheConfig(kind="paged")
+    try:
+        with pytest.raises(ValueError, match="does not apply to mamba models"):
+            llm.generate("hello", SamplingParams(max_new_tokens=2))
+    finally:
+        llm.generator.cache_config = CacheConfig()
+    with pytest.raises(ValueError, match="speculative"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2), speculative=SpeculativeConfig(method="lookup"))
+    with pytest.raises(ValueError, match="fp32"):
+        LLM.load(llm.path, progress=False, weights="int8")

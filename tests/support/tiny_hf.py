@@ -1,0 +1,91 @@
+"""Small random-weight models that transformers itself builds and saves as HF folders, for the
+families no real weights exist for offline (Qwen3, Phi-3 / Phi-4-mini, Gemma 2, Mamba, T5)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.support.models import model_path
+
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+# name -> (config class, settings): each exercises what makes its family differ from Llama.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # head_dim != hidden / heads, q/k norms
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # LongRoPE switching to the long factors past position 64 (beyond prompt + 48 tokens; the decode test crosses it).
+    "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
+             "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
+                                 "long_factor": [2.0 + i for i in range(8)]}}),
+    # Phi-4-mini: RoPE over 3/4 of each head.
+    "phi4-mini": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
+                  "rope_parameters": {**_LONGROPE, "partial_rotary_factor": 0.75,
+                                      "short_factor": [1.0 + i / 8 for i in range(6)],
+                                      "long_factor": [2.0 + i for i in range(6)]}}),
+}  # fmt: skip
+
+
+def tokenizer_folder(folder: Path) -> Path:
+    """SmolLM2's tokenizer files (from its GGUF), saved by transformers into `folder`."""
+    from transformers import AutoTokenizer
+
+    path = model_path("smollm2")
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+    return folder
+
+
+def save_tiny_decoder(name: str, folder: Path, tokenizer_files: Path, std: float = 0.2) -> Any:
+    """Build, widen and save family `name`'s random model with the tokenizer files -> the HF model."""
+    import transformers
+
+    config_class, extra = FAMILIES[name]
+    config = getattr(transformers, config_class)(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, **{"max_position_embeddings": 256, **extra},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return _widen_and_save(transformers.AutoModelForCausalLM.from_config(config), folder, tokenizer_files, std)
+
+
+def _widen_and_save(model: Any, folder: Path, tokenizer_files: Path, std: float, keep: tuple[str, ...] = ()) -> Any:
+    """Redraw the weights N(0, std) (random init is tiny; wider weights make rounding differences
+    show), except parameters whose names end with `keep`; save with the tokenizer files."""
+    model.eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith(keep):
+                parameter.normal_(0, std)
+    model.save_pretrained(folder)
+    for file in tokenizer_files.iterdir():
+        shutil.copy(file, folder / file.name)
+    return model
+
+
+def save_tiny_mamba(folder: Path, tokenizer_files: Path, std: float = 0.2) -> Any:
+    """transformers' MambaForCausalLM, random and widened like the decoders, saved with the tokenizer."""
+    import transformers
+
+    config = transformers.MambaConfig(vocab_size=49152, hidden_size=64, state_size=16, num_hidden_layers=2, conv_kernel=4,
+                                      expand=2, use_mambapy=False)  # fmt: skip
+    torch.manual_seed(0)
+    # A_log, dt_proj.bias and D keep their initial values: the decay and step sizes a real model has.
+    return _widen_and_save(transformers.MambaForCausalLM(config), folder, tokenizer_files, std, ("A_log", "dt_proj.bias", "D"))
+
+
+def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
+    """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
+    `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and
+    widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=49152, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return _widen_and_save(transformers.T5ForConditionalGeneration(config), folder, tokenizer_files, std)
