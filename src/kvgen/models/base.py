@@ -237,7 +237,9 @@ class DecoderLM(nn.Module):
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                in_place = view.in_place_starts(lengths, spans)  # type: ignore[attr-defined]
+                # The in-place kernels know no attention soft-capping (Gemma 2): that runs the torch path.
+                capped = self.config.attn_logit_softcapping is not None
+                in_place = None if capped else view.in_place_starts(lengths, spans)  # type: ignore[attr-defined]
                 if in_place is not None:
                     masks[spans, key_starts] = AttentionMask(None, False, in_place)
                 else:

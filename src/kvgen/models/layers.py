@@ -146,11 +146,8 @@ class Attention(nn.Module):
         scores = torch.tanh(scores / self.softcap) * self.softcap
         seq, num_keys = q.shape[2], keys.shape[2]
         allowed = mask.mask
-        if mask.in_place_starts is not None:  # one-token rows of a paged batch: row r sees starts[r]..ends[r]-1
-            key_pos = torch.arange(num_keys)[None, :]
-            ends = cache.ends[:, None]  # type: ignore[attr-defined]
-            allowed = ((key_pos >= mask.in_place_starts[:, None]) & (key_pos < ends))[:, None, None]  # [B, 1, 1, L]
-        elif mask.is_causal:
+        assert mask.in_place_starts is None, "soft-capped attention has no in-place kernel (see DecoderLM._forward_batch)"
+        if mask.is_causal:
             allowed = AttentionMask.allowed(0, seq, 0, num_keys, None)
         if allowed is not None and allowed.dtype == torch.bool:
             scores = scores.masked_fill(~allowed, float("-inf"))
