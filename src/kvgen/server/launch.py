@@ -9,7 +9,8 @@ from pathlib import Path
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.config import EngineConfig
 from kvgen.engine.engine import LLMEngine
-from kvgen.server.app import ServerConfig, create_app
+from kvgen.server.app import create_app
+from kvgen.server.config import ServerConfig
 
 
 def build(llm, engine_config: EngineConfig, server_config: ServerConfig):
