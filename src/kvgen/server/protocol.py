@@ -201,7 +201,8 @@ def parse(model: type[BaseModel], body: dict[str, Any], refused: dict[str, str])
     """The validated request, or a 400 naming the first bad field."""
     check_fields(body, model, refused)
     try:
-        return model.model_validate({k: v for k, v in body.items() if k not in refused})
+        # strict: JSON types as declared (no true -> 1, no "2" -> 2)
+        return model.model_validate({k: v for k, v in body.items() if k not in refused}, strict=True)
     except ValidationError as error:
         message, param = describe_validation(error.errors())
         raise APIError(400, message, param=param) from None

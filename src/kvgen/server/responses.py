@@ -67,6 +67,8 @@ class ResponsesAPI:
         serving.check_priority(body.priority)
         history = self._stored(body.previous_response_id, api_key, "previous_response_id").conversation if body.previous_response_id else []
         conversation = history + input_messages(body.input)
+        if not any(m["role"] != "system" for m in conversation):
+            raise APIError(400, "input is empty: give the text or items to respond to", param="input")
         check_count("input", len(conversation), serving.limits.max_messages)
         plan = _plan(body, serving.limits)
         prompt = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
