@@ -70,3 +70,17 @@ def test_priority_when_the_server_allows_it(tenants) -> None:
 def test_limits_are_checked_at_start(build, fragment) -> None:
     with pytest.raises(ValueError, match=fragment):
         build()
+
+
+def test_serve_options_collect_keys_and_fail_before_loading(tmp_path) -> None:
+    from kvgen.cli import build_parser
+    from kvgen.server.launch import server_config
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# team keys\nkey-c\n\nkey-d\n")
+    args = build_parser().parse_args(["serve", "smollm2", "--api-key", "key-a", "--api-key", "key-b", "--api-keys-file", str(keys_file)])
+    config = server_config(args, env_key="ignored")
+    assert config.keys == ("key-a", "key-b", "key-c", "key-d") and not config.allow_priority
+    assert server_config(build_parser().parse_args(["serve", "smollm2"]), env_key="env").keys == ("env",)
+    with pytest.raises(ValueError, match="API keys file"):
+        server_config(build_parser().parse_args(["serve", "smollm2", "--api-keys-file", str(tmp_path / "missing")]), None)

@@ -48,7 +48,10 @@ def tenant_salt(api_key: str | None, cache_salt: str | None) -> str:
 
 def read_keys_file(path: str | Path) -> tuple[str, ...]:
     """API keys, one a line (blank lines and # comments skipped)."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read the API keys file {path}: {error.strerror}") from error
     keys = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
     if not keys:
         raise ValueError(f"the API keys file {path} holds no key")
