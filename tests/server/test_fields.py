@@ -22,7 +22,7 @@ REFUSED = [
     ("chat", "function_call", "auto"), ("chat", "prediction", {"type": "content", "content": "x"}),
     ("chat", "reasoning_effort", "low"), ("chat", "verbosity", "low"), ("chat", "web_search_options", {}),
     ("chat", "prompt_cache_key", "k"), ("chat", "store", True), ("chat", "modalities", ["audio"]),
-    ("chat", "service_tier", "flex"), ("chat", "priority", 1),
+    ("chat", "service_tier", "flex"), ("chat", "priority", 1), ("chat", "stream_options", {"include_usage": True}),
     ("completions", "suffix", "end"), ("completions", "best_of", 3), ("completions", "prompt_cache_key", "k"),
     ("responses", "conversation", "conv_1"), ("responses", "max_tool_calls", 3), ("responses", "prompt", {"id": "p"}),
     ("responses", "reasoning", {"effort": "low"}), ("responses", "top_logprobs", 2), ("responses", "include", ["x"]),

@@ -53,7 +53,8 @@ def hostile_cases() -> list[tuple[str, object]]:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     return [
         (CHAT, b'{"model": "smollm2", "messages": ['), (CHAT, b"\xff\xfe\x00garbage"), (CHAT, b""), (CHAT, b"null"),
-        (CHAT, b"[]"), (CHAT, b'"text"'), (CHAT, b"1e999"), (CHAT, b"{" * 100_000), (CHAT, b"[" * 1_000_000),
+        (CHAT, b"[]"), (CHAT, b'"text"'), (CHAT, b"1e999"), (COMPLETIONS, b'{"model": "smollm2", "prompt": "a\\ud800b"}'),
+        (CHAT, b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\udfff"}]}'), (CHAT, b"{" * 100_000), (CHAT, b"[" * 1_000_000),
         (COMPLETIONS, b'{"model": "smollm2", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
         (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": "x" * (9 * 1024 * 1024)}).encode()),  # past the body limit
         (COMPLETIONS, BASE[COMPLETIONS] | {"prompt": "word " * 1_500_000}),  # under the body limit, far past the context

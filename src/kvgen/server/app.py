@@ -66,8 +66,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
         body = parse(CompletionRequest, await read_json(http, config.limits), REFUSED_COMPLETIONS)
-        serving.check_model(body.model)
-        serving.check_priority(body.priority)
+        serving.check_common(body)
         jobs, spec, prompt_ids = await asyncio.to_thread(prepare_completions, serving, body)
         request_id, salt, speculative = f"cmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         serving.validate(request_id, jobs, body.priority, salt, speculative)
@@ -83,8 +82,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
         body = parse(ChatCompletionRequest, await read_json(http, config.limits), REFUSED_CHAT)
-        serving.check_model(body.model)
-        serving.check_priority(body.priority)
+        serving.check_common(body)
         jobs, spec = await asyncio.to_thread(prepare_chat, serving, body)
         request_id, salt, speculative = f"chatcmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         serving.validate(request_id, jobs, body.priority, salt, speculative)

@@ -29,7 +29,6 @@ class ServerLimits:
     max_logit_bias: int = 300
     max_top_logprobs: int = 20
     max_stored_responses: int = 1024  # Responses API: kept in memory for previous_response_id
-    max_string_chars: int = 256  # user, cache_salt, metadata values use 512 (OpenAI's)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -68,6 +67,12 @@ def _parse(raw: bytes, limits: ServerLimits) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # JSON allows "\ud800" alone; a tokenizer cannot take it
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "a string in the request holds a lone UTF-16 surrogate escape (\\udXXX): send valid Unicode",
+                           code="invalid_json") from None  # fmt: skip
     return body
 
 
@@ -88,6 +93,7 @@ def _depth_bound_exceeded(raw: bytes, max_depth: int) -> bool:
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
@@ -102,13 +108,20 @@ def encode_bounded(tokenizer, text: str, limit: int, param: str, add_special_tok
     characters is probed on its head first (cut text tokenizes to at least its tokens minus one)."""
     probe_chars = (limit + 2) * 32
     if len(text) > probe_chars:
-        head = tokenizer.encode(text[:probe_chars], add_special_tokens=add_special_tokens)
+        head = _encode(tokenizer, text[:probe_chars], add_special_tokens, param)
         if len(head) > limit + 1:
             raise prompt_too_long(f"more than {limit}", limit, param)
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids = _encode(tokenizer, text, add_special_tokens, param)
     if len(ids) > limit:
         raise prompt_too_long(str(len(ids)), limit, param)
     return ids
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as error:  # noqa: BLE001 - whatever the tokenizer cannot take is the input's fault
+        raise APIError(400, f"the tokenizer cannot encode this {param}: {error}", param=param) from None
 
 
 def prompt_too_long(count: str, limit: int, param: str) -> APIError:

@@ -63,6 +63,9 @@ def build_params(sampling: Sampling, endpoint: str, max_tokens_limit: int, engin
     if sampling.logit_bias:
         fields["logit_bias"] = _logit_bias(sampling.logit_bias, engine.model.config.vocab_size, limits)
     if sampling.logprobs:
+        if sampling.top_logprobs > limits.max_top_logprobs:
+            raise APIError(400, f"top_logprobs is {sampling.top_logprobs}; this server allows at most {limits.max_top_logprobs}",
+                           param="top_logprobs")  # fmt: skip
         fields["logprobs"] = True
         fields["top_logprobs"] = sampling.top_logprobs
     if structured is not None:

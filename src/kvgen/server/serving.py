@@ -35,6 +35,13 @@ class Serving:
             raise APIError(404, f"model {name[:100]!r} does not exist: this server serves {self.config.model_name!r} (see /v1/models)",
                            param="model", code="model_not_found")  # fmt: skip
 
+    def check_common(self, body) -> None:
+        """What chat and completions check before any work: model, priority, stream_options."""
+        self.check_model(body.model)
+        self.check_priority(body.priority)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
     def check_priority(self, priority: int) -> None:
         if priority and not self.config.allow_priority:
             raise APIError(400, "priority is not allowed by this server (start it with --allow-priority): leave it out",
