@@ -7,6 +7,11 @@ The grammar's own cost is also measured alone: the tokens are replayed through a
 timing mask + advance per token without any forward pass to hide behind.
 
     python benchmarks/structured.py --model smollm2 --repeats 3
+    python benchmarks/structured.py --model smollm2 --tools   # the server's tool-call grammar instead
+
+--tools: the same schema as the parameters of a `create_order` tool (beside a second tool), the prompt
+rendered as the server renders tools (server/tools.py), tool_choice "required", one call: the grammar
+is the one a chat request with tools runs under (tags, the tool name, the arguments' schema).
 """
 
 from __future__ import annotations
@@ -39,19 +44,36 @@ SCHEMA = {
 }  # fmt: skip
 
 
+def schema_prompt(llm) -> tuple[list[int], StructuredOutput]:
+    message = f"Write an order with a customer and three line items as JSON following this schema: {json.dumps(SCHEMA)}"
+    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": message}]), add_special_tokens=False)
+    return ids, StructuredOutput.json_schema(SCHEMA)
+
+
+def tool_prompt(llm) -> tuple[list[int], StructuredOutput]:
+    from kvgen.server.tools import Tool, make_plan, render_conversation
+
+    tools = [Tool("create_order", "Create an order for a customer", SCHEMA),
+             Tool("get_time", "Current time in a timezone", {"type": "object", "properties": {"timezone": {"type": "string"}}})]  # fmt: skip
+    plan = make_plan(tools, "required", parallel=False)
+    messages = [{"role": "user", "content": "Order three items for Ada Lovelace (ada@example.com)."}]
+    rendered, template_tools = render_conversation(messages, plan, llm.tokenizer.chat_template_supports_tools)
+    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(rendered, tools=template_tools), add_special_tokens=False)
+    return ids, plan.structured()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--overlap", action="store_true", help="compute masks on a thread while the forward runs")
+    parser.add_argument("--tools", action="store_true", help="generate a tool call under the server's tool grammar")
     args = parser.parse_args()
     grammar_module.OVERLAP_MASK = args.overlap
 
     llm = LLM.load(args.model, progress=False, weights=args.weights)
-    message = f"Write an order with a customer and three line items as JSON following this schema: {json.dumps(SCHEMA)}"
-    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": message}]), add_special_tokens=False)
-    output = StructuredOutput.json_schema(SCHEMA)
+    ids, output = tool_prompt(llm) if args.tools else schema_prompt(llm)
     constrained_params = SamplingParams(max_new_tokens=256, structured=output)
     llm.generate(ids, SamplingParams(max_new_tokens=4))  # warm up
 
@@ -75,12 +97,13 @@ def main() -> None:
     best_constrained, best_free = max(constrained), max(free)
     row = {
         "model": args.model, "tokens": len(tokens), "overlap": args.overlap,
-        "unconstrained_tok_s": round(best_free, 2), "json_schema_tok_s": round(best_constrained, 2),
+        "unconstrained_tok_s": round(best_free, 2), f"{'tool_call' if args.tools else 'json_schema'}_tok_s": round(best_constrained, 2),
         "slowdown_pct": round((1 - best_constrained / best_free) * 100, 1),
         "mask_ms_per_token_alone": round(mask_ms, 3), "decode_ms_per_token": round(1000 / best_free, 2),
     }  # fmt: skip
     print_table([row], list(row))
-    path = write_results("structured-overlap" if args.overlap else "structured", {"rows": [row], "repeats": args.repeats, "schema": SCHEMA, "output": llm.tokenizer.decode(tokens)})
+    name = "structured" + ("-tools" if args.tools else "") + ("-overlap" if args.overlap else "")
+    path = write_results(name, {"rows": [row], "repeats": args.repeats, "schema": SCHEMA, "output": llm.tokenizer.decode(tokens)})
     print(f"wrote {path}")
 
 

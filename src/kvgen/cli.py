@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_name", nargs="?", default=None, help="same as --model")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: env KVGEN_API_KEY, else none)")
+    serve.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY'; repeat for several keys, each its own "
+                       "prefix-cache tenant (default: env KVGEN_API_KEY, else none)")  # fmt: skip
+    serve.add_argument("--api-keys-file", default=None, help="more API keys, one a line (# comments)")
+    serve.add_argument("--allow-priority", action="store_true", help="honour the requests' `priority` field (else it is a 400)")
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask for")
     serve.add_argument("--max-concurrent", type=int, default=256, help="requests served at once; more get HTTP 429")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
@@ -281,11 +284,12 @@ def cmd_kv_check(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from kvgen.server.launch import serve
+    from kvgen.server.launch import serve, server_config
 
     if args.model_name:
         args.model = args.model_name
-    return serve(args, _load(args, engine=True), api_key=args.api_key or os.environ.get("KVGEN_API_KEY"))
+    config = server_config(args, env_key=os.environ.get("KVGEN_API_KEY"))  # bad options fail before the model loads
+    return serve(args, _load(args, engine=True), config)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check, "serve": cmd_serve}

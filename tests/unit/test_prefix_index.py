@@ -46,6 +46,25 @@ def test_salts_keep_namespaces_apart() -> None:
     assert miss.num_blocks == 0 and miss.reason == "different salt"
 
 
+def test_unseen_and_emptied_salts_hold_no_root() -> None:
+    """A server may get a new cache salt per request: only salts with indexed blocks keep a root."""
+    pool = BlockPool(8, SIZE)
+    index = PrefixIndex(pool)
+    tokens = list(range(8))
+    for i in range(100):
+        assert index.match(tokens, salt=f"user-{i}").num_blocks == 0
+    assert index.roots == {}
+    blocks = sequence_blocks(pool, tokens)
+    index.insert(tokens, blocks, salt="user-1")
+    pool.free(blocks)
+    assert list(index.roots) == ["user-1"]
+    index.clear()
+    assert index.roots == {} and index.num_blocks == 0
+    assert index.match(tokens, salt="user-1").reason == "evicted"
+    index.check_invariants()
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("policy, expected_first", [("lru", "old"), ("lfu", "new")])
 def test_eviction_order_lru_and_lfu(policy: str, expected_first: str) -> None:
     pool = BlockPool(8, SIZE)

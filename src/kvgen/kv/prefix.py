@@ -95,7 +95,10 @@ class PrefixIndex:
         Pass max_tokens = len(prompt) - 1 so the last prompt token is always computed (its logits
         pick the first output token) and never written into a shared block."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        chunks, node, blocks, now = self._chunks(tokens, limit), self.root(salt), [], next(self._clock)
+        # An unseen salt gets no root until something is inserted: a client sending a new cache salt
+        # per request must not grow the index.
+        node = self.roots.get(salt) or PrefixNode((), None, None)
+        chunks, blocks, now = self._chunks(tokens, limit), [], next(self._clock)
         for chunk in chunks:
             child = node.children.get(chunk)
             if child is None:
@@ -182,6 +185,8 @@ class PrefixIndex:
             self._evicted_paths[salt, leaf.tokens] = None
             while len(self._evicted_paths) > _EVICTED_MEMORY:
                 self._evicted_paths.popitem(last=False)
+            if not leaf.parent.children:  # an empty namespace: drop its root (roots stay <= blocks)
+                del self.roots[salt]
 
     def clear(self) -> None:
         """Drop every unlocked block (what a fresh server would hold)."""

@@ -248,8 +248,16 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- chat
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered with the model's own chat template."""
+    @property
+    def chat_template_supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (else callers describe tools themselves)."""
+        return self._chat_template is not None and "tools" in self._chat_template
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text for a conversation, rendered with the model's own chat template (`tools`
+        in the OpenAI/transformers form, for templates that render them)."""
         if self._chat_template is None:
             raise ValueError(
                 "this model has no chat template, so a conversation cannot be formatted for it; "
@@ -259,7 +267,7 @@ class Tokenizer:
             return _compile_template(self._chat_template).render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self._special_token_texts(),
             )

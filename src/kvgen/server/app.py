@@ -1,64 +1,55 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /health,
-/metrics. Every request runs on the shared AsyncLLMEngine; a client that disconnects cancels it."""
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (SSE streaming),
+/health, /metrics. Every request runs on the shared AsyncLLMEngine; a client that disconnects cancels
+it. Bodies are read and parsed here (size and nesting bounded, unknown fields refused) rather than by
+FastAPI, so that every failure has OpenAI's error shape."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
+import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvgen.engine.async_engine import AsyncLLMEngine
-from kvgen.server.choices import ChoiceResult, collect, run_choices
+from kvgen.server.config import ServerConfig
 from kvgen.server.errors import APIError, install_error_handlers
-from kvgen.server.logprobs import chat_logprobs, completion_logprobs
+from kvgen.server.limits import read_json
+from kvgen.server.logprobs import prompt_logprobs
 from kvgen.server.metrics import ServerMetrics
-from kvgen.server.params import build_params, build_speculative
-from kvgen.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvgen.server.outputs import full_response, stream_events
+from kvgen.server.params import build_speculative
+from kvgen.server.prepare import prepare_chat, prepare_completions
+from kvgen.server.protocol import REFUSED_CHAT, REFUSED_COMPLETIONS, ChatCompletionRequest, CompletionRequest, parse
+from kvgen.server.responses import ResponsesAPI
+from kvgen.server.serving import Serving
 
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_name: str
-    api_key: str | None = None
-    max_tokens_limit: int = 4096  # the most a request may ask for
-    max_prompt_tokens: int | None = None  # default: the engine's context
-    max_concurrent: int = 256  # requests served at once; more get 429
+__all__ = ["ServerConfig", "create_app"]
+log = logging.getLogger(__name__)
 
 
 def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="kvgen", docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvgen", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     metrics = ServerMetrics(engine)
-    state = {"in_flight": 0}
-    app.state.engine, app.state.metrics = engine, metrics
+    serving = Serving(engine, config, metrics)
+    responses = ResponsesAPI(serving)
+    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    keys = config.keys
 
-    async def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
+    async def authorize(request: Request) -> str | None:
+        """The request's API key (its tenant), or None when the server has none."""
+        if not keys:
+            return None
         given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given, f"Bearer {config.api_key}"):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-
-    def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise APIError(404, f"model {name!r} does not exist: this server serves {config.model_name!r} (see /v1/models)",
-                           param="model", code="model_not_found")  # fmt: skip
-
-    def admit(prompt_tokens: int) -> None:
-        limit = config.max_prompt_tokens or engine.engine.max_context - 1
-        if prompt_tokens > limit:
-            raise APIError(400, f"the prompt has {prompt_tokens} tokens; the limit is {limit}: shorten it",
-                           param="messages", code="context_length_exceeded")  # fmt: skip
-        if state["in_flight"] >= config.max_concurrent:
-            raise APIError(429, f"the server is serving {config.max_concurrent} requests, its limit: retry later",
-                           kind="rate_limit_error", code="too_many_requests")  # fmt: skip
+        for key in keys:
+            if secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return key
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> dict:
@@ -72,136 +63,41 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvgen"}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, http: Request) -> Response:
-        check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported: leave it false", param="echo")
-        prompt_ids = engine.engine.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await serve(http, "completions", body, prompt_ids, chat=False)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-        check_model(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        tokenizer = engine.engine.tokenizer
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-        return await serve(http, "chat", body, prompt_ids, chat=True)
-
-    async def serve(http: Request, endpoint: str, body, prompt_ids: list[int], chat: bool) -> Response:
-        admit(len(prompt_ids))
-        params = build_params(body, chat, config.max_tokens_limit, engine.engine)
-        speculative = build_speculative(body)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        try:  # validate every choice before any runs: a bad request queues nothing
-            for p in params:  # a speculative request builds its proposer, which checks its options
-                engine.engine.make_request(request_id, prompt_ids, p, speculative=speculative).release_speculation()
-        except ValueError as error:
-            raise APIError(400, str(error), code="invalid_request") from error
-        state["in_flight"] += 1
-        metrics.running.inc()
+    @app.post("/v1/completions")
+    async def completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
+        body = parse(CompletionRequest, await read_json(http, config.limits), REFUSED_COMPLETIONS)
+        serving.check_common(body)
+        jobs, spec, prompt_ids = await asyncio.to_thread(prepare_completions, serving, body)
+        request_id, salt, speculative = f"cmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
+        serving.validate(request_id, jobs, body.priority, salt, speculative)
+        if spec.echo is not None and spec.logprobs:  # the prompt's own logprobs: one forward, engine held
+            scored = await asyncio.to_thread(engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs) for ids in prompt_ids])
+            spec = dataclasses.replace(spec, prompt_logprobs=scored)
+        log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
         head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
-        choices = run_choices(engine, request_id, prompt_ids, params, body.priority, metrics, speculative)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = stream_events(choices, head, chat, include_usage, engine.engine.tokenizer, params[0].logprobs)
-            return StreamingResponse(finish(events, endpoint), media_type="text/event-stream")
-        status = "cancelled"
-        try:
-            results = await until_disconnect(http, collect(choices, len(params)))
-            failed = [r for r in results if r.finish_reason == "error"]
-            status = "error" if failed else "ok"
-        finally:
-            done(endpoint, status)
-        if failed:
-            raise APIError(500, f"generation failed: {failed[0].error}", kind="server_error")
-        return JSONResponse(full_response(results, head, chat, engine.engine.tokenizer, params[0].logprobs))
+        return await serving.respond(http, "completions", request_id, jobs, priority=body.priority, salt=salt, speculative=speculative,
+                                     stream=bool(body.stream), full=lambda r: full_response(r, head, spec) | _extra(body),
+                                     events=lambda c: stream_events(c, head, spec))  # fmt: skip
 
-    def done(endpoint: str, status: str) -> None:
-        state["in_flight"] -= 1
-        metrics.running.dec()
-        metrics.requests.labels(endpoint, status).inc()
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
+        body = parse(ChatCompletionRequest, await read_json(http, config.limits), REFUSED_CHAT)
+        serving.check_common(body)
+        jobs, spec = await asyncio.to_thread(prepare_chat, serving, body)
+        request_id, salt, speculative = f"chatcmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
+        serving.validate(request_id, jobs, body.priority, salt, speculative)
+        log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
+        head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
+        if body.service_tier is not None:
+            head["service_tier"] = "default"
+        return await serving.respond(http, "chat", request_id, jobs, priority=body.priority, salt=salt, speculative=speculative,
+                                     stream=bool(body.stream), full=lambda r: full_response(r, head, spec) | _extra(body),
+                                     events=lambda c: stream_events(c, head, spec))  # fmt: skip
 
-    async def finish(events: AsyncIterator[str], endpoint: str) -> AsyncIterator[str]:
-        status = "cancelled"
-        try:
-            async for event in events:
-                yield event
-            status = "ok"
-        finally:
-            done(endpoint, status)
-
+    responses.install(app, authorize)
     return app
 
 
-async def until_disconnect(http: Request, work):
-    """Run `work`; if the client goes away first, cancel it (which cancels its engine requests)."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait([task], timeout=0.25)
-        if not task.done() and await http.is_disconnected():
-            task.cancel()
-            raise APIError(499, "client disconnected")
-    return task.result()
-
-
-def usage_body(results: list[ChoiceResult]) -> dict:
-    prompt = results[0].prompt_tokens
-    completion = sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}}  # fmt: skip
-
-
-def logprobs_body(tokenizer, logprobs: list, chat: bool, wanted: bool, offset: int = 0) -> dict | None:
-    if not wanted:
-        return None
-    return chat_logprobs(tokenizer, logprobs) if chat else completion_logprobs(tokenizer, logprobs, offset)
-
-
-def full_response(results: list[ChoiceResult], head: dict, chat: bool, tokenizer, wanted: bool) -> dict:
-    if chat:
-        choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-                    "logprobs": logprobs_body(tokenizer, r.logprobs, chat, wanted)} for r in results]  # fmt: skip
-        return head | {"object": "chat.completion", "choices": choices, "usage": usage_body(results)}
-    choices = [{"index": r.index, "text": r.text, "finish_reason": r.finish_reason,
-                "logprobs": logprobs_body(tokenizer, r.logprobs, chat, wanted)} for r in results]  # fmt: skip
-    return head | {"object": "text_completion", "choices": choices, "usage": usage_body(results)}
-
-
-async def stream_events(choices, head: dict, chat: bool, include_usage: bool, tokenizer, wanted: bool) -> AsyncIterator[str]:
-    """SSE: a chunk per new text (per choice), a last chunk per choice with its finish_reason, then
-    (when asked) a chunk with the usage and no choices, then [DONE]."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    results: dict[int, ChoiceResult] = {}
-    started: set[int] = set()
-    offsets: dict[int, int] = {}  # completions' text_offset goes on across chunks
-
-    def event(choice: dict, usage: dict | None = None) -> str:
-        body = head | {"object": kind, "choices": [choice] if choice else []}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
-    try:
-        async for index, output, result in choices:
-            if chat and index not in started:
-                started.add(index)
-                yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            if output.finish_reason == "error":
-                yield f"data: {json.dumps({'error': {'message': output.error, 'type': 'server_error'}})}\n\n"
-                return
-            logprobs = logprobs_body(tokenizer, output.logprobs, chat, wanted, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(output.text)
-            text_key = "delta" if chat else "text"
-            text_value = {"content": output.text} if chat else output.text
-            if output.finished:
-                results[index] = result
-                yield event({"index": index, text_key: text_value if output.text else ({} if chat else ""),
-                             "logprobs": logprobs, "finish_reason": output.finish_reason})  # fmt: skip
-            elif output.text or logprobs:
-                yield event({"index": index, text_key: text_value, "logprobs": logprobs, "finish_reason": None})
-    finally:  # also when the client went away: cancels what still runs
-        await choices.aclose()
-    if include_usage:
-        yield event({}, usage_body([results[i] for i in sorted(results)]))
-    yield "data: [DONE]\n\n"
+def _extra(body) -> dict:
+    """Fields echoed back: the request's metadata (as the Responses API does)."""
+    return {"metadata": body.metadata} if body.metadata is not None else {}

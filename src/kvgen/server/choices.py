@@ -1,6 +1,7 @@
-"""Running the n choices of one API request on the engine, as one stream of outputs.
+"""Running the choices of one API request on the engine, as one stream of outputs.
 
-Choice i is its own engine request (id `<request>-<i>`): they share the prompt through the prefix
+Choice i is its own engine request (id `<request>-<i>`) with its own prompt and params (completions
+may send several prompts, each with n choices); choices of one prompt share it through the prefix
 cache. Closing the stream (a client that went away) cancels every choice still running.
 """
 
@@ -33,11 +34,15 @@ class ChoiceResult:
 Event = tuple[int, RequestOutput, ChoiceResult]
 
 
-async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      priority: int, metrics, speculative: SpeculativeConfig | None) -> AsyncIterator[Event]:  # fmt: skip
+Job = tuple[list[int], SamplingParams]  # one choice: prompt ids, params
+
+
+async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, job: Job, priority: int, metrics,
+                      speculative: SpeculativeConfig | None, salt: str) -> AsyncIterator[Event]:  # fmt: skip
     result, pieces = ChoiceResult(index), []
     started = last = time.perf_counter()
-    async for output in engine.generate(f"{request_id}-{index}", prompt_ids, params, priority, speculative=speculative):
+    prompt_ids, params = job
+    async for output in engine.generate(f"{request_id}-{index}", prompt_ids, params, priority, salt, speculative):
         now = time.perf_counter()
         if output.token_ids:
             if not result.completion_tokens and not pieces:
@@ -53,14 +58,13 @@ async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, promp
             if output.usage is not None:
                 result.prompt_tokens, result.completion_tokens = output.usage.prompt_tokens, output.usage.completion_tokens
                 result.cached_tokens = output.usage.cached_tokens
-                if index == 0:
-                    metrics.prompt_tokens.inc(output.usage.prompt_tokens)
+                metrics.prompt_tokens.inc(output.usage.prompt_tokens)
         yield index, output, result
 
 
-async def run_choices(engine: AsyncLLMEngine, request_id: str, prompt_ids: list[int], params: list[SamplingParams],
-                      priority: int, metrics, speculative: SpeculativeConfig | None = None) -> AsyncIterator[Event]:  # fmt: skip
-    streams = [_one_choice(engine, request_id, i, prompt_ids, p, priority, metrics, speculative) for i, p in enumerate(params)]
+async def run_choices(engine: AsyncLLMEngine, request_id: str, jobs: list[Job], priority: int, metrics,
+                      speculative: SpeculativeConfig | None = None, salt: str = "") -> AsyncIterator[Event]:  # fmt: skip
+    streams = [_one_choice(engine, request_id, i, job, priority, metrics, speculative, salt) for i, job in enumerate(jobs)]
     if len(streams) == 1:
         try:
             async for event in streams[0]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -23,7 +27,13 @@ def _describe(error: dict) -> tuple[str, str | None]:
     where = ".".join(location) or "body"
     if error.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {error.get('msg')}", None
-    return f"{where}: {error.get('msg')}", where
+    return f"{where}: {error.get('msg')}"[:2000], where[:200]
+
+
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic errors -> (one message naming every bad field, the first field)."""
+    messages = [_describe(e) for e in errors[:8]]
+    return "; ".join(m for m, _ in messages), messages[0][1] if messages else None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -33,9 +43,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        messages = [_describe(e) for e in error.errors()]
-        return error_response(400, "; ".join(m for m, _ in messages), param=messages[0][1] if messages else None)
+        message, param = describe_validation(list(error.errors()))
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return error_response(error.status_code, str(error.detail), "invalid_request_error" if error.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:  # a bug: still OpenAI's shape, logged
+        log.exception("unexpected server error", exc_info=error)
+        return error_response(500, f"internal server error ({type(error).__name__})", "server_error")

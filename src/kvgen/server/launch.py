@@ -9,7 +9,8 @@ from pathlib import Path
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.config import EngineConfig
 from kvgen.engine.engine import LLMEngine
-from kvgen.server.app import ServerConfig, create_app
+from kvgen.server.app import create_app
+from kvgen.server.config import ServerConfig, read_keys_file
 
 
 def build(llm, engine_config: EngineConfig, server_config: ServerConfig):
@@ -18,7 +19,18 @@ def build(llm, engine_config: EngineConfig, server_config: ServerConfig):
     return create_app(engine, server_config), engine
 
 
-def serve(args: argparse.Namespace, llm, api_key: str | None) -> int:
+def server_config(args: argparse.Namespace, env_key: str | None) -> ServerConfig:
+    """The server options, checked (ValueError) before anything is loaded. Keys: every --api-key and
+    the --api-keys-file lines; KVGEN_API_KEY only when neither is given."""
+    keys = tuple(args.api_key or ()) + (read_keys_file(args.api_keys_file) if args.api_keys_file else ())
+    if not keys and env_key:
+        keys = (env_key,)
+    name = Path(str(args.model)).stem if Path(str(args.model)).suffix else str(args.model)
+    return ServerConfig(name, None, args.max_tokens_limit, max_concurrent=args.max_concurrent, api_keys=keys,
+                        allow_priority=args.allow_priority)  # fmt: skip
+
+
+def serve(args: argparse.Namespace, llm, server_config: ServerConfig) -> int:
     import uvicorn
 
     engine_config = EngineConfig(
@@ -26,10 +38,8 @@ def serve(args: argparse.Namespace, llm, api_key: str | None) -> int:
         kv_budget_mb=args.kv_budget_mb, prefix_cache=not args.no_prefix_cache, eviction=args.eviction,
         max_context=args.max_context,
     )  # fmt: skip
-    name = Path(str(args.model)).stem if Path(str(args.model)).suffix else str(args.model)
-    server_config = ServerConfig(name, api_key, args.max_tokens_limit, max_concurrent=args.max_concurrent)
     app, engine = build(llm, engine_config, server_config)
-    print(f"kvgen: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"kvgen: serving {server_config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.sampling.sampler import TokenLogprob
 
@@ -30,3 +32,31 @@ def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offs
         "top_logprobs": [{_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(engine, ids: list[int], top: int) -> dict:
+    """Completions' columns for the prompt itself (echo + logprobs): each token's log-probability
+    given the ones before it (None for the first), by a forward pass over a fresh cache. Call it with
+    the engine held (AsyncLLMEngine.run_locked): it uses the engine's model between steps."""
+    chunk_size = 256
+    cache = engine._prompts.new_cache(len(ids))
+    values: list[float | None] = [None]
+    tops: list[dict | None] = [None]
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk_size):
+            chunk = ids[start : min(start + chunk_size, len(ids) - 1)]
+            logits = engine.model(torch.tensor([chunk]), cache, logits_to_keep=len(chunk))[0]  # [S, V]
+            rows = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+            targets = torch.tensor(ids[start + 1 : start + 1 + len(chunk)])  # [S]
+            values += rows.gather(1, targets[:, None])[:, 0].tolist()
+            if top:
+                best, best_ids = rows.topk(top, dim=-1)  # [S, top]
+                tops += [{_text(engine.tokenizer, t): v for t, v in zip(i, b)} for i, b in zip(best_ids.tolist(), best.tolist())]
+            else:
+                tops += [{} for _ in chunk]
+    tokens = [_text(engine.tokenizer, t) for t in ids]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -3,51 +3,99 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.server.errors import APIError
-from kvgen.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvgen.server.limits import ServerLimits, check_count
+from kvgen.server.protocol import ResponseFormat
 
-DEFAULT_MAX_TOKENS = {"chat": 512, "completions": 16}  # OpenAI's completions default is 16
+DEFAULT_MAX_TOKENS = {"chat": 512, "completions": 16, "responses": 512}  # OpenAI's completions default is 16
 _SUPPORTED = {f.name for f in dataclasses.fields(SamplingParams)}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "structured": "response_format"}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The endpoint-independent sampling fields of one request (chat, completions and responses map
+    their own field names onto it)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
 
 
 def _not_supported(field: str) -> APIError:
     return APIError(400, f"{field} is not supported yet by this server: leave it out", param=field, code="unsupported_parameter")
 
 
-def build_params(body: CompletionRequest | ChatCompletionRequest, chat: bool, max_tokens_limit: int, engine) -> list[SamplingParams]:
-    default = min(DEFAULT_MAX_TOKENS["chat" if chat else "completions"], max_tokens_limit)
-    max_tokens = body.max_completion_tokens or body.max_tokens or default
+def build_params(sampling: Sampling, endpoint: str, max_tokens_limit: int, engine, limits: ServerLimits,
+                 structured=None) -> list[SamplingParams]:  # fmt: skip
+    """One SamplingParams per choice (seeds seed + i); `structured` is a StructuredOutput or None."""
+    default = min(DEFAULT_MAX_TOKENS[endpoint], max_tokens_limit)
+    max_tokens = sampling.max_tokens or default
     if max_tokens > max_tokens_limit:
         raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {max_tokens_limit}", param="max_tokens")
-    fields: dict = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
-    if body.stop:
-        fields["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-    if body.ignore_eos:
+    fields: dict = {"max_new_tokens": max_tokens, "seed": sampling.seed}
+    for name, default_value in (("temperature", 1.0), ("top_p", 1.0)):
+        fields[name] = default_value if getattr(sampling, name) is None else getattr(sampling, name)
+    if sampling.stop:
+        stops = (sampling.stop,) if isinstance(sampling.stop, str) else tuple(sampling.stop)
+        check_count("stop", len(stops), limits.max_stop)
+        if any(not s or len(s) > limits.max_stop_chars for s in stops):
+            raise APIError(400, f"each stop string must have 1 to {limits.max_stop_chars} characters", param="stop")
+        fields["stop"] = stops
+    if sampling.ignore_eos:
         fields["ignore_eos"] = True
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            fields[name] = getattr(body, name)
-    if chat and body.logprobs or not chat and body.logprobs is not None:
+        if getattr(sampling, name):
+            fields[name] = getattr(sampling, name)
+    if sampling.logit_bias:
+        fields["logit_bias"] = _logit_bias(sampling.logit_bias, engine.model.config.vocab_size, limits)
+    if sampling.logprobs:
+        if sampling.top_logprobs > limits.max_top_logprobs:
+            raise APIError(400, f"top_logprobs is {sampling.top_logprobs}; this server allows at most {limits.max_top_logprobs}",
+                           param="top_logprobs")  # fmt: skip
         fields["logprobs"] = True
-        fields["top_logprobs"] = (body.top_logprobs or 0) if chat else body.logprobs
-    if chat and body.response_format is not None and body.response_format.type != "text":
-        fields["structured"] = _structured(body)
+        fields["top_logprobs"] = sampling.top_logprobs
+    if structured is not None:
+        fields["structured"] = structured
     for name in fields:
         if name not in _SUPPORTED or name not in engine.supported_params:
-            raise _not_supported({"max_new_tokens": "max_tokens", "structured": "response_format"}.get(name, name))
+            raise _not_supported(_OPENAI_NAMES.get(name, name))
     fields = {k: v for k, v in fields.items() if v is not None}
     try:
-        return [dataclasses.replace(SamplingParams(**fields), seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
+        return [dataclasses.replace(SamplingParams(**fields), seed=None if sampling.seed is None else sampling.seed + i)
+                for i in range(sampling.n)]  # fmt: skip
     except ValueError as error:
         raise APIError(400, str(error)) from error
 
 
-def build_speculative(body: CompletionRequest | ChatCompletionRequest) -> SpeculativeConfig | None:
+def _logit_bias(bias: dict[str, float], vocab_size: int, limits: ServerLimits) -> dict[int, float]:
+    """OpenAI's form (token id strings -> -100..100) -> kvgen's (ids -> bias)."""
+    check_count("logit_bias", len(bias), limits.max_logit_bias)
+    result = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias key {key[:32]!r} is not a token id of this model (0..{vocab_size - 1})", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias[{key}] is {value}; biases are between -100 and 100", param="logit_bias")
+        result[int(key)] = float(value)
+    return result
+
+
+def build_speculative(options) -> SpeculativeConfig | None:
     """The request's `speculative` extension field -> a SpeculativeConfig (400 when it cannot run)."""
-    options = body.speculative
     if options is None:
         return None
     try:
@@ -57,17 +105,23 @@ def build_speculative(body: CompletionRequest | ChatCompletionRequest) -> Specul
         raise APIError(400, str(error), param="speculative") from error
 
 
-def _structured(body: ChatCompletionRequest):
-    try:
-        from kvgen.sampling.grammar import StructuredOutput
-    except ImportError:
-        raise _not_supported("response_format") from None
-    fmt = body.response_format
+def structured_output(fmt: ResponseFormat | None, param: str = "response_format"):
+    """A response_format (chat, completions) -> StructuredOutput, or None for text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    from kvgen.sampling.grammar import StructuredOutput
+
     if fmt.type == "json_object":
         return StructuredOutput.json_object()
     if fmt.json_schema is None:
-        raise APIError(400, "response_format json_schema needs a json_schema object with a 'schema'", param="response_format")
+        raise APIError(400, "response_format json_schema needs a json_schema object with a 'schema'", param=param)
+    return json_schema_output(fmt.json_schema.schema_, param)
+
+
+def json_schema_output(schema: dict, param: str):
+    from kvgen.sampling.grammar import StructuredOutput
+
     try:
-        return StructuredOutput.json_schema(fmt.json_schema.schema_)
+        return StructuredOutput.json_schema(schema)
     except ValueError as error:
-        raise APIError(400, f"invalid JSON schema: {error}", param="response_format") from error
+        raise APIError(400, f"invalid JSON schema: {error}", param=param) from error

@@ -1,29 +1,39 @@
-"""The OpenAI request bodies kvgen accepts, as pydantic models (unknown fields are ignored, as
-OpenAI's own server does; wrong types and out-of-range values are 400s)."""
+"""The OpenAI request bodies kvgen accepts, as pydantic models. Every field of OpenAI's schemas is
+either a field here (honoured) or listed in REFUSED_* with the reason (a 400 naming it); any other
+field is unknown and also a 400 naming it (`check_fields`). Wrong types and out-of-range values are
+400s from pydantic."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvgen.server.errors import APIError, describe_validation
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI pads deltas against side channels; kvgen sends none
 
 
-class JsonSchemaFormat(BaseModel):
-    name: str = "output"
+class JsonSchemaFormat(Strict):
+    name: str = Field(default="output", max_length=64)
+    description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SpeculativeOptions(BaseModel):
+class SpeculativeOptions(Strict):
     """kvgen extension: this request decodes speculatively (output unchanged; see docs/speculative.md).
     lookup: n-gram drafts from the context; self: drafts from the model's first `draft_layers` layers."""
 
@@ -32,48 +42,167 @@ class SpeculativeOptions(BaseModel):
     draft_layers: int | None = Field(default=None, ge=1)
 
 
-class SamplingFields(BaseModel):
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ContentPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+Metadata = dict[str, str]
+
+
+class SamplingFields(Strict):
     """What completions and chat completions share."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=16)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    user: str | None = None
-    priority: int = 0  # kvgen extension: lower runs first
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default"] | None = None  # kvgen has one tier
+    response_format: ResponseFormat | None = None
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # kvgen extension: lower runs first (server must allow it)
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past an end-of-sequence token
     speculative: SpeculativeOptions | None = None  # kvgen extension: per-request speculative decoding
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension (as vLLM's)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: Metadata | None) -> Metadata | None:
+        return check_metadata(value)
+
+
+def check_metadata(value: Metadata | None) -> Metadata | None:
+    """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
+    if value is not None:
+        if len(value) > 16:
+            raise ValueError(f"at most 16 pairs, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError(f"keys are at most 64 characters and values 512 ({key[:64]!r})")
+    return value
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool | None = False
+    best_of: int | None = Field(default=None, ge=1, le=16)
 
 
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    refusal: None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    store: Literal[False] | None = None  # stored completions are OpenAI's dashboard feature
+    modalities: list[Literal["text"]] | None = None
+
+
+# Known fields refused with a reason (a 400 naming the field when present and not null).
+REFUSED_COMMON = {
+    "prompt_cache_key": "kvgen's prefix cache needs no routing key; use cache_salt to isolate requests",
+    "prompt_cache_retention": "kvgen's prefix cache keeps blocks until the pool needs them",
+}
+REFUSED_CHAT = REFUSED_COMMON | {
+    "audio": "this server generates text only",
+    "functions": "the deprecated functions field is not supported: use tools",
+    "function_call": "the deprecated function_call field is not supported: use tool_choice",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served model has no reasoning mode",
+    "verbosity": "the served model has no verbosity setting",
+    "web_search_options": "this server has no web search",
+}
+REFUSED_COMPLETIONS = REFUSED_COMMON | {
+    "suffix": "insertion (suffix) is not supported by the served model",
+}
+
+
+def check_fields(body: dict[str, Any], model: type[BaseModel], refused: dict[str, str]) -> None:
+    """400 for a refused field (present, not null) or an unknown one, naming it."""
+    for name, value in body.items():
+        if name in refused:
+            if value is not None:
+                raise APIError(400, f"{name} is not supported: {refused[name]}", param=name, code="unsupported_parameter")
+        elif name not in model.model_fields:
+            raise APIError(400, f"unknown field {name!r}: this server does not know it (see docs/server.md)",
+                           param=name, code="unknown_parameter")  # fmt: skip
+
+
+def parse(model: type[BaseModel], body: dict[str, Any], refused: dict[str, str]):
+    """The validated request, or a 400 naming the first bad field."""
+    check_fields(body, model, refused)
+    try:
+        # strict: JSON types as declared (no true -> 1, no "2" -> 2)
+        return model.model_validate({k: v for k, v in body.items() if k not in refused}, strict=True)
+    except ValidationError as error:
+        message, param = describe_validation(error.errors())
+        raise APIError(400, message, param=param) from None

@@ -1,0 +1,121 @@
+"""Request body of the Responses API (POST /v1/responses), as pydantic models; fields refused with a
+reason are in REFUSED_RESPONSES (see protocol.check_fields)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from kvgen.server.protocol import REFUSED_COMMON, Metadata, SpeculativeOptions, Strict, check_metadata
+
+
+class InputText(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str = Field(max_length=256)
+    name: str = Field(max_length=64)
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(max_length=256)
+    output: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+class ResponseTool(Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Strict):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool | None = False
+    previous_response_id: str | None = Field(default=None, max_length=256)
+    store: bool | None = True
+    metadata: Metadata | None = None
+    text: TextConfig | None = None
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    truncation: Literal["disabled"] | None = None  # kvgen never drops input to fit: a too-long input is a 400
+    include: list[str] | None = None
+    background: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # kvgen extension
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # kvgen extension
+    speculative: SpeculativeOptions | None = None  # kvgen extension
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: Metadata | None) -> Metadata | None:
+        return check_metadata(value)
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError(f"kvgen has no extra output to include ({value[0][:64]!r}): leave include empty")
+        return value
+
+
+REFUSED_RESPONSES = REFUSED_COMMON | {
+    "conversation": "conversations are not stored by this server: use previous_response_id",
+    "max_tool_calls": "a bound on built-in tool calls does not apply: this server has function tools only",
+    "prompt": "stored prompt templates are not supported",
+    "reasoning": "the served model has no reasoning mode",
+    "top_logprobs": "logprobs are not returned by the Responses API here: use chat completions",
+    "stream_options": "the Responses stream has no options here",
+}

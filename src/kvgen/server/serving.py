@@ -1,0 +1,114 @@
+"""What every generating endpoint shares: admission (concurrency, prompt length, priority), validating
+every choice before any runs, running them on the engine, and the response (whole, or SSE) with the
+request counted in the metrics however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvgen.engine.async_engine import AsyncLLMEngine
+from kvgen.server.choices import ChoiceResult, Job, collect, run_choices
+from kvgen.server.config import ServerConfig, tenant_salt
+from kvgen.server.errors import APIError
+from kvgen.server.metrics import ServerMetrics
+
+FullRender = Callable[[list[ChoiceResult]], dict]
+StreamRender = Callable[[AsyncIterator], AsyncIterator[str]]
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.limits = config.limits
+        self.in_flight = 0
+
+    @property
+    def prompt_limit(self) -> int:
+        return min(self.config.max_prompt_tokens or self.engine.engine.max_context - 1, self.engine.engine.max_context - 1)
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(404, f"model {name[:100]!r} does not exist: this server serves {self.config.model_name!r} (see /v1/models)",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    def check_common(self, body) -> None:
+        """What chat and completions check before any work: model, priority, stream_options."""
+        self.check_model(body.model)
+        self.check_priority(body.priority)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    def check_priority(self, priority: int) -> None:
+        if priority and not self.config.allow_priority:
+            raise APIError(400, "priority is not allowed by this server (start it with --allow-priority): leave it out",
+                           param="priority", code="unsupported_parameter")  # fmt: skip
+
+    def salt(self, api_key: str | None, cache_salt: str | None) -> str:
+        return tenant_salt(api_key, cache_salt)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if len(ids) > self.prompt_limit:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; the limit is {self.prompt_limit}: shorten it",
+                           param=param, code="context_length_exceeded")  # fmt: skip
+
+    def validate(self, request_id: str, jobs: list[Job], priority: int, salt: str, speculative) -> None:
+        """Build (and drop) every choice's engine request: a bad request queues nothing."""
+        try:
+            for prompt_ids, params in jobs:  # a speculative request builds its proposer, which checks its options
+                self.engine.engine.make_request(request_id, prompt_ids, params, priority, salt, speculative).release_speculation()
+        except ValueError as error:
+            raise APIError(400, str(error), code="invalid_request") from error
+
+    async def respond(self, http: Request, endpoint: str, request_id: str, jobs: list[Job], *, priority: int, salt: str,
+                      speculative, stream: bool, full: FullRender, events: StreamRender,
+                      on_done: Callable[[list[ChoiceResult]], None] | None = None) -> Response:  # fmt: skip
+        """Run the jobs (validated already) and answer: JSON from `full`, or SSE from `events`."""
+        if self.in_flight >= self.config.max_concurrent:
+            raise APIError(429, f"the server is serving {self.config.max_concurrent} requests, its limit: retry later",
+                           kind="rate_limit_error", code="too_many_requests")  # fmt: skip
+        self.in_flight += 1
+        self.metrics.running.inc()
+        choices = run_choices(self.engine, request_id, jobs, priority, self.metrics, speculative, salt)
+        if stream:
+            return StreamingResponse(self._finish(events(choices), endpoint), media_type="text/event-stream")
+        status = "cancelled"
+        try:
+            results = await until_disconnect(http, collect(choices, len(jobs)))
+            failed = [r for r in results if r.finish_reason == "error"]
+            status = "error" if failed else "ok"
+        finally:
+            self._done(endpoint, status)
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0].error}", kind="server_error")
+        if on_done is not None:
+            on_done(results)
+        return JSONResponse(full(results))
+
+    def _done(self, endpoint: str, status: str) -> None:
+        self.in_flight -= 1
+        self.metrics.running.dec()
+        self.metrics.requests.labels(endpoint, status).inc()
+
+    async def _finish(self, events: AsyncIterator[str], endpoint: str) -> AsyncIterator[str]:
+        status = "cancelled"
+        try:
+            async for event in events:
+                yield event
+            status = "ok"
+        finally:
+            self._done(endpoint, status)
+
+
+async def until_disconnect(http: Request, work: Awaitable):
+    """Run `work`; if the client goes away first, cancel it (which cancels its engine requests)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait([task], timeout=0.25)
+        if not task.done() and await http.is_disconnected():
+            task.cancel()
+            raise APIError(499, "client disconnected")
+    return task.result()

@@ -1,0 +1,102 @@
+"""Every OpenAI request field is honoured or refused: refused and unknown fields are 400s naming the
+field (through the official openai client), and the honoured ones that are new here do what they say
+(logit_bias on chat, response_format on completions, echo with prompt logprobs, several prompts,
+metadata)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from kvgen import SamplingParams
+from kvgen.quality import score
+from tests.server.live import MODEL_NAME
+from tests.support.models import PROMPTS
+
+USER = [{"role": "user", "content": "Hello"}]
+
+REFUSED = [
+    ("chat", "audio", {"voice": "alloy", "format": "wav"}), ("chat", "functions", [{"name": "f"}]),
+    ("chat", "function_call", "auto"), ("chat", "prediction", {"type": "content", "content": "x"}),
+    ("chat", "reasoning_effort", "low"), ("chat", "verbosity", "low"), ("chat", "web_search_options", {}),
+    ("chat", "prompt_cache_key", "k"), ("chat", "store", True), ("chat", "modalities", ["audio"]),
+    ("chat", "service_tier", "flex"), ("chat", "priority", 1), ("chat", "stream_options", {"include_usage": True}),
+    ("completions", "suffix", "end"), ("completions", "best_of", 3), ("completions", "prompt_cache_key", "k"),
+    ("responses", "conversation", "conv_1"), ("responses", "max_tool_calls", 3), ("responses", "prompt", {"id": "p"}),
+    ("responses", "reasoning", {"effort": "low"}), ("responses", "top_logprobs", 2), ("responses", "include", ["x"]),
+    ("responses", "background", True), ("responses", "truncation", "auto"), ("responses", "stream_options", {}),
+    ("chat", "temperature_typo", 1), ("completions", "foo", 1), ("responses", "max_tokens", 5),
+]  # fmt: skip
+
+
+def call(client: openai.OpenAI, endpoint: str, extra: dict):
+    if endpoint == "chat":
+        return client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, extra_body=extra)
+    if endpoint == "completions":
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2, extra_body=extra)
+    return client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2, extra_body=extra)
+
+
+@pytest.mark.parametrize("endpoint, field, value", REFUSED, ids=[f"{e}-{f}" for e, f, _ in REFUSED])
+def test_refused_and_unknown_fields_are_400s_naming_them(client, server, endpoint, field, value) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        call(client, endpoint, {field: value})
+    param = caught.value.body["param"]
+    assert (param == field or param.startswith(field + ".")) and field in caught.value.body["message"], caught.value.body
+
+
+def test_top_logprobs_without_logprobs_is_refused(client) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, top_logprobs=3)
+    assert caught.value.body["param"] == "top_logprobs"
+
+
+def test_logit_bias_on_chat_equals_the_engine_free_reference(client, server, smollm2) -> None:
+    ids = smollm2.tokenizer.encode(smollm2.tokenizer.apply_chat_template(USER), add_special_tokens=False)
+    plain = smollm2.generate(ids, SamplingParams(max_new_tokens=6))
+    banned = {plain.token_ids[0]: -100.0}  # the greedy first token, banned
+    expected = smollm2.generate(ids, SamplingParams(max_new_tokens=6, logit_bias=banned)).text
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0,
+                                           logit_bias={str(t): v for t, v in banned.items()})  # fmt: skip
+    assert reply.choices[0].message.content == expected != plain.text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, logit_bias={"99999999": 1})
+    assert caught.value.body["param"] == "logit_bias"
+
+
+def test_response_format_on_completions(client, server) -> None:
+    reply = client.completions.create(model=MODEL_NAME, prompt="A JSON object describing a cat:", max_tokens=40, temperature=0,
+                                      extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "cat", "schema": {
+                                          "type": "object", "properties": {"name": {"type": "string", "maxLength": 10}},
+                                          "required": ["name"], "additionalProperties": False}}}})  # fmt: skip
+    assert set(json.loads(reply.choices[0].text)) == {"name"}
+
+
+def test_echo_with_prompt_logprobs(client, server, smollm2) -> None:
+    ids = smollm2.tokenizer.encode(PROMPTS[0])
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True, logprobs=2)
+    generated = smollm2.generate(ids, SamplingParams(max_new_tokens=3)).text
+    choice = reply.choices[0]
+    assert choice.text == PROMPTS[0] + generated
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # the prompt's logprobs equal a token-by-token decode of it (a different path than the chunked scoring)
+    reference = score(smollm2.model, smollm2.generator.new_cache, ids, chunk_size=1).logprobs.tolist()
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(reference, abs=2e-3)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    server.assert_no_leaks()
+
+
+def test_several_prompts_metadata_and_user(client, server, smollm2) -> None:
+    reply = client.completions.create(model=MODEL_NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=4, temperature=0, n=2,
+                                      user="tester", extra_body={"metadata": {"team": "kv"}})  # fmt: skip
+    expected = [smollm2.generate(smollm2.tokenizer.encode(p), SamplingParams(max_new_tokens=4)).text for p in PROMPTS[1:3]]
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [expected[0]] * 2 + [expected[1]] * 2
+    prompt_tokens = sum(len(smollm2.tokenizer.encode(p)) for p in PROMPTS[1:3])
+    assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == 16
+    assert reply.model_extra["metadata"] == {"team": "kv"}
+    server.assert_no_leaks()
