@@ -88,7 +88,15 @@ class Generator:
         self.tokenizer = tokenizer
         self.max_context = min(max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.cache_config = cache or CacheConfig()
-        self.caches = CacheFactory(self.cache_config, model, tokenizer, self.max_context)
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.caches.config
+
+    @cache_config.setter
+    def cache_config(self, config: CacheConfig) -> None:
+        """Later requests get caches of this config (requests already running keep theirs)."""
+        self.caches = CacheFactory(config, self.model, self.tokenizer, self.max_context)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
