@@ -123,9 +123,9 @@ class DiskBlockStore:
         path = self.path(key)
         try:
             parts, size = read_block_file(path, {**expected, **self.identity})
-        except BlockFileError as error:
+        except BlockFileError as error:  # the scan vetted its identity: whatever fails now is damage
             self.discard(key)
-            self._skip(path, error)
+            self._skip(path, BlockFileError(str(error)))
             return None
         self.touch(key)
         try:

@@ -32,7 +32,6 @@ from kvgen.kv.prefix import PrefixIndex, PrefixMatch, PrefixNode
 
 @dataclass
 class TierHits:
-    ram_blocks: int = 0  # blocks a request adopted straight from the RAM index
     disk_blocks: int = 0  # blocks loaded back from disk for a request
     restore_seconds: float = 0.0  # reading, verifying and importing those
 
@@ -99,7 +98,6 @@ class PrefixDiskTier:
         """`match` continued with the blocks of `tokens[:max_tokens]` found on disk, loaded into the
         pool and indexed. Pool blocks come from free ones (or evicting unlocked index leaves)."""
         size, start = self.block_size, match.num_blocks
-        self.hits.ram_blocks += start
         wanted = self._keys_on_disk(match.node, tokens, start, min(max_tokens, len(tokens)) // size)
         if not wanted:
             return match

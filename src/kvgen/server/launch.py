@@ -24,7 +24,8 @@ def serve(args: argparse.Namespace, llm, api_key: str | None) -> int:
     engine_config = EngineConfig(
         max_tokens_per_step=args.max_tokens_per_step, max_num_seqs=args.max_num_seqs, block_size=args.kv_block_size,
         kv_budget_mb=args.kv_budget_mb, prefix_cache=not args.no_prefix_cache, eviction=args.eviction,
-        max_context=args.max_context,
+        max_context=args.max_context, kv_cache_dir=args.kv_cache_dir,
+        kv_disk_budget_mb=1024.0 if args.kv_disk_budget_mb is None else args.kv_disk_budget_mb,
     )  # fmt: skip
     name = Path(str(args.model)).stem if Path(str(args.model)).suffix else str(args.model)
     server_config = ServerConfig(name, api_key, args.max_tokens_limit, max_concurrent=args.max_concurrent)
