@@ -13,6 +13,7 @@ from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv import disk_store
 from kvgen.kv.block_file import SUFFIX, read_block_file, read_header, write_block_file
 from tests.engine.test_engine import SYSTEM, alone, assert_nothing_leaked, drain
+from tests.support.block_files import block_chain
 from tests.support.models import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -27,17 +28,6 @@ def run(engine: LLMEngine, prompt: str, salt: str = ""):
     request = engine.add_request(f"r{engine.runner.num_forwards}-{salt}", prompt, PARAMS, salt=salt)
     drain(engine, [request])
     return request
-
-
-def chain(directory) -> list:
-    """The block files of one token path, first block first (each names its parent)."""
-    files = {p.name.removesuffix(SUFFIX): p for p in directory.glob("*" + SUFFIX)}
-    parents = {read_header(p)["parent"]: key for key, p in files.items()}
-    first = next(key for parent, key in parents.items() if parent not in files)
-    ordered = [first]
-    while ordered[-1] in parents:
-        ordered.append(parents[ordered[-1]])
-    return [files[key] for key in ordered]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +76,7 @@ def test_damaged_and_foreign_files_are_skipped(smollm2, tmp_path, cold, caplog) 
     writer.close()
     with caplog.at_level("WARNING", logger="kvgen.kv.disk"):
         other_format = engine_on(smollm2, tmp_path, block_size=8)  # every file is of another format
-        assert other_format.disk.store.stats.mismatched_files == len(chain(tmp_path))
+        assert other_format.disk.store.stats.mismatched_files == len(block_chain(tmp_path))
         assert run(other_format, PROMPT).output_ids == cold
         other_format.scheduler.prefix.clear()
         other_format.disk.store.close()  # leave its own bs8 files out of the next scan
@@ -94,7 +84,7 @@ def test_damaged_and_foreign_files_are_skipped(smollm2, tmp_path, cold, caplog) 
             if read_header(path)["block_size"] == "8":
                 path.unlink()
 
-        files = chain(tmp_path)
+        files = block_chain(tmp_path)
         data = bytearray(files[2].read_bytes())
         data[-7] ^= 0x55  # block 2: a flipped payload byte
         files[2].write_bytes(bytes(data))
@@ -151,3 +141,17 @@ def test_unusable_settings_are_refused(smollm2, tmp_path) -> None:
         EngineConfig(kv_cache_dir=str(tmp_path), prefix_cache=False)
     with pytest.raises(ValueError, match="kv_disk_budget_mb must be positive"):
         EngineConfig(kv_cache_dir=str(tmp_path), kv_disk_budget_mb=0)
+
+
+def test_preempted_requests_come_back_from_disk(smollm2, tmp_path) -> None:
+    """A preempted request's blocks stay indexed; when the pool evicts them they go to disk, and
+    the request's readmission loads them instead of recomputing (the swap, through the tier)."""
+    params = SamplingParams(max_new_tokens=20)
+    engine = engine_on(smollm2, tmp_path, num_blocks=4, block_size=8, max_tokens_per_step=64)  # 32 slots
+    requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS[:4])]
+    drain(engine, requests)
+    assert engine.scheduler.num_preemptions > 0 and engine.disk.hits.disk_blocks > 0
+    for request, prompt in zip(requests, PROMPTS):
+        assert request.output_ids == alone(smollm2, prompt, params), prompt
+    assert_nothing_leaked(engine)
+    engine.close()

@@ -19,7 +19,6 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from kvgen.errors import KvgenError
@@ -27,6 +26,11 @@ from kvgen.errors import KvgenError
 FORMAT_VERSION = "kvgen-block-1"
 SUFFIX = ".kvblock"
 _MAX_HEADER = 1 << 24  # a header longer than 16 MB is not one of ours
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
 
 
 class BlockFileError(KvgenError, ValueError):
@@ -65,8 +69,9 @@ def write_block_file(path: Path, parts: dict[str, torch.Tensor], metadata: dict[
     return len(data)
 
 
-def _parse_header(path: Path, start: bytes, read_more) -> tuple[dict[str, str], int]:
-    """(metadata, the file size the header implies) from the first 8 bytes and a reader for the rest."""
+def _parse_header(path: Path, start: bytes, read_more) -> tuple[dict[str, str], int, dict]:
+    """(metadata, the file size the header implies, the tensor table) from the first 8 bytes and a
+    reader for the rest."""
     if len(start) < 8:
         raise BlockFileError(f"KV block file {path} is truncated (no header)")
     (length,) = struct.unpack("<Q", start)
@@ -80,14 +85,14 @@ def _parse_header(path: Path, start: bytes, read_more) -> tuple[dict[str, str], 
         raise BlockFileError(f"KV block file {path} has an unreadable header ({error})") from None
     if metadata.get("format_version") != FORMAT_VERSION:
         raise BlockFileError(f"KV block file {path} is not a {FORMAT_VERSION} file", mismatch=True)
-    return metadata, 8 + length + end
+    return metadata, 8 + length + end, header
 
 
 def read_header(path: Path) -> dict[str, str]:
     """The metadata alone; BlockFileError if the header is bad or the file shorter/longer than it says."""
     try:
         with open(path, "rb") as f:
-            metadata, size = _parse_header(path, f.read(8), f.read)
+            metadata, size, _ = _parse_header(path, f.read(8), f.read)
         actual = path.stat().st_size
     except OSError as error:
         raise BlockFileError(f"KV block file {path} cannot be read ({error})") from None
@@ -104,23 +109,34 @@ def check_identity(path: Path, metadata: dict[str, str], expected: dict[str, str
 
 
 def read_block_file(path: Path, expected: dict[str, str]) -> tuple[dict[str, torch.Tensor], int]:
-    """(tensors, file size) after checking the size, the identity `expected` and the checksum."""
+    """(tensors, file size) after checking the size, the identity `expected` and the checksum. The
+    file is read once into one buffer; the tensors are views of it (hashed in place, no copies)."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            got = f.readinto(data)
     except OSError as error:
         raise BlockFileError(f"KV block file {path} cannot be read ({error})") from None
-    metadata, size = _parse_header(path, data[:8], lambda n: data[8 : 8 + n])
-    if len(data) != size:
+    metadata, size, table = _parse_header(path, bytes(data[:8]), lambda n: bytes(data[8 : 8 + n]))
+    if got != size or len(data) != size:
         raise BlockFileError(f"KV block file {path} is {len(data)} bytes, its header says {size} (truncated or damaged)")
     check_identity(path, metadata, expected)
+    base = size - max((entry["data_offsets"][1] for entry in table.values()), default=0)  # payload start
+    view, digest, parts = memoryview(data), hashlib.sha256(), {}
     try:
-        parts = load_tensors(data)
-    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
-        raise BlockFileError(f"KV block file {path} does not parse as safetensors ({error})") from None
-    if payload_sha256(parts) != metadata.get("sha256"):
+        for name in sorted(table):
+            (begin, end), dtype = table[name]["data_offsets"], _DTYPES[table[name]["dtype"]]
+            digest.update(name.encode())
+            digest.update(view[base + begin : base + end])
+            count = (end - begin) // dtype.itemsize
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=base + begin) if count else torch.empty(0, dtype=dtype)
+            parts[name] = flat.reshape(table[name]["shape"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise BlockFileError(f"KV block file {path} has a bad tensor table ({error})") from None
+    if digest.hexdigest() != metadata.get("sha256"):
         raise BlockFileError(f"KV block file {path} fails its sha256 check (corrupted)")
-    return parts, len(data)
+    return parts, size
 
 
-def _raw(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+def _raw(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy())  # the tensor's bytes, not copied

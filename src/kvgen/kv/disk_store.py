@@ -96,10 +96,18 @@ class DiskBlockStore:
         return key in self.entries
 
     def touch(self, key: str) -> None:
+        """Mark a block most recently used, here and in its file's mtime (the order a restart
+        reads). Callers touch a token path leaf first, so a path's first blocks are evicted last:
+        a block is useless once its parent is gone."""
         self.entries.move_to_end(key)
+        try:
+            os.utime(self.path(key))
+        except OSError:
+            pass
 
     def put(self, key: str, parts: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
-        """Write a block unless it is there already; False (logged, counted) if the write failed."""
+        """Write a block unless it is there already; False (logged, counted) if the write failed.
+        Write a path leaf first (as eviction does), so its first blocks are the newest."""
         if key in self.entries:
             self.touch(key)
             return True
@@ -127,11 +135,7 @@ class DiskBlockStore:
             self.discard(key)
             self._skip(path, BlockFileError(str(error)))
             return None
-        self.touch(key)
-        try:
-            os.utime(path)  # the LRU order survives a restart
-        except OSError:
-            pass
+        self.entries.move_to_end(key)  # the caller touches the path it loaded, leaf first
         self.stats.bytes_read += size
         self.stats.files_read += 1
         return parts

@@ -87,7 +87,7 @@ class PrefixDiskTier:
     def flush(self) -> int:
         """Write every indexed block that is not on disk yet (engine shutdown); how many were written."""
         written = 0
-        for node in self.index._nodes():
+        for node in sorted(self.index._nodes(), key=lambda n: -n.depth):  # leaves first: see DiskBlockStore.touch
             if self.node_key(node).hex() not in self.store:
                 self.spill(node)
                 written += 1
@@ -112,6 +112,8 @@ class PrefixDiskTier:
         self.storage.pool.free(fresh[len(loaded) :])
         if not loaded:
             return match
+        for _, key, _ in reversed(wanted[: len(loaded)]):
+            self.store.touch(key.hex())
         end = (start + len(loaded)) * size
         node = self.index.insert(tokens[:end], match.blocks + loaded, salt)
         self.storage.pool.free(loaded)  # the index holds them now; the request shares them next
