@@ -104,6 +104,7 @@ def test_damaged_and_foreign_files_are_skipped(smollm2, tmp_path, cold, caplog) 
     engine.close()
 
 
+@pytest.mark.slow
 def test_the_disk_budget_holds(smollm2, tmp_path) -> None:
     budget_mb = 3.0  # four SmolLM2 fp32 blocks of 16 tokens (737 kB each)
     engine = engine_on(smollm2, tmp_path, num_blocks=12, kv_disk_budget_mb=budget_mb)
@@ -143,6 +144,7 @@ def test_unusable_settings_are_refused(smollm2, tmp_path) -> None:
         EngineConfig(kv_cache_dir=str(tmp_path), kv_disk_budget_mb=0)
 
 
+@pytest.mark.slow
 def test_preempted_requests_come_back_from_disk(smollm2, tmp_path) -> None:
     """A preempted request's blocks stay indexed; when the pool evicts them they go to disk, and
     the request's readmission loads them instead of recomputing (the swap, through the tier)."""

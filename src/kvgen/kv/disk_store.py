@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ class DiskBlockStore:
         self.stats = DiskStats()
         self.entries: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self.bytes_used = 0
+        self._last_stamp = 0  # the newest file mtime (ns) set or seen: stamps only go up
         self._lock = _take_lock(self.directory)
         if identity is not None:
             self.load(identity)
@@ -73,7 +75,8 @@ class DiskBlockStore:
                     continue
                 stat = path.stat()
                 found.append((stat.st_mtime_ns, path.name.removesuffix(SUFFIX), stat.st_size))
-        for _, key, size in sorted(found):
+        for stamp, key, size in sorted(found):
+            self._last_stamp = max(self._last_stamp, stamp)
             self.entries[key] = size
             self.bytes_used += size
         self._enforce_budget()
@@ -100,8 +103,11 @@ class DiskBlockStore:
         reads). Callers touch a token path leaf first, so a path's first blocks are evicted last:
         a block is useless once its parent is gone."""
         self.entries.move_to_end(key)
+        # An explicit, strictly increasing mtime: the kernel's file clock is coarse (a few ms),
+        # and ties would leave the order across a restart to chance.
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
         try:
-            os.utime(self.path(key))
+            os.utime(self.path(key), ns=(self._last_stamp, self._last_stamp))
         except OSError:
             pass
 
@@ -118,6 +124,7 @@ class DiskBlockStore:
             log.warning("could not write KV block to %s (%s): the block is dropped instead", self.directory, error)
             return False
         self.entries[key] = size
+        self.touch(key)
         self.bytes_used += size
         self.stats.bytes_written += size
         self.stats.files_written += 1
