@@ -106,3 +106,20 @@ def test_unwritable_directory_is_refused(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not writable"):
         DiskBlockStore(tmp_path / "file" / "cache", 1 << 20, IDENTITY)
+
+
+def test_reading_a_path_stops_at_its_first_missing_or_damaged_block(tmp_path) -> None:
+    blocks = storage()
+    store = DiskBlockStore(tmp_path, 1 << 30, IDENTITY)
+    for i in range(6):
+        store.put(f"k{i}", blocks.export_block(i), {"tokens": str(i)})
+    path = [(f"k{i}", {"tokens": str(i)}) for i in range(6)]
+    read = list(store.get_path(path))
+    assert len(read) == 6 and all(torch.equal(p["keys"], blocks.keys[:, i]) for i, p in enumerate(read))
+    store.discard("k2")
+    assert len(list(store.get_path(path))) == 2  # k3.. are not read past the gap
+    data = bytearray(store.path("k1").read_bytes())
+    data[-1] ^= 1
+    store.path("k1").write_bytes(bytes(data))
+    assert len(list(store.get_path(path))) == 1 and store.stats.damaged_files == 1 and "k1" not in store
+    store.close()

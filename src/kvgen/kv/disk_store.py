@@ -19,9 +19,11 @@ import json
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -30,6 +32,7 @@ from kvgen.kv.block_file import SUFFIX, BlockFileError, check_identity, read_blo
 log = logging.getLogger("kvgen.kv.disk")
 LOCK_NAME = ".kvgen.lock"
 FINGERPRINTS_NAME = "fingerprints.json"
+READ_WORKERS, READ_AHEAD = 2, 4  # threads reading + hashing block files; files in flight
 
 
 @dataclass
@@ -53,6 +56,7 @@ class DiskBlockStore:
         self.entries: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self.bytes_used = 0
         self._last_stamp = 0  # the newest file mtime (ns) set or seen: stamps only go up
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = _take_lock(self.directory)
         if identity is not None:
             self.load(identity)
@@ -133,19 +137,44 @@ class DiskBlockStore:
 
     def get(self, key: str, expected: dict[str, str]) -> dict[str, torch.Tensor] | None:
         """The block's tensors, verified; None if absent or damaged (then deleted, logged, counted)."""
-        if key not in self.entries:
-            return None
-        path = self.path(key)
+        return next(self.get_path([(key, expected)]), None)
+
+    def get_path(self, requests: list[tuple[str, dict[str, str]]]) -> Iterator[dict[str, torch.Tensor]]:
+        """The verified tensors of consecutive blocks of a path, in order, stopping at the first one
+        absent or damaged (deleted, logged, counted). Files are read and hashed READ_AHEAD at a
+        time on worker threads (both release the GIL) while the caller imports the previous ones."""
+        pending: deque[tuple[str, Future]] = deque()
+        todo = iter(requests)
         try:
-            parts, size = read_block_file(path, {**expected, **self.identity})
-        except BlockFileError as error:  # the scan vetted its identity: whatever fails now is damage
-            self.discard(key)
-            self._skip(path, BlockFileError(str(error)))
-            return None
-        self.entries.move_to_end(key)  # the caller touches the path it loaded, leaf first
-        self.stats.bytes_read += size
-        self.stats.files_read += 1
-        return parts
+            while True:
+                while len(pending) < READ_AHEAD and (item := next(todo, None)) is not None:
+                    key, expected = item
+                    if key not in self.entries:  # the path ends here: read nothing past it
+                        todo = iter(())
+                        break
+                    pending.append((key, self._readers().submit(read_block_file, self.path(key), {**expected, **self.identity})))
+                if not pending:
+                    return
+                key, future = pending.popleft()
+                try:
+                    parts, size = future.result()
+                except BlockFileError as error:  # the scan vetted its identity: whatever fails now is damage
+                    self.discard(key)
+                    self._skip(self.path(key), BlockFileError(str(error)))
+                    return
+                self.entries.move_to_end(key)  # the caller touches the path it loaded, leaf first
+                self.stats.bytes_read += size
+                self.stats.files_read += 1
+                yield parts
+        finally:
+            for _, future in pending:
+                future.cancel()
+            wait([future for _, future in pending])
+
+    def _readers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="kvgen-disk")
+        return self._pool
 
     def discard(self, key: str) -> None:
         size = self.entries.pop(key, None)
@@ -161,6 +190,9 @@ class DiskBlockStore:
 
     def close(self) -> None:
         """Release the directory lock (files stay for the next start)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self._lock is not None:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +53,19 @@ class PrefixDiskTier:
 
     @staticmethod
     def chain_key(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
-        return hashlib.sha256(parent + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).digest()
+        return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()  # int64 ids
 
     def node_key(self, node: PrefixNode) -> bytes:
-        """The chain key of a node (memoised on it; a root's key is its namespace's)."""
-        if node.disk_key is None:
-            if node.parent is None:
-                salt = next(s for s, root in self.index.roots.items() if root is node)
-                node.disk_key = self.root_key(salt)
-            else:
-                node.disk_key = self.chain_key(self.node_key(node.parent), node.tokens)
+        """The chain key of a node (memoised on the path; a root's key is its namespace's)."""
+        unkeyed = []
+        while node.disk_key is None and node.parent is not None:  # a loop: paths can be thousands deep
+            unkeyed.append(node)
+            node = node.parent
+        if node.disk_key is None:  # a root
+            node.disk_key = self.root_key(next(s for s, root in self.index.roots.items() if root is node))
+        for child in reversed(unkeyed):
+            child.disk_key = self.chain_key(node.disk_key, child.tokens)
+            node = child
         return node.disk_key
 
     def _metadata(self, node_parent_key: bytes, tokens: tuple[int, ...] | list[int], salt_key: bytes) -> dict[str, str]:
@@ -104,11 +108,14 @@ class PrefixDiskTier:
         began = time.perf_counter()
         fresh = self._allocate(match.node, len(wanted))
         namespace, loaded = self.root_key(salt), []
-        for block, (parent, key, chunk) in zip(fresh, wanted):
-            parts = self.store.get(key.hex(), self._metadata(parent, chunk, namespace))
-            if parts is None or not self._import(block, key, parts):
-                break
-            loaded.append(block)
+        reads = self.store.get_path([(key.hex(), self._metadata(parent, chunk, namespace)) for parent, key, chunk in wanted[: len(fresh)]])
+        try:
+            for block, (_, key, _), parts in zip(fresh, wanted, reads):
+                if not self._import(block, key, parts):
+                    break
+                loaded.append(block)
+        finally:
+            reads.close()
         self.storage.pool.free(fresh[len(loaded) :])
         if not loaded:
             return match
