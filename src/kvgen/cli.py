@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one forward (chunked prefill)")
     serve.add_argument("--no-prefix-cache", action="store_true")
     serve.add_argument("--eviction", default="lru", choices=("lru", "lfu"), help="prefix-cache eviction policy")
+    serve.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                       help="keep evicted prefix-cache blocks on disk here, across restarts (one server per directory)")
+    serve.add_argument("--kv-disk-budget-mb", type=float, default=None,
+                       help="the most MB of block files in --kv-cache-dir (default 1024); least recently used go first")
     _add_model_options(serve)
     _add_kv_options(serve)  # the engine's pool: fp32 blocks (contiguous, paged) or quantized blocks
     return parser
@@ -288,6 +292,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_name:
         args.model = args.model_name
+    if args.kv_disk_budget_mb is not None and args.kv_cache_dir is None:
+        raise ValueError("--kv-disk-budget-mb limits the disk tier: also pass --kv-cache-dir DIR (or drop it)")
     config = server_config(args, env_key=os.environ.get("KVGEN_API_KEY"))  # bad options fail before the model loads
     return serve(args, _load(args, engine=True), config)
 

@@ -88,6 +88,8 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        with self._state_lock:  # the prefix index goes to the disk tier, for the next start
+            self.engine.close()
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)

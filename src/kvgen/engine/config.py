@@ -11,7 +11,9 @@ class EngineConfig:
     """max_tokens_per_step: the token budget of one forward (decodes + prefill chunks).
     max_num_seqs: requests running at once. The KV pool is `kv_budget_mb` of blocks of
     `block_size` tokens. prefix_cache: reuse the KV of shared prompt prefixes (kv/prefix.py),
-    evicting unused blocks by `eviction` ("lru" or "lfu") when the pool runs short."""
+    evicting unused blocks by `eviction` ("lru" or "lfu") when the pool runs short.
+    kv_cache_dir: evicted prefix blocks go to files there and come back on a later match, across
+    restarts (kv/disk_tier.py), within `kv_disk_budget_mb` of files."""
 
     max_tokens_per_step: int = 512
     max_num_seqs: int = 64
@@ -21,6 +23,8 @@ class EngineConfig:
     eviction: Literal["lru", "lfu"] = "lru"
     max_context: int | None = None
     num_blocks: int | None = None  # an exact pool size, instead of kv_budget_mb (tests, benchmarks)
+    kv_cache_dir: str | None = None
+    kv_disk_budget_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_step", "max_num_seqs", "block_size"):
@@ -33,5 +37,12 @@ class EngineConfig:
             raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        if not isinstance(self.kv_disk_budget_mb, (int, float)) or self.kv_disk_budget_mb <= 0:
+            raise ValueError(f"kv_disk_budget_mb must be positive, got {self.kv_disk_budget_mb!r}")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
+                raise ValueError(f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
+            if not self.prefix_cache:
+                raise ValueError("kv_cache_dir keeps prefix-cache blocks on disk: it needs prefix_cache=True")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context!r}")

@@ -10,6 +10,7 @@ Not thread-safe: one thread drives it (engine/async_engine.py does, for the serv
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from kvgen.engine.config import EngineConfig
@@ -20,6 +21,8 @@ from kvgen.engine.speculation import RequestSpeculation, check_engine_method
 from kvgen.generate import Generator
 from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
+from kvgen.kv.disk_store import DiskBlockStore, model_fingerprint
+from kvgen.kv.disk_tier import PrefixDiskTier
 from kvgen.sampling.output import stop_token_ids
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.adaptive import SpeculativeStats
@@ -55,10 +58,38 @@ class LLMEngine:
         self.storage = factory.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
                                              self.config.kv_budget_mb, self.config.num_blocks)  # fmt: skip
         self.scheduler = Scheduler(self.storage, self.config, lambda: factory.engine_cache(self.storage))
+        self.disk = self._open_disk_tier(llm) if self.config.kv_cache_dir is not None else None
+        self.scheduler.disk = self.disk
         self.runner = ModelRunner(self.model)
         self.requests: dict[str, Request] = {}
         self.speculative_totals = SpeculativeStats()  # over every speculative request (metrics)
         self._prompts = Generator(self.model, self.tokenizer, self.max_context)  # the same prompt checks as one-shot generation
+
+    def _open_disk_tier(self, llm) -> PrefixDiskTier:
+        """The prefix index's disk tier in config.kv_cache_dir (locked for this engine; ValueError
+        when the directory is unusable or another engine holds it)."""
+        assert self.scheduler.prefix is not None  # EngineConfig requires the prefix cache
+        path = getattr(llm, "path", None)
+        if path is None:
+            raise ValueError("kv_cache_dir needs the model's file to fingerprint its blocks: load the model with kvgen.LLM.load")
+        directory = Path(self.config.kv_cache_dir)
+        store = DiskBlockStore(directory, int(self.config.kv_disk_budget_mb * 2**20))
+        try:
+            store.load({
+                "model": model_fingerprint(path, directory), "weights": str(llm.weights),
+                "format": self.storage.format_key, "block_size": str(self.storage.block_size),
+            })  # fmt: skip
+        except BaseException:
+            store.close()
+            raise
+        return PrefixDiskTier(self.scheduler.prefix, self.storage, store)
+
+    def close(self) -> None:
+        """Write the prefix index's blocks to the disk tier (if any) and release its directory, so
+        the next engine on it starts warm. The engine is not used after this."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = self.scheduler.disk = None
 
     def make_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,

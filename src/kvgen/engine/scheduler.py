@@ -16,6 +16,7 @@ from typing import Callable
 
 from kvgen.engine.config import EngineConfig
 from kvgen.engine.request import Request, RequestStatus
+from kvgen.kv.disk_tier import PrefixDiskTier
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.prefix import PrefixIndex
 
@@ -35,6 +36,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by (priority, arrival)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.disk: PrefixDiskTier | None = None  # set by the engine when it has a kv_cache_dir
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -76,6 +78,8 @@ class Scheduler:
         if self.prefix is not None:
             # The last known token is always recomputed: its logits give the next token.
             match = self.prefix.match(request.all_ids, request.salt, max_tokens=len(request.all_ids) - 1)
+            if self.disk is not None:  # the match goes on with blocks kept on disk
+                match = self.disk.extend(match, request.all_ids, request.salt, len(request.all_ids) - 1)
             cache.adopt(match.blocks, match.num_blocks * self.storage.block_size)
             self.prefix.lock(match.node)
             request.prefix_node = match.node

@@ -15,6 +15,9 @@ from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
 from kvgen.kv.paged_batch import PagedBatchView
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
 class CacheFullError(KvgenError):
     """The block pool has no free block for a sequence that needs one."""
 
@@ -41,11 +44,30 @@ class PagedStorage:
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_token * self.block_size
 
+    # --- block export / import: what a lower tier (kv/disk_tier.py) stores, format-agnostic ----
     @property
     def format_key(self) -> str:
-        """The storage format, wherever blocks leave the pool (prefix keys on disk, metrics)."""
-        name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.spec.dtype]
+        """Names the stored format and block size ("fp32/fp32/bs16": keys/values/block size); a
+        block exported by one storage imports only into a storage with the same format_key."""
+        name = _DTYPE_NAMES.get(self.spec.dtype, str(self.spec.dtype).removeprefix("torch."))
         return f"{name}/{name}/bs{self.block_size}"
+
+    def export_block(self, block_id: int) -> dict[str, torch.Tensor]:
+        """Copies of every layer's stored tensors of one block: keys and values, [L, H, bs, D] each."""
+        return {"keys": self.keys[:, block_id].clone(), "values": self.values[:, block_id].clone()}
+
+    def import_block(self, block_id: int, parts: dict[str, torch.Tensor]) -> None:
+        """The inverse of export_block: ValueError (nothing written) unless `parts` has exactly the
+        tensors export_block gives, with their shapes and dtypes."""
+        stores = {"keys": self.keys, "values": self.values}
+        if set(parts) != set(stores):
+            raise ValueError(f"a {self.format_key} block holds tensors {sorted(stores)}, got {sorted(parts)}")
+        for name, store in stores.items():
+            want, got = store[:, block_id], parts[name]
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise ValueError(f"block tensor {name!r} must be {tuple(want.shape)} {want.dtype}, got {tuple(got.shape)} {got.dtype}")
+        for name, store in stores.items():
+            store[:, block_id] = parts[name]
 
     def released(self, blocks: list[Block]) -> None:
         """Blocks a sequence gave up (nothing to do here: the pool has them back)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from kvgen.kv.block_pool import Block, BlockPool
 
@@ -40,6 +40,7 @@ class PrefixNode:
     lock_ref: int = 0  # running requests whose path goes through this node
     last_access: int = 0
     hit_count: int = 0
+    disk_key: bytes | None = None  # the block's chain key, set by a disk tier (kv/disk_tier.py)
 
 
 @dataclass
@@ -79,6 +80,8 @@ class PrefixIndex:
         self.num_blocks = 0  # blocks the index references
         self._clock = itertools.count(1)
         self._evicted_paths: OrderedDict[tuple, None] = OrderedDict()
+        # Called with each node about to be evicted (its block still intact): a disk tier spills it.
+        self.on_evict: Callable[[PrefixNode], None] | None = None
 
     def root(self, salt: str = "") -> PrefixNode:
         if salt not in self.roots:
@@ -177,6 +180,8 @@ class PrefixIndex:
 
     def _remove(self, leaf: PrefixNode) -> None:
         assert leaf.parent is not None and leaf.block is not None
+        if self.on_evict is not None:
+            self.on_evict(leaf)
         del leaf.parent.children[leaf.tokens]
         self.pool.free([leaf.block])
         self.num_blocks -= 1

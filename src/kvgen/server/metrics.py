@@ -38,5 +38,52 @@ class ServerMetrics:
         Gauge("kvgen_spec_acceptance_rate", "Accepted / verified draft tokens since start", registry=r).set_function(
             lambda: read(lambda e: e.speculative_totals.acceptance_rate))
 
+        _kv_tier_metrics(r, read)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _kv_tier_metrics(registry: CollectorRegistry, read) -> None:
+    """Blocks, bytes and hits per tier (RAM prefix index, disk), disk traffic, restore time and
+    skipped files: plain counters the engine keeps, read under the engine lock."""
+
+    def ram(e) -> tuple[int, int]:
+        blocks = e.scheduler.prefix.num_blocks if e.scheduler.prefix else 0
+        return blocks, blocks * e.storage.bytes_per_block()
+
+    def ram_hits(e) -> int:
+        if e.scheduler.prefix is None:
+            return 0
+        reused = e.scheduler.prefix.stats.tokens_reused // e.storage.block_size  # both tiers
+        return reused - (e.disk.hits.disk_blocks if e.disk is not None else 0)
+
+    def disk(field: str):
+        def value(e) -> float:
+            tier = e.disk
+            if tier is None:
+                return 0.0
+            store = tier.store
+            values = {"blocks": len(store.entries), "bytes": store.bytes_used, "disk_hits": tier.hits.disk_blocks,
+                      "restore": tier.hits.restore_seconds,
+                      "damaged": store.stats.damaged_files + store.stats.mismatched_files}  # fmt: skip
+            return values[field] if field in values else getattr(store.stats, field)
+        return lambda: read(value)
+
+    blocks = Gauge("kvgen_kv_tier_blocks", "Prefix-cache blocks held per tier", ["tier"], registry=registry)
+    size = Gauge("kvgen_kv_tier_bytes", "Bytes of prefix-cache blocks per tier", ["tier"], registry=registry)
+    hits = Gauge("kvgen_kv_tier_hit_blocks", "Blocks served to requests per tier since start", ["tier"], registry=registry)
+    blocks.labels(tier="ram").set_function(lambda: read(lambda e: ram(e)[0]))
+    size.labels(tier="ram").set_function(lambda: read(lambda e: ram(e)[1]))
+    blocks.labels(tier="disk").set_function(disk("blocks"))
+    size.labels(tier="disk").set_function(disk("bytes"))
+    hits.labels(tier="ram").set_function(lambda: read(ram_hits))
+    hits.labels(tier="disk").set_function(disk("disk_hits"))
+    for name, field, text in (
+        ("kvgen_kv_disk_written_bytes", "bytes_written", "Bytes of KV blocks written to disk since start"),
+        ("kvgen_kv_disk_read_bytes", "bytes_read", "Bytes of KV blocks read back from disk since start"),
+        ("kvgen_kv_disk_restore_seconds", "restore", "Seconds spent loading KV blocks back from disk"),
+        ("kvgen_kv_disk_skipped_files", "damaged", "Damaged, truncated or mismatched block files skipped"),
+        ("kvgen_kv_disk_write_errors", "write_errors", "Block writes that failed (disk full): blocks dropped"),
+    ):
+        Gauge(name, text, registry=registry).set_function(disk(field))
