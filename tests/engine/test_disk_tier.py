@@ -157,3 +157,26 @@ def test_preempted_requests_come_back_from_disk(smollm2, tmp_path) -> None:
         assert request.output_ids == alone(smollm2, prompt, params), prompt
     assert_nothing_leaked(engine)
     engine.close()
+
+
+@pytest.mark.slow
+def test_a_pool_of_codes_restarts_from_disk_and_never_serves_another_format(smollm2, tmp_path) -> None:
+    """int8 keys / int4 values: a restarted engine of that format reads its blocks back (codes and
+    scales, byte for byte) with a cold run's output; an fp32 engine on the same directory skips them."""
+    from kvgen import CacheConfig
+
+    quantized = CacheConfig("quantized", k_dtype="int8", v_dtype="int4")
+    first = LLMEngine(smollm2, EngineConfig(num_blocks=64, kv_cache_dir=str(tmp_path)), quantized)
+    cold = run(first, PROMPT).output_ids
+    first.close()
+    restarted = LLMEngine(smollm2, EngineConfig(num_blocks=64, kv_cache_dir=str(tmp_path)), quantized)
+    warm = run(restarted, PROMPT)
+    assert warm.output_ids == cold and warm.cached_tokens == (len(warm.prompt_ids) - 1) // 16 * 16 > 0
+    assert restarted.disk.hits.disk_blocks == warm.cached_tokens // 16
+    restarted.storage.check_invariants()
+    restarted.close()
+    fp32 = engine_on(smollm2, tmp_path)
+    assert fp32.disk.store.stats.mismatched_files > 0
+    other = run(fp32, PROMPT)
+    assert other.cached_tokens == 0
+    fp32.close()
