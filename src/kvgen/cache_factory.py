@@ -58,9 +58,15 @@ class CacheFactory:
                  num_layers: int | None = None):  # fmt: skip
         """num_layers: caches for the model's first layers only (a layer-skip draft)."""
         self.config, self.model, self.tokenizer, self.max_context = config, model, tokenizer, max_context
-        spec = CacheSpec.for_model(model.config, model.dtype)
-        self.spec = spec if num_layers is None else CacheSpec(num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        self._num_layers = num_layers
         self._paged_storage: PagedStorage | None = None  # the "paged" kind's pool, shared by all requests
+
+    @property
+    def spec(self) -> CacheSpec:
+        """What one K/V cache of this model stores (asked only of models with K/V caches)."""
+        spec = CacheSpec.for_model(self.model.config, self.model.dtype)
+        layers = self._num_layers or spec.num_layers
+        return CacheSpec(layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.keys_before_rope)
 
     def codecs(self, k_dtype: str, v_dtype: str) -> tuple[Codec, Codec]:
         """The key and value codecs of two KV dtypes; kvquant3 is calibrated on the model (once)."""

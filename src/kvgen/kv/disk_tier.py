@@ -102,7 +102,7 @@ class PrefixDiskTier:
         """`match` continued with the blocks of `tokens[:max_tokens]` found on disk, loaded into the
         pool and indexed. Pool blocks come from free ones (or evicting unlocked index leaves)."""
         size, start = self.block_size, match.num_blocks
-        wanted = self._keys_on_disk(match.node, tokens, start, min(max_tokens, len(tokens)) // size)
+        wanted = self._keys_on_disk(match.node, salt, tokens, start, min(max_tokens, len(tokens)) // size)
         if not wanted:
             return match
         began = time.perf_counter()
@@ -132,9 +132,12 @@ class PrefixDiskTier:
             stats.hits, stats.misses = stats.hits + 1, stats.misses - 1
         return PrefixMatch(match.blocks + loaded, node, "hit")
 
-    def _keys_on_disk(self, node: PrefixNode, tokens: list[int], start: int, total: int) -> list[tuple[bytes, bytes, list[int]]]:
-        """(parent key, key, tokens) of the consecutive blocks start.. present on disk."""
-        wanted, parent = [], self.node_key(node)
+    def _keys_on_disk(self, node: PrefixNode, salt: str, tokens: list[int], start: int,
+                      total: int) -> list[tuple[bytes, bytes, list[int]]]:  # fmt: skip
+        """(parent key, key, tokens) of the consecutive blocks start.. present on disk. A match that
+        found nothing in RAM ends on a root the index may not hold yet (an unseen salt): keyed by
+        the salt it came with."""
+        wanted, parent = [], self.node_key(node) if node.parent is not None else self.root_key(salt)
         if not self.store.entries:
             return wanted
         for i in range(start, total):
