@@ -144,14 +144,12 @@ class QuantizedPagedCache(PagedCache):
         self._check_copy_source(source, num_tokens)
         assert isinstance(source, QuantizedPagedCache)
         whole, partial = divmod(num_tokens, self.storage.block_size)
-        if partial and self.storage.is_staged(source.blocks[whole]) and self.storage.num_free_slots == 0:
+        if partial and self.storage.num_free_slots == 0:  # the copied partial block is staged: checked first
             raise CacheFullError("no staging slot left for the partial last block of the prefix")
         old = list(self.blocks)
         super().copy_prefix(source, num_tokens)
         self.storage.released(old)
-        if partial and not self.storage.is_staged(self.blocks[whole]):
-            if self.storage.num_free_slots == 0:
-                raise CacheFullError("no staging slot left for the partial last block of the prefix")
+        if partial and not self.storage.is_staged(self.blocks[whole]):  # copied from codes: back to fp32
             self.storage.stage_from_codes(self.blocks[whole], whole * self.storage.block_size)
 
     def memory_bytes(self) -> int:
