@@ -132,6 +132,8 @@ class QuantizedPagedBatchView:
             return None
         size, storage = self.storage.block_size, self.storage
         self._slots = torch.tensor([storage.slot_of[c.blocks[s // size].block_id] for c, s in zip(self.caches, self.starts)])
+        if bool((self._slots < 0).any()):  # blocks of one position are encoded whole, never staged
+            return None
         self._offsets = torch.tensor([s % size for s in self.starts])
         stage_k, stage_v = storage.stage_keys, storage.stage_values  # [L, slots, H, bs, D]
         return "kvgen_decode_rows_over_codes", (
