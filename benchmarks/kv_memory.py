@@ -33,7 +33,7 @@ from kvgen import LLM  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
 from kvgen.kv.interface import CacheSpec, KVCache  # noqa: E402
 from kvgen.cache_factory import build_quantized_cache  # noqa: E402
-from kvgen.models import quantized_kv_attention  # noqa: E402
+from kvgen.kv import quantized_decode_view  # noqa: E402
 
 CONFIGS = [("fp32", "fp32"), ("int8", "int8"), ("int4", "int4"), ("kvquant3", "kvquant3")]
 
@@ -55,7 +55,7 @@ def decode_path(weights: str, k_dtype: str, cache: KVCache) -> str:
         return "torch"
     if k_dtype == "fp32":
         return "C, in place"
-    return "C over codes" if quantized_kv_attention.supports(cache) else "C + update"
+    return "C over codes" if quantized_decode_view.supports(cache) else "C + update"
 
 
 def measure(llm: LLM, weights: str, context: int, decode: int, repeats: int) -> list[dict[str, Any]]:

@@ -62,6 +62,11 @@ class CacheFactory:
         self._paged_storage: PagedStorage | None = None  # the "paged" kind's pool, shared by all requests
 
     @property
+    def paged_storage(self) -> PagedStorage | None:
+        """The pool the "paged" kind's requests share (None until the first one)."""
+        return self._paged_storage
+
+    @property
     def spec(self) -> CacheSpec:
         """What one K/V cache of this model stores (asked only of models with K/V caches)."""
         spec = CacheSpec.for_model(self.model.config, self.model.dtype)

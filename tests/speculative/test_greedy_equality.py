@@ -51,7 +51,7 @@ def test_greedy_speculative_equals_plain_greedy(smollm2, smollm2_q4, method, cac
         proposed += result.speculative.proposed_tokens
     assert proposed > 0  # speculation really ran (drafts were verified), not only plain steps
     if cache_kind == "paged":
-        assert generator._paged_storage.pool.num_free == generator._paged_storage.pool.num_blocks
+        assert generator.caches.paged_storage.pool.num_free == generator.caches.paged_storage.pool.num_blocks
 
 
 def test_lookup_on_a_repetitive_prompt_accepts_drafts_and_matches_greedy(smollm2):

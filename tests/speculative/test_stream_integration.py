@@ -62,7 +62,7 @@ def test_abandoned_stream_frees_the_paged_blocks_and_the_draft_cache(tiny: LLM):
     proposer = stream._proposer
     assert proposer.cache.seq_len > 0
     stream._iterator.close()  # what a consumer that drops the stream triggers
-    pool = generator._paged_storage.pool
+    pool = generator.caches.paged_storage.pool
     assert pool.num_free == pool.num_blocks
     assert proposer.cache.seq_len == 0
 

@@ -139,7 +139,7 @@ def test_paged_tokens_equal_contiguous_on_smollm2(weights: str) -> None:
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS[:3]:
         assert paged.generate(prompt, params).token_ids == contiguous.generate(prompt, params).token_ids
-    pool = paged.generator._paged_storage.pool
+    pool = paged.generator.caches.paged_storage.pool
     assert pool.num_free == pool.num_blocks  # every request gave its blocks back
     pool.check_invariants()
 
@@ -169,7 +169,7 @@ def test_abandoned_stream_frees_its_blocks() -> None:
     llm = LLM.load(model_path("smollm2"), progress=False, cache=CacheConfig("paged", budget_mb=16))
     stream = llm.stream("Once upon a time", SamplingParams(max_new_tokens=50))
     next(iter(stream))
-    pool = llm.generator._paged_storage.pool
+    pool = llm.generator.caches.paged_storage.pool
     assert pool.num_free < pool.num_blocks
     stream._iterator.close()  # what garbage collection does to an abandoned generator
     assert pool.num_free == pool.num_blocks

@@ -35,7 +35,7 @@ def test_exception_in_callback_stops_and_frees_the_paged_cache(paged: Generator)
             raise Boom("client went away")
 
     list(paged.stream("warm", SamplingParams(max_new_tokens=1)))  # creates the pool
-    pool = paged._paged_storage.pool
+    pool = paged.caches.paged_storage.pool
     free_before = pool.num_free
     with pytest.raises(Boom, match="client went away"):
         paged.generate("Once upon a time there was", SamplingParams(max_new_tokens=40, ignore_eos=True), on_chunk=explode_on_third)
@@ -46,7 +46,7 @@ def test_exception_in_callback_stops_and_frees_the_paged_cache(paged: Generator)
 
 def test_abandoned_stream_frees_the_paged_cache(paged: Generator) -> None:
     list(paged.stream("warm", SamplingParams(max_new_tokens=1)))
-    pool = paged._paged_storage.pool
+    pool = paged.caches.paged_storage.pool
     free_before = pool.num_free
     stream = paged.stream("Once upon a time there was", SamplingParams(max_new_tokens=40, ignore_eos=True))
     next(stream), next(stream)
@@ -57,7 +57,7 @@ def test_abandoned_stream_frees_the_paged_cache(paged: Generator) -> None:
 
 def test_n_samples_free_every_fork(paged: Generator) -> None:
     list(paged.stream("warm", SamplingParams(max_new_tokens=1)))
-    pool = paged._paged_storage.pool
+    pool = paged.caches.paged_storage.pool
     free_before = pool.num_free
     samples = paged.generate_n("Once upon a time", SamplingParams(max_new_tokens=5, temperature=1.0, seed=1, n=2))
     assert len(samples) == 2 and pool.num_free == free_before
