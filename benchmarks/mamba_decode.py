@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from common import prompt_ids, print_table, write_results  # noqa: E402
+from common import print_table, prompt_ids, timed, write_results  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
 from tests.support.tiny_hf import tokenizer_folder  # noqa: E402
@@ -39,12 +38,6 @@ def save_mamba(folder: Path, hidden: int, layers: int):
     for file in tokenizer_folder(folder / "tokenizer").iterdir():
         (folder / file.name).write_bytes(file.read_bytes())
     return model
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:
