@@ -22,10 +22,12 @@ from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec, KVCache
 from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec
+from kvgen.kv.layer_groups import LayerGroups
 from kvgen.kvquant_calibration import codebooks_for, key_rope_of, outliers_for
 from kvgen.kv.paged import PagedCache, PagedStorage
 from kvgen.kv.paged_codes import QuantizedPagedStorage
 from kvgen.kv.paged_codes_cache import QuantizedPagedCache
+from kvgen.kv.paged_hybrid import HybridPagedCache
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.kv.sinks import SinkCache
 from kvgen.kv.tiered import TieredCache
@@ -122,17 +124,23 @@ class CacheFactory:
     @staticmethod
     def engine_cache(storage: BlockStorage) -> PagedCache:
         """An empty sequence over the engine's block storage, whatever its format."""
-        return QuantizedPagedCache(storage) if isinstance(storage, QuantizedPagedStorage) else PagedCache(storage)
+        if isinstance(storage, QuantizedPagedStorage):
+            return QuantizedPagedCache(storage)
+        return PagedCache(storage) if storage.groups.is_single else HybridPagedCache(storage)
 
     def block_storage(self, block_size: int, num_slots: int, budget_mb: float | None = None,
-                      num_blocks: int | None = None) -> BlockStorage:  # fmt: skip
+                      num_blocks: int | None = None, layer_groups: bool = True) -> BlockStorage:  # fmt: skip
         """The engine's block storage: fp32 blocks, or blocks of codes with `num_slots` fp32 staging
-        slots whose bytes come out of `budget_mb` (or exactly `num_blocks` blocks)."""
+        slots whose bytes come out of `budget_mb` (or exactly `num_blocks` blocks). Blocks of a
+        model with sliding-window layers are split into layer groups (kv/layer_groups.py), so the
+        pages a window no longer sees go back to the pool, unless `layer_groups` is False."""
         check_engine_cache(self.config)
         c = self.config
         if c.kind != "quantized":
-            pool = BlockPool(num_blocks, block_size) if num_blocks is not None else None
-            return PagedStorage(self.spec, pool) if pool else PagedStorage.create(self.spec, budget_mb or 0, block_size)
+            groups = LayerGroups.for_model(self.model.config) if layer_groups else None
+            if num_blocks is not None:
+                return PagedStorage(self.spec, BlockPool(num_blocks, block_size), groups)
+            return PagedStorage.create(self.spec, budget_mb or 0, block_size, groups)
         key, value = self.codecs(c.k_dtype, c.v_dtype)
         if num_blocks is None:
             slots = num_slots * QuantizedPagedStorage.slot_bytes(self.spec, block_size)

@@ -7,6 +7,11 @@ never meets a full pool; when the pool is short the scheduler first evicts unuse
 blocks, then preempts the lowest-priority, latest running request (its blocks are freed and it
 recomputes later — prompt and outputs so far — so nothing is lost). A decode that carries
 speculative drafts gets them only while budget and free blocks allow: drafts never preempt anyone.
+
+On a pool split into layer groups (Gemma 3's sliding-window layers, kv/layer_groups.py) a running
+request's full blocks are indexed as they fill, before its window pages drop out of its table: the
+index keeps them (evictable) so that a later request can resume mid-way, as vLLM's hybrid allocator
+keeps freed blocks cached.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ class Scheduler:
         self.storage, self.config = storage, config
         self.new_cache = new_cache or (lambda: PagedCache(storage))  # an empty sequence over `storage`
         self.pool = storage.pool
-        self.prefix = PrefixIndex(self.pool, config.eviction) if config.prefix_cache else None
+        self.prefix = PrefixIndex(self.pool, config.eviction, storage.groups) if config.prefix_cache else None
         self.waiting: list[Request] = []  # kept sorted by (priority, arrival)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.disk: PrefixDiskTier | None = None  # set by the engine when it has a kv_cache_dir
+        self._index_as_filled = self.prefix is not None and not storage.groups.is_single
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -51,6 +57,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted by an earlier row of this loop
                 continue
             count = min(request.num_pending, budget)
+            if self._index_as_filled and self._filled_since_indexed(request):
+                self.index_blocks(request)
             count += self._fit_draft(request, count, budget - count)
             if not self._reserve_or_preempt(request, count):
                 break  # `request` itself was preempted: everyone after it already was
@@ -80,7 +88,7 @@ class Scheduler:
             match = self.prefix.match(request.all_ids, request.salt, max_tokens=len(request.all_ids) - 1)
             if self.disk is not None:  # the match goes on with blocks kept on disk
                 match = self.disk.extend(match, request.all_ids, request.salt, len(request.all_ids) - 1)
-            cache.adopt(match.blocks, match.num_blocks * self.storage.block_size)
+            cache.adopt(match.blocks, match.num_blocks * self.storage.block_size, match.pages)
             self.prefix.lock(match.node)
             request.prefix_node = match.node
             if request.miss_reason is None:  # first admission: what the prompt got from the cache
@@ -105,7 +113,7 @@ class Scheduler:
             return True
         if self.prefix is None:
             return False
-        missing = self.pool.blocks_for(needed) - len(request.cache.blocks) - self.pool.num_free
+        missing = request.cache.blocks_needed(needed) - self.pool.num_free
         self.prefix.evict(missing)
         return request.cache.reserve(needed)
 
@@ -146,11 +154,15 @@ class Scheduler:
         if self.prefix is None or request.cache is None:
             return
         computed = request.all_ids[: request.cache.seq_len]
-        node = self.prefix.insert(computed, request.cache.blocks, request.salt)
+        node = self.prefix.insert(computed, request.cache.blocks, request.salt, request.cache.window_pages())
         self.prefix.lock(node)
         if request.prefix_node is not None:
             self.prefix.unlock(request.prefix_node)
         request.prefix_node = node
+
+    def _filled_since_indexed(self, request: Request) -> bool:
+        indexed = request.prefix_node.depth if request.prefix_node is not None else 0
+        return request.cache is not None and request.cache.seq_len // self.storage.block_size > indexed
 
     def release(self, request: Request) -> None:
         """Drop the request from the running set and free everything it holds."""
@@ -170,7 +182,7 @@ class Scheduler:
         for request in self.running:
             assert request.cache is not None, f"running request {request.request_id} has no cache"
             request.cache.check_invariants()
-            for block in request.cache.blocks:
+            for block in request.cache.held_blocks():
                 expected[block.block_id] += 1
         for request in self.waiting:
             assert request.cache is None, f"waiting request {request.request_id} still holds a cache"

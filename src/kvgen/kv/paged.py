@@ -12,6 +12,7 @@ import torch
 from kvgen.errors import KvgenError
 from kvgen.kv.block_pool import Block, BlockPool
 from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
+from kvgen.kv.layer_groups import LayerGroups
 from kvgen.kv.paged_batch import PagedBatchView
 
 
@@ -23,15 +24,28 @@ class CacheFullError(KvgenError):
 
 
 class PagedStorage:
-    def __init__(self, spec: CacheSpec, pool: BlockPool):
+    def __init__(self, spec: CacheSpec, pool: BlockPool, groups: LayerGroups | None = None):
+        """`groups`: how pages are shared among layer groups (kv/layer_groups.py); default one
+        group of every layer, so a block holds every layer and the store is [L, N, H, bs, D]."""
         self.spec, self.pool = spec, pool
-        shape = (spec.num_layers, pool.num_blocks, spec.num_kv_heads, pool.block_size, spec.head_dim)
-        self.keys = torch.zeros(shape, dtype=spec.dtype)  # [L, N, H, bs, D]
+        self.groups = groups or LayerGroups.single(spec.num_layers)
+        if len(self.groups.group_of) != spec.num_layers:
+            raise ValueError(f"layer groups cover {len(self.groups.group_of)} layers, the cache has {spec.num_layers}")
+        shape = (self.groups.width, pool.num_blocks, spec.num_kv_heads, pool.block_size, spec.head_dim)
+        self.keys = torch.zeros(shape, dtype=spec.dtype)  # [slots, N, H, bs, D]; slots = L for one group
         self.values = torch.zeros(shape, dtype=spec.dtype)
 
     @classmethod
-    def create(cls, spec: CacheSpec, budget_mb: float, block_size: int = 16) -> "PagedStorage":
-        return cls(spec, BlockPool.from_budget(budget_mb, spec.bytes_per_token, block_size))
+    def create(cls, spec: CacheSpec, budget_mb: float, block_size: int = 16,
+               groups: LayerGroups | None = None) -> "PagedStorage":  # fmt: skip
+        groups = groups or LayerGroups.single(spec.num_layers)
+        bytes_per_token = spec.bytes_per_token * groups.width // spec.num_layers  # one page's layers
+        return cls(spec, BlockPool.from_budget(budget_mb, bytes_per_token, block_size), groups)
+
+    def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where `layer` keeps its keys and values: [N, H, bs, D] each, indexed by its group's block ids."""
+        slot = self.groups.slot_of[layer]
+        return self.keys[slot], self.values[slot]
 
     @property
     def block_size(self) -> int:
@@ -42,7 +56,8 @@ class PagedStorage:
         self.values[:, target] = self.values[:, source]
 
     def bytes_per_block(self) -> int:
-        return self.spec.bytes_per_token * self.block_size
+        """Bytes of one pool block (one page: `groups.width` layers' keys and values)."""
+        return self.spec.bytes_per_token * self.groups.width // self.spec.num_layers * self.block_size
 
     # --- block export / import: what a lower tier (kv/disk_tier.py) stores, format-agnostic ----
     @property
@@ -50,7 +65,8 @@ class PagedStorage:
         """Names the stored format and block size ("fp32/fp32/bs16": keys/values/block size); a
         block exported by one storage imports only into a storage with the same format_key."""
         name = _DTYPE_NAMES.get(self.spec.dtype, str(self.spec.dtype).removeprefix("torch."))
-        return f"{name}/{name}/bs{self.block_size}"
+        grouped = "" if self.groups.is_single else f"/{self.groups.describe()}"
+        return f"{name}/{name}/bs{self.block_size}{grouped}"
 
     def export_block(self, block_id: int) -> dict[str, torch.Tensor]:
         """Copies of every layer's stored tensors of one block: keys and values, [L, H, bs, D] each."""
@@ -113,9 +129,11 @@ class PagedCache(KVCache):
         self._refresh_table()
         return True
 
-    def adopt(self, blocks: list[Block], num_tokens: int) -> None:
+    def adopt(self, blocks: list[Block], num_tokens: int, pages: list[tuple[Block | None, ...]] | None = None) -> None:
         """Start an empty cache from shared full blocks that hold positions 0..num_tokens-1 (a
-        prefix-cache hit): takes a reference on each; later writes go to fresh blocks after them."""
+        prefix-cache hit): takes a reference on each; later writes go to fresh blocks after them.
+        `pages`: other layer groups' pages of those blocks (kv/paged_hybrid.py); none here."""
+        assert not pages or not any(pages), "a cache of one layer group adopts no window pages"
         assert not self.blocks and self._seq_len == 0, "adopt() needs an empty cache"
         assert num_tokens == len(blocks) * self.storage.block_size, "adopt() takes whole blocks only"
         self.storage.pool.share(blocks)
@@ -137,35 +155,58 @@ class PagedCache(KVCache):
         start, end = self._seq_len, self._seq_len + keys.shape[2]
         self._prepare_write(start, end)
         self._write(layer, start, keys, values)
-        return self._gather(self.storage.keys[layer], end), self._gather(self.storage.values[layer], end)
+        store_k, store_v = self.storage.layer_stores(layer)
+        return self._gather(layer, store_k, end), self._gather(layer, store_v, end)
+
+    def _layer_table(self, layer: int) -> torch.Tensor:
+        """The block ids `layer` reads and writes (its layer group's table)."""
+        return self._table
 
     def _write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store [1, H, S, D] at positions start.. of `layer` (blocks already prepared)."""
-        size, store_k, store_v = self.storage.block_size, self.storage.keys[layer], self.storage.values[layer]
+        size, (store_k, store_v) = self.storage.block_size, self.storage.layer_stores(layer)
+        table = self._layer_table(layer)
         position, end = start, start + keys.shape[2]
         while position < end:  # one slice copy per block spanned
-            block, offset = self.blocks[position // size].block_id, position % size
+            block, offset = int(table[position // size]), position % size
             count = min(size - offset, end - position)
             source = slice(position - start, position - start + count)
             store_k[block, :, offset : offset + count] = keys[0, :, source]
             store_v[block, :, offset : offset + count] = values[0, :, source]
             position += count
 
-    def _gather(self, store: torch.Tensor, length: int) -> torch.Tensor:
+    def _gather(self, layer: int, store: torch.Tensor, length: int) -> torch.Tensor:
         """[N, H, bs, D] -> this sequence's first `length` positions, [1, H, length, D] (a copy: the
         torch attention path needs one tensor; kernels read blocks in place via kernel_layout)."""
-        used = self._table[: -(-length // self.storage.block_size)]
+        used = self._layer_table(layer)[: -(-length // self.storage.block_size)]
         gathered = store.index_select(0, used)  # [n, H, bs, D]
         heads, dim = gathered.shape[1], gathered.shape[3]
         return gathered.transpose(0, 1).reshape(heads, -1, dim)[None, :, :length]
+
+    # --- what the engine's batch view, scheduler and prefix index ask of any paged sequence -------
+    def group_tables(self, num_tokens: int) -> list[list[int]]:
+        """Per layer group (kv/layer_groups.py), the block ids holding positions 0..num_tokens-1."""
+        return [self._table[: self.storage.pool.blocks_for(num_tokens)].tolist()]
+
+    def held_blocks(self) -> list[Block]:
+        """Every pool block this sequence holds a reference on."""
+        return list(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Fresh blocks reserve(num_tokens) takes beyond those held (before copy-on-write)."""
+        return max(0, self.storage.pool.blocks_for(num_tokens) - len(self.blocks))
+
+    def window_pages(self) -> list[tuple[Block | None, ...]]:
+        """Per anchor block, the other layer groups' pages of the same positions (none here: one group)."""
+        return [() for _ in self.blocks]
 
     @classmethod
     def batch_view(cls, caches: list[KVCache], lengths: list[int]) -> object | None:
                 return PagedBatchView(caches, lengths) if PagedBatchView.applies(caches, cls) else None
 
     def kernel_layout(self, num_tokens: int) -> KVLayout | None:
-        if self.spec.dtype != torch.float32:
-            return None
+        if self.spec.dtype != torch.float32 or not self.storage.groups.is_single:
+            return None  # the one-table C step reads every layer through one block table
         self._prepare_write(self._seq_len, num_tokens)
         k = self.storage.keys  # [L, N, H, bs, D]
         return KVLayout(k, self.storage.values, k.stride(0), k.stride(2), k.stride(3), k.stride(1),
@@ -200,8 +241,9 @@ class PagedCache(KVCache):
         if not self.prepare_write(start, new_len):
             raise CacheFullError("the KV block pool is full: no block left to copy a shared block into before moving positions")
         for layer in range(self.spec.num_layers):
-            keys = self._gather(self.storage.keys[layer], self._seq_len)[:, :, end:]  # [1, H, tail, D] copies
-            values = self._gather(self.storage.values[layer], self._seq_len)[:, :, end:]
+            store_k, store_v = self.storage.layer_stores(layer)
+            keys = self._gather(layer, store_k, self._seq_len)[:, :, end:]  # [1, H, tail, D] copies
+            values = self._gather(layer, store_v, self._seq_len)[:, :, end:]
             self._write(layer, start, rerotate(layer, keys, -removed), values)
         self.truncate(new_len)
         self._removed += removed

@@ -29,29 +29,32 @@ class PagedBatchView:
     def __init__(self, caches: list, lengths: list[int]):  # caches: PagedCache rows (kv/paged.py)
         storage = caches[0].storage
         size = storage.block_size
-        self.keys_store, self.values_store = storage.keys, storage.values  # [L, N, H, bs, D]
+        self.storage = storage
+        self.keys_store, self.values_store = storage.keys, storage.values  # [slots, N, H, bs, D]
+        self.group_of = storage.groups.group_of  # per layer: whose block table it reads
         starts = [c.seq_len for c in caches]
         ends = [s + n for s, n in zip(starts, lengths)]
         for cache, start, end in zip(caches, starts, ends):
             cache._prepare_write(start, end)  # blocks (and copy-on-write) once per forward, not per layer
-        rows, columns, blocks, offsets = [], [], [], []
-        for i, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
-            table = [b.block_id for b in cache.blocks]
+        tables = [cache.group_tables(end) for cache, end in zip(caches, ends)]  # [row][group] -> block ids
+        rows, columns, positions = [], [], []
+        for i, (start, n) in enumerate(zip(starts, lengths)):
             for j, position in enumerate(range(start, start + n)):
                 rows.append(i)
                 columns.append(j)
-                blocks.append(table[position // size])
-                offsets.append(position % size)
+                positions.append((i, position))
         self.rows, self.columns = torch.tensor(rows), torch.tensor(columns)
-        self.slot_blocks, self.slot_offsets = torch.tensor(blocks), torch.tensor(offsets)
+        self.slot_offsets = torch.tensor([p % size for _, p in positions])
         self.num_keys = max(ends)
         self.blocks_per_row = -(-self.num_keys // size)
-        # Each row's block table padded to the longest with its first block: the padding is read but
-        # masked out (the store holds only finite values, so masked keys contribute exactly zero).
-        padded = [
-            [b.block_id for b in cache.blocks[: -(-end // size)]] for cache, end in zip(caches, ends)
-        ]
-        self.table = torch.tensor([t + [t[0]] * (self.blocks_per_row - len(t)) for t in padded]).flatten()
+        self.slot_blocks, self.tables = [], []
+        for group in range(storage.groups.num_groups):
+            self.slot_blocks.append(torch.tensor([tables[i][group][p // size] for i, p in positions]))
+            # Each row's block table padded to the longest with its first block: the padding is read
+            # but masked out (the store holds only finite values, so masked keys contribute exactly zero).
+            rows_tables = [t[group] for t in tables]
+            self.tables.append(torch.tensor([t + [t[0]] * (self.blocks_per_row - len(t)) for t in rows_tables]).flatten())
+        self.table = self.tables[0]
         self.num_rows = len(caches)
         self.ends = torch.tensor(ends)
 
@@ -70,16 +73,17 @@ class PagedBatchView:
                         starts: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Write the rows' new keys/values, then attention of q [B, H, 1, D] over each row's
         positions starts[r]..its own, read from the blocks in place -> [B, H, 1, D]."""
-        k_store, v_store = self.keys_store[layer], self.values_store[layer]  # [N, H_kv, bs, D]
-        self._write(k_store, keys)
-        self._write(v_store, values)
+        k_store, v_store = self.storage.layer_stores(layer)  # [N, H_kv, bs, D]
+        group = self.group_of[layer]
+        self._write(k_store, keys, group)
+        self._write(v_store, values, group)
         rows, heads, _, dim = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
         load().kvgen_paged_decode_attention(
             q.data_ptr(), out.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), rows, heads, k_store.shape[1], dim,
             scale, k_store.stride(1), k_store.stride(2), k_store.stride(0), k_store.shape[2],
-            self.table.data_ptr(), self.blocks_per_row, starts.data_ptr(), self.ends.data_ptr(),
+            self.tables[group].data_ptr(), self.blocks_per_row, starts.data_ptr(), self.ends.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -87,7 +91,7 @@ class PagedBatchView:
         """For one-token rows over fp32 blocks, the C step over every layer (kernels/decode.c
         kvgen_decode_rows) and the store's arguments; None for other stores."""
         keys, values = self.keys_store, self.values_store  # [L, N, H_kv, bs, D]
-        if keys.dtype != torch.float32:
+        if keys.dtype != torch.float32 or len(self.tables) > 1:  # the C step reads one table for every layer
             return None
         assert keys.stride() == values.stride()
         return "kvgen_decode_rows", (
@@ -97,15 +101,17 @@ class PagedBatchView:
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values [B, H_kv, S_max, D] -> every row's keys/values so far, [B, H_kv, L_max, D]."""
-        return self._write_then_read(self.keys_store[layer], keys), self._write_then_read(self.values_store[layer], values)
+        k_store, v_store = self.storage.layer_stores(layer)
+        group = self.group_of[layer]
+        return self._write_then_read(k_store, keys, group), self._write_then_read(v_store, values, group)
 
-    def _write(self, store: torch.Tensor, new: torch.Tensor) -> None:
+    def _write(self, store: torch.Tensor, new: torch.Tensor, group: int) -> None:
         # store [N, H, bs, D]; the real (unpadded) new tokens, [T, H, D], go to their slots.
-        store[self.slot_blocks, :, self.slot_offsets] = new.transpose(1, 2)[self.rows, self.columns].to(store.dtype)
+        store[self.slot_blocks[group], :, self.slot_offsets] = new.transpose(1, 2)[self.rows, self.columns].to(store.dtype)
 
-    def _write_then_read(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        self._write(store, new)
+    def _write_then_read(self, store: torch.Tensor, new: torch.Tensor, group: int) -> torch.Tensor:
+        self._write(store, new, group)
         heads, size, dim = store.shape[1], store.shape[2], store.shape[3]
-        gathered = store.index_select(0, self.table).view(self.num_rows, self.blocks_per_row, heads, size, dim)
+        gathered = store.index_select(0, self.tables[group]).view(self.num_rows, self.blocks_per_row, heads, size, dim)
         history = gathered.transpose(1, 2).reshape(self.num_rows, heads, self.blocks_per_row * size, dim)
         return history[:, :, : self.num_keys]

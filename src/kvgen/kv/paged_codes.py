@@ -31,6 +31,7 @@ import torch
 from kvgen.kv.block_pool import Block, BlockPool
 from kvgen.kv.codecs import Codec
 from kvgen.kv.interface import CacheSpec
+from kvgen.kv.layer_groups import LayerGroups
 from kvgen.kv.packed import PackedStore
 from kvgen.kv.paged import CacheFullError
 from kvgen.kv.rotation import turn
@@ -49,6 +50,7 @@ class QuantizedPagedStorage:
         if key_codec.keys_before_rope and key_rope is None:
             raise ValueError(f"key codec {key_codec.name!r} stores keys before RoPE: pass key_rope")
         self.spec, self.pool = spec, pool
+        self.groups = LayerGroups.single(spec.num_layers)  # codes blocks hold every layer (no window groups)
         self.key_codec, self.value_codec, self.key_rope = key_codec, value_codec, key_rope
         layers, heads, dim, size = spec.num_layers, spec.num_kv_heads, spec.head_dim, pool.block_size
         self.key_store = PackedStore(key_codec, layers, heads, dim, pool.num_blocks, size)

@@ -11,9 +11,14 @@ block it indexes, so an indexed block survives its request; `evict` drops that r
     evict(num_blocks)    frees unlocked leaves, least recently used first (or least frequently: LFU)
 
 Positions are absolute, so a block is only reusable at the same place in the same token path; the
-keys stored after RoPE are therefore exact. Sliding-window layers (Gemma 3) need nothing special
-here: a paged cache keeps every layer's positions and the model's mask applies the window, so a hit
-reuses the whole prefix instead of re-prefilling it.
+keys stored after RoPE are therefore exact.
+
+A pool split into layer groups (kv/layer_groups.py: Gemma 3's sliding-window layers) indexes, per
+node, the anchor group's block and the window groups' pages of the same positions, where a sequence
+still held them when it was indexed. A hit ending at position p needs every window group's pages
+from p - window on, so `match` stops at the deepest node whose window is complete: exact, if
+shorter. Window pages are evicted on their own (any node, locked or not: a running request holds
+its own references to the pages it reads), before or after whole leaves in LRU order.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from kvgen.kv.block_pool import Block, BlockPool
+from kvgen.kv.layer_groups import LayerGroups
 
 EvictionPolicy = Literal["lru", "lfu"]
 MissReason = Literal["hit", "no match", "evicted", "different salt", "too short"]
@@ -41,6 +47,10 @@ class PrefixNode:
     last_access: int = 0
     hit_count: int = 0
     disk_key: bytes | None = None  # the block's chain key, set by a disk tier (kv/disk_tier.py)
+    pages: tuple[Block | None, ...] = ()  # the window groups' pages of this block's positions, when held
+
+    def held_pages(self) -> list[Block]:
+        return [p for p in self.pages if p is not None]
 
 
 @dataclass
@@ -63,6 +73,7 @@ class PrefixMatch:
     blocks: list[Block]  # the matched blocks, in order (not yet shared: the caller takes its refs)
     node: PrefixNode  # the deepest matched node (a root when nothing matched)
     reason: MissReason
+    pages: list[tuple[Block | None, ...]] = field(default_factory=list)  # per block, its window pages
 
     @property
     def num_blocks(self) -> int:
@@ -70,10 +81,11 @@ class PrefixMatch:
 
 
 class PrefixIndex:
-    def __init__(self, pool: BlockPool, policy: EvictionPolicy = "lru"):
+    def __init__(self, pool: BlockPool, policy: EvictionPolicy = "lru", groups: LayerGroups | None = None):
         if policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {policy!r}: choose 'lru' or 'lfu'")
         self.pool, self.policy = pool, policy
+        self.groups = groups  # None or single: one block per node, no window pages
         self.block_size = pool.block_size
         self.roots: dict[str, PrefixNode] = {}
         self.stats = PrefixStats()
@@ -100,18 +112,24 @@ class PrefixIndex:
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         # An unseen salt gets no root until something is inserted: a client sending a new cache salt
         # per request must not grow the index.
-        node = self.roots.get(salt) or PrefixNode((), None, None)
-        chunks, blocks, now = self._chunks(tokens, limit), [], next(self._clock)
+        root = node = self.roots.get(salt) or PrefixNode((), None, None)
+        chunks, path, now = self._chunks(tokens, limit), [], next(self._clock)
         for chunk in chunks:
             child = node.children.get(chunk)
             if child is None:
                 break
             node = child
-            blocks.append(node.block)
+            path.append(node)
+        usable = self._usable_depth(path)
+        node = path[usable - 1] if usable else root
+        path = path[:usable]
+        blocks = [n.block for n in path]
         for visited in _path(node):
             visited.last_access = now
             visited.hit_count += 1
         reason = "hit" if blocks else self._miss_reason(chunks, salt)
+        if not blocks and node is root and chunks and chunks[0] in root.children:
+            reason = "evicted"  # the path is indexed but its sliding-window pages are gone
         self.stats.queries += 1
         self.stats.tokens_queried += len(tokens)
         self.stats.tokens_reused += len(blocks) * self.block_size
@@ -119,7 +137,23 @@ class PrefixIndex:
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-        return PrefixMatch(blocks, node, reason)
+        return PrefixMatch(blocks, node, reason, [n.pages for n in path])
+
+    def _usable_depth(self, path: list[PrefixNode]) -> int:
+        """The deepest prefix of `path` a request can resume from: every window group's pages from
+        the window's start to the end of the prefix are held (all of it, without window groups)."""
+        groups = self.groups
+        if groups is None or groups.is_single:
+            return len(path)
+        for depth in range(len(path), 0, -1):
+            position = depth * self.block_size
+            if all(
+                len(path[i].pages) == groups.num_groups - 1 and path[i].pages[group - 1] is not None
+                for group in range(1, groups.num_groups)
+                for i in range(groups.first_block_needed(group, position, self.block_size), depth)
+            ):
+                return depth
+        return 0
 
     def _miss_reason(self, chunks: list[tuple[int, ...]], salt: str) -> MissReason:
         if not chunks:
@@ -130,18 +164,25 @@ class PrefixIndex:
             return "different salt"
         return "no match"
 
-    def insert(self, tokens: list[int], blocks: list[Block], salt: str = "") -> PrefixNode:
+    def insert(self, tokens: list[int], blocks: list[Block], salt: str = "",
+               pages: list[tuple[Block | None, ...]] | None = None) -> PrefixNode:  # fmt: skip
         """Index the full blocks of a sequence whose first positions live in `blocks` (one per
-        block_size tokens). Nodes that exist keep their block; new nodes take a pool reference.
-        Returns the deepest node of the path."""
+        block_size tokens), with their window groups' `pages` when the pool has layer groups.
+        Nodes that exist keep their block (and take pages they lack); everything newly indexed
+        takes a pool reference. Returns the deepest node of the path."""
         node, now = self.root(salt), next(self._clock)
-        for chunk, block in zip(self._chunks(tokens, len(tokens)), blocks):
+        pages = pages if pages is not None else [() for _ in blocks]
+        for chunk, block, held in zip(self._chunks(tokens, len(tokens)), blocks, pages):
             child = node.children.get(chunk)
             if child is None:
-                child = PrefixNode(chunk, block, node, node.depth + 1)
+                child = PrefixNode(chunk, block, node, node.depth + 1, pages=tuple(None for _ in held))
                 node.children[chunk] = child
                 self.pool.share([block])
                 self.num_blocks += 1
+            if any(c is None and p is not None for c, p in zip(child.pages, held)):
+                taken = [p if c is None else None for c, p in zip(child.pages, held)]
+                self.pool.share([p for p in taken if p is not None])
+                child.pages = tuple(c if c is not None else p for c, p in zip(child.pages, held))
             child.last_access = now
             node = child
         return node
@@ -156,33 +197,45 @@ class PrefixIndex:
             visited.lock_ref -= 1
 
     def evictable(self) -> list[PrefixNode]:
-        """Unlocked leaves, in eviction order."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        """Unlocked leaves, and nodes holding window pages, in eviction order (shallower first
+        among equals: the deepest pages are the ones a continuing conversation resumes from)."""
+        nodes = [n for n in self._nodes() if (not n.children and n.lock_ref == 0) or n.held_pages()]
         if self.policy == "lfu":
-            return sorted(leaves, key=lambda n: (n.hit_count, n.last_access))
-        return sorted(leaves, key=lambda n: n.last_access)
+            return sorted(nodes, key=lambda n: (n.hit_count, n.last_access, n.depth))
+        return sorted(nodes, key=lambda n: (n.last_access, n.depth))
 
     def evict(self, num_blocks: int) -> int:
-        """Drop up to `num_blocks` blocks (leaves first, a parent once its children are gone);
-        returns how many were dropped. A dropped block goes back to the pool once no request holds it."""
+        """Drop up to `num_blocks` blocks (leaves first, a parent once its children are gone, and
+        window pages on their own); returns how many were dropped. A dropped block goes back to
+        the pool once no request holds it."""
         evicted = 0
         while evicted < num_blocks:
             candidates = self.evictable()
             if not candidates:
                 break
-            for leaf in candidates:
+            for node in candidates:
                 if evicted >= num_blocks:
                     break
-                self._remove(leaf)
-                evicted += 1
+                if not node.children and node.lock_ref == 0:
+                    evicted += 1 + len(node.held_pages())
+                    self._remove(node)
+                else:
+                    evicted += self._drop_pages(node)
         self.stats.evictions += evicted
         return evicted
+
+    def _drop_pages(self, node: PrefixNode) -> int:
+        held = node.held_pages()
+        self.pool.free(held)
+        node.pages = tuple(None for _ in node.pages)
+        return len(held)
 
     def _remove(self, leaf: PrefixNode) -> None:
         assert leaf.parent is not None and leaf.block is not None
         if self.on_evict is not None:
             self.on_evict(leaf)
         del leaf.parent.children[leaf.tokens]
+        self._drop_pages(leaf)
         self.pool.free([leaf.block])
         self.num_blocks -= 1
         if leaf.depth == 1:  # remember the first block of the path, to explain a later miss
@@ -195,7 +248,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Drop every unlocked block (what a fresh server would hold)."""
-        self.evict(self.num_blocks)
+        self.evict(len(self.blocks()))
 
     def _nodes(self) -> list[PrefixNode]:
         stack, nodes = [c for r in self.roots.values() for c in r.children.values()], []
@@ -206,12 +259,14 @@ class PrefixIndex:
         return nodes
 
     def blocks(self) -> list[Block]:
-        return [n.block for n in self._nodes() if n.block is not None]
+        """Every block the index holds a reference on (window pages included)."""
+        return [b for n in self._nodes() for b in (n.block, *n.held_pages()) if b is not None]
 
     def check_invariants(self) -> None:
         nodes = self._nodes()
         assert len(nodes) == self.num_blocks, f"index counts {self.num_blocks} blocks but holds {len(nodes)}"
-        assert len({id(n.block) for n in nodes}) == len(nodes), "a block is indexed twice"
+        held = self.blocks()
+        assert len({id(b) for b in held}) == len(held), "a block is indexed twice"
         for node in nodes:
             assert node.block is not None and node.block.ref_count >= 1, "an indexed block is free in the pool"
             assert len(node.tokens) == self.block_size, "a node holds a partial block"
