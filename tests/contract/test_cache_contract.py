@@ -15,8 +15,10 @@ from kvgen.kv.block_pool import BlockPool
 from kvgen.kv.codecs import CastCodec
 from kvgen.kv.compressed import CompressedCache
 from kvgen.kv.interface import AttentionSpan
+from kvgen.kv.layer_groups import LayerGroups
 from kvgen.kv.paged_codes import QuantizedPagedStorage
 from kvgen.kv.paged_codes_cache import QuantizedPagedCache
+from kvgen.kv.paged_hybrid import HybridPagedCache
 from kvgen.kv.quantized import QuantizedCache
 from kvgen.kv.sinks import SinkCache
 from kvgen.kv.tiered import TieredCache
@@ -27,6 +29,9 @@ SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=8)
 SINK_CODEC = CastCodec("fp32", torch.float32)
 SINK_CODEC.sink_tokens = 3  # keeps the first 3 positions aside, as KVQuant's codec keeps its first one
 SINK_FREE_FP32 = CastCodec("fp32", torch.float32)
+# Layer 0 full attention, layers 1 and 2 sliding (window 64, wider than these tests' sequences):
+# three groups of one layer slot each, as the engine splits Gemma 3's pool.
+GROUPS = LayerGroups(group_of=(0, 1, 2), slot_of=(0, 0, 0), windows=(None, 64, 64), width=1)
 CACHES: dict[str, Callable[[], KVCache]] = {
     "contiguous": lambda: ContiguousCache(SPEC, capacity=8, max_capacity=256),
     "paged": lambda: PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4))),
@@ -48,6 +53,7 @@ CACHES: dict[str, Callable[[], KVCache]] = {
     # copy-on-write of staged blocks, re-staging after truncation into an encoded block.
     "paged codes": lambda: QuantizedPagedCache(QuantizedPagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4),
                                                                      SINK_FREE_FP32, SINK_FREE_FP32, num_slots=8)),
+    "paged(layer groups)": lambda: HybridPagedCache(PagedStorage(SPEC, BlockPool(num_blocks=96, block_size=4), GROUPS)),
     "tracing(paged)": lambda: TracingCache(PagedCache(PagedStorage(SPEC, BlockPool(num_blocks=64, block_size=4)))),
 }
 

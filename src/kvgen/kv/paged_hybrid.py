@@ -17,7 +17,7 @@ import torch
 
 from kvgen.kv.block_pool import Block
 from kvgen.kv.interface import KVCache, Rerotate
-from kvgen.kv.paged import PagedCache, PagedStorage
+from kvgen.kv.paged import CacheFullError, PagedCache, PagedStorage
 
 # A dropped page reads as this block id: never visible (the mask hides it), always finite.
 DROPPED = 0
@@ -97,30 +97,63 @@ class HybridPagedCache(PagedCache):
                 torch.tensor([DROPPED if p is None else p.block_id for p in t], dtype=torch.int64) for t in self.pages
             ]
 
+    def can_resume(self, num_tokens: int) -> bool:
+        if not 0 <= num_tokens <= self._seq_len:
+            return False
+        keep = self.storage.pool.blocks_for(num_tokens)
+        return all(
+            table[i] is not None
+            for group, table in enumerate(self.pages, start=1)
+            for i in range(self._first_needed(group, num_tokens) if num_tokens else keep, min(keep, len(table)))
+        )
+
     def truncate(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} positions")
+        if not self.can_resume(num_tokens):
+            raise ValueError(
+                f"cannot rewind to {num_tokens}: its sliding-window layers already dropped positions "
+                "that position needs (rewind only within the last forward, or start the sequence again)"
+            )
         keep = self.storage.pool.blocks_for(num_tokens)
-        if num_tokens:
-            for group, table in enumerate(self.pages, start=1):
-                first = self._first_needed(group, num_tokens)
-                if any(table[i] is None for i in range(first, min(keep, len(table)))):
-                    raise ValueError(
-                        f"cannot rewind to {num_tokens}: its sliding-window layers already dropped positions "
-                        "that position needs (rewind only within the last forward, or start the sequence again)"
-                    )
         for table in self.pages:
             self.storage.pool.free([p for p in table[keep:] if p is not None])
             del table[keep:]
         super().truncate(num_tokens)
 
     def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
-        raise ValueError("remove_range is not supported on a pool split into sliding-window layer groups "
-                         "(dropped positions cannot move back): use a contiguous or window cache")
+        """As PagedCache.remove_range while every window page from `start` on is held (the tail
+        moves back through them); otherwise ValueError, nothing changed."""
+        first = start // self.storage.block_size
+        if any(p is None for table in self.pages for p in table[first:]):
+            raise ValueError(f"cannot remove positions {start}..{end}: sliding-window layers already dropped "
+                             "positions at or after its start")  # fmt: skip
+        super().remove_range(start, end, rerotate)
 
     def copy_prefix(self, source: KVCache, num_tokens: int) -> None:
-        raise ValueError("copy_prefix is not supported on a pool split into sliding-window layer groups: "
-                         "fork() the source and truncate, or adopt prefix-index blocks")
+        """Share `source`'s whole blocks and held window pages of the prefix, copy each group's
+        partial last block; ValueError when the source dropped pages a query at `num_tokens` reads."""
+        self._check_copy_source(source, num_tokens)
+        if not isinstance(source, HybridPagedCache) or source.storage is not self.storage:
+            raise ValueError("copy_prefix between paged caches needs one shared PagedStorage")
+        if not source.can_resume(num_tokens):
+            raise ValueError(f"cannot copy {num_tokens} positions: the source's sliding-window layers dropped some they need")
+        size, pool = self.storage.block_size, self.storage.pool
+        whole, partial = divmod(num_tokens, size)
+        tables = [source.blocks, *source.pages]
+        copies = pool.allocate(len(tables) if partial else 0)
+        if copies is None:
+            raise CacheFullError("the KV block pool is full: no block left for the partial last block of the prefix")
+        for table, copy in zip(tables, copies):
+            self.storage.copy_block(table[whole].block_id, copy.block_id)  # type: ignore[union-attr]
+        for table in tables:
+            pool.share([p for p in table[:whole] if p is not None])
+        pool.free(self.held_blocks())
+        self.blocks = [*source.blocks[:whole], *copies[:1]]
+        self.pages = [[*table[:whole], *copies[g + 1 : g + 2]] for g, table in enumerate(source.pages)]
+        self._seq_len = num_tokens
+        self._removed = source._removed if num_tokens == source.seq_len else 0
+        self._refresh_table()
 
     def fork(self) -> "HybridPagedCache":
         twin = super().fork()
