@@ -48,11 +48,24 @@ def machine() -> dict[str, Any]:
         pass
     return {
         "cpu": cpu,
+        "cpu_class": cpu_class(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+
+
+def cpu_class() -> str:
+    """The CPU class a result belongs to ("avx512-vnni", "avx512", "avx2" or "other"): tables are
+    kept per class, since kvgen's kernels take different paths on each."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "other"
+    if "avx512f" in flags:
+        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
+    return "avx2" if "avx2" in flags else "other"
 
 
 def git_sha() -> str:

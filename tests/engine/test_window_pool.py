@@ -113,3 +113,28 @@ def test_the_disk_tier_keeps_every_layer_in_one_block(gemma3, tmp_path) -> None:
         assert engine.storage.groups.is_single
     finally:
         engine.close()
+
+
+@torch.inference_mode()
+def test_the_c_step_reads_each_layer_through_its_group(long_ids, monkeypatch) -> None:
+    """With quantized weights one-token rows run kernels/decode.c over every layer: on the grouped
+    pool each layer reads its own slot through its group's table, and the tokens equal the C step
+    over a pool of one block per layer."""
+    from kvgen import LLM
+    from kvgen.models.fast_decode import FastDecoder
+    from tests.support.models import model_path
+
+    llm = LLM.load(model_path("gemma3-270m"), progress=False, weights="int8")
+    steps = []
+    original = FastDecoder.step_rows
+    monkeypatch.setattr(FastDecoder, "step_rows", lambda self, *a: (steps.append(a[2][0]), original(self, *a))[1])
+    prompts = [long_ids[:600], long_ids[:40]]
+    outputs = {}
+    for grouped in (True, False):
+        engine = LLMEngine(llm, EngineConfig(num_blocks=600, max_tokens_per_step=256, layer_groups=grouped))
+        requests = [engine.add_request(f"r{i}", p, PARAMS) for i, p in enumerate(prompts)]
+        steps.clear()
+        drain(engine, requests)
+        outputs[grouped] = [r.output_ids for r in requests]
+        assert steps.count("kvgen_decode_rows") >= PARAMS.max_new_tokens - 1  # the decodes ran in C
+    assert outputs[True] == outputs[False]

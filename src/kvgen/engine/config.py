@@ -13,7 +13,9 @@ class EngineConfig:
     `block_size` tokens. prefix_cache: reuse the KV of shared prompt prefixes (kv/prefix.py),
     evicting unused blocks by `eviction` ("lru" or "lfu") when the pool runs short.
     kv_cache_dir: evicted prefix blocks go to files there and come back on a later match, across
-    restarts (kv/disk_tier.py), within `kv_disk_budget_mb` of files."""
+    restarts (kv/disk_tier.py), within `kv_disk_budget_mb` of files. layer_groups: for a model
+    with sliding-window layers, split the pool into layer groups so that pages no window sees go
+    back to the pool (kv/layer_groups.py); off, or with a kv_cache_dir, a block holds every layer."""
 
     max_tokens_per_step: int = 512
     max_num_seqs: int = 64
@@ -25,6 +27,7 @@ class EngineConfig:
     num_blocks: int | None = None  # an exact pool size, instead of kv_budget_mb (tests, benchmarks)
     kv_cache_dir: str | None = None
     kv_disk_budget_mb: float = 1024.0
+    layer_groups: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_step", "max_num_seqs", "block_size"):

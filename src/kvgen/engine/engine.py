@@ -58,7 +58,7 @@ class LLMEngine:
         # The disk tier stores one block per prefix node: it keeps every layer in one block.
         self.storage = factory.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
                                              self.config.kv_budget_mb, self.config.num_blocks,
-                                             layer_groups=self.config.kv_cache_dir is None)  # fmt: skip
+                                             layer_groups=self.config.layer_groups and self.config.kv_cache_dir is None)  # fmt: skip
         self.scheduler = Scheduler(self.storage, self.config, lambda: factory.engine_cache(self.storage))
         self.disk = self._open_disk_tier(llm) if self.config.kv_cache_dir is not None else None
         self.scheduler.disk = self.disk

@@ -94,7 +94,8 @@ def load() -> ctypes.CDLL | None:
     library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
                                             count, count, count, count, count, pointer, count]  # fmt: skip
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
-                                          pointer, count, count, count, count, count, pointer, count, pointer, pointer]  # fmt: skip
+                                          pointer, count, count, count, count, count, pointer, count, pointer, pointer,
+                                          pointer, pointer]  # fmt: skip
     library.kvgen_paged_codes_attention.argtypes = [pointer, pointer, count, pointer, pointer, count, count, count,
                                                     ctypes.c_float, count, pointer, pointer, count, pointer, count,
                                                     pointer, pointer, pointer, pointer]  # fmt: skip

@@ -259,7 +259,9 @@ typedef struct {
 } rows_scratch;
 
 // Where a step of one-token rows keeps keys and values. Each row's new key/value go to
-// (base, tables + r * table_width, write_pos[r]) as kv_layout addresses them. Attention reads the same
+// (base, tables + r * table_width, write_pos[r]) as kv_layout addresses them. A pool split into
+// layer groups (kv/layer_groups.py) keeps layer l in slot layer_slot[l] of each block and reads it
+// through its group's tables, tables + layer_group[l] * rows * table_width; NULL: slot l, one table. Attention reads the same
 // fp32 store (codes == NULL), or, over a pool of K/V codes, the row's code blocks plus the fp32 run
 // that starts at its staging slot (kv/paged_codes.py): then tables hold each row's slot and
 // write_pos its offset in the block.
@@ -274,7 +276,19 @@ typedef struct {
     const int64_t* code_tables;       // [rows, code_table_width] pool block ids
     int64_t code_table_width, code_block_size;
     const int64_t* num_code_blocks;   // [rows]
+    const int64_t* layer_slot;        // [layers], or NULL
+    const int64_t* layer_group;       // [layers], or NULL
 } rows_kv;
+
+static float* layer_store(const rows_kv* kv, float* base, int64_t layer) {
+    return base + (kv->layer_slot != NULL ? kv->layer_slot[layer] : layer) * kv->layer_stride;
+}
+
+// Row r's block table for `layer` (its layer group's).
+static const int64_t* row_table(const rows_kv* kv, int64_t layer, int64_t rows, int64_t r) {
+    const int64_t group = kv->layer_group != NULL ? kv->layer_group[layer] : 0;
+    return kv->tables + (group * rows + r) * kv->table_width;
+}
 
 static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, int64_t rows) {
     if (l->kind == 0) {
@@ -293,8 +307,8 @@ static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const row
                         int64_t window, const rows_scratch* s) {
     const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d;
     const int64_t group = b->num_heads / b->num_kv_heads;
-    float* k_layer = kv->k_base + layer * kv->layer_stride;
-    float* v_layer = kv->v_base + layer * kv->layer_stride;
+    float* k_layer = layer_store(kv, kv->k_base, layer);
+    float* v_layer = layer_store(kv, kv->v_base, layer);
     if (kv->key_codes != NULL) {
         int64_t* plan = malloc(sizeof(int64_t) * (size_t)(5 * rows));  // counts, firsts, recent K, V, strides
         float* q = malloc(sizeof(float) * (size_t)(rows * nq));
@@ -319,8 +333,8 @@ static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const row
     for (int64_t i = 0; i < rows * b->num_heads; i++) {
         const int64_t r = i / b->num_heads, head = i % b->num_heads, end = positions[r] + 1;
         const int64_t start = window > 0 && end > window ? end - window : 0;
-        const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, kv->tables + r * kv->table_width};
-        const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, kv->tables + r * kv->table_width};
+        const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+        const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
         attend_head(s->qkv_out + r * qkv_width + head * d, s->attn + r * nq + head * d, &kl, &vl, head / group,
                     start, end, b->scale, d);
     }
@@ -336,8 +350,8 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
         const block_t* b = &blocks[layer];
         const int64_t hidden = b->hidden, d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
         const int64_t qkv_width = nq + 2 * nkv, inter = b->intermediate;
-        float* k_layer = kv->k_base + layer * kv->layer_stride;
-        float* v_layer = kv->v_base + layer * kv->layer_stride;
+        float* k_layer = layer_store(kv, kv->k_base, layer);
+        float* v_layer = layer_store(kv, kv->v_base, layer);
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->input_norm, b->eps, hidden, s->x + r * hidden);
         linear_rows(&b->qkv, s->x, s->xq, s->qkv_out, rows);
         for (int64_t r = 0; r < rows; r++) {  // QK-norm, RoPE, and the new key/value into the row's slot
@@ -345,8 +359,8 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
             float* q = s->qkv_out + r * qkv_width;
             float* k = q + nq;
             const float* v = k + nkv;
-            const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, kv->tables + r * kv->table_width};
-            const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, kv->tables + r * kv->table_width};
+            const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+            const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
             for (int64_t head = 0; head < b->num_heads; head++) {
                 if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
                 rotate_half(q + head * d, cos, cos + d, d);
@@ -374,14 +388,15 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
 }
 
 // Every block for one-token rows over one fp32 paged store: row r reads its blocks through
-// tables[r * table_width ..].
+// tables[r * table_width ..] (per layer group, with layer_slot / layer_group: see rows_kv).
 void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
                        int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, float* k_base,
                        float* v_base, int64_t layer_stride, int64_t head_stride, int64_t pos_stride,
                        int64_t block_stride, int64_t block_size, const int64_t* tables, int64_t table_width,
-                       const int64_t* positions, const rows_scratch* s) {
+                       const int64_t* layer_slot, const int64_t* layer_group, const int64_t* positions,
+                       const rows_scratch* s) {
     const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride, block_size, tables,
-                        table_width, positions, NULL, NULL, NULL, 0, 0, NULL};
+                        table_width, positions, NULL, NULL, NULL, 0, 0, NULL, layer_slot, layer_group};
     decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s);
 }
 
@@ -398,6 +413,6 @@ void kvgen_decode_rows_over_codes(const block_t* blocks, int64_t num_layers, int
                                   const rows_scratch* s) {
     const int64_t d = blocks[0].head_dim;
     const rows_kv kv = {stage_k, stage_v, layer_stride, head_stride, d, slot_stride, block_size, slots, 1, offsets,
-                        key_codes, value_codes, code_tables, code_table_width, block_size, num_code_blocks};
+                        key_codes, value_codes, code_tables, code_table_width, block_size, num_code_blocks, NULL, NULL};
     decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s);
 }

@@ -89,14 +89,23 @@ class PagedBatchView:
 
     def rows_kernel(self) -> tuple[str, tuple] | None:
         """For one-token rows over fp32 blocks, the C step over every layer (kernels/decode.c
-        kvgen_decode_rows) and the store's arguments; None for other stores."""
-        keys, values = self.keys_store, self.values_store  # [L, N, H_kv, bs, D]
-        if keys.dtype != torch.float32 or len(self.tables) > 1:  # the C step reads one table for every layer
+        kvgen_decode_rows) and the store's arguments; None for other stores. A pool of layer groups
+        passes each layer's slot and group, and every group's tables one after another."""
+        keys, values = self.keys_store, self.values_store  # [slots, N, H_kv, bs, D]
+        if keys.dtype != torch.float32:
             return None
         assert keys.stride() == values.stride()
+        groups = self.storage.groups
+        if groups.is_single:
+            tables, slots, group_of = self.table, None, None
+        else:  # kept on the view: the C side reads them during the step
+            self._stacked = torch.stack(self.tables).contiguous()  # [groups, rows * blocks_per_row]
+            self._slots, self._groups = torch.tensor(groups.slot_of), torch.tensor(groups.group_of)
+            tables, slots, group_of = self._stacked, self._slots, self._groups
         return "kvgen_decode_rows", (
             keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1),
-            keys.shape[3], self.table.data_ptr(), self.blocks_per_row,
+            keys.shape[3], tables.data_ptr(), self.blocks_per_row,
+            slots.data_ptr() if slots is not None else None, group_of.data_ptr() if group_of is not None else None,
         )  # fmt: skip
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
