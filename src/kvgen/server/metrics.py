@@ -24,7 +24,7 @@ class ServerMetrics:
             lambda: read(lambda e: e.storage.pool.num_blocks))
         storage = async_engine.engine.storage
         Info("kvgen_kv_storage", "How the pool stores K/V: codecs and block size", registry=r).info({"format": storage.format_key})
-        Gauge("kvgen_kv_block_bytes", "Bytes of one pool block (every layer, K and V)", registry=r).set(storage.bytes_per_block())
+        Gauge("kvgen_kv_block_bytes", "Bytes of one pool block (K and V of every layer, or of one layer group: docs/engine.md)", registry=r).set(storage.bytes_per_block())
         Gauge("kvgen_kv_staging_slots_in_use", "fp32 slots holding unfilled blocks (pools of K/V codes)", registry=r).set_function(
             lambda: read(lambda e: e.storage.num_slots - e.storage.num_free_slots if hasattr(e.storage, "num_slots") else 0))
         Gauge("kvgen_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache", registry=r).set_function(
