@@ -69,8 +69,9 @@ static inline __m256i unpack_nibbles(const uint8_t* qs) {  // byte j -> elements
 // Up to 8 activation rows share each loaded weight block (8 accumulators + the block fit the 16 ymm registers).
 #define TILE 8
 // One activation row (decode): each weight row is streamed once, front to back (what the hardware
-// prefetcher handles best), with two accumulators over alternating blocks so consecutive FMAs do
-// not wait on each other.
+// prefetcher handles best). Its sums run in exactly the order of the tiled GEMM below (one
+// accumulator per row, blocks in order, then the minimums), so a row's output is bit for bit the
+// same whether it is decoded alone or in a batch: greedy output does not depend on the batch.
 #ifdef __AVX2__
 // acc + (integer dot of one block) * d_w * d_x, as one FMA.
 static inline __m256 dot_q4(__m256 acc, const block_q4* w, const block_x8* x) {
@@ -92,20 +93,13 @@ static inline __m256 dot_q8(__m256 acc, const block_q8* w, const block_x8* x) {
         _Pragma("omp parallel for schedule(static)")                                                 \
         for (int64_t row = 0; row < n; row++) {                                                      \
             const BLOCK* wr = w + row * nb;                                                          \
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                           \
-            float min0 = 0.0f, min1 = 0.0f;                                                          \
-            int64_t b = 0;                                                                           \
-            for (; b + 1 < nb; b += 2) {                                                             \
-                acc0 = DOT(acc0, wr + b, x + b);                                                     \
-                acc1 = DOT(acc1, wr + b + 1, x + b + 1);                                             \
-                min0 += wr[b].m * x[b].s;                                                            \
-                min1 += wr[b + 1].m * x[b + 1].s;                                                    \
+            __m256 acc = _mm256_setzero_ps();                                                        \
+            float mins = 0.0f;                                                                       \
+            for (int64_t b = 0; b < nb; b++) {                                                       \
+                acc = DOT(acc, wr + b, x + b);                                                       \
+                mins += wr[b].m * x[b].s;                                                            \
             }                                                                                        \
-            if (b < nb) {                                                                            \
-                acc0 = DOT(acc0, wr + b, x + b);                                                     \
-                min0 += wr[b].m * x[b].s;                                                            \
-            }                                                                                        \
-            y[row] = hsum8(_mm256_add_ps(acc0, acc1)) + min0 + min1;                                 \
+            y[row] = hsum8(acc) + mins;                                                              \
         }                                                                                            \
     }
 

@@ -184,9 +184,9 @@ class PagedCache(KVCache):
         return gathered.transpose(0, 1).reshape(heads, -1, dim)[None, :, :length]
 
     # --- what the engine's batch view, scheduler and prefix index ask of any paged sequence -------
-    def group_tables(self, num_tokens: int) -> list[list[int]]:
-        """Per layer group (kv/layer_groups.py), the block ids holding positions 0..num_tokens-1."""
-        return [self._table[: self.storage.pool.blocks_for(num_tokens)].tolist()]
+    def group_tables(self, num_tokens: int) -> list[torch.Tensor]:
+        """Per layer group (kv/layer_groups.py), the block ids holding positions 0..num_tokens-1 (int64)."""
+        return [self._table[: self.storage.pool.blocks_for(num_tokens)]]
 
     def held_blocks(self) -> list[Block]:
         """Every pool block this sequence holds a reference on."""

@@ -36,24 +36,20 @@ class PagedBatchView:
         ends = [s + n for s, n in zip(starts, lengths)]
         for cache, start, end in zip(caches, starts, ends):
             cache._prepare_write(start, end)  # blocks (and copy-on-write) once per forward, not per layer
-        tables = [cache.group_tables(end) for cache, end in zip(caches, ends)]  # [row][group] -> block ids
-        rows, columns, positions = [], [], []
-        for i, (start, n) in enumerate(zip(starts, lengths)):
-            for j, position in enumerate(range(start, start + n)):
-                rows.append(i)
-                columns.append(j)
-                positions.append((i, position))
-        self.rows, self.columns = torch.tensor(rows), torch.tensor(columns)
-        self.slot_offsets = torch.tensor([p % size for _, p in positions])
+        tables = [cache.group_tables(end) for cache, end in zip(caches, ends)]  # [row][group] -> block ids [n]
+        self.rows = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        self.columns = torch.cat([torch.arange(n) for n in lengths])
+        positions = [torch.arange(start, start + n) for start, n in zip(starts, lengths)]
+        self.slot_offsets = torch.cat(positions) % size
         self.num_keys = max(ends)
         self.blocks_per_row = -(-self.num_keys // size)
         self.slot_blocks, self.tables = [], []
         for group in range(storage.groups.num_groups):
-            self.slot_blocks.append(torch.tensor([tables[i][group][p // size] for i, p in positions]))
+            self.slot_blocks.append(torch.cat([t[group][p // size] for t, p in zip(tables, positions)]))
             # Each row's block table padded to the longest with its first block: the padding is read
             # but masked out (the store holds only finite values, so masked keys contribute exactly zero).
             rows_tables = [t[group] for t in tables]
-            self.tables.append(torch.tensor([t + [t[0]] * (self.blocks_per_row - len(t)) for t in rows_tables]).flatten())
+            self.tables.append(torch.cat([torch.cat([t, t[:1].expand(self.blocks_per_row - len(t))]) for t in rows_tables]))
         self.table = self.tables[0]
         self.num_rows = len(caches)
         self.ends = torch.tensor(ends)

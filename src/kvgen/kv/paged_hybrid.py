@@ -168,9 +168,9 @@ class HybridPagedCache(PagedCache):
         group = self.groups.group_of[layer]
         return self._table if group == 0 else self._page_tables[group - 1]
 
-    def group_tables(self, num_tokens: int) -> list[list[int]]:
+    def group_tables(self, num_tokens: int) -> list[torch.Tensor]:
         count = self.storage.pool.blocks_for(num_tokens)
-        return [self._table[:count].tolist(), *(t[:count].tolist() for t in self._page_tables)]
+        return [self._table[:count], *(t[:count] for t in self._page_tables)]
 
     def held_blocks(self) -> list[Block]:
         return [*self.blocks, *(p for table in self.pages for p in table if p is not None)]
