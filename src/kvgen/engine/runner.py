@@ -30,10 +30,14 @@ class ModelRunner:
         verifies) share one batched forward and the prompt chunks another, because a ragged batch
         is padded to its longest row: 60 decodes beside a 450-token chunk would compute 60 x 450
         positions (measured: 64 concurrent requests ran at 19 tok/s that way). Chunks stay
-        together: with 4-bit weights each forward of many rows dequantizes every weight once."""
-        short = [i for i, row in enumerate(rows) if row.num_tokens <= SHORT_ROW_TOKENS]
+        together: with 4-bit weights each forward of many rows dequantizes every weight once.
+        One-token rows (decodes) run apart from the other short rows, so that they take the C step
+        over every layer whenever it applies, whatever else is scheduled: that step gives each row
+        the logits it would have alone (batch-invariant greedy output)."""
+        decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1]
+        short = [i for i, row in enumerate(rows) if 1 < row.num_tokens <= SHORT_ROW_TOKENS]
         long = [i for i, row in enumerate(rows) if row.num_tokens > SHORT_ROW_TOKENS]
-        groups = [group for group in (short, long) if group]
+        groups = [group for group in (decodes, short, long) if group]
         new_tokens: list[list[int]] = [[] for _ in rows]
         for group in groups:
             for i, tokens in zip(group, self._run_group([rows[i] for i in group])):
