@@ -196,6 +196,16 @@ class T5Model(nn.Module):
                 h = h * self.head_scale
             return self.lm_head(h)
 
+    def forward_batch(self, token_ids: list[list[int]], caches: list[T5Cache], num_logits: list[int] | None = None) -> torch.Tensor:
+        """The engine's call: rows, each continuing its own T5Cache (a row on an empty cache is a
+        whole encoder input, and gives the start token's logits), run one after another -> the
+        logits of each row's last num_logits[i] tokens [sum, V]."""
+        if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("forward_batch needs one cache per row and at least one token in every row")
+        num_logits = num_logits or [1] * len(caches)
+        return torch.cat([self.forward(torch.tensor([ids]), cache, logits_to_keep=n)[0]
+                          for ids, cache, n in zip(token_ids, caches, num_logits)])  # fmt: skip
+
     def _decode(self, input_ids: torch.Tensor, cache: T5Cache) -> torch.Tensor:
         assert cache.encoder is not None
         start, seq = cache.kv.seq_len, input_ids.shape[1]

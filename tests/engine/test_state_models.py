@@ -1,0 +1,187 @@
+"""The engine (and generate_batch, the server) serving Mamba and T5, against transformers on the same
+random weights and against each request run alone.
+
+No Mamba or T5 checkpoint installs offline: these are small random-weight models that transformers
+itself builds and saves (tests/support/tiny_hf.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from kvgen import LLM, CacheConfig, SamplingParams
+from kvgen.engine import EngineConfig, LLMEngine, RequestStatus
+from kvgen.speculative.config import SpeculativeConfig
+from tests.server.live import live_server
+from tests.support.models import PROMPTS
+from tests.support.tiny_hf import save_tiny_mamba, save_tiny_t5, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory):
+    return tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory, tokenizer_files) -> tuple[Any, LLM]:
+    folder = tmp_path_factory.mktemp("mamba")
+    model = save_tiny_mamba(folder, tokenizer_files)
+    return model, LLM.load(folder, progress=False, weights="fp32")
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory: pytest.TempPathFactory, tokenizer_files) -> tuple[Any, LLM]:
+    folder = tmp_path_factory.mktemp("t5")
+    model = save_tiny_t5(folder, tokenizer_files)
+    return model, LLM.load(folder, progress=False, weights="fp32")
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def mamba_reference(model: Any, ids: list[int], count: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def t5_reference(model: Any, ids: list[int], count: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False)
+    return out[0, 1:].tolist()  # after the decoder start token
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    """Nothing runs and every unit in use is a prefix snapshot."""
+    engine.check_invariants()
+    prefix = engine.scheduler.prefix
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.scheduler.num_blocks_in_use() == (prefix.num_snapshots if prefix else 0)
+
+
+def test_mamba_engine_rows_equal_transformers_and_each_row_alone(mamba: tuple[Any, LLM]) -> None:
+    """Prompts of different lengths decode together, their prefills chunked beside other rows' decodes."""
+    model, llm = mamba
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]] + [random_ids(90, 1)]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
+    requests = engine.generate(prompts, GREEDY)
+    for ids, request in zip(prompts, requests):
+        assert request.output_ids == mamba_reference(model, ids, 32)
+        assert request.output_ids == llm.generate(ids, GREEDY).token_ids  # the row alone
+    assert_idle(engine)
+    assert engine.scheduler.prefix.num_snapshots > 0  # block-boundary states were kept
+    batch = llm.generate_batch(prompts, GREEDY)
+    assert [r.token_ids for r in batch] == [r.output_ids for r in requests]
+
+
+def test_mamba_prefix_cache_resumes_from_a_block_boundary_state(mamba: tuple[Any, LLM]) -> None:
+    _, llm = mamba
+    engine = LLMEngine(llm, EngineConfig(block_size=16))
+    shared = random_ids(150, 2)
+    first, second = shared + random_ids(20, 3), shared + random_ids(30, 4)
+    first_output = engine.generate([first], GREEDY)[0].output_ids
+    request = engine.add_request("second", second, GREEDY)
+    other_salt = engine.add_request("salted", second, GREEDY, salt="tenant-b")
+    while engine.has_unfinished():
+        engine.step()
+    assert request.cached_tokens == 144 and request.miss_reason == "hit"  # 150 // 16 blocks of the shared prefix
+    assert other_salt.cached_tokens == 0 and other_salt.miss_reason == "no match"
+    assert request.output_ids == other_salt.output_ids == llm.generate(second, GREEDY).token_ids  # == from scratch
+    # States along `first`'s output were indexed too: a next turn that repeats it resumes inside it.
+    follow_up = first + first_output[:20]
+    again = engine.generate([follow_up], GREEDY)[0]
+    assert again.cached_tokens == 176 and again.output_ids == llm.generate(follow_up, GREEDY).token_ids
+    assert_idle(engine)
+
+
+def test_mamba_admission_counts_states_and_cancel_frees_them(mamba: tuple[Any, LLM]) -> None:
+    _, llm = mamba
+    engine = LLMEngine(llm, EngineConfig(num_blocks=3, block_size=8, max_tokens_per_step=64))
+    requests = [engine.add_request(f"r{i}", random_ids(20, 10 + i), GREEDY) for i in range(5)]
+    most_running = 0
+    engine.step()
+    cancelled = engine.cancel("r0")
+    assert cancelled is not None and cancelled.finish_reason == "cancelled"
+    while engine.has_unfinished():
+        most_running = max(most_running, len(engine.scheduler.running))
+        engine.check_invariants()
+        engine.step()
+    assert most_running == 3  # one state each, the budget's 3 units (snapshots are evicted for them)
+    for request in requests[1:]:
+        assert request.status is RequestStatus.FINISHED and request.output_ids == llm.generate(request.prompt_ids, GREEDY).token_ids
+    assert_idle(engine)
+
+
+def test_mamba_engine_refuses_what_it_cannot_honour(mamba: tuple[Any, LLM], tmp_path) -> None:
+    _, llm = mamba
+    with pytest.raises(ValueError, match="kv_cache_dir"):
+        LLMEngine(llm, EngineConfig(kv_cache_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="eviction"):
+        LLMEngine(llm, EngineConfig(eviction="lfu"))
+    with pytest.raises(ValueError, match="does not apply to mamba"):
+        LLMEngine(llm, cache=CacheConfig(kind="quantized"))
+    engine = LLMEngine(llm)
+    with pytest.raises(ValueError, match="speculative"):
+        engine.add_request("s", "hello", GREEDY, speculative=SpeculativeConfig(method="lookup"))
+    assert not engine.has_unfinished()
+
+
+def test_t5_engine_runs_the_encoder_once_per_distinct_input(t5: tuple[Any, LLM]) -> None:
+    """8 requests over 2 inputs: 2 encoder passes, and every output is transformers'."""
+    model, llm = t5
+    inputs = [llm.tokenizer.encode(p) for p in ("Translate to German: the house is small.", "Summarize: a long story")]
+    engine = LLMEngine(llm, EngineConfig(max_num_seqs=8))
+    before = llm.model.encoder_runs
+    requests = engine.generate([inputs[i % 2] for i in range(8)], GREEDY)
+    assert llm.model.encoder_runs - before == 2
+    expected = [t5_reference(model, ids, 32) for ids in inputs]
+    for i, request in enumerate(requests):
+        assert request.output_ids == expected[i % 2]
+    assert_idle(engine)
+    assert all(entry.refs == 0 for entry in llm.model.encoder_cache._entries.values())
+
+
+def test_t5_engine_rows_equal_transformers_budget_and_cancel(t5: tuple[Any, LLM]) -> None:
+    model, llm = t5
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    longest = max(len(p) for p in prompts)
+    # Room for two requests at a time (prompt + 32 new + the start token, each).
+    engine = LLMEngine(llm, EngineConfig(num_blocks=2 * (longest + 33), max_tokens_per_step=16))
+    victim = engine.add_request("victim", prompts[0], GREEDY)
+    engine.step()
+    engine.cancel("victim")
+    assert victim.cache is None and engine.scheduler.num_blocks_in_use() == 0
+    requests = [engine.add_request(f"t{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        assert len(engine.scheduler.running) <= 2
+        engine.check_invariants()
+        engine.step()
+    for ids, request in zip(prompts, requests):
+        assert request.output_ids == t5_reference(model, ids, 32)
+    assert_idle(engine)
+    with pytest.raises(ValueError, match="more than the engine's whole budget"):
+        engine.add_request("huge", prompts[0], SamplingParams(max_new_tokens=10_000))
+    batch = llm.generate_batch(prompts, GREEDY)
+    assert [r.token_ids for r in batch] == [r.output_ids for r in requests]
+
+
+def test_t5_served_on_completions(t5: tuple[Any, LLM]) -> None:
+    model, llm = t5
+    prompt = "Translate to French: the cat sleeps."
+    expected = llm.tokenizer.decode(t5_reference(model, llm.tokenizer.encode(prompt), 16))
+    with live_server(llm, EngineConfig(), max_tokens_limit=64) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        before = llm.model.encoder_runs
+        out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, n=3,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert [c.text for c in out.choices] == [expected] * 3
+        assert llm.model.encoder_runs - before == 1  # the n choices share one encoder entry
+        server.assert_no_leaks()
