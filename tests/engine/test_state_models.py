@@ -185,3 +185,17 @@ def test_t5_served_on_completions(t5: tuple[Any, LLM]) -> None:
         assert [c.text for c in out.choices] == [expected] * 3
         assert llm.model.encoder_runs - before == 1  # the n choices share one encoder entry
         server.assert_no_leaks()
+
+
+def test_t5_samples_of_one_input_share_its_encoder_entry(t5: tuple[Any, LLM]) -> None:
+    """LLM.generate with n > 1: one encoder pass, each sample as if run alone (seed + i)."""
+    model, llm = t5
+    ids = llm.tokenizer.encode("Question: why is the sky blue?")
+    before = llm.model.encoder_runs
+    greedy = llm.generate_n(ids, SamplingParams(max_new_tokens=16, ignore_eos=True, n=3))
+    assert llm.model.encoder_runs - before == 1
+    assert [r.token_ids for r in greedy] == [t5_reference(model, ids, 16)] * 3
+    sampled = llm.generate_n(ids, SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5, n=2))
+    alone = [llm.generate(ids, SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5 + i)) for i in range(2)]
+    assert [r.token_ids for r in sampled] == [r.token_ids for r in alone]
+    assert all(entry.refs == 0 for entry in llm.model.encoder_cache._entries.values())

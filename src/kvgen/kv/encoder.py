@@ -46,6 +46,12 @@ class EncoderHandle:
     def layers(self) -> LayerKV:
         return self.entry.layers
 
+    def share(self) -> "EncoderHandle":
+        """Another reference to the same entry (a forked request), released on its own."""
+        if self._released:
+            raise ValueError("cannot share an encoder entry through a released handle")
+        return self._cache._add_ref(self.entry)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
@@ -89,6 +95,11 @@ class EncoderCache:
             self.stats["hits" if hit else "misses"] += 1
             self._evict()
             return EncoderHandle(self, entry, hit)
+
+    def _add_ref(self, entry: EncoderEntry) -> EncoderHandle:
+        with self._lock:
+            entry.refs += 1
+            return EncoderHandle(self, entry, hit=True)
 
     def _release(self, key: str) -> None:
         with self._lock:

@@ -96,7 +96,13 @@ class T5Cache:
                              f"({self.encoder_len} tokens), kept whole or not at all")  # fmt: skip
 
     def fork(self) -> "T5Cache":
-        raise ValueError("T5 requests run one sample each (n=1): submit the request n times; the encoder runs once")
+        """A twin for another sample of the same input: it shares the encoder entry (one more
+        reference) and copies the decoder's self-attention K/V."""
+        twin = T5Cache(self.kv.spec, 1)
+        twin.kv = self.kv.fork()
+        twin.encoder = self.encoder.share() if self.encoder is not None else None
+        twin.encoder_len = self.encoder_len
+        return twin
 
     def release(self) -> None:
         if self.encoder is not None:
