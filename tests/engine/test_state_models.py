@@ -199,3 +199,25 @@ def test_t5_samples_of_one_input_share_its_encoder_entry(t5: tuple[Any, LLM]) ->
     alone = [llm.generate(ids, SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5 + i)) for i in range(2)]
     assert [r.token_ids for r in sampled] == [r.token_ids for r in alone]
     assert all(entry.refs == 0 for entry in llm.model.encoder_cache._entries.values())
+
+
+def test_t5_batched_decode_rows_equal_each_row_alone(t5: tuple[Any, LLM]) -> None:
+    """Rows with different input and decoded lengths, plus a row starting a new input, in one call."""
+    _, llm = t5
+    model = llm.model
+    inputs, decoded = [random_ids(12, 20), random_ids(5, 21), random_ids(30, 22)], [random_ids(9, 23), [], random_ids(3, 24)]
+    with torch.inference_mode():
+        batched = [model.new_state_cache() for _ in inputs]
+        for ids, more, cache in zip(inputs, decoded, batched):
+            model(torch.tensor([ids]), cache)
+            for token in more:
+                model(torch.tensor([[token]]), cache)
+        singles = [cache.fork() for cache in batched]
+        fresh, fresh_alone = model.new_state_cache(), model.new_state_cache()
+        alone = [model(torch.tensor([[7 + r]]), cache)[0, -1] for r, cache in enumerate(singles)]
+        alone.append(model(torch.tensor([inputs[0]]), fresh_alone)[0, -1])
+        together = model.forward_batch([[7], [8], [9], inputs[0]], batched + [fresh])  # [4, V]
+    assert (together - torch.stack(alone)).abs().max().item() < 1e-5
+    assert [c.seq_len for c in batched + [fresh]] == [c.seq_len for c in singles + [fresh_alone]]
+    for cache in batched + singles + [fresh, fresh_alone]:
+        cache.release()

@@ -198,19 +198,63 @@ class T5Model(nn.Module):
             h = self._decode(input_ids, cache)
             if logits_to_keep:
                 h = h[:, -logits_to_keep:]
-            if self.head_scale is not None:
-                h = h * self.head_scale
-            return self.lm_head(h)
+            return self._head(h)
 
     def forward_batch(self, token_ids: list[list[int]], caches: list[T5Cache], num_logits: list[int] | None = None) -> torch.Tensor:
-        """The engine's call: rows, each continuing its own T5Cache (a row on an empty cache is a
-        whole encoder input, and gives the start token's logits), run one after another -> the
-        logits of each row's last num_logits[i] tokens [sum, V]."""
+        """The engine's call: rows, each continuing its own T5Cache -> the logits of each row's last
+        num_logits[i] tokens [sum, V]. One-token decode rows run together in one batched decoder
+        pass (`_decode_rows`); a row on an empty cache is a whole encoder input (it gives the start
+        token's logits) and runs on its own, as does any other row."""
         if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
             raise ValueError("forward_batch needs one cache per row and at least one token in every row")
+        if not all(isinstance(c, T5Cache) for c in caches):
+            raise ValueError("a T5 model keeps its state in a T5Cache (model.new_state_cache()), not a KV cache")
         num_logits = num_logits or [1] * len(caches)
-        return torch.cat([self.forward(torch.tensor([ids]), cache, logits_to_keep=n)[0]
-                          for ids, cache, n in zip(token_ids, caches, num_logits)])  # fmt: skip
+        rows: list[torch.Tensor | None] = [None] * len(caches)
+        decodes = [i for i, (ids, c) in enumerate(zip(token_ids, caches)) if len(ids) == 1 and c.encoder is not None]
+        if len(decodes) > 1:
+            with self._forward_lock:
+                h = self._decode_rows([token_ids[i][0] for i in decodes], [caches[i] for i in decodes])  # [n, d_model]
+            for i, logits in zip(decodes, self._head(h)):
+                rows[i] = logits[None]
+        for i, (ids, cache, n) in enumerate(zip(token_ids, caches, num_logits)):
+            if rows[i] is None:
+                rows[i] = self.forward(torch.tensor([ids]), cache, logits_to_keep=n)[0]
+        return torch.cat(rows)  # type: ignore[arg-type]
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h * self.head_scale if self.head_scale is not None else h)
+
+    def _decode_rows(self, tokens: list[int], caches: list[T5Cache]) -> torch.Tensor:
+        """One decoder token for each of several requests in one pass -> final hidden states [n, d_model].
+        Each row's self-attention K/V (its own contiguous cache) and cross-attention K/V (its encoder
+        entry) are padded to the longest row; the padding is masked out of the attention. Caches
+        are committed after every layer succeeded."""
+        starts = [c.kv.seq_len for c in caches]
+        self_len, cross_len = max(starts) + 1, max(c.encoder_len for c in caches)
+        self_bias = torch.cat([F.pad(self._position_bias(self.decoder_bias, s, 1, s + 1, bidirectional=False),
+                                     (0, self_len - s - 1), value=float("-inf")) for s in starts])  # [n, H, 1, L]
+        cross_mask = torch.zeros(len(caches), 1, 1, cross_len)
+        for row, cache in enumerate(caches):
+            cross_mask[row, :, :, cache.encoder_len :] = float("-inf")
+
+        def padded(tensors: list[torch.Tensor], length: int) -> torch.Tensor:  # [1, H, l, D] each -> [n, H, length, D]
+            return torch.cat([F.pad(t, (0, 0, 0, length - t.shape[2])) for t in tensors])
+
+        h = F.embedding(torch.tensor(tokens)[:, None], self.shared)  # [n, 1, d_model]
+        for i, layer in enumerate(self.decoder):
+            x, attn = layer["self_norm"](h), layer["self"]
+            keys, values = attn.split(attn.k(x)), attn.split(attn.v(x))  # [n, H, 1, D]
+            held = [cache.kv.update(i, keys[r : r + 1], values[r : r + 1]) for r, cache in enumerate(caches)]
+            h = h + attn.attend(attn.split(attn.q(x)), padded([k for k, _ in held], self_len), padded([v for _, v in held], self_len), self_bias)
+            x, cross = layer["cross_norm"](h), layer["cross"]
+            entries = [cache.encoder.layers[i] for cache in caches]  # type: ignore[union-attr]
+            h = h + cross.attend(cross.split(cross.q(x)), padded([k for k, _ in entries], cross_len),
+                                 padded([v for _, v in entries], cross_len), cross_mask)  # fmt: skip
+            h = h + layer["ff"](layer["ff_norm"](h))
+        for cache in caches:
+            cache.kv.commit(1)
+        return self.decoder_norm(h)[:, 0]
 
     def _decode(self, input_ids: torch.Tensor, cache: T5Cache) -> torch.Tensor:
         assert cache.encoder is not None
