@@ -173,7 +173,7 @@ def test_t5_engine_rows_equal_transformers_budget_and_cancel(t5: tuple[Any, LLM]
     assert [r.token_ids for r in batch] == [r.output_ids for r in requests]
 
 
-def test_t5_served_on_completions(t5: tuple[Any, LLM]) -> None:
+def test_t5_served_on_completions_and_chat(t5: tuple[Any, LLM]) -> None:
     model, llm = t5
     prompt = "Translate to French: the cat sleeps."
     expected = llm.tokenizer.decode(t5_reference(model, llm.tokenizer.encode(prompt), 16))
@@ -184,6 +184,11 @@ def test_t5_served_on_completions(t5: tuple[Any, LLM]) -> None:
                                         extra_body={"ignore_eos": True})  # fmt: skip
         assert [c.text for c in out.choices] == [expected] * 3
         assert llm.model.encoder_runs - before == 1  # the n choices share one encoder entry
+        messages = [{"role": "user", "content": "Say something."}]
+        rendered = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        chat = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        assert chat.choices[0].message.content == llm.tokenizer.decode(t5_reference(model, rendered, 8))
         server.assert_no_leaks()
 
 
