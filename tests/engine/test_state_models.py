@@ -100,6 +100,10 @@ def test_mamba_prefix_cache_resumes_from_a_block_boundary_state(mamba: tuple[Any
     again = engine.generate([follow_up], GREEDY)[0]
     assert again.cached_tokens == 176 and again.output_ids == llm.generate(follow_up, GREEDY).token_ids
     assert_idle(engine)
+    # generate_batch keeps its engine (and so its prefix cache) across calls.
+    llm.generate_batch([first], GREEDY)
+    resumed = llm.generate_batch([second], GREEDY)[0]
+    assert resumed.usage.cached_tokens > 0 and resumed.token_ids == request.output_ids
 
 
 def test_mamba_admission_counts_states_and_cancel_frees_them(mamba: tuple[Any, LLM]) -> None:
