@@ -18,7 +18,8 @@ def snapshot(value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_match_returns_the_deepest_snapshot_on_the_exact_path() -> None:
     index = StatePrefixIndex(block_size=4, max_snapshots=10)
     tokens = list(range(20))
-    assert index.insert(tokens, {4: snapshot(4), 12: snapshot(12), 6: snapshot(6), 24: snapshot(24)}) == 2  # 6: not a boundary, 24: past the end
+    # 6 is not a block boundary, 24 lies past the end: only 4 and 12 are kept.
+    assert index.insert(tokens, {4: snapshot(4), 12: snapshot(12), 6: snapshot(6), 24: snapshot(24)}) == 2
     match = index.match(tokens + [99], max_tokens=20)
     assert match.num_tokens == 12 and match.reason == "hit" and match.snapshot[0][1][0, 0, 0].item() == 12
     assert index.match(tokens[:11] + [99] * 9).num_tokens == 4  # diverges inside the third block

@@ -246,7 +246,8 @@ class T5Model(nn.Module):
             x, attn = layer["self_norm"](h), layer["self"]
             keys, values = attn.split(attn.k(x)), attn.split(attn.v(x))  # [n, H, 1, D]
             held = [cache.kv.update(i, keys[r : r + 1], values[r : r + 1]) for r, cache in enumerate(caches)]
-            h = h + attn.attend(attn.split(attn.q(x)), padded([k for k, _ in held], self_len), padded([v for _, v in held], self_len), self_bias)
+            self_keys, self_values = padded([k for k, _ in held], self_len), padded([v for _, v in held], self_len)
+            h = h + attn.attend(attn.split(attn.q(x)), self_keys, self_values, self_bias)
             x, cross = layer["cross_norm"](h), layer["cross"]
             entries = [cache.encoder.layers[i] for cache in caches]  # type: ignore[union-attr]
             h = h + cross.attend(cross.split(cross.q(x)), padded([k for k, _ in entries], cross_len),
