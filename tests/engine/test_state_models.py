@@ -124,6 +124,18 @@ def test_mamba_admission_counts_states_and_cancel_frees_them(mamba: tuple[Any, L
     assert_idle(engine)
 
 
+def test_mamba_served_on_completions(mamba: tuple[Any, LLM]) -> None:
+    model, llm = mamba
+    prompt = PROMPTS[1]
+    expected = llm.tokenizer.decode(mamba_reference(model, llm.tokenizer.encode(prompt), 12))
+    with live_server(llm, EngineConfig(), max_tokens_limit=64) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, n=2,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert [c.text for c in out.choices] == [expected] * 2
+        server.assert_no_leaks()  # every unit in use is a prefix snapshot
+
+
 def test_mamba_engine_refuses_what_it_cannot_honour(mamba: tuple[Any, LLM], tmp_path) -> None:
     _, llm = mamba
     with pytest.raises(ValueError, match="kv_cache_dir"):
