@@ -91,11 +91,12 @@ class StateScheduler:
             budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            count = request.num_pending if self.whole_prompt else min(request.num_pending, budget)
-            if count > budget and rows:
+            if self.whole_prompt and request.num_pending > budget and rows:
                 break  # a whole prompt over the step's budget runs in a step of its own
             if not self._admit(request):
                 break  # try again when a running request has finished
+            # After admission: a prefix hit left fewer tokens to compute.
+            count = request.num_pending if self.whole_prompt else min(request.num_pending, budget)
             rows.append(ScheduledRow(request, count))
             budget -= min(count, budget)
         return rows
