@@ -167,19 +167,21 @@ def test_t5_engine_runs_the_encoder_once_per_distinct_input(t5: tuple[Any, LLM])
 
 def test_t5_engine_rows_equal_transformers_budget_and_cancel(t5: tuple[Any, LLM]) -> None:
     model, llm = t5
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]] + [random_ids(40, 30)]  # 40: over a step's 16 tokens
     longest = max(len(p) for p in prompts)
-    # Room for two requests at a time (prompt + 32 new + the start token, each).
+    # Room for two of the longest requests at a time (prompt + 32 new + the start token, each).
     engine = LLMEngine(llm, EngineConfig(num_blocks=2 * (longest + 33), max_tokens_per_step=16))
     victim = engine.add_request("victim", prompts[0], GREEDY)
     engine.step()
     engine.cancel("victim")
     assert victim.cache is None and engine.scheduler.num_blocks_in_use() == 0
     requests = [engine.add_request(f"t{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    most_running = 0
     while engine.has_unfinished():
-        assert len(engine.scheduler.running) <= 2
-        engine.check_invariants()
+        most_running = max(most_running, len(engine.scheduler.running))
+        engine.check_invariants()  # reservations within the budget
         engine.step()
+    assert 2 <= most_running < len(prompts)
     for ids, request in zip(prompts, requests):
         assert request.output_ids == t5_reference(model, ids, 32)
     assert_idle(engine)

@@ -11,7 +11,8 @@ reservation, so nobody is ever preempted; a request that does not fit waits.
 Mamba's prefix cache (kv/state_prefix.py) keeps state snapshots at block boundaries, one unit each,
 in whatever the running requests leave of the budget; before each step the snapshots the last step
 captured are handed to it. T5's sharing is the model's EncoderCache (one entry per distinct input).
-A T5 prompt is the encoder's input and runs whole, in the step that admits it.
+A T5 prompt is the encoder's input and runs whole, in the step that admits it (past what is left of
+the step's token budget if it is longer, which ends the budget: at most one such prompt a step).
 """
 
 from __future__ import annotations
@@ -91,11 +92,10 @@ class StateScheduler:
             budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self.whole_prompt and request.num_pending > budget and rows:
-                break  # a whole prompt over the step's budget runs in a step of its own
             if not self._admit(request):
                 break  # try again when a running request has finished
             # After admission: a prefix hit left fewer tokens to compute.
+            # A whole prompt may go past what is left of the budget, which it then ends: one per step.
             count = request.num_pending if self.whole_prompt else min(request.num_pending, budget)
             rows.append(ScheduledRow(request, count))
             budget -= min(count, budget)
