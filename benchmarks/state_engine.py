@@ -5,7 +5,9 @@ No checkpoint of either installs offline, so the weights are random: transformer
 mamba-130m's shape (hidden 768, 24 layers) and t5-small's (d_model 512, 6 + 6 layers, 8 heads,
 d_ff 2048) with SmolLM2's 49,152-token vocabulary and saves them; kvgen loads the folders. Greedy,
 EOS ignored, fp32. Each run reports whole wall time (prefill + decode) of N requests, and that the
-batched tokens equal the one-by-one tokens.
+batched tokens equal the one-by-one tokens. `--threads` sets torch's intra-op threads for both
+sides (on a machine whose cores other jobs share, a second thread waiting for a busy core turns a
+20 us attention call into milliseconds, whichever side runs).
 
     python benchmarks/state_engine.py --requests 8 --prompt-tokens 128 --new-tokens 32
 """
@@ -73,7 +75,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--shared-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -55,6 +55,13 @@ class T5Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.heads * self.d_kv))
 
 
+    def attend_rows(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], biases: list[torch.Tensor | None]) -> torch.Tensor:
+        """q [n, H, 1, D], one query per row, each over its own K, V [1, H, L_r, D] -> [n, 1, H * D] projected."""
+        out = torch.cat([F.scaled_dot_product_attention(q[r : r + 1], k, v, attn_mask=bias, scale=1.0)
+                         for r, ((k, v), bias) in enumerate(zip(kv, biases))])  # fmt: skip
+        return self.o(out.transpose(1, 2).reshape(q.shape[0], 1, self.heads * self.d_kv))
+
+
 class T5FeedForward(nn.Module):
     def __init__(self, config: T5Config, weights: WeightSource, prefix: str):
         super().__init__()
@@ -227,31 +234,20 @@ class T5Model(nn.Module):
 
     def _decode_rows(self, tokens: list[int], caches: list[T5Cache]) -> torch.Tensor:
         """One decoder token for each of several requests in one pass -> final hidden states [n, d_model].
-        Each row's self-attention K/V (its own contiguous cache) and cross-attention K/V (its encoder
-        entry) are padded to the longest row; the padding is masked out of the attention. Caches
-        are committed after every layer succeeded."""
-        starts = [c.kv.seq_len for c in caches]
-        self_len, cross_len = max(starts) + 1, max(c.encoder_len for c in caches)
-        self_bias = torch.cat([F.pad(self._position_bias(self.decoder_bias, s, 1, s + 1, bidirectional=False),
-                                     (0, self_len - s - 1), value=float("-inf")) for s in starts])  # [n, H, 1, L]
-        cross_mask = torch.zeros(len(caches), 1, 1, cross_len)
-        for row, cache in enumerate(caches):
-            cross_mask[row, :, :, cache.encoder_len :] = float("-inf")
-
-        def padded(tensors: list[torch.Tensor], length: int) -> torch.Tensor:  # [1, H, l, D] each -> [n, H, length, D]
-            return torch.cat([F.pad(t, (0, 0, 0, length - t.shape[2])) for t in tensors])
-
+        Projections and feed-forwards run on all rows at once; attention runs row by row over the
+        row's own self-attention K/V and its encoder entry's cross-attention K/V (padding them to a
+        common length costs more copying than the attention itself). Caches are committed after
+        every layer succeeded."""
+        biases = [self._position_bias(self.decoder_bias, c.kv.seq_len, 1, c.kv.seq_len + 1, bidirectional=False) for c in caches]
         h = F.embedding(torch.tensor(tokens)[:, None], self.shared)  # [n, 1, d_model]
         for i, layer in enumerate(self.decoder):
             x, attn = layer["self_norm"](h), layer["self"]
             keys, values = attn.split(attn.k(x)), attn.split(attn.v(x))  # [n, H, 1, D]
             held = [cache.kv.update(i, keys[r : r + 1], values[r : r + 1]) for r, cache in enumerate(caches)]
-            self_keys, self_values = padded([k for k, _ in held], self_len), padded([v for _, v in held], self_len)
-            h = h + attn.attend(attn.split(attn.q(x)), self_keys, self_values, self_bias)
+            h = h + attn.attend_rows(attn.split(attn.q(x)), held, biases)
             x, cross = layer["cross_norm"](h), layer["cross"]
             entries = [cache.encoder.layers[i] for cache in caches]  # type: ignore[union-attr]
-            h = h + cross.attend(cross.split(cross.q(x)), padded([k for k, _ in entries], cross_len),
-                                 padded([v for _, v in entries], cross_len), cross_mask)  # fmt: skip
+            h = h + cross.attend_rows(cross.split(cross.q(x)), entries, [None] * len(caches))
             h = h + layer["ff"](layer["ff_norm"](h))
         for cache in caches:
             cache.kv.commit(1)
