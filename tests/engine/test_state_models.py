@@ -244,3 +244,28 @@ def test_t5_batched_decode_rows_equal_each_row_alone(t5: tuple[Any, LLM]) -> Non
     assert [c.seq_len for c in batched + [fresh]] == [c.seq_len for c in singles + [fresh_alone]]
     for cache in batched + singles + [fresh, fresh_alone]:
         cache.release()
+
+
+@pytest.mark.parametrize("family", ["mamba", "t5"])
+def test_a_failed_forward_frees_its_requests(family: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that raises (injected once) fails the rows of that step and frees all they held;
+    the engine goes on."""
+    _, llm = request.getfixturevalue(family)
+    engine = LLMEngine(llm, EngineConfig())
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"f{i}", ids, GREEDY)
+    engine.step()  # prompts computed, first tokens sampled
+
+    def broken(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(llm.model, "forward_batch", broken)
+    outputs = engine.step()
+    monkeypatch.undo()
+    assert [(o.finish_reason, o.error) for o in outputs] == [("error", "RuntimeError: injected failure")] * 2
+    assert not engine.has_unfinished()
+    assert_idle(engine)
+    if family == "t5":
+        assert all(entry.refs == 0 for entry in llm.model.encoder_cache._entries.values())
+    assert engine.generate([prompts[0]], GREEDY)[0].output_ids == llm.generate(prompts[0], GREEDY).token_ids
