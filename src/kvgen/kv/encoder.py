@@ -10,8 +10,9 @@ an entry nobody references stays for the next request until the byte budget need
 recently used first. An entry in use is never evicted, so the cache may exceed its budget while
 more distinct inputs are in use than fit; it shrinks back as they are released.
 
-kvgen runs no encoder-decoder model yet: the cache takes `compute`, which maps encoder states to
-per-layer K/V (for a test, a transformers model's own cross-attention projections).
+The cache takes `compute`, which maps an encoder input to per-layer K/V: T5 (models/t5.py) passes
+its encoder + cross-attention projections and keys entries by the input's token ids; a forked
+request (several samples of one input) takes another reference to its entry (`share`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,6 @@ class T5Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)  # [B, H, S, D]
         return self.o(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.heads * self.d_kv))
 
-
     def attend_rows(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], biases: list[torch.Tensor | None]) -> torch.Tensor:
         """q [n, H, 1, D], one query per row, each over its own K, V [1, H, L_r, D] -> [n, 1, H * D] projected."""
         out = torch.cat([F.scaled_dot_product_attention(q[r : r + 1], k, v, attn_mask=bias, scale=1.0)
