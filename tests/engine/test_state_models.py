@@ -161,6 +161,10 @@ def test_t5_engine_runs_the_encoder_once_per_distinct_input(t5: tuple[Any, LLM])
     expected = [t5_reference(model, ids, 32) for ids in inputs]
     for i, request in enumerate(requests):
         assert request.output_ids == expected[i % 2]
+    salted = engine.add_request("salted", inputs[0], GREEDY, salt="tenant-b")
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.model.encoder_runs - before == 3 and salted.output_ids == expected[0]  # another salt: its own entry
     assert_idle(engine)
     assert all(entry.refs == 0 for entry in llm.model.encoder_cache._entries.values())
 

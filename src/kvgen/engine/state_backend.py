@@ -30,7 +30,7 @@ def state_backend(model: MambaModel | T5Model, config: EngineConfig, cache: Cach
         # One forward captures at most a step's worth of block boundaries; they are handed over before the next.
         keep = config.max_tokens_per_step // config.block_size + 2
         prefix = StatePrefixIndex(config.block_size, budget.num_units) if config.prefix_cache else None
-        scheduler = StateScheduler(budget, config, lambda: model.new_state_cache(config.block_size, keep), False, prefix)
+        scheduler = StateScheduler(budget, config, lambda _: model.new_state_cache(config.block_size, keep), False, prefix)
         return budget, scheduler
     if isinstance(model, T5Model):
         c = model.config
@@ -40,5 +40,6 @@ def state_backend(model: MambaModel | T5Model, config: EngineConfig, cache: Cach
         # input share it) and the decoder's self-attention K/V: the start token plus every new token.
         budget = StateBudget(f"t5-kv-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
                              lambda num_prompt, num_new: num_prompt + num_new + 1)  # fmt: skip
-        return budget, StateScheduler(budget, config, model.new_state_cache, True, None)
+        # A request's salt keys its encoder entry: tenants never share one.
+        return budget, StateScheduler(budget, config, lambda request: model.new_state_cache(request.salt), True, None)
     raise ValueError(f"{name} models are not served by the engine: it runs decoder-only transformers, Mamba and T5")

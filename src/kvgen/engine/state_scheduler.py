@@ -51,7 +51,7 @@ class StateBudget:
 
 
 class StateScheduler:
-    def __init__(self, budget: StateBudget, config: EngineConfig, new_cache: Callable[[], object], whole_prompt: bool,
+    def __init__(self, budget: StateBudget, config: EngineConfig, new_cache: Callable[[Request], object], whole_prompt: bool,
                  prefix: StatePrefixIndex | None):  # fmt: skip
         self.budget, self.config, self.new_cache = budget, config, new_cache
         self.whole_prompt = whole_prompt  # True: a prompt runs in one forward (T5's encoder input)
@@ -111,7 +111,7 @@ class StateScheduler:
             short = self._units_in_use() + need - self.budget.num_units
         if short > 0:
             return False
-        cache = self.new_cache()
+        cache = self.new_cache(request)
         if self.prefix is not None:
             assert isinstance(cache, SSMStateCache)
             # The last known token is always recomputed: its logits give the next token.

@@ -81,9 +81,10 @@ class EncoderCache:
         digest.update(states.view(torch.uint8).numpy().tobytes() if states.numel() else b"")
         return digest.hexdigest()
 
-    def acquire(self, encoder_states: torch.Tensor) -> EncoderHandle:
-        """The K/V for these encoder states (computed on a miss), referenced until released."""
-        key = self.key_for(encoder_states, self.model_id)
+    def acquire(self, encoder_states: torch.Tensor, namespace: str = "") -> EncoderHandle:
+        """The K/V for these encoder states (computed on a miss), referenced until released.
+        Requests under different namespaces (cache salts, tenants) never share an entry."""
+        key = self.key_for(encoder_states, f"{self.model_id}|{namespace}" if namespace else self.model_id)
         with self._lock:
             entry = self._entries.get(key)
             hit = entry is not None

@@ -83,10 +83,11 @@ class T5Cache:
 
     positions_removed = False
 
-    def __init__(self, spec: CacheSpec, capacity: int):
+    def __init__(self, spec: CacheSpec, capacity: int, salt: str = ""):
         self.kv = ContiguousCache(spec, capacity=capacity, max_capacity=1 << 20)
         self.encoder: EncoderHandle | None = None
         self.encoder_len = 0
+        self.salt = salt  # requests with different salts never share an encoder entry
 
     @property
     def seq_len(self) -> int:
@@ -104,7 +105,7 @@ class T5Cache:
     def fork(self) -> "T5Cache":
         """A twin for another sample of the same input: it shares the encoder entry (one more
         reference) and copies the decoder's self-attention K/V."""
-        twin = T5Cache(self.kv.spec, 1)
+        twin = T5Cache(self.kv.spec, 1, self.salt)
         twin.kv = self.kv.fork()
         twin.encoder = self.encoder.share() if self.encoder is not None else None
         twin.encoder_len = self.encoder_len
@@ -163,8 +164,9 @@ class T5Model(nn.Module):
     def fast_decoder(self) -> None:
         return None
 
-    def new_state_cache(self) -> T5Cache:
-        return T5Cache(CacheSpec(self.config.num_decoder_layers, self.config.num_heads, self.config.d_kv, self.dtype), 64)
+    def new_state_cache(self, salt: str = "") -> T5Cache:
+        """An empty request state; `salt` keeps its encoder entry apart from other salts' (tenants)."""
+        return T5Cache(CacheSpec(self.config.num_decoder_layers, self.config.num_heads, self.config.d_kv, self.dtype), 64, salt)
 
     def _position_bias(self, table: torch.Tensor, query_start: int, num_queries: int, num_keys: int, bidirectional: bool) -> torch.Tensor:
         c = self.config
@@ -198,7 +200,7 @@ class T5Model(nn.Module):
         with self._forward_lock:
             if cache.encoder is None:
                 cache.kv.truncate(0)
-                cache.encoder = self.encoder_cache.acquire(input_ids.detach().to(torch.int64).contiguous())
+                cache.encoder = self.encoder_cache.acquire(input_ids.detach().to(torch.int64).contiguous(), cache.salt)
                 cache.encoder_len = input_ids.shape[1]
                 input_ids = torch.tensor([[self.config.decoder_start_token_id]])
             h = self._decode(input_ids, cache)
