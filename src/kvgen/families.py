@@ -27,11 +27,12 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "random tiny (transformers)"),
     FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights)", "yes", "Gemma 3 270M (real)"),
     FamilySupport("mamba", "HF (fp32 weights)", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
-                  "no: torch scan", "no (clear error); LLM.generate, Session, model.forward_batch",
-                  "random tiny (transformers)"),
+                  "no: torch scan", "yes: one state per request, prefix cache of block-boundary states; "
+                  "generate_batch, server; no speculative decoding", "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
                   "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
-                  "no: torch path", "no (clear error); LLM.generate, CLI", "random tiny (transformers)"),
+                  "no: torch path", "yes: rows run one after another, one encoder entry per distinct input; "
+                  "generate_batch, /v1/completions, n > 1; no speculative decoding", "random tiny (transformers)"),
 )  # fmt: skip
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
-from kvgen.engine import LLMEngine
 from tests.support.models import PROMPTS
 from tests.support.tiny_hf import save_tiny_t5, tokenizer_folder
 
@@ -74,11 +73,7 @@ def test_eight_requests_over_two_inputs_run_the_encoder_twice(t5: dict) -> None:
     assert all(entry.refs == 0 for entry in llm.model.encoder_cache._entries.values())  # every request released
 
 
-def test_paths_t5_does_not_run_refuse_clearly(t5: dict) -> None:
+def test_weight_modes_t5_does_not_run_refuse_clearly(t5: dict) -> None:
     _, llm = t5["gated"]
-    with pytest.raises(ValueError, match="not served by the engine"):
-        LLMEngine(llm)
-    with pytest.raises(ValueError, match="one sample each"):
-        llm.generate_n(PROMPTS[0], SamplingParams(max_new_tokens=2, n=2))
     with pytest.raises(ValueError, match="fp32"):
         LLM.load(llm.path, progress=False, weights="int8")

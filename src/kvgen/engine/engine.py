@@ -18,6 +18,7 @@ from kvgen.engine.request import Request, RequestOutput, RequestStatus
 from kvgen.engine.runner import ModelRunner
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.speculation import RequestSpeculation, check_engine_method
+from kvgen.engine.state_backend import state_backend
 from kvgen.generate import Generator
 from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
@@ -46,20 +47,22 @@ class LLMEngine:
         """`cache` says how the pool stores K/V (fp32 blocks, or quantized with its K and V dtypes);
         default: the LLM's own cache config. The pool's size comes from `config`. A cache kind or
         option the pool cannot honour is a ValueError here, before anything runs."""
-        if hasattr(llm.model, "new_state_cache"):
-            raise ValueError(f"{llm.model.config.architecture} models are not served by the engine (continuous batching "
-                             "over paged KV blocks runs decoder-only transformers); use LLM.generate")
         self.config = config or EngineConfig()
         self.model, self.tokenizer = llm.model, llm.tokenizer
         model_context = self.model.config.max_position_embeddings
         self.max_context = min(self.config.max_context or model_context, model_context)
         self.cache_config = cache or llm.generator.cache_config
-        factory = CacheFactory(self.cache_config, self.model, self.tokenizer, self.max_context)
-        # The disk tier stores one block per prefix node: it keeps every layer in one block.
-        self.storage = factory.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
-                                             self.config.kv_budget_mb, self.config.num_blocks,
-                                             layer_groups=self.config.layer_groups and self.config.kv_cache_dir is None)  # fmt: skip
-        self.scheduler = Scheduler(self.storage, self.config, lambda: factory.engine_cache(self.storage))
+        # Mamba and T5 keep their own per-request state: whole reservations instead of pool blocks.
+        self.state_model = hasattr(self.model, "new_state_cache")
+        if self.state_model:
+            self.storage, self.scheduler = state_backend(self.model, self.config, self.cache_config)
+        else:
+            factory = CacheFactory(self.cache_config, self.model, self.tokenizer, self.max_context)
+            # The disk tier stores one block per prefix node: it keeps every layer in one block.
+            self.storage = factory.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
+                                                 self.config.kv_budget_mb, self.config.num_blocks,
+                                                 layer_groups=self.config.layer_groups and self.config.kv_cache_dir is None)  # fmt: skip
+            self.scheduler = Scheduler(self.storage, self.config, lambda: factory.engine_cache(self.storage))
         self.disk = self._open_disk_tier(llm) if self.config.kv_cache_dir is not None else None
         self.scheduler.disk = self.disk
         self.runner = ModelRunner(self.model)
@@ -107,8 +110,11 @@ class LLMEngine:
             raise ValueError("context_shift is not supported by the batching engine: leave it off")
         ids = self._prompts.encode_prompt(prompt)  # empty, out-of-vocabulary or too-long prompts raise
         longest = min(len(ids) + params.max_new_tokens, self.max_context)
-        pool = self.storage.pool
-        if pool.blocks_for(longest) > pool.num_blocks:
+        if self.state_model:
+            if speculative is not None:
+                raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture} models: leave it off")
+            self.scheduler.check_fits(len(ids), longest - len(ids))
+        elif (pool := self.storage.pool).blocks_for(longest) > pool.num_blocks:
             raise ValueError(
                 f"prompt + max_new_tokens ({longest} tokens) needs more KV blocks than the whole pool has "
                 f"({pool.num_blocks} blocks of {pool.block_size}): lower max_new_tokens or raise the KV budget"

@@ -10,8 +10,9 @@ an entry nobody references stays for the next request until the byte budget need
 recently used first. An entry in use is never evicted, so the cache may exceed its budget while
 more distinct inputs are in use than fit; it shrinks back as they are released.
 
-kvgen runs no encoder-decoder model yet: the cache takes `compute`, which maps encoder states to
-per-layer K/V (for a test, a transformers model's own cross-attention projections).
+The cache takes `compute`, which maps an encoder input to per-layer K/V: T5 (models/t5.py) passes
+its encoder + cross-attention projections and keys entries by the input's token ids; a forked
+request (several samples of one input) takes another reference to its entry (`share`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class EncoderHandle:
     def layers(self) -> LayerKV:
         return self.entry.layers
 
+    def share(self) -> "EncoderHandle":
+        """Another reference to the same entry (a forked request), released on its own."""
+        if self._released:
+            raise ValueError("cannot share an encoder entry through a released handle")
+        return self._cache._add_ref(self.entry)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
@@ -74,9 +81,10 @@ class EncoderCache:
         digest.update(states.view(torch.uint8).numpy().tobytes() if states.numel() else b"")
         return digest.hexdigest()
 
-    def acquire(self, encoder_states: torch.Tensor) -> EncoderHandle:
-        """The K/V for these encoder states (computed on a miss), referenced until released."""
-        key = self.key_for(encoder_states, self.model_id)
+    def acquire(self, encoder_states: torch.Tensor, namespace: str = "") -> EncoderHandle:
+        """The K/V for these encoder states (computed on a miss), referenced until released.
+        Requests under different namespaces (cache salts, tenants) never share an entry."""
+        key = self.key_for(encoder_states, f"{self.model_id}|{namespace}" if namespace else self.model_id)
         with self._lock:
             entry = self._entries.get(key)
             hit = entry is not None
@@ -89,6 +97,11 @@ class EncoderCache:
             self.stats["hits" if hit else "misses"] += 1
             self._evict()
             return EncoderHandle(self, entry, hit)
+
+    def _add_ref(self, entry: EncoderEntry) -> EncoderHandle:
+        with self._lock:
+            entry.refs += 1
+            return EncoderHandle(self, entry, hit=True)
 
     def _release(self, key: str) -> None:
         with self._lock:

@@ -49,6 +49,7 @@ class SSMStateCache:
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # written by the pass in flight
         self._checkpoints: dict[int, States] = {}  # length -> snapshot (never modified once taken)
         self._seq_len = 0
+        self._handed_over = 0  # the latest checkpoint length given away by take_checkpoints (cadence)
 
     def _zeros(self) -> States:
         return [(torch.zeros(self.spec.conv_shape, dtype=self.spec.dtype), torch.zeros(self.spec.state_shape, dtype=self.spec.dtype))
@@ -94,7 +95,7 @@ class SSMStateCache:
         self._seq_len += num_tokens
         while len(self._checkpoints) > self.max_checkpoints:
             del self._checkpoints[min(self._checkpoints)]
-        if self._seq_len - self.checkpoints[-1] >= self.checkpoint_every:
+        if self._seq_len - max(self.checkpoints[-1], self._handed_over) >= self.checkpoint_every:
             self.checkpoint()
 
     def checkpoint(self) -> None:
@@ -125,6 +126,26 @@ class SSMStateCache:
             self._states = [(c.clone(), r.clone()) for c, r in snapshot] if snapshot else self._zeros()
         self._checkpoints = {length: s for length, s in self._checkpoints.items() if length <= num_tokens}
         self._staged, self._seq_len = {}, num_tokens
+        self._handed_over = min(self._handed_over, num_tokens)
+
+    def take_checkpoints(self) -> dict[int, States]:
+        """Hand the checkpoints over (length -> snapshot) and keep none: the engine's prefix index
+        holds them instead, so a request's own memory stays one live state. Later checkpoints keep
+        the cadence, counted from the latest one handed over."""
+        taken, self._checkpoints = self._checkpoints, {}
+        if taken:
+            self._handed_over = max(self._handed_over, max(taken))
+        return taken
+
+    def restore(self, length: int, states: States) -> None:
+        """Start an empty cache from a snapshot of the state after `length` tokens (copied: snapshots
+        are shared and never modified)."""
+        if self._seq_len != 0:
+            raise ValueError(f"restore needs an empty cache; this one holds {self._seq_len} tokens")
+        if len(states) != self.spec.num_layers:
+            raise ValueError(f"a snapshot of {len(states)} layers cannot start a cache of {self.spec.num_layers}")
+        self._states = [(c.clone(), r.clone()) for c, r in states]
+        self._seq_len = self._handed_over = length
 
     def resume(self, shared_tokens: int) -> int:
         """Rewind to the latest state within the first `shared_tokens`; returns the length to recompute from."""
@@ -142,7 +163,7 @@ class SSMStateCache:
         """Checkpoints are never modified, so the twin shares them; the live state is copied."""
         twin = SSMStateCache(self.spec, self.checkpoint_every, self.max_checkpoints)
         twin._states = [(c.clone(), r.clone()) for c, r in self._states]
-        twin._checkpoints, twin._seq_len = dict(self._checkpoints), self._seq_len
+        twin._checkpoints, twin._seq_len, twin._handed_over = dict(self._checkpoints), self._seq_len, self._handed_over
         return twin
 
     def memory_bytes(self) -> int:

@@ -54,6 +54,12 @@ class T5Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)  # [B, H, S, D]
         return self.o(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.heads * self.d_kv))
 
+    def attend_rows(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], biases: list[torch.Tensor | None]) -> torch.Tensor:
+        """q [n, H, 1, D], one query per row, each over its own K, V [1, H, L_r, D] -> [n, 1, H * D] projected."""
+        out = torch.cat([F.scaled_dot_product_attention(q[r : r + 1], k, v, attn_mask=bias, scale=1.0)
+                         for r, ((k, v), bias) in enumerate(zip(kv, biases))])  # fmt: skip
+        return self.o(out.transpose(1, 2).reshape(q.shape[0], 1, self.heads * self.d_kv))
+
 
 class T5FeedForward(nn.Module):
     def __init__(self, config: T5Config, weights: WeightSource, prefix: str):
@@ -77,10 +83,11 @@ class T5Cache:
 
     positions_removed = False
 
-    def __init__(self, spec: CacheSpec, capacity: int):
+    def __init__(self, spec: CacheSpec, capacity: int, salt: str = ""):
         self.kv = ContiguousCache(spec, capacity=capacity, max_capacity=1 << 20)
         self.encoder: EncoderHandle | None = None
         self.encoder_len = 0
+        self.salt = salt  # requests with different salts never share an encoder entry
 
     @property
     def seq_len(self) -> int:
@@ -96,7 +103,13 @@ class T5Cache:
                              f"({self.encoder_len} tokens), kept whole or not at all")  # fmt: skip
 
     def fork(self) -> "T5Cache":
-        raise ValueError("T5 requests run one sample each (n=1): submit the request n times; the encoder runs once")
+        """A twin for another sample of the same input: it shares the encoder entry (one more
+        reference) and copies the decoder's self-attention K/V."""
+        twin = T5Cache(self.kv.spec, 1, self.salt)
+        twin.kv = self.kv.fork()
+        twin.encoder = self.encoder.share() if self.encoder is not None else None
+        twin.encoder_len = self.encoder_len
+        return twin
 
     def release(self) -> None:
         if self.encoder is not None:
@@ -151,8 +164,9 @@ class T5Model(nn.Module):
     def fast_decoder(self) -> None:
         return None
 
-    def new_state_cache(self) -> T5Cache:
-        return T5Cache(CacheSpec(self.config.num_decoder_layers, self.config.num_heads, self.config.d_kv, self.dtype), 64)
+    def new_state_cache(self, salt: str = "") -> T5Cache:
+        """An empty request state; `salt` keeps its encoder entry apart from other salts' (tenants)."""
+        return T5Cache(CacheSpec(self.config.num_decoder_layers, self.config.num_heads, self.config.d_kv, self.dtype), 64, salt)
 
     def _position_bias(self, table: torch.Tensor, query_start: int, num_queries: int, num_keys: int, bidirectional: bool) -> torch.Tensor:
         c = self.config
@@ -186,15 +200,59 @@ class T5Model(nn.Module):
         with self._forward_lock:
             if cache.encoder is None:
                 cache.kv.truncate(0)
-                cache.encoder = self.encoder_cache.acquire(input_ids.detach().to(torch.int64).contiguous())
+                cache.encoder = self.encoder_cache.acquire(input_ids.detach().to(torch.int64).contiguous(), cache.salt)
                 cache.encoder_len = input_ids.shape[1]
                 input_ids = torch.tensor([[self.config.decoder_start_token_id]])
             h = self._decode(input_ids, cache)
             if logits_to_keep:
                 h = h[:, -logits_to_keep:]
-            if self.head_scale is not None:
-                h = h * self.head_scale
-            return self.lm_head(h)
+            return self._head(h)
+
+    def forward_batch(self, token_ids: list[list[int]], caches: list[T5Cache], num_logits: list[int] | None = None) -> torch.Tensor:
+        """The engine's call: rows, each continuing its own T5Cache -> the logits of each row's last
+        num_logits[i] tokens [sum, V]. One-token decode rows run together in one batched decoder
+        pass (`_decode_rows`); a row on an empty cache is a whole encoder input (it gives the start
+        token's logits) and runs on its own, as does any other row."""
+        if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("forward_batch needs one cache per row and at least one token in every row")
+        if not all(isinstance(c, T5Cache) for c in caches):
+            raise ValueError("a T5 model keeps its state in a T5Cache (model.new_state_cache()), not a KV cache")
+        num_logits = num_logits or [1] * len(caches)
+        rows: list[torch.Tensor | None] = [None] * len(caches)
+        decodes = [i for i, (ids, c) in enumerate(zip(token_ids, caches)) if len(ids) == 1 and c.encoder is not None]
+        if len(decodes) > 1:
+            with self._forward_lock:
+                h = self._decode_rows([token_ids[i][0] for i in decodes], [caches[i] for i in decodes])  # [n, d_model]
+            for i, logits in zip(decodes, self._head(h)):
+                rows[i] = logits[None]
+        for i, (ids, cache, n) in enumerate(zip(token_ids, caches, num_logits)):
+            if rows[i] is None:
+                rows[i] = self.forward(torch.tensor([ids]), cache, logits_to_keep=n)[0]
+        return torch.cat(rows)  # type: ignore[arg-type]
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h * self.head_scale if self.head_scale is not None else h)
+
+    def _decode_rows(self, tokens: list[int], caches: list[T5Cache]) -> torch.Tensor:
+        """One decoder token for each of several requests in one pass -> final hidden states [n, d_model].
+        Projections and feed-forwards run on all rows at once; attention runs row by row over the
+        row's own self-attention K/V and its encoder entry's cross-attention K/V (padding them to a
+        common length costs more copying than the attention itself). Caches are committed after
+        every layer succeeded."""
+        biases = [self._position_bias(self.decoder_bias, c.kv.seq_len, 1, c.kv.seq_len + 1, bidirectional=False) for c in caches]
+        h = F.embedding(torch.tensor(tokens)[:, None], self.shared)  # [n, 1, d_model]
+        for i, layer in enumerate(self.decoder):
+            x, attn = layer["self_norm"](h), layer["self"]
+            keys, values = attn.split(attn.k(x)), attn.split(attn.v(x))  # [n, H, 1, D]
+            held = [cache.kv.update(i, keys[r : r + 1], values[r : r + 1]) for r, cache in enumerate(caches)]
+            h = h + attn.attend_rows(attn.split(attn.q(x)), held, biases)
+            x, cross = layer["cross_norm"](h), layer["cross"]
+            entries = [cache.encoder.layers[i] for cache in caches]  # type: ignore[union-attr]
+            h = h + cross.attend_rows(cross.split(cross.q(x)), entries, [None] * len(caches))
+            h = h + layer["ff"](layer["ff_norm"](h))
+        for cache in caches:
+            cache.kv.commit(1)
+        return self.decoder_norm(h)[:, 0]
 
     def _decode(self, input_ids: torch.Tensor, cache: T5Cache) -> torch.Tensor:
         assert cache.encoder is not None

@@ -1,0 +1,45 @@
+"""The engine's budget and scheduler for models that keep their own state (Mamba, T5) instead of
+K/V in the paged block pool (engine/state_scheduler.py says how they are scheduled)."""
+
+from __future__ import annotations
+
+from kvgen.config import CacheConfig
+from kvgen.engine.config import EngineConfig
+from kvgen.engine.state_scheduler import StateBudget, StateScheduler
+from kvgen.kv.state_prefix import StatePrefixIndex
+from kvgen.models.mamba import MambaModel
+from kvgen.models.t5 import T5Model
+
+
+def state_backend(model: MambaModel | T5Model, config: EngineConfig, cache: CacheConfig) -> tuple[StateBudget, StateScheduler]:
+    """(budget, scheduler) for a state model; ValueError naming the option the engine cannot honour."""
+    name = model.config.architecture
+    if cache != CacheConfig():
+        raise ValueError(f"KV cache option {cache.kind!r} does not apply to {name} models, which keep their own state; "
+                         "use the default cache settings")  # fmt: skip
+    if config.kv_cache_dir is not None:
+        raise ValueError(f"kv_cache_dir keeps K/V blocks on disk; {name} models have none: leave kv_cache_dir unset")
+    if config.eviction != "lru":
+        raise ValueError(f"eviction {config.eviction!r}: the {name} engine's prefix cache evicts least recently used "
+                         "snapshots only; use eviction='lru'")  # fmt: skip
+    budget_bytes = int(config.kv_budget_mb * 2**20)
+    if isinstance(model, MambaModel):
+        unit = model.new_state_cache().spec.bytes_per_snapshot  # one live state, or one prefix snapshot
+        budget = StateBudget(f"mamba-state-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
+                             lambda num_prompt, num_new: 1)  # fmt: skip
+        # One forward captures at most a step's worth of block boundaries; they are handed over before the next.
+        keep = config.max_tokens_per_step // config.block_size + 2
+        prefix = StatePrefixIndex(config.block_size, budget.num_units) if config.prefix_cache else None
+        scheduler = StateScheduler(budget, config, lambda _: model.new_state_cache(config.block_size, keep), False, prefix)
+        return budget, scheduler
+    if isinstance(model, T5Model):
+        c = model.config
+        element = model.dtype.itemsize
+        unit = c.num_decoder_layers * 2 * c.num_heads * c.d_kv * element  # K and V of one position, every decoder layer
+        # The encoder input's cross-attention K/V (counted per request, though requests with the same
+        # input share it) and the decoder's self-attention K/V: the start token plus every new token.
+        budget = StateBudget(f"t5-kv-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
+                             lambda num_prompt, num_new: num_prompt + num_new + 1)  # fmt: skip
+        # A request's salt keys its encoder entry: tenants never share one.
+        return budget, StateScheduler(budget, config, lambda request: model.new_state_cache(request.salt), True, None)
+    raise ValueError(f"{name} models are not served by the engine: it runs decoder-only transformers, Mamba and T5")
