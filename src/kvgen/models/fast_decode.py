@@ -21,7 +21,7 @@ from kvgen.kernels import load
 from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
-from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
+from kvgen.models.quantized_linear import GEMM_ROWS_THRESHOLD, X8_BLOCK_BYTES, QuantizedLinear
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -69,9 +69,11 @@ class FastDecoder:
         self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
         self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
         self._rope_index = torch.tensor(model.rope_index)  # [layers] int64, for the C side
-        # step_rows pays while the linears would run their C kernel anyway; from the GEMM threshold
-        # on, the torch path's dequantize + GEMM is faster than the tiled kernel.
-        self.max_rows = min(layer.gemm_rows for layer in model.modules() if isinstance(layer, QuantizedLinear)) - 1
+        # step_rows pays while the tiled int8 kernel is about as fast as the torch path's dequantize
+        # + GEMM (fp32 from 48 rows), and it keeps decodes batch-invariant: every row gets the
+        # bits of the batch-1 C step. So it runs below the fp32 GEMM threshold even where a bf16
+        # GEMM takes over prefill at fewer rows (its bf16 activations would round rows differently).
+        self.max_rows = GEMM_ROWS_THRESHOLD - 1
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
