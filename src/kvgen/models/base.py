@@ -17,6 +17,7 @@ from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
+from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, frozen, linear
 
@@ -74,8 +75,11 @@ class DecoderLM(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # scale in the weights' dtype, as HF does
         return h
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(h))
+    def _logits(self, h: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        """row_invariant: a quantized head runs its C kernel whatever the row count (decode rows get
+        the logits they would get alone)."""
+        h = self.norm(h)
+        logits = self.lm_head(h, row_invariant=True) if row_invariant and isinstance(self.lm_head, QuantizedLinear) else self.lm_head(h)
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -217,7 +221,7 @@ class DecoderLM(nn.Module):
         decoder.step_rows(h, rope, kernel, positions)
         for cache in caches:
             cache.commit(1)
-        return self._logits(h[None])[0]  # [B, V]
+        return self._logits(h[None], row_invariant=True)[0]  # [B, V]
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor:
         fast = self._decode_rows_fast(token_ids, caches)

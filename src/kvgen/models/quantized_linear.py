@@ -84,13 +84,15 @@ class QuantizedLinear(nn.Module):
         self._dequantize[dtype](self.blocks.data_ptr(), out.data_ptr(), self.out_features, self.in_features)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        """x [..., in] -> [..., out]. row_invariant: the C kernel at any row count, whose output for
+        a row does not depend on the other rows (batch-invariant decodes), never the GEMM."""
         shape = x.shape
         rows = x.reshape(-1, self.in_features)  # [M, K]
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         m = rows.shape[0]
-        if m >= self.gemm_rows:
+        if m >= self.gemm_rows and not row_invariant:
             weight = self.dequantized(reuse_scratch=True, dtype=self.gemm_dtype)
             y = F.linear(rows.to(weight.dtype), weight).float()
         else:
