@@ -60,9 +60,13 @@ def test_llama_block_matches_torch(quantized: dict, layer: int) -> None:
 
 @pytest.mark.parametrize("layer", [0, 5])  # 0: sliding window (512) layer, 5: global layer
 def test_gemma_block_matches_torch_past_the_window(quantized: dict, layer: int) -> None:
+    """Past the window, at four positions: C and torch agree to float rounding (~1e-7), except
+    where a last-bit difference flips one int8 activation rounding in a linear (~1e-4, measured at
+    one of these eight cases); a wrong window, position or RoPE is off by far more than 1e-3."""
     llm = get(quantized, "gemma3-270m")
     assert llm.model.config.layer_types[layer] == ("sliding" if layer == 0 else "full")
-    assert compare_block(llm, layer, position=600) < 1e-5
+    errors = [compare_block(llm, layer, position) for position in (520, 600, 700, 800)]
+    assert max(errors) < 1e-3 and sorted(errors)[2] < 1e-5, errors
 
 
 def test_fast_path_is_used_for_quantized_weights_only(quantized: dict, smollm2) -> None:
