@@ -158,7 +158,10 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
                                   int64_t head_stride, int64_t pos_stride, int64_t block_stride, int64_t block_size,
                                   const int64_t* tables, int64_t table_width, const int64_t* starts, const int64_t* ends) {
     const int64_t group = heads / kv_heads;
-#pragma omp parallel for schedule(dynamic, 4)
+    // Heads one at a time for a few rows (a lone row's 4 heads would all go to one thread in chunks
+    // of 4: Gemma 3 at 4,096 tokens decoded 52 -> 59 tok/s), four at a time for many (-3% at 32 rows).
+    const int64_t chunk = rows < 4 ? 1 : 4;
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t i = 0; i < rows * heads; i++) {
         const int64_t r = i / heads, head = i % heads;
         const kv_layout k = {k_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
@@ -329,7 +332,10 @@ static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const row
         free(plan);
         return;
     }
-#pragma omp parallel for schedule(dynamic, 4)
+    // Heads one at a time for a few rows (a lone row's 4 heads would all go to one thread in chunks
+    // of 4: Gemma 3 at 4,096 tokens decoded 52 -> 59 tok/s), four at a time for many (-3% at 32 rows).
+    const int64_t chunk = rows < 4 ? 1 : 4;
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t i = 0; i < rows * b->num_heads; i++) {
         const int64_t r = i / b->num_heads, head = i % b->num_heads, end = positions[r] + 1;
         const int64_t start = window > 0 && end > window ? end - window : 0;
