@@ -6,8 +6,9 @@ pool split into layer groups (kv/layer_groups.py) against one block for every la
 2. Exactness: the engine's tokens on both pools against the single-sequence window cache
    (kv/window.py); then a follow-up request (prompt + answer + a question) that resumes from the
    prefix cache past the window, against the window cache on the whole follow-up prompt.
-3. Speed: decode tok/s of that one request on each pool (the grouped pool's decode runs the torch
-   attention path per layer; the full pool's the C step over every layer).
+3. Speed: decode tok/s of that one request on each pool (both run the C step over every layer; the
+   grouped pool's reads each layer through its group's table), best of `--repeats`, the pools taking
+   turns within each repeat.
 
     python benchmarks/window_pool.py --model gemma3-270m --tokens 4096
 """
@@ -70,8 +71,9 @@ def main() -> None:
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     llm = LLM.load(resolve_model_path(args.model), progress=False, weights=args.weights)
@@ -84,6 +86,10 @@ def main() -> None:
     with torch.inference_mode():
         grouped = run_engine(llm, ids, params, True, args.block_size, follow_up=question)
         full = run_engine(llm, ids, params, False, args.block_size)
+        for _ in range(args.repeats - 1):  # more decode samples, the pools taking turns
+            for row, grouping in ((grouped, True), (full, False)):
+                again = run_engine(llm, ids, params, grouping, args.block_size)
+                row["decode_tok_s"] = max(row["decode_tok_s"], again["decode_tok_s"])
         reference = window_cache_tokens(llm, ids, params)
         follow_up_reference = window_cache_tokens(llm, ids + grouped["tokens"] + question, params)
     rows = [grouped, full]
