@@ -69,7 +69,7 @@ def test_paged_remove_range_equals_contiguous_remove_range(smollm2) -> None:
         shorter = ContiguousCache(spec, 64)
         model(torch.tensor([ids[:3] + ids[12:]]), shorter)
         n = shorter.seq_len
-        keys = paged._gather(store.keys[0], n)
+        keys = paged._gather(0, store.keys[0], n)
         torch.testing.assert_close(keys, shorter._keys[0, :, :, :n], rtol=0, atol=1e-4)
     paged.release()
     assert store.pool.num_free == store.pool.num_blocks
