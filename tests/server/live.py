@@ -42,7 +42,7 @@ class LiveServer:
         def check(engine) -> tuple[int, int]:
             engine.check_invariants()
             prefix = engine.scheduler.prefix
-            return engine.scheduler.num_blocks_in_use(), prefix.num_blocks if prefix else 0
+            return engine.scheduler.num_blocks_in_use(), prefix.num_held if prefix else 0
 
         in_use, indexed = self.engine.run_locked(check)
         assert in_use == indexed, f"{in_use} blocks in use but only {indexed} held by the prefix index"

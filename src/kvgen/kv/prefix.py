@@ -89,7 +89,8 @@ class PrefixIndex:
         self.block_size = pool.block_size
         self.roots: dict[str, PrefixNode] = {}
         self.stats = PrefixStats()
-        self.num_blocks = 0  # blocks the index references
+        self.num_blocks = 0  # nodes (anchor blocks) the index references
+        self.num_pages = 0  # window pages it references besides (a pool of layer groups)
         self._clock = itertools.count(1)
         self._evicted_paths: OrderedDict[tuple, None] = OrderedDict()
         # Called with each node about to be evicted (its block still intact): a disk tier spills it.
@@ -180,8 +181,9 @@ class PrefixIndex:
                 self.pool.share([block])
                 self.num_blocks += 1
             if any(c is None and p is not None for c, p in zip(child.pages, held)):
-                taken = [p if c is None else None for c, p in zip(child.pages, held)]
-                self.pool.share([p for p in taken if p is not None])
+                taken = [p for c, p in zip(child.pages, held) if c is None and p is not None]
+                self.pool.share(taken)
+                self.num_pages += len(taken)
                 child.pages = tuple(c if c is not None else p for c, p in zip(child.pages, held))
             child.last_access = now
             node = child
@@ -227,6 +229,7 @@ class PrefixIndex:
     def _drop_pages(self, node: PrefixNode) -> int:
         held = node.held_pages()
         self.pool.free(held)
+        self.num_pages -= len(held)
         node.pages = tuple(None for _ in node.pages)
         return len(held)
 
@@ -248,7 +251,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Drop every unlocked block (what a fresh server would hold)."""
-        self.evict(len(self.blocks()))
+        self.evict(self.num_held)
 
     def _nodes(self) -> list[PrefixNode]:
         stack, nodes = [c for r in self.roots.values() for c in r.children.values()], []
@@ -257,6 +260,11 @@ class PrefixIndex:
             nodes.append(node)
             stack.extend(node.children.values())
         return nodes
+
+    @property
+    def num_held(self) -> int:
+        """Pool blocks the index holds a reference on: its nodes' blocks and window pages."""
+        return self.num_blocks + self.num_pages
 
     def blocks(self) -> list[Block]:
         """Every block the index holds a reference on (window pages included)."""
@@ -267,6 +275,7 @@ class PrefixIndex:
         assert len(nodes) == self.num_blocks, f"index counts {self.num_blocks} blocks but holds {len(nodes)}"
         held = self.blocks()
         assert len({id(b) for b in held}) == len(held), "a block is indexed twice"
+        assert len(held) == self.num_held, f"index counts {self.num_held} blocks and pages but holds {len(held)}"
         for node in nodes:
             assert node.block is not None and node.block.ref_count >= 1, "an indexed block is free in the pool"
             assert len(node.tokens) == self.block_size, "a node holds a partial block"

@@ -49,7 +49,7 @@ def _kv_tier_metrics(registry: CollectorRegistry, read) -> None:
     skipped files: plain counters the engine keeps, read under the engine lock."""
 
     def ram(e) -> tuple[int, int]:
-        blocks = e.scheduler.prefix.num_blocks if e.scheduler.prefix else 0
+        blocks = e.scheduler.prefix.num_held if e.scheduler.prefix else 0
         return blocks, blocks * e.storage.bytes_per_block()
 
     def ram_hits(e) -> int:
