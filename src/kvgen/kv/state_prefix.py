@@ -57,6 +57,11 @@ class StatePrefixIndex:
         """What the engine's metrics call the index's entries: here, snapshots."""
         return self.num_snapshots
 
+    @property
+    def num_held(self) -> int:
+        """What the pool's blocks in use count for the index (PrefixIndex.num_held): snapshots."""
+        return self.num_snapshots
+
     def _chunks(self, tokens: list[int], max_tokens: int) -> list[tuple[int, ...]]:
         size = self.block_size
         return [tuple(tokens[i : i + size]) for i in range(0, min(len(tokens), max_tokens) // size * size, size)]
