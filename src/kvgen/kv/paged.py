@@ -34,6 +34,8 @@ class PagedStorage:
         shape = (self.groups.width, pool.num_blocks, spec.num_kv_heads, pool.block_size, spec.head_dim)
         self.keys = torch.zeros(shape, dtype=spec.dtype)  # [slots, N, H, bs, D]; slots = L for one group
         self.values = torch.zeros(shape, dtype=spec.dtype)
+        # Per layer its slot and group, as int64 for the C decode step (made once, read every step).
+        self.layer_slots_and_groups = (torch.tensor(self.groups.slot_of), torch.tensor(self.groups.group_of))
 
     @classmethod
     def create(cls, spec: CacheSpec, budget_mb: float, block_size: int = 16,

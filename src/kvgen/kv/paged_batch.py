@@ -96,8 +96,7 @@ class PagedBatchView:
             tables, slots, group_of = self.table, None, None
         else:  # kept on the view: the C side reads them during the step
             self._stacked = torch.stack(self.tables).contiguous()  # [groups, rows * blocks_per_row]
-            self._slots, self._groups = torch.tensor(groups.slot_of), torch.tensor(groups.group_of)
-            tables, slots, group_of = self._stacked, self._slots, self._groups
+            tables, (slots, group_of) = self._stacked, self.storage.layer_slots_and_groups
         return "kvgen_decode_rows", (
             keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1),
             keys.shape[3], tables.data_ptr(), self.blocks_per_row,

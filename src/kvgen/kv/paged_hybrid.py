@@ -31,6 +31,9 @@ class HybridPagedCache(PagedCache):
         self.groups = storage.groups
         self.pages: list[list[Block | None]] = [[] for _ in range(self.groups.num_groups - 1)]
         self._page_tables = [torch.zeros(0, dtype=torch.int64) for _ in self.pages]
+        # Per window group, the index below which every entry is already dropped: a decode step
+        # looks only at the pages that just left the window, not at the whole history.
+        self._dropped_below = [0 for _ in self.pages]
 
     # --- growing and dropping ---------------------------------------------------------------
     def _first_needed(self, group: int, position: int) -> int:
@@ -40,10 +43,12 @@ class HybridPagedCache(PagedCache):
         """Return every window page no query at `position` or later reads."""
         freed = []
         for group, table in enumerate(self.pages, start=1):
-            for index in range(min(self._first_needed(group, position), len(table))):
+            below = min(self._first_needed(group, position), len(table))
+            for index in range(self._dropped_below[group - 1], below):
                 if table[index] is not None:
                     freed.append(table[index])
                     table[index] = None
+            self._dropped_below[group - 1] = max(self._dropped_below[group - 1], below)
         if freed:
             self.storage.pool.free(freed)
             self._refresh_table()
@@ -73,7 +78,7 @@ class HybridPagedCache(PagedCache):
                 table[index] = copy
             for (table, _), page in zip(missing, fresh[len(shared) :]):
                 table.append(page)  # `missing` runs in index order per table
-        self._refresh_table()
+            self._refresh_table()
         return True
 
     def adopt(self, blocks: list[Block], num_tokens: int, pages: list[tuple[Block | None, ...]] | None = None) -> None:
@@ -119,6 +124,7 @@ class HybridPagedCache(PagedCache):
         for table in self.pages:
             self.storage.pool.free([p for p in table[keep:] if p is not None])
             del table[keep:]
+        self._dropped_below = [min(below, keep) for below in self._dropped_below]
         super().truncate(num_tokens)
 
     def remove_range(self, start: int, end: int, rerotate: Rerotate) -> None:
@@ -151,6 +157,7 @@ class HybridPagedCache(PagedCache):
         pool.free(self.held_blocks())
         self.blocks = [*source.blocks[:whole], *copies[:1]]
         self.pages = [[*table[:whole], *copies[g + 1 : g + 2]] for g, table in enumerate(source.pages)]
+        self._dropped_below = [0 for _ in self.pages]
         self._seq_len = num_tokens
         self._removed = source._removed if num_tokens == source.seq_len else 0
         self._refresh_table()
