@@ -14,7 +14,7 @@ import time
 from typing import Sequence
 
 from kvgen.engine import EngineConfig, LLMEngine
-from kvgen.generate import GenerationResult, Usage
+from kvgen.result import GenerationResult
 from kvgen.sampling.params import SamplingParams
 
 _batch_ids = itertools.count()
@@ -49,8 +49,7 @@ class BatchGenerator:
             return self._run(requests)
 
     def _run(self, requests: list) -> list[GenerationResult]:
-        results = {r.request_id: GenerationResult(usage=Usage(prompt_tokens=len(r.prompt_ids))) for r in requests}
-        pieces: dict[str, list[str]] = {r.request_id: [] for r in requests}
+        results: dict[str, GenerationResult | None] = {r.request_id: None for r in requests}
         started = time.perf_counter()
         try:
             for request in requests:
@@ -58,27 +57,23 @@ class BatchGenerator:
             pending = set(results)
             while pending:
                 for output in self.engine.step():
-                    if output.request_id not in results:
+                    if output.request_id not in results or not output.finished:
                         continue
-                    result = results[output.request_id]
-                    result.token_ids.extend(output.token_ids)
-                    pieces[output.request_id].append(output.text)
-                    if output.logprobs:
-                        result.logprobs = (result.logprobs or []) + list(output.logprobs)
-                    if output.finished:
-                        if output.error:
-                            raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-                        result.finish_reason, result.usage = output.finish_reason, output.usage
-                        pending.discard(output.request_id)
+                    if output.error:
+                        raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                    results[output.request_id] = output.result
+                    pending.discard(output.request_id)
         finally:  # an error (or KeyboardInterrupt) must not leave requests holding pool blocks
             for request in requests:
                 self.engine.cancel(request.request_id)
         seconds = time.perf_counter() - started
-        for request_id, result in results.items():
-            result.text = "".join(pieces[request_id])
+        done = []
+        for request in requests:
+            result = results[request.request_id]
+            assert result is not None
             result.timings.decode_tokens, result.timings.decode_seconds = len(result.token_ids), seconds
-        return [results[r.request_id] for r in requests]
-
+            done.append(result)
+        return done
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):

@@ -7,65 +7,24 @@ one sample, one incremental detokenizer step. Nothing in it grows with the seque
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
 from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
-from kvgen.errors import PromptTooLongError
 from kvgen.kv.interface import KVCache
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.base import DecoderLM
-from kvgen.sampling.grammar import GrammarConstraint
+from kvgen.prompt_checks import check_params, encode_prompt
+from kvgen.result import GenerationResult, Timings, Usage
 from kvgen.sampling.params import SamplingParams
-from kvgen.sampling.sampler import Sampler, TokenLogprob
-from kvgen.sampling.output import OutputTracker, stop_token_ids
+from kvgen.sampling.request_state import RequestState
+from kvgen.sampling.sampler import TokenLogprob
 
 if TYPE_CHECKING:
-    from kvgen.speculative.adaptive import SpeculativeStats
     from kvgen.speculative.config import SpeculativeConfig
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was reused instead of recomputed
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class Timings:
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0  # tokens produced by decode steps (the first token comes from prefill)
-    decode_seconds: float = 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-
-@dataclass
-class GenerationResult:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string, grammar complete) or "length"
-    # What stopped it: the stop string or stop token id that matched; None for EOS, grammar or length.
-    stop_reason: str | int | None = None
-    usage: Usage = field(default_factory=Usage)
-    timings: Timings = field(default_factory=Timings)
-    logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs
-    speculative: "SpeculativeStats | None" = None  # draft/accept counts when speculative decoding ran
 
 
 @dataclass(frozen=True)
@@ -99,19 +58,7 @@ class Generator:
         self.caches = CacheFactory(config, self.model, self.tokenizer, self.max_context)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty: give some text or token ids")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_context:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but the context holds {self.max_context} (prompt + output): "
-                f"shorten it to at most {self.max_context - 1} tokens"
-            )
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.model.config.vocab_size, self.max_context)
 
     def new_cache(self, num_tokens: int) -> KVCache:
         """An empty cache of the configured kind, with room for `num_tokens` (more can come later)."""
@@ -119,11 +66,7 @@ class Generator:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
-        vocab = self.model.config.vocab_size
-        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        check_params(params, self.model.config.vocab_size)
 
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
@@ -197,17 +140,12 @@ class GenerationStream:
         self.params = params
         self.on_chunk = on_chunk
         self.first_logits = first_logits
-        self.result = GenerationResult(usage=Usage(prompt_tokens=len(prompt_ids), cached_tokens=reused))
         self.shifted = 0  # positions dropped by context shifts
-        self.stop_ids = stop_token_ids(params, generator.tokenizer)
         # Built now, so a grammar the tokenizer cannot serve fails before any work (and frees nothing).
-        constraint = GrammarConstraint.create(params.structured, generator.tokenizer) if params.structured else None
-        self.sampler = Sampler(
-            params, prompt_ids=prompt_ids, vocab_size=generator.model.config.vocab_size, stop_ids=sorted(self.stop_ids),
-            constraint=constraint, seed_offset=seed_offset,
-        )  # fmt: skip
-        if params.logprobs:
-            self.result.logprobs = self.sampler.logprobs
+        self.state = RequestState(params, generator.tokenizer, prompt_ids, generator.model.config.vocab_size,
+                                  generator.max_context, seed_offset=seed_offset, cached_tokens=reused)  # fmt: skip
+        self.sampler = self.state.sampler
+        self.result = self.state.result()  # live: token ids and timings fill in as the stream runs
         self.speculative = speculative
         if speculative is not None and hasattr(generator.model, "new_state_cache"):
             raise ValueError(f"speculative decoding needs a rewindable KV cache; {generator.model.config.architecture} "
@@ -266,10 +204,8 @@ class GenerationStream:
 
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:
-        model, result, params, sampler = self.generator.model, self.result, self.params, self.sampler
+        model, result, params, sampler, state = self.generator.model, self.result, self.params, self.sampler, self.state
         max_context = self.generator.max_context
-        budget = params.max_new_tokens if params.context_shift else min(params.max_new_tokens, max_context - len(self.prompt_ids))
-        output = OutputTracker(params, self.generator.tokenizer, self.stop_ids, budget, sampler.constraint)
 
         started = time.perf_counter()
         token = sampler(self._prefill())
@@ -282,21 +218,19 @@ class GenerationStream:
             self._speculator.start(self.prompt_ids + [token])
             result.speculative = self._speculator.stats
 
-        pieces: list[str] = []  # joined once at the end: no per-token string copies
         decode_started = time.perf_counter()
         while True:
-            result.token_ids.append(token)
-            text = output.add(token, more_follow=bool(ahead))
-            if output.stopped_on_token:
-                break
-            pieces.append(text)
-            yield Chunk(text, token, sampler.logprobs[-1] if params.logprobs else None)
-            if output.finish_reason is not None:
+            delta = state.append([token], more_follow=bool(ahead))
+            if not state.stopped_on_token:
+                yield Chunk(delta.text, token, delta.logprobs[-1] if delta.logprobs else None)
+            elif delta.text:  # a stop id has no text, but it releases what was held back
+                yield Chunk(delta.text, token)
+            if delta.finished:
                 break
             if ahead:
                 token = ahead.pop(0)
             elif self._speculator is not None and not self.shifted and self.cache.seq_len + 1 < max_context:
-                ahead = self._speculator.step(budget - len(result.token_ids))
+                ahead = self._speculator.step(state.budget - len(result.token_ids))
                 token = ahead.pop(0)
             else:
                 if params.context_shift and self.cache.seq_len + 1 > max_context:
@@ -305,11 +239,5 @@ class GenerationStream:
             result.timings.decode_tokens += 1
         if ahead:  # stopped inside a verified run: the cache must hold the emitted tokens but the last
             self.cache.truncate(len(self.prompt_ids) + len(result.token_ids) - 1)
-        tail = output.flush()
-        pieces.append(tail)
-        if tail:
-            yield Chunk(tail, result.token_ids[-1])
-        result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
-        result.text = "".join(pieces)
+        state.result()
         result.timings.decode_seconds = time.perf_counter() - decode_started
-        result.usage.completion_tokens = len(result.token_ids)

@@ -19,13 +19,13 @@ from kvgen.engine.runner import ModelRunner
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.speculation import RequestSpeculation, check_engine_method
 from kvgen.engine.state_backend import state_backend
-from kvgen.generate import Generator
 from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
 from kvgen.kv.disk_store import DiskBlockStore, model_fingerprint
 from kvgen.kv.disk_tier import PrefixDiskTier
-from kvgen.sampling.output import stop_token_ids
+from kvgen.prompt_checks import check_params, encode_prompt
 from kvgen.sampling.params import SamplingParams
+from kvgen.sampling.request_state import RequestState
 from kvgen.speculative.adaptive import SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
 
@@ -68,7 +68,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model)
         self.requests: dict[str, Request] = {}
         self.speculative_totals = SpeculativeStats()  # over every speculative request (metrics)
-        self._prompts = Generator(self.model, self.tokenizer, self.max_context)  # the same prompt checks as one-shot generation
 
     def _open_disk_tier(self, llm) -> PrefixDiskTier:
         """The prefix index's disk tier in config.kv_cache_dir (locked for this engine; ValueError
@@ -108,7 +107,9 @@ class LLMEngine:
             raise ValueError(f"the engine runs one sample per request, got n={params.n}: submit n requests (seeds seed + i)")
         if params.context_shift:
             raise ValueError("context_shift is not supported by the batching engine: leave it off")
-        ids = self._prompts.encode_prompt(prompt)  # empty, out-of-vocabulary or too-long prompts raise
+        vocab = self.model.config.vocab_size
+        ids = encode_prompt(self.tokenizer, prompt, vocab, self.max_context)  # empty, out-of-vocabulary or too-long prompts raise
+        check_params(params, vocab)
         longest = min(len(ids) + params.max_new_tokens, self.max_context)
         if self.state_model:
             if speculative is not None:
@@ -119,12 +120,12 @@ class LLMEngine:
                 f"prompt + max_new_tokens ({longest} tokens) needs more KV blocks than the whole pool has "
                 f"({pool.num_blocks} blocks of {pool.block_size}): lower max_new_tokens or raise the KV budget"
             )
-        stop_ids = stop_token_ids(params, self.tokenizer)
-        vocab = self.model.config.vocab_size
-        request = Request(request_id, ids, params, self.tokenizer, stop_ids, self.max_context, vocab, priority, salt)
+        # Built on the caller's thread: a grammar that cannot be enforced fails before queueing.
+        state = RequestState(params, self.tokenizer, ids, vocab, self.max_context)
+        request = Request(request_id, ids, params, state, priority, salt)
         if speculative is not None:  # built last: nothing to free when an earlier check fails
             check_engine_method(speculative)
-            proposer = speculative.build_proposer(self._prompts)
+            proposer = speculative.build_proposer(self)  # needs model, tokenizer, max_context, cache_config
             request.speculation = RequestSpeculation(speculative, proposer, request.sampler, self.speculative_totals)
         return request
 
@@ -189,7 +190,7 @@ class LLMEngine:
         for request in self.scheduler.running:
             if request.speculation is None or not request.is_decoding:
                 continue
-            tokens_left = request.output.budget - len(request.output_ids)
+            tokens_left = request.state.budget - len(request.output_ids)
             positions_left = self.max_context - request.num_computed - 1
             request.speculation.propose(request.all_ids, min(tokens_left - 1, positions_left))
 

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from kvgen.engine.speculation import RequestSpeculation
-from kvgen.generate import Usage
 from kvgen.kv.paged import PagedCache
 from kvgen.kv.prefix import PrefixNode
-from kvgen.loading.tokenizer import Tokenizer
-from kvgen.sampling.grammar import GrammarConstraint
-from kvgen.sampling.params import SamplingParams
-from kvgen.sampling.sampler import Sampler, TokenLogprob
+from kvgen.result import GenerationResult, Usage
 from kvgen.sampling.output import OutputTracker
+from kvgen.sampling.params import SamplingParams
+from kvgen.sampling.request_state import RequestState
+from kvgen.sampling.sampler import Sampler, TokenLogprob
 
 _arrivals = itertools.count()
 
@@ -39,6 +39,7 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, when asked for
+    result: GenerationResult | None = None  # on the last output: the whole request (text, ids, usage, logprobs)
 
 
 @dataclass(eq=False)
@@ -46,16 +47,12 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    tokenizer: Tokenizer
-    stop_ids: frozenset[int]
-    max_context: int
-    vocab_size: int
+    state: RequestState  # sampler, grammar, output tracker, budget, logprobs, usage
     priority: int = 0  # lower runs first; FCFS among equals
     salt: str = ""  # requests with different salts never share cached KV
     arrival: int = field(default_factory=lambda: next(_arrivals))
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
     cache: PagedCache | None = None
     prefix_node: PrefixNode | None = None  # the locked end of this request's indexed path
     prompt_indexed: bool = False
@@ -66,14 +63,17 @@ class Request:
     first_token_time: float | None = None
     speculation: RequestSpeculation | None = None  # set by the engine when the request opts in
 
-    def __post_init__(self) -> None:
-        # Built here, on the caller's thread: a grammar that cannot be enforced fails before queueing.
-        p = self.params
-        constraint = GrammarConstraint.create(p.structured, self.tokenizer) if p.structured else None
-        self.sampler = Sampler(p, prompt_ids=self.prompt_ids, vocab_size=self.vocab_size, stop_ids=sorted(self.stop_ids),
-                               constraint=constraint)  # fmt: skip
-        budget = min(p.max_new_tokens, self.max_context - len(self.prompt_ids))
-        self.output = OutputTracker(p, self.tokenizer, self.stop_ids, budget, constraint)
+    @property
+    def sampler(self) -> Sampler:
+        return self.state.sampler
+
+    @property
+    def output(self) -> OutputTracker:
+        return self.state.output
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.state.token_ids
 
     @property
     def all_ids(self) -> list[int]:
@@ -103,30 +103,26 @@ class Request:
 
     def append(self, tokens: list[int]) -> RequestOutput:
         """Record sampled tokens (one, or a verified speculative run; the sampler already advanced
-        its penalties / grammar past them); finish the request when a stop condition holds, as
-        GenerationStream does for one request. Tokens after the one that finishes are dropped."""
+        its penalties / grammar past them); finish the request when a stop condition holds.
+        Tokens after the one that finishes are dropped."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
-        kept: list[int] = []
-        pieces: list[str] = []
-        for i, token in enumerate(tokens):
-            self.output_ids.append(token)
-            kept.append(token)
-            pieces.append(self.output.add(token, more_follow=i < len(tokens) - 1))
-            if self.output.finish_reason is not None:
-                break
-        first = len(self.output_ids) - len(kept)
-        logprobs = self.sampler.logprobs[first : len(self.output_ids)] if self.params.logprobs else []
-        if self.output.finish_reason is None:
-            return RequestOutput(self.request_id, kept, "".join(pieces), logprobs=logprobs)
-        pieces.append(self.output.flush())  # the request ends: release what the stop matcher held back
-        self.status, self.finish_reason = RequestStatus.FINISHED, self.output.finish_reason
-        return RequestOutput(self.request_id, kept, "".join(pieces), True, self.finish_reason, self.usage(), logprobs=logprobs)
+        self.state.usage.cached_tokens = self.cached_tokens  # set by the scheduler on admission
+        delta = self.state.append(tokens)
+        if not delta.finished:
+            return RequestOutput(self.request_id, delta.token_ids, delta.text, logprobs=delta.logprobs)
+        self.status, self.finish_reason = RequestStatus.FINISHED, delta.finish_reason
+        result = self.state.result()
+        return RequestOutput(self.request_id, delta.token_ids, delta.text, True, self.finish_reason, result.usage,
+                             logprobs=delta.logprobs, result=result)  # fmt: skip
 
     def release_speculation(self) -> None:
         if self.speculation is not None:
             self.speculation.release()
 
     def abort(self, reason: str, error: str | None = None) -> RequestOutput:
+        """End the request early ("cancelled" or "error"); its result holds what was final so far."""
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
-        return RequestOutput(self.request_id, [], "", True, reason, self.usage(), error)
+        self.state.usage.cached_tokens = self.cached_tokens
+        result = dataclasses.replace(self.state.result(), finish_reason=reason, stop_reason=None)
+        return RequestOutput(self.request_id, [], "", True, reason, self.usage(), error, result=result)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class Generator(Protocol):
-    """What a proposer is built from (generate.py's Generator, or the engine's prompt checker)."""
+    """What a proposer is built from (generate.py's Generator, or the LLMEngine)."""
 
     model: DecoderLM
     tokenizer: Any
