@@ -2,7 +2,8 @@
 
 from kvgen.config import CacheConfig
 from kvgen.errors import KvgenError, ModelLoadError, PromptTooLongError, UnsupportedModelError
-from kvgen.generate import Chunk, GenerationResult, Generator, Usage
+from kvgen.generate import Chunk, Generator
+from kvgen.result import GenerationResult, Usage
 from kvgen.kv import CacheSpec, ContiguousCache, KVCache
 from kvgen.llm import LLM, load_model
 from kvgen.sampling import SamplingParams, StructuredOutput

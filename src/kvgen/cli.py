@@ -12,7 +12,7 @@ from typing import Sequence
 
 from kvgen.config import CACHE_KINDS
 from kvgen.errors import KvgenError
-from kvgen.generate import GenerationResult
+from kvgen.result import GenerationResult
 from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
 from kvgen.loading.weight_format import WEIGHT_MODES
 from kvgen.sampling.grammar import StructuredOutput

@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 
 from kvgen.config import CacheConfig
-from kvgen.generate import ChunkCallback, GenerationResult, GenerationStream, Generator
+from kvgen.generate import ChunkCallback, GenerationStream, Generator
+from kvgen.result import GenerationResult
 from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
 from kvgen.loading.hf import load_hf_folder

@@ -48,6 +48,7 @@ class GenerationResult:
     finish_reason: str | None = None
     # What stopped it: the stop string or stop token id that matched; None for EOS, grammar or length.
     stop_reason: str | int | None = None
+    error: str | None = None  # what went wrong, when finish_reason is "error"
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs

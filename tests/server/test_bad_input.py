@@ -62,11 +62,27 @@ def test_bad_requests_get_4xx_and_change_nothing(client, server, call, status, f
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=2, temperature=0).usage.completion_tokens == 2
 
 
-def test_too_many_concurrent_requests_get_429(smollm2) -> None:
+def test_too_many_concurrent_requests_get_429_and_free_their_drafters(smollm2) -> None:
+    """Each choice is built once (validation), and a request the server cannot take frees what its
+    built choices hold: here a self-draft proposer per choice."""
     from tests.server.live import live_server
 
     with live_server(smollm2, max_concurrent=0) as live:
+        built, released = [], []
+        make_request = live.engine.engine.make_request
+
+        def recording(*args, **kwargs):
+            request = make_request(*args, **kwargs)
+            release = request.release_speculation
+            request.release_speculation = lambda: (released.append(request.request_id), release())[1]
+            built.append(request.request_id)
+            return request
+
+        live.engine.engine.make_request = recording
         client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.RateLimitError):
-            client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2)
+            client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2, n=2,
+                                      extra_body={"speculative": {"method": "self", "draft_layers": 4}})  # fmt: skip
+        assert len(built) == 2 and built[0].endswith("-0") and built[1].endswith("-1"), built
+        assert sorted(released) == sorted(built)
         live.assert_no_leaks()

@@ -48,8 +48,13 @@ class AsyncLLMEngine:
         """Outputs of one request as they are produced; the last has finished=True.
         Raises ValueError (before anything is queued) when the request cannot run."""
         request = self.engine.make_request(request_id, prompt, params, priority, salt, speculative)
+        async for output in self.run(request):
+            yield output
+
+    async def run(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request built (and so validated) already by `engine.make_request`."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-        self._subscribers[request_id] = subscriber
+        self._subscribers[request.request_id] = subscriber
         self._submit(lambda: self._add(request))
         finished = False
         try:
@@ -59,7 +64,7 @@ class AsyncLLMEngine:
                 yield output
         finally:
             if not finished:
-                self.cancel(request_id)
+                self.cancel(request.request_id)
 
     def prompt_length(self, prompt: str | Sequence[int]) -> int:
         return len(self.engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
@@ -97,6 +102,7 @@ class AsyncLLMEngine:
 
     def _add(self, request: Request) -> None:
         if request.request_id not in self._subscribers:  # cancelled before it reached the engine
+            request.release_speculation()
             return
         try:
             self.engine.add(request)
@@ -116,10 +122,8 @@ class AsyncLLMEngine:
                         outputs = self.engine.step()
                     except Exception:  # noqa: BLE001 - a bug in one step must not stop the server
                         log.exception("engine step failed; failing every request")
-                        outputs = [self.engine.cancel(rid) for rid in list(self.engine.requests)]
+                        outputs = [self.engine.fail(rid, "internal engine error") for rid in list(self.engine.requests)]
                         outputs = [o for o in outputs if o is not None]
-                        for output in outputs:
-                            output.finish_reason, output.error = "error", "internal engine error"
                 self._deliver(outputs)
                 if self._stopped:
                     return

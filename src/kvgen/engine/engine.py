@@ -54,15 +54,15 @@ class LLMEngine:
         self.cache_config = cache or llm.generator.cache_config
         # Mamba and T5 keep their own per-request state: whole reservations instead of pool blocks.
         self.state_model = hasattr(self.model, "new_state_cache")
+        self.caches = CacheFactory(self.cache_config, self.model, self.tokenizer, self.max_context)  # also one-off caches (prompt logprobs)
         if self.state_model:
             self.storage, self.scheduler = state_backend(self.model, self.config, self.cache_config)
         else:
-            factory = CacheFactory(self.cache_config, self.model, self.tokenizer, self.max_context)
             # The disk tier stores one block per prefix node: it keeps every layer in one block.
-            self.storage = factory.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
+            self.storage = self.caches.block_storage(self.config.block_size, self.config.max_num_seqs + STAGING_SPARE,
                                                  self.config.kv_budget_mb, self.config.num_blocks,
                                                  layer_groups=self.config.layer_groups and self.config.kv_cache_dir is None)  # fmt: skip
-            self.scheduler = Scheduler(self.storage, self.config, lambda: factory.engine_cache(self.storage))
+            self.scheduler = Scheduler(self.storage, self.config, lambda: self.caches.engine_cache(self.storage))
         self.disk = self._open_disk_tier(llm) if self.config.kv_cache_dir is not None else None
         self.scheduler.disk = self.disk
         self.runner = ModelRunner(self.model)
@@ -145,12 +145,19 @@ class LLMEngine:
 
     def cancel(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free everything it holds; None if it is unknown or already done."""
+        return self._end(request_id, "cancelled")
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request with finish_reason "error" and free everything it holds."""
+        return self._end(request_id, "error", error)
+
+    def _end(self, request_id: str, reason: str, error: str | None = None) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         self.scheduler.release(request)
         request.release_speculation()
-        return request.abort("cancelled")
+        return request.abort(reason, error)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -163,7 +170,8 @@ class LLMEngine:
         try:
             new_tokens = self.runner.run(rows)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
-            return [self._fail(row.request, f"{type(error).__name__}: {error}") for row in rows]
+            failed = [self.fail(row.request.request_id, f"{type(error).__name__}: {error}") for row in rows]
+            return [output for output in failed if output is not None]
         outputs = []
         for row, tokens in zip(rows, new_tokens):
             request = row.request
@@ -193,12 +201,6 @@ class LLMEngine:
             tokens_left = request.state.budget - len(request.output_ids)
             positions_left = self.max_context - request.num_computed - 1
             request.speculation.propose(request.all_ids, min(tokens_left - 1, positions_left))
-
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        self.scheduler.release(request)
-        request.release_speculation()
-        self.requests.pop(request.request_id, None)
-        return request.abort("error", message)
 
     def generate(
         self, prompts: list[str | Sequence[int]], params: SamplingParams | None = None,

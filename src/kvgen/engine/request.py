@@ -124,5 +124,5 @@ class Request:
         """End the request early ("cancelled" or "error"); its result holds what was final so far."""
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
         self.state.usage.cached_tokens = self.cached_tokens
-        result = dataclasses.replace(self.state.result(), finish_reason=reason, stop_reason=None)
+        result = dataclasses.replace(self.state.result(), finish_reason=reason, stop_reason=None, error=error)
         return RequestOutput(self.request_id, [], "", True, reason, self.usage(), error, result=result)

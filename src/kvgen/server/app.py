@@ -26,7 +26,7 @@ from kvgen.server.params import build_speculative
 from kvgen.server.prepare import prepare_chat, prepare_completions
 from kvgen.server.protocol import REFUSED_CHAT, REFUSED_COMPLETIONS, ChatCompletionRequest, CompletionRequest, parse
 from kvgen.server.responses import ResponsesAPI
-from kvgen.server.serving import Serving
+from kvgen.server.serving import Serving, release
 
 __all__ = ["ServerConfig", "create_app"]
 log = logging.getLogger(__name__)
@@ -69,13 +69,17 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         serving.check_common(body)
         jobs, spec, prompt_ids = await asyncio.to_thread(prepare_completions, serving, body)
         request_id, salt, speculative = f"cmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
-        serving.validate(request_id, jobs, body.priority, salt, speculative)
+        requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         if spec.echo is not None and spec.logprobs:  # the prompt's own logprobs: one forward, engine held
-            scored = await asyncio.to_thread(engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs) for ids in prompt_ids])
+            try:
+                scored = await asyncio.to_thread(engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs) for ids in prompt_ids])
+            except BaseException:
+                release(requests)
+                raise
             spec = dataclasses.replace(spec, prompt_logprobs=scored)
         log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
         head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
-        return await serving.respond(http, "completions", request_id, jobs, priority=body.priority, salt=salt, speculative=speculative,
+        return await serving.respond(http, "completions", requests,
                                      stream=bool(body.stream), full=lambda r: full_response(r, head, spec) | _extra(body),
                                      events=lambda c: stream_events(c, head, spec))  # fmt: skip
 
@@ -85,12 +89,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         serving.check_common(body)
         jobs, spec = await asyncio.to_thread(prepare_chat, serving, body)
         request_id, salt, speculative = f"chatcmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
-        serving.validate(request_id, jobs, body.priority, salt, speculative)
+        requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
         head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
         if body.service_tier is not None:
             head["service_tier"] = "default"
-        return await serving.respond(http, "chat", request_id, jobs, priority=body.priority, salt=salt, speculative=speculative,
+        return await serving.respond(http, "chat", requests,
                                      stream=bool(body.stream), full=lambda r: full_response(r, head, spec) | _extra(body),
                                      events=lambda c: stream_events(c, head, spec))  # fmt: skip
 

@@ -1,70 +1,47 @@
 """Running the choices of one API request on the engine, as one stream of outputs.
 
-Choice i is its own engine request (id `<request>-<i>`) with its own prompt and params (completions
-may send several prompts, each with n choices); choices of one prompt share it through the prefix
-cache. Closing the stream (a client that went away) cancels every choice still running.
+Choice i is its own engine request (id `<request>-<i>`, built and validated once by
+`Serving.validate`) with its own prompt and params (completions may send several prompts, each with
+n choices); choices of one prompt share it through the prefix cache. The last output of a choice
+carries its `GenerationResult`. Closing the stream (a client that went away) cancels every choice
+still running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from kvgen.engine.async_engine import AsyncLLMEngine
-from kvgen.engine.request import RequestOutput
+from kvgen.engine.request import Request, RequestOutput
+from kvgen.result import GenerationResult
 from kvgen.sampling.params import SamplingParams
-from kvgen.sampling.sampler import TokenLogprob
-from kvgen.speculative.config import SpeculativeConfig
 
-
-@dataclass
-class ChoiceResult:
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-Event = tuple[int, RequestOutput, ChoiceResult]
-
+Event = tuple[int, RequestOutput]  # choice index, what the engine produced for it
 
 Job = tuple[list[int], SamplingParams]  # one choice: prompt ids, params
 
 
-async def _one_choice(engine: AsyncLLMEngine, request_id: str, index: int, job: Job, priority: int, metrics,
-                      speculative: SpeculativeConfig | None, salt: str) -> AsyncIterator[Event]:  # fmt: skip
-    result, pieces = ChoiceResult(index), []
+async def _one_choice(engine: AsyncLLMEngine, index: int, request: Request, metrics) -> AsyncIterator[Event]:
     started = last = time.perf_counter()
-    prompt_ids, params = job
-    async for output in engine.generate(f"{request_id}-{index}", prompt_ids, params, priority, salt, speculative):
+    produced = False
+    async for output in engine.run(request):
         now = time.perf_counter()
         if output.token_ids:
-            if not result.completion_tokens and not pieces:
-                metrics.ttft.observe(now - started)
-            else:
+            if produced:
                 metrics.itl.observe(now - last)
+            else:
+                metrics.ttft.observe(now - started)
             metrics.generation_tokens.inc(len(output.token_ids))
-            last = now
-        pieces.append(output.text)
-        result.logprobs.extend(output.logprobs)
-        if output.finished:
-            result.text, result.finish_reason, result.error = "".join(pieces), output.finish_reason, output.error
-            if output.usage is not None:
-                result.prompt_tokens, result.completion_tokens = output.usage.prompt_tokens, output.usage.completion_tokens
-                result.cached_tokens = output.usage.cached_tokens
-                metrics.prompt_tokens.inc(output.usage.prompt_tokens)
-        yield index, output, result
+            produced, last = True, now
+        if output.finished and output.usage is not None:
+            metrics.prompt_tokens.inc(output.usage.prompt_tokens)
+        yield index, output
 
 
-async def run_choices(engine: AsyncLLMEngine, request_id: str, jobs: list[Job], priority: int, metrics,
-                      speculative: SpeculativeConfig | None = None, salt: str = "") -> AsyncIterator[Event]:  # fmt: skip
-    streams = [_one_choice(engine, request_id, i, job, priority, metrics, speculative, salt) for i, job in enumerate(jobs)]
+async def run_choices(engine: AsyncLLMEngine, requests: list[Request], metrics) -> AsyncIterator[Event]:
+    streams = [_one_choice(engine, i, request, metrics) for i, request in enumerate(requests)]
     if len(streams) == 1:
         try:
             async for event in streams[0]:
@@ -94,12 +71,13 @@ async def run_choices(engine: AsyncLLMEngine, request_id: str, jobs: list[Job], 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(choices: AsyncIterator[Event], count: int) -> list[ChoiceResult]:
-    results: dict[int, ChoiceResult] = {}
+async def collect(choices: AsyncIterator[Event], count: int) -> list[GenerationResult]:
+    """Every choice's result, in choice order."""
+    results: dict[int, GenerationResult] = {}
     try:
-        async for index, output, result in choices:
+        async for index, output in choices:
             if output.finished:
-                results[index] = result
+                results[index] = output.result
     finally:
         await choices.aclose()
     return [results[i] for i in range(count)]

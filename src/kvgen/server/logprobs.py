@@ -39,7 +39,7 @@ def prompt_logprobs(engine, ids: list[int], top: int) -> dict:
     given the ones before it (None for the first), by a forward pass over a fresh cache. Call it with
     the engine held (AsyncLLMEngine.run_locked): it uses the engine's model between steps."""
     chunk_size = 256
-    cache = engine._prompts.new_cache(len(ids))
+    cache = engine.caches.new_cache(len(ids))
     values: list[float | None] = [None]
     tops: list[dict | None] = [None]
     with torch.inference_mode():

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from kvgen.server.choices import ChoiceResult
+from kvgen.result import GenerationResult
 from kvgen.server.logprobs import chat_logprobs, completion_logprobs
 from kvgen.server.tools import ToolCallStream, ToolPlan, message_fields
 
@@ -32,13 +32,13 @@ class OutputSpec:
         return "tool_calls" if called_tools and reason == "stop" else reason
 
 
-def usage_body(results: list[ChoiceResult], n: int) -> dict:
+def usage_body(results: list[GenerationResult], n: int) -> dict:
     """The prompt counted once per prompt (choices i*n .. i*n+n-1 share prompt i)."""
     firsts = results[::n]
-    prompt = sum(r.prompt_tokens for r in firsts)
-    completion = sum(r.completion_tokens for r in results)
+    prompt = sum(r.usage.prompt_tokens for r in firsts)
+    completion = sum(r.usage.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}  # fmt: skip
+            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in firsts)}}  # fmt: skip
 
 
 def _echoed_logprobs(spec: OutputSpec, prompt: int, generated: dict | None) -> dict | None:
@@ -52,20 +52,20 @@ def _echoed_logprobs(spec: OutputSpec, prompt: int, generated: dict | None) -> d
             "text_offset": head["text_offset"] + [o + shift for o in generated["text_offset"]]}  # fmt: skip
 
 
-def full_response(results: list[ChoiceResult], head: dict, spec: OutputSpec) -> dict:
+def full_response(results: list[GenerationResult], head: dict, spec: OutputSpec) -> dict:
     if spec.chat:
         choices = []
-        for r in results:
+        for index, r in enumerate(results):
             fields, called = message_fields(r.text, spec.plan) if spec.plan else ({"content": r.text}, False)
-            choices.append({"index": r.index, "message": {"role": "assistant", **fields},
-                            "finish_reason": spec.finish_reason(r.finish_reason, called), "logprobs": spec.logprobs_body(r.logprobs)})  # fmt: skip
+            choices.append({"index": index, "message": {"role": "assistant", **fields},
+                            "finish_reason": spec.finish_reason(r.finish_reason, called), "logprobs": spec.logprobs_body(r.logprobs or [])})  # fmt: skip
         return head | {"object": "chat.completion", "choices": choices, "usage": usage_body(results, spec.n)}
     choices = []
-    for r in results:
-        prompt = r.index // spec.n
+    for index, r in enumerate(results):
+        prompt = index // spec.n
         echo = spec.echo[prompt] if spec.echo else ""
-        logprobs = _echoed_logprobs(spec, prompt, spec.logprobs_body(r.logprobs, len(echo)))
-        choices.append({"index": r.index, "text": echo + r.text, "finish_reason": r.finish_reason, "logprobs": logprobs})
+        logprobs = _echoed_logprobs(spec, prompt, spec.logprobs_body(r.logprobs or [], len(echo)))
+        choices.append({"index": index, "text": echo + r.text, "finish_reason": r.finish_reason, "logprobs": logprobs})
     return head | {"object": "text_completion", "choices": choices, "usage": usage_body(results, spec.n)}
 
 
@@ -73,7 +73,7 @@ async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[
     """SSE: a chunk per new text (per choice), a last chunk per choice with its finish_reason, then
     (when asked) a chunk with the usage and no choices, then [DONE]."""
     kind = "chat.completion.chunk" if spec.chat else "text_completion"
-    results: dict[int, ChoiceResult] = {}
+    results: dict[int, GenerationResult] = {}
     started: set[int] = set()
     offsets: dict[int, int] = {}  # completions' text_offset goes on across chunks
     tool_streams: dict[int, ToolCallStream] = {}
@@ -85,7 +85,7 @@ async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        async for index, output, result in choices:
+        async for index, output in choices:
             if index not in started:
                 started.add(index)
                 first = _first_chunk(spec, index)
@@ -103,7 +103,7 @@ async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[
                 delta, called = output.text, False
             text_key = "delta" if spec.chat else "text"
             if output.finished:
-                results[index] = result
+                results[index] = output.result
                 yield event({"index": index, text_key: delta, "logprobs": logprobs,
                              "finish_reason": spec.finish_reason(output.finish_reason, called)})  # fmt: skip
             elif delta or logprobs:

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from kvgen.server.choices import ChoiceResult
+from kvgen.result import GenerationResult
 from kvgen.server.config import tenant_salt
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, read_json
@@ -78,20 +78,19 @@ class ResponsesAPI:
         params = build_params(sampling, "responses", serving.config.max_tokens_limit, serving.engine.engine, serving.limits, structured)
         request_id, salt, speculative = f"resp_{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         jobs = [(ids, params[0])]
-        serving.validate(request_id, jobs, body.priority, salt, speculative)
+        requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         shell = _shell(request_id, body, plan)
 
-        def finish(result: ChoiceResult, output: list[dict]) -> dict:
+        def finish(result: GenerationResult, output: list[dict]) -> dict:
             done = _completed(shell, result, output)
             if body.store is not False:
                 self._keep(request_id, Stored(tenant_salt(api_key, None), conversation + output_messages(output), done))
             return done
 
-        def full(results: list[ChoiceResult]) -> dict:
+        def full(results: list[GenerationResult]) -> dict:
             return finish(results[0], output_items(results[0].text, plan))
 
-        return await serving.respond(http, "responses", request_id, jobs, priority=body.priority, salt=salt, speculative=speculative,
-                                     stream=bool(body.stream), full=full, events=lambda c: stream(c, shell, plan, finish))  # fmt: skip
+        return await serving.respond(http, "responses", requests, stream=bool(body.stream), full=full, events=lambda c: stream(c, shell, plan, finish))  # fmt: skip
 
     def _keep(self, response_id: str, stored: Stored) -> None:
         self.store[response_id] = stored
@@ -180,11 +179,12 @@ def _shell(response_id: str, body: ResponsesRequest, plan: ToolPlan) -> dict[str
     }  # fmt: skip
 
 
-def _completed(shell: dict, result: ChoiceResult, output: list[dict]) -> dict[str, Any]:
+def _completed(shell: dict, result: GenerationResult, output: list[dict]) -> dict[str, Any]:
     incomplete = result.finish_reason == "length"
-    usage = {"input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": result.cached_tokens},
-             "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-             "total_tokens": result.prompt_tokens + result.completion_tokens}  # fmt: skip
+    used = result.usage
+    usage = {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": used.cached_tokens},
+             "output_tokens": used.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": used.total_tokens}  # fmt: skip
     return shell | {"status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
                     "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}  # fmt: skip
 
@@ -201,7 +201,7 @@ async def stream(choices, shell: dict, plan: ToolPlan, finish) -> AsyncIterator[
     yield event("response.in_progress", response=shell)
     items = _ItemStream(event, plan)
     try:
-        async for _, output, result in choices:
+        async for _, output in choices:
             if output.finish_reason == "error":
                 yield event("error", code="server_error", message=output.error, param=None)
                 return
@@ -210,7 +210,7 @@ async def stream(choices, shell: dict, plan: ToolPlan, finish) -> AsyncIterator[
             if output.finished:
                 for chunk in items.close():
                     yield chunk
-                done = finish(result, items.output)
+                done = finish(output.result, items.output)
                 yield event("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
     finally:
         await choices.aclose()

@@ -11,12 +11,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgen.engine.async_engine import AsyncLLMEngine
-from kvgen.server.choices import ChoiceResult, Job, collect, run_choices
+from kvgen.engine.request import Request as EngineRequest
+from kvgen.result import GenerationResult
+from kvgen.server.choices import Job, collect, run_choices
 from kvgen.server.config import ServerConfig, tenant_salt
 from kvgen.server.errors import APIError
 from kvgen.server.metrics import ServerMetrics
 
-FullRender = Callable[[list[ChoiceResult]], dict]
+FullRender = Callable[[list[GenerationResult]], dict]
 StreamRender = Callable[[AsyncIterator], AsyncIterator[str]]
 
 
@@ -55,29 +57,33 @@ class Serving:
             raise APIError(400, f"the prompt has {len(ids)} tokens; the limit is {self.prompt_limit}: shorten it",
                            param=param, code="context_length_exceeded")  # fmt: skip
 
-    def validate(self, request_id: str, jobs: list[Job], priority: int, salt: str, speculative) -> None:
-        """Build (and drop) every choice's engine request: a bad request queues nothing."""
+    def validate(self, request_id: str, jobs: list[Job], priority: int, salt: str, speculative) -> list[EngineRequest]:
+        """Every choice's engine request, built once (choice i is `<request_id>-<i>`): a bad choice
+        raises a 400 and queues nothing, and the ones built before it are released."""
+        requests: list[EngineRequest] = []
         try:
-            for prompt_ids, params in jobs:  # a speculative request builds its proposer, which checks its options
-                self.engine.engine.make_request(request_id, prompt_ids, params, priority, salt, speculative).release_speculation()
+            for i, (prompt_ids, params) in enumerate(jobs):  # a speculative request builds its proposer, which checks its options
+                requests.append(self.engine.engine.make_request(f"{request_id}-{i}", prompt_ids, params, priority, salt, speculative))
         except ValueError as error:
+            release(requests)
             raise APIError(400, str(error), code="invalid_request") from error
+        return requests
 
-    async def respond(self, http: Request, endpoint: str, request_id: str, jobs: list[Job], *, priority: int, salt: str,
-                      speculative, stream: bool, full: FullRender, events: StreamRender,
-                      on_done: Callable[[list[ChoiceResult]], None] | None = None) -> Response:  # fmt: skip
-        """Run the jobs (validated already) and answer: JSON from `full`, or SSE from `events`."""
+    async def respond(self, http: Request, endpoint: str, requests: list[EngineRequest], *, stream: bool, full: FullRender,
+                      events: StreamRender, on_done: Callable[[list[GenerationResult]], None] | None = None) -> Response:  # fmt: skip
+        """Run the validated requests and answer: JSON from `full`, or SSE from `events`."""
         if self.in_flight >= self.config.max_concurrent:
+            release(requests)
             raise APIError(429, f"the server is serving {self.config.max_concurrent} requests, its limit: retry later",
                            kind="rate_limit_error", code="too_many_requests")  # fmt: skip
         self.in_flight += 1
         self.metrics.running.inc()
-        choices = run_choices(self.engine, request_id, jobs, priority, self.metrics, speculative, salt)
+        choices = run_choices(self.engine, requests, self.metrics)
         if stream:
             return StreamingResponse(self._finish(events(choices), endpoint), media_type="text/event-stream")
         status = "cancelled"
         try:
-            results = await until_disconnect(http, collect(choices, len(jobs)))
+            results = await until_disconnect(http, collect(choices, len(requests)))
             failed = [r for r in results if r.finish_reason == "error"]
             status = "error" if failed else "ok"
         finally:
@@ -101,6 +107,12 @@ class Serving:
             status = "ok"
         finally:
             self._done(endpoint, status)
+
+
+def release(requests: list[EngineRequest]) -> None:
+    """Free what built requests hold before they run (their speculative proposers)."""
+    for request in requests:
+        request.release_speculation()
 
 
 async def until_disconnect(http: Request, work: Awaitable):
