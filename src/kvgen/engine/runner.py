@@ -14,7 +14,7 @@ from kvgen.engine.scheduler import ScheduledRow
 from kvgen.models.base import DecoderLM
 
 
-# Rows of at most this many tokens are batched together: decodes (1) and speculative verifies (1 + k).
+# Prompt chunks of at most this many tokens are batched apart from longer ones (less padding).
 SHORT_ROW_TOKENS = 17
 
 
@@ -26,18 +26,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, rows: list[ScheduledRow]) -> list[list[int]]:
-        """Per row its new tokens ([] for a prompt chunk). The short rows (decodes, speculative
-        verifies) share one batched forward and the prompt chunks another, because a ragged batch
-        is padded to its longest row: 60 decodes beside a 450-token chunk would compute 60 x 450
-        positions (measured: 64 concurrent requests ran at 19 tok/s that way). Chunks stay
-        together: with 4-bit weights each forward of many rows dequantizes every weight once.
-        One-token rows (decodes) run apart from the other short rows, so that they take the C step
-        over every layer whenever it applies, whatever else is scheduled: that step gives each row
-        the logits it would have alone (batch-invariant greedy output)."""
-        decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1]
-        short = [i for i, row in enumerate(rows) if 1 < row.num_tokens <= SHORT_ROW_TOKENS]
-        long = [i for i, row in enumerate(rows) if row.num_tokens > SHORT_ROW_TOKENS]
-        groups = [group for group in (decodes, short, long) if group]
+        """Per row its new tokens ([] for a prompt chunk). Decodes and speculative verifies share
+        one forward, and prompt chunks run apart from them, short and long ones apart too, because
+        a ragged batch is padded to its longest row: 60 decodes beside a 450-token chunk would
+        compute 60 x 450 positions (measured: 64 concurrent requests ran at 19 tok/s that way).
+        Chunks stay together: with 4-bit weights each forward of many rows dequantizes every weight
+        once. Decodes and verifies want the logits of every token they run, so they take the C step
+        over every layer whenever it applies, whatever else is scheduled: that step computes each
+        token as a lone decode would (batch- and speculation-invariant greedy output)."""
+        steps = [i for i, row in enumerate(rows) if row.request.is_decoding]  # the last sampled token (+ drafts)
+        chunks = [i for i in range(len(rows)) if not rows[i].request.is_decoding]
+        short = [i for i in chunks if rows[i].num_tokens <= SHORT_ROW_TOKENS]
+        long = [i for i in chunks if rows[i].num_tokens > SHORT_ROW_TOKENS]
+        groups = [group for group in (steps, short, long) if group]
         new_tokens: list[list[int]] = [[] for _ in rows]
         for group in groups:
             for i, tokens in zip(group, self._run_group([rows[i] for i in group])):

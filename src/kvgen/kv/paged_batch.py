@@ -52,6 +52,7 @@ class PagedBatchView:
             self.tables.append(torch.cat([torch.cat([t, t[:1].expand(self.blocks_per_row - len(t))]) for t in rows_tables]))
         self.table = self.tables[0]
         self.num_rows = len(caches)
+        self.lengths = lengths
         self.ends = torch.tensor(ends)
 
     def in_place_starts(self, lengths: list[int], spans: tuple[AttentionSpan, ...]) -> torch.Tensor | None:
@@ -84,18 +85,26 @@ class PagedBatchView:
         return out
 
     def rows_kernel(self) -> tuple[str, tuple] | None:
-        """For one-token rows over fp32 blocks, the C step over every layer (kernels/decode.c
-        kvgen_decode_rows) and the store's arguments; None for other stores. A pool of layer groups
-        passes each layer's slot and group, and every group's tables one after another."""
+        """For rows over fp32 blocks, the C step over every layer (kernels/decode.c
+        kvgen_decode_rows) and the store's arguments; None for other stores. The step runs one
+        token per kernel row: a sequence with several new tokens (a speculative verify) is several
+        kernel rows on its block table at consecutive positions, and since each layer stores every
+        row's key and value before any row attends, each sees the ones before it. A pool of layer
+        groups passes each layer's slot and group, and every group's tables one after another."""
         keys, values = self.keys_store, self.values_store  # [slots, N, H_kv, bs, D]
         if keys.dtype != torch.float32:
             return None
         assert keys.stride() == values.stride()
         groups = self.storage.groups
+        tables = self.tables
+        if any(n != 1 for n in self.lengths):  # one table per kernel row
+            repeats = torch.tensor(self.lengths)
+            tables = [t.view(self.num_rows, -1).repeat_interleave(repeats, dim=0).reshape(-1) for t in tables]
         if groups.is_single:
-            tables, slots, group_of = self.table, None, None
-        else:  # kept on the view: the C side reads them during the step
-            self._stacked = torch.stack(self.tables).contiguous()  # [groups, rows * blocks_per_row]
+            self._row_tables = tables[0]  # kept on the view: the C side reads it during the step
+            tables, slots, group_of = self._row_tables, None, None
+        else:
+            self._stacked = torch.stack(tables).contiguous()  # [groups, rows * blocks_per_row]
             tables, (slots, group_of) = self._stacked, self.storage.layer_slots_and_groups
         return "kvgen_decode_rows", (
             keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1),

@@ -101,15 +101,31 @@ class DecoderLM(nn.Module):
             self._fast_decoder = FastDecoder(self)
         return self._fast_decoder
 
-    def _decode_fast(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+    def _fast_hidden(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """input_ids [1, S] -> the last block's output [1, S, H] through the C step: one token by
+        the decode step, a few tokens (a speculative verify) as a kernel row each of the rows step,
+        so each gets what plain decoding would give it. None when the torch path must run (no C
+        path, a biased cache, too many tokens, no fp32 layout for several)."""
         decoder = self.fast_decoder() if self.use_fast_decode else None
-        if decoder is None:
+        seq = input_ids.shape[1]
+        if decoder is None or cache.key_bias() is not None or seq > decoder.max_rows:
+            return None  # the C decode step knows no bias: a biased cache takes the torch path
+        positions = torch.arange(cache.seq_len, cache.seq_len + seq)
+        if seq == 1:
+            h = self._embed(input_ids)[0, 0].contiguous()  # [H], updated in place by the C blocks
+            rope = torch.stack([torch.cat(rope(positions[None], h.dtype)).reshape(2, -1) for rope in self.ropes])  # [kinds, 2, D]
+            decoder.step(h, rope, cache)
+            return h[None, None]
+        h = self._embed(input_ids[0]).contiguous()  # [S, H]
+        if not decoder.step_tokens(h, self._rows_rope(positions, h.dtype), cache, positions):
             return None
-        h = self._embed(input_ids)[0, 0].contiguous()  # [H], updated in place by the C blocks
-        positions = torch.tensor([[cache.seq_len]])
-        rope = torch.stack([torch.cat(rope(positions, h.dtype)).reshape(2, -1) for rope in self.ropes])  # [kinds, 2, D]
-        decoder.step(h, rope, cache)
-        return self._logits(h[None, None])  # [1, 1, V]
+        return h[None]
+
+    def _rows_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """cos/sin of each kernel row's position for every RoPE kind: [rows, kinds, 2, head_dim]."""
+        return torch.stack(
+            [torch.stack([t[:, 0, 0] for t in rope(positions[:, None], dtype)], dim=1) for rope in self.ropes], dim=1
+        ).contiguous()
 
     def forward(
         self,
@@ -130,11 +146,11 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None
     ) -> torch.Tensor:
         batch, seq = input_ids.shape
-        key_bias = cache.key_bias()  # the C decode step knows no bias: a biased cache takes the torch path
-        if batch == 1 and seq == 1 and positions is None and key_bias is None:
-            fast = self._decode_fast(input_ids, cache)
+        # A decode, or a verify that wants every token's logits, takes the C step; prompts do not.
+        if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)):
+            fast = self._fast_hidden(input_ids, cache)
             if fast is not None:
-                return fast
+                return self._logits(fast, row_invariant=True)  # [1, S, V]
         h = self._hidden_states(input_ids, cache, positions, self.config.num_layers)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -143,16 +159,22 @@ class DecoderLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache, num_layers: int | None = None) -> torch.Tensor:
         """input_ids [B, S] -> the last block's output [B, S, H] (before the final norm), after the
         first `num_layers` blocks only if given (a layer-skip draft; `cache` then needs only those
-        layers). `logits_from_hidden` turns them into logits. Always the torch path."""
+        layers). `logits_from_hidden` turns them into logits. All layers of one sequence take the C
+        step where `forward` would (a decode or a verify); a layer-skip draft the torch path."""
         num_layers = self.config.num_layers if num_layers is None else num_layers
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
         with self._forward_lock:
+            if num_layers == self.config.num_layers and input_ids.shape[0] == 1:
+                fast = self._fast_hidden(input_ids, cache)
+                if fast is not None:
+                    return fast
             return self._hidden_states(input_ids, cache, None, num_layers)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., H] block output -> [..., V] logits (final norm, head, softcapping)."""
-        return self._logits(h)
+        """[..., H] block output -> [..., V] logits (final norm, head, softcapping); a quantized
+        head runs its C kernel, as the decode step's logits do."""
+        return self._logits(h, row_invariant=True)
 
     def _hidden_states(
         self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, num_layers: int
@@ -196,35 +218,53 @@ class DecoderLM(nn.Module):
         if len(num_logits) != len(token_ids) or any(not 1 <= n <= len(ids) for n, ids in zip(num_logits, token_ids)):
             raise ValueError(f"num_logits needs one count per row, each between 1 and the row's length, got {num_logits}")
         if len(caches) == 1 and not caches[0].batch_path_only:  # no padding: the single-sequence path and its C kernels
+            if len(token_ids[0]) > 1:  # a verify takes the C step of decodes, as in a batch
+                with self._forward_lock:
+                    fast = self._decode_rows_fast(token_ids, caches, num_logits)
+                if fast is not None:
+                    return fast
             return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
         with self._forward_lock:
             return self._forward_batch(token_ids, caches, num_logits)
 
-    def _decode_rows_fast(self, token_ids: list[list[int]], caches: list[KVCache]) -> torch.Tensor | None:
-        """One-token rows whose caches offer the C step over every layer (a paged store of fp32
-        blocks or of codes), quantized weights, few enough rows: FastDecoder.step_rows -> logits
-        [B, V]; None when the torch path must run."""
-        if any(len(ids) != 1 for ids in token_ids):
-            return None
+    def _decode_rows_fast(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor | None:
+        """Decodes and speculative verifies (rows that want the logits of every token they run)
+        whose caches offer the C step over every layer (a paged store of fp32 blocks, or of codes for
+        one-token rows) and quantized weights: FastDecoder.step_rows -> logits
+        [sum(num_logits), V]; None when the torch path must run. Every token is a kernel row
+        computed as a lone decode would compute it, so a decode's logits do not depend on the batch,
+        and a speculative verify gives each position the logits plain decoding would. Rows run in
+        steps of at most `max_rows` tokens (past that the torch GEMM is faster, and rounds otherwise)."""
         decoder = self.fast_decoder() if self.use_fast_decode else None
-        if decoder is None or len(caches) > decoder.max_rows:
-            return None
-        view = type(caches[0]).batch_view(caches, [1] * len(caches))  # reserves each row's slot
-        kernel = view.rows_kernel() if view is not None else None  # type: ignore[attr-defined]
-        if kernel is None:
-            return None
-        positions = torch.tensor([c.seq_len for c in caches])
-        h = self._embed(torch.tensor(token_ids))[:, 0].contiguous()  # [B, H]
-        rope = torch.stack(
-            [torch.stack([t[:, 0, 0] for t in rope(positions[:, None], h.dtype)], dim=1) for rope in self.ropes], dim=1
-        ).contiguous()  # [B, kinds, 2, D]
-        decoder.step_rows(h, rope, kernel, positions)
-        for cache in caches:
-            cache.commit(1)
-        return self._logits(h[None], row_invariant=True)[0]  # [B, V]
+        lengths = [len(ids) for ids in token_ids]
+        if decoder is None or max(lengths) > decoder.max_rows or num_logits != lengths:
+            return None  # prompt chunks (one logit for many tokens) take the prefill path
+        steps: list[list[int]] = [[]]  # row indices per C step
+        for i, n in enumerate(lengths):
+            if sum(lengths[j] for j in steps[-1]) + n > decoder.max_rows:
+                steps.append([])
+            steps[-1].append(i)
+        kernels = []
+        for step in steps:  # every step's kernel before any runs: all or nothing
+            view = type(caches[0]).batch_view([caches[i] for i in step], [lengths[i] for i in step])  # reserves slots
+            kernel = view.rows_kernel() if view is not None else None  # type: ignore[attr-defined]
+            if kernel is None:
+                return None
+            kernels.append((view, kernel))
+        hidden = []
+        for step, (_view, kernel) in zip(steps, kernels):
+            positions = torch.cat([torch.arange(caches[i].seq_len, caches[i].seq_len + lengths[i]) for i in step])
+            h = self._embed(torch.tensor([t for i in step for t in token_ids[i]])).contiguous()  # [rows, H]
+            rope = self._rows_rope(positions, h.dtype)
+            decoder.step_rows(h, rope, kernel, positions)
+            for i in step:
+                caches[i].commit(lengths[i])
+            ends = torch.tensor([lengths[i] for i in step]).cumsum(0).tolist()
+            hidden.append(h[[end - num_logits[i] + j for end, i in zip(ends, step) for j in range(num_logits[i])]])
+        return self._logits(torch.cat(hidden)[None], row_invariant=True)[0]  # [sum(num_logits), V]
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor:
-        fast = self._decode_rows_fast(token_ids, caches)
+        fast = self._decode_rows_fast(token_ids, caches, num_logits)
         if fast is not None:
             return fast
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]

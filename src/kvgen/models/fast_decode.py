@@ -156,6 +156,33 @@ class FastDecoder:
             ctypes.byref(self._scratch_for_rows(rows)),
         )  # fmt: skip
 
+    def step_tokens(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> bool:
+        """Several new tokens of one sequence (a speculative verify), each a kernel row of the rows
+        step at its position, on the cache's fp32 layout: h [S, hidden] updated in place, rope
+        [S, kinds, 2, head_dim]; commits S positions. Each layer stores every row's key and value
+        before any row attends, so row i sees the rows before it, and each row is computed as
+        `step` computes a lone token. False (nothing done) when the cache offers no fp32 layout."""
+        rows = h.shape[0]
+        end = cache.seq_len + rows
+        layout = cache.kernel_layout(end)
+        if layout is None:
+            return False
+        keys, values = layout.keys, layout.values
+        assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
+        if layout.block_table is not None:
+            table, block_size = layout.block_table, layout.block_size
+        else:  # one contiguous buffer: one "block" that holds every position
+            table, block_size = torch.zeros(1, dtype=torch.int64), end
+        tables = table.repeat(rows).contiguous()  # one table per kernel row
+        self.library.kvgen_decode_rows(
+            self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
+            self._rope_index.data_ptr(), self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            layout.layer_stride, layout.head_stride, layout.pos_stride, layout.block_stride, block_size,
+            tables.data_ptr(), table.numel(), None, None, positions.data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),
+        )  # fmt: skip
+        cache.commit(rows)
+        return True
+
     def _scratch_for_rows(self, rows: int) -> _RowsScratch:
         if rows > self._rows_capacity:
             config = self.model.config
