@@ -38,12 +38,19 @@ class ModelRunner:
         chunks = [i for i in range(len(rows)) if not rows[i].request.is_decoding]
         short = [i for i in chunks if rows[i].num_tokens <= SHORT_ROW_TOKENS]
         long = [i for i in chunks if rows[i].num_tokens > SHORT_ROW_TOKENS]
-        groups = [group for group in (steps, short, long) if group]
+        if self._has_c_step():
+            groups = [steps, short, long]
+        else:  # the torch path pads: one-token decodes apart from verifies
+            groups = [[i for i in steps if rows[i].num_tokens == 1], [i for i in steps if rows[i].num_tokens > 1], short, long]
+        groups = [group for group in groups if group]
         new_tokens: list[list[int]] = [[] for _ in rows]
         for group in groups:
             for i, tokens in zip(group, self._run_group([rows[i] for i in group])):
                 new_tokens[i] = tokens
         return new_tokens
+
+    def _has_c_step(self) -> bool:
+        return bool(getattr(self.model, "use_fast_decode", False)) and hasattr(self.model, "fast_decoder") and self.model.fast_decoder() is not None
 
     def _run_group(self, rows: list[ScheduledRow]) -> list[list[int]]:
         """One forward over `rows`; per row its new tokens."""
