@@ -67,6 +67,9 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/compressed_quality.py
 	$(PY) benchmarks/tiered_decode.py
 	$(PY) benchmarks/structured.py
+	$(PY) benchmarks/structured.py --tools
+	$(PY) benchmarks/long_context.py --model smollm2 --depths 512,2048,8192 --repeats 3
+	$(PY) benchmarks/long_context.py --model gemma3-270m --depths 512,2048,8192 --repeats 2
 	$(PY) benchmarks/batch.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/serving_memory.py --budget-mb 64 --prompt-tokens 1024
