@@ -116,7 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the most MB of block files in --kv-cache-dir (default 1024); least recently used go first")
     _add_model_options(serve)
     _add_kv_options(serve)  # the engine's pool: fp32 blocks (contiguous, paged) or quantized blocks
+    _add_replica_options(serve)
     return parser
+
+
+def _add_replica_options(parser: argparse.ArgumentParser) -> None:
+    """Replicas of the engine on Ray Serve (pip install kvgen[ray]; docs/scaling.md)."""
+    group = parser.add_argument_group("replicas (Ray Serve)")
+    group.add_argument("--replicas", type=int, default=None, help="run N engine replicas on Ray Serve, routed by prefix cache")
+    group.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto': the one `ray start` runs here)")
+    group.add_argument("--min-replicas", type=int, default=None, help="autoscale: the fewest replicas")
+    group.add_argument("--max-replicas", type=int, default=None, help="autoscale: the most replicas")
+    group.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscale: requests per replica to aim at")
+    group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (its torch threads)")
+    group.add_argument("--router", default="prefix", choices=("prefix", "pow2"),
+                       help="prefix: to the replica holding the prompt's prefix (default); pow2: Ray's power of two choices")
+    group.add_argument("--router-imbalance", type=int, default=8,
+                       help="queued requests the prefix match may have over the least loaded replica (default 8)")
 
 
 def _structured(args: argparse.Namespace) -> StructuredOutput | None:
@@ -295,7 +311,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.kv_disk_budget_mb is not None and args.kv_cache_dir is None:
         raise ValueError("--kv-disk-budget-mb limits the disk tier: also pass --kv-cache-dir DIR (or drop it)")
     config = server_config(args, env_key=os.environ.get("KVGEN_API_KEY"))  # bad options fail before the model loads
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_replicas(args, config)
+    _refuse_replica_options(args)
     return serve(args, _load(args, engine=True), config)
+
+
+def _refuse_replica_options(args: argparse.Namespace) -> None:
+    given = [f"--{n.replace('_', '-')}" for n in ("min_replicas", "max_replicas", "target_ongoing_requests") if getattr(args, n) is not None]
+    given += ["--router"] * (args.router != "prefix") + ["--replica-cpus"] * (args.replica_cpus != 1.0)
+    if given:
+        raise ValueError(f"{given[0]} configures replicas: also pass --replicas N (or --ray-address)")
+
+
+def _serve_replicas(args: argparse.Namespace, config) -> int:
+    """Each replica loads the model itself: only the options are checked here."""
+    from kvgen.cache_factory import check_engine_cache
+    from kvgen.server.launch import engine_config
+
+    try:
+        from kvgen.replicas.launch import serve_replicas
+    except ImportError as error:
+        raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({error}): pip install 'kvgen[ray]'") from None
+    from kvgen.replicas.options import ReplicaOptions, ReplicaSpec
+
+    if args.kv_cache_dir is not None and (args.replicas or 1) + (args.max_replicas or 0) > 1:
+        raise ValueError("--kv-cache-dir is one server's directory: replicas cannot share it; drop it with --replicas")
+    cache = _cache_config(args, engine=True)
+    check_engine_cache(cache)
+    options = ReplicaOptions(
+        replicas=1 if args.replicas is None else args.replicas, min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+        cpus_per_replica=args.replica_cpus, max_ongoing_requests=args.max_num_seqs, router=args.router,
+        imbalance=args.router_imbalance,
+    )  # fmt: skip
+    load = {"dtype": args.dtype, "weights": args.weights, "max_context": args.max_context, "cache": cache}
+    spec = ReplicaSpec(str(args.model), load, engine_config(args), config)
+    return serve_replicas(spec, options, args.host, args.port, args.ray_address)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kv-check": cmd_kv_check, "serve": cmd_serve}

@@ -16,8 +16,10 @@ from kvgen.generate import ChunkCallback, GenerationStream, Generator
 from kvgen.result import GenerationResult
 from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
+from kvgen.loading.gguf_file import GGUFFile
 from kvgen.loading.hf import load_hf_folder
 from kvgen.loading.registry import resolve_model_path
+from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import check_mode
 from kvgen.models import DecoderLM, build_model
 from kvgen.sampling.params import SamplingParams
@@ -34,6 +36,15 @@ def load_checkpoint(
     if path.is_dir():
         return load_hf_folder(path, torch_dtype, progress, mode)
     return load_gguf(path, torch_dtype, progress, mode)
+
+
+def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
+    """Only the tokenizer of a model (no weights read): what a router needs to hash prompts."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        return Tokenizer.from_hf_folder(path)
+    metadata = GGUFFile(path).metadata
+    return Tokenizer.from_gguf_metadata(metadata, str(metadata.get("general.architecture", "")))
 
 
 class LLM:

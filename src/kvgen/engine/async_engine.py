@@ -89,6 +89,10 @@ class AsyncLLMEngine:
         """Submissions and cancellations the engine thread has not taken yet."""
         return self._commands.qsize()
 
+    def is_running(self) -> bool:
+        """Whether the engine thread still steps (a replica's health check)."""
+        return self._thread.is_alive() and not self._stopped
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()

@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from array import array
 from dataclasses import dataclass
 
 import torch
 
 from kvgen.kv.block_file import BlockFileError
+from kvgen.kv.block_hash import chain_key
 from kvgen.kv.block_pool import Block
 from kvgen.kv.disk_store import DiskBlockStore
 from kvgen.kv.paged import PagedStorage
@@ -51,9 +51,7 @@ class PrefixDiskTier:
     def root_key(self, salt: str) -> bytes:
         return hashlib.sha256(b"kvgen-prefix-root\0" + self._identity + b"\0" + salt.encode()).digest()
 
-    @staticmethod
-    def chain_key(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
-        return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()  # int64 ids
+    chain_key = staticmethod(chain_key)  # kv/block_hash.py: the chain routers of replicas use too
 
     def node_key(self, node: PrefixNode) -> bytes:
         """The chain key of a node (memoised on the path; a root's key is its namespace's)."""

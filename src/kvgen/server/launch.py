@@ -30,16 +30,19 @@ def server_config(args: argparse.Namespace, env_key: str | None) -> ServerConfig
                         allow_priority=args.allow_priority)  # fmt: skip
 
 
-def serve(args: argparse.Namespace, llm, server_config: ServerConfig) -> int:
-    import uvicorn
-
-    engine_config = EngineConfig(
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         max_tokens_per_step=args.max_tokens_per_step, max_num_seqs=args.max_num_seqs, block_size=args.kv_block_size,
         kv_budget_mb=args.kv_budget_mb, prefix_cache=not args.no_prefix_cache, eviction=args.eviction,
         max_context=args.max_context, kv_cache_dir=args.kv_cache_dir,
         kv_disk_budget_mb=1024.0 if args.kv_disk_budget_mb is None else args.kv_disk_budget_mb,
     )  # fmt: skip
-    app, engine = build(llm, engine_config, server_config)
+
+
+def serve(args: argparse.Namespace, llm, server_config: ServerConfig) -> int:
+    import uvicorn
+
+    app, engine = build(llm, engine_config(args), server_config)
     print(f"kvgen: serving {server_config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

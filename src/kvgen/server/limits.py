@@ -44,6 +44,13 @@ class ServerLimits:
 async def read_json(request: Request, limits: ServerLimits) -> dict[str, Any]:
     """The body as a JSON object: 413 past max_body_bytes (read no further), 400 when it is not JSON,
     not an object, or nested deeper than max_json_depth."""
+    raw = await read_body(request, limits)
+    # A large body is parsed off the event loop, so one client's megabytes never stall the others.
+    return await asyncio.to_thread(parse_json, raw, limits) if len(raw) > 65536 else parse_json(raw, limits)
+
+
+async def read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The raw body; 413 past max_body_bytes, reading no further."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
@@ -53,12 +60,10 @@ async def read_json(request: Request, limits: ServerLimits) -> dict[str, Any]:
         if size > limits.max_body_bytes:
             raise _too_large(limits)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    # A large body is parsed off the event loop, so one client's megabytes never stall the others.
-    return await asyncio.to_thread(_parse, raw, limits) if size > 65536 else _parse(raw, limits)
+    return b"".join(chunks)
 
 
-def _parse(raw: bytes, limits: ServerLimits) -> dict[str, Any]:
+def parse_json(raw: bytes, limits: ServerLimits) -> dict[str, Any]:
     if _depth_bound_exceeded(raw, limits.max_json_depth):  # before json.loads, which recurses
         raise APIError(400, f"the request JSON is nested deeper than {limits.max_json_depth} levels", code="invalid_json")
     try:
