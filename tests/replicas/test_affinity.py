@@ -9,8 +9,8 @@ from kvgen.replicas.affinity import AffinityTable, rank_replicas
 
 def test_goes_to_the_replica_holding_most_of_the_prompt() -> None:
     table = AffinityTable()
-    table.report("a", [1, 2], at=1.0)
-    table.report("b", [1, 2, 3, 4], at=1.0)
+    table.report("a", [1, 2], version=1)
+    table.report("b", [1, 2, 3, 4], version=1)
     assert rank_replicas((1, 2, 3, 9), {"a": 0, "b": 2}, table, imbalance=4) == ([["b"], ["a"]], "prefix")
     assert table.matched_blocks("b", (1, 2, 3, 9)) == 3
     assert table.matched_blocks("a", (3, 2)) == 0  # leading blocks only: a miss ends the match
@@ -18,7 +18,7 @@ def test_goes_to_the_replica_holding_most_of_the_prompt() -> None:
 
 def test_a_too_long_queue_sends_the_request_to_the_least_loaded() -> None:
     table = AffinityTable()
-    table.report("a", [1, 2, 3], at=1.0)
+    table.report("a", [1, 2, 3], version=1)
     assert rank_replicas((1, 2, 3), {"a": 5, "b": 0}, table, imbalance=4) == ([["b"], ["a"]], "load")
     assert rank_replicas((1, 2, 3), {"a": 4, "b": 0}, table, imbalance=4)[1] == "prefix"
 
@@ -27,7 +27,7 @@ def test_new_prefixes_spread_and_stick_before_any_report() -> None:
     """Nothing matches: the least loaded, then the one caching least; a routed request's blocks count
     at once, so the next request of its prefix follows it."""
     table = AffinityTable()
-    table.report("a", [7, 8], at=1.0)
+    table.report("a", [7, 8], version=1)
     ranking, why = rank_replicas((1, 2), {"a": 0, "b": 0}, table, imbalance=4)
     assert (ranking[0], why) == (["b"], "load")
     table.routed("b", (1, 2))
@@ -39,8 +39,8 @@ def test_routed_keys_expire_and_reports_replace_reports() -> None:
     table.routed("a", (1, 2), now=0.0)
     assert table.matched_blocks("a", (1, 2), now=5.0) == 2
     assert table.matched_blocks("a", (1, 2), now=11.0) == 0
-    table.report("a", [1], at=1.0)
-    table.report("a", [3], at=2.0)  # the index evicted block 1
+    table.report("a", [1], version=1)
+    table.report("a", [3], version=2)  # the index evicted block 1
     assert table.matched_blocks("a", (1,)) == 0 and table.matched_blocks("a", (3,)) == 1
     table.keep_only(["b"])
     assert table.size("a") == 0

@@ -23,7 +23,7 @@ Ranking = list[list[str]]
 @dataclass
 class _ReplicaKeys:
     reported: frozenset[int] = frozenset()
-    reported_at: float | None = None
+    version: int | None = None
     routed: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> when, oldest first
 
 
@@ -34,11 +34,12 @@ class AffinityTable:
         self.routed_ttl_s, self.max_routed = routed_ttl_s, max_routed
         self._replicas: dict[str, _ReplicaKeys] = {}
 
-    def report(self, replica: str, keys: Sequence[int], at: float) -> None:
-        """A replica's prefix index, as it reported it at `at` (repeated reports are cheap no-ops)."""
+    def report(self, replica: str, keys: Sequence[int], version: int) -> None:
+        """A replica's prefix index as it last reported it; `version` changes when the keys do, so
+        that seeing the same report again (every routing decision does) costs nothing."""
         entry = self._replicas.setdefault(replica, _ReplicaKeys())
-        if entry.reported_at != at:
-            entry.reported, entry.reported_at = frozenset(keys), at
+        if entry.version != version:
+            entry.reported, entry.version = frozenset(keys), version
 
     def routed(self, replica: str, keys: Sequence[int], now: float | None = None) -> None:
         entry = self._replicas.setdefault(replica, _ReplicaKeys())

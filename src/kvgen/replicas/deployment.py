@@ -61,9 +61,10 @@ class EngineReplica:
         """Called by Ray Serve every stats period: the block keys for the router; the metrics
         summary goes to the board on the way."""
         stats = await asyncio.to_thread(self.engine.run_locked, engine_stats)
-        keys = stats.pop("keys")
+        keys = sorted(stats.pop("keys"))
         self.board.report.remote(self.name, stats | metric_totals(self.app.state.metrics.registry))
-        return {"keys": keys, "at": time.time()}
+        # Unchanged keys give an unchanged report: Ray Serve re-broadcasts replica info only on change.
+        return {"keys": keys, "version": hash(tuple(keys))}
 
     def check_health(self) -> None:
         if not self.engine.is_running():

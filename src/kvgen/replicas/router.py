@@ -42,7 +42,7 @@ class PrefixAwareRouter(RequestRouter):
         for name, replica in by_id.items():
             stats = replica.routing_stats or {}
             if "keys" in stats:
-                self.table.report(name, stats["keys"], stats.get("at", 0.0))
+                self.table.report(name, stats["keys"], stats.get("version", 0))
         queue_lens = await self._queue_lens(candidate_replicas)
         ranking, why = rank_replicas(request_keys(pending_request), queue_lens, self.table, self.imbalance)
         self.decisions[why] += 1
