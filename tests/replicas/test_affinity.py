@@ -24,14 +24,16 @@ def test_a_too_long_queue_sends_the_request_to_the_least_loaded() -> None:
 
 
 def test_new_prefixes_spread_and_stick_before_any_report() -> None:
-    """Nothing matches: the least loaded, then the one caching least; a routed request's blocks count
-    at once, so the next request of its prefix follows it."""
+    """Nothing matches: the replica caching least among those not too loaded; a routed request's
+    blocks count at once, so the next request of its prefix follows it."""
     table = AffinityTable()
     table.report("a", [7, 8], version=1)
-    ranking, why = rank_replicas((1, 2), {"a": 0, "b": 0}, table, imbalance=4)
-    assert (ranking[0], why) == (["b"], "load")
+    ranking, why = rank_replicas((1, 2), {"a": 0, "b": 1}, table, imbalance=4)
+    assert (ranking[0], why) == (["b"], "spread")
     table.routed("b", (1, 2))
     assert rank_replicas((1, 2, 5), {"a": 0, "b": 1}, table, imbalance=4) == ([["b"], ["a"]], "prefix")
+    assert rank_replicas((9,), {"a": 0, "b": 6}, table, imbalance=4)[0][0] == ["a"]  # b caches less but is too loaded
+    assert rank_replicas((), {"a": 3, "b": 1}, table, imbalance=4) == ([["b"], ["a"]], "load")  # no prompt
 
 
 def test_routed_keys_expire_and_reports_replace_reports() -> None:

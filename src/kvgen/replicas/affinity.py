@@ -5,9 +5,10 @@ For each replica the table knows two sets of block keys (replicas/prompt_key.py)
 last reported from its prefix index (exact, but a stats period old) and those of requests routed to
 it since (what it will hold once they are prefilled, so that a burst of one prefix sticks to one
 replica before any report). A request goes to the replica matching most of its leading blocks,
-unless that replica's queue is longer than the shortest one by more than `imbalance` requests;
-otherwise, or when nothing matches, to the least loaded, and among equally loaded ones to the one
-caching least, so that different prefixes spread over the replicas.
+unless that replica's queue is longer than the shortest one by more than `imbalance` requests (then
+to the least loaded). A request that matches nothing goes to the replica caching least among those
+within `imbalance` of the shortest queue, so that different prefixes spread over the replicas and
+each replica's cache holds its own share of them.
 """
 
 from __future__ import annotations
@@ -81,15 +82,20 @@ class AffinityTable:
 
 def rank_replicas(keys: Sequence[int], queue_lens: dict[str, int], table: AffinityTable,
                   imbalance: int) -> tuple[Ranking, str]:  # fmt: skip
-    """(ranking, why): the replica to try first, then the rest by load; why is 'prefix' or 'load'."""
+    """(ranking, why): the replica to try first, then the rest by load. why: 'prefix' (the best
+    match), 'load' (the match's queue is too long, or the request has no prompt: least loaded) or
+    'spread' (a new prefix: the replica caching least among those not too loaded)."""
     if not queue_lens:
         return [], "load"
     lowest = min(queue_lens.values())
+    balanced = [r for r in queue_lens if queue_lens[r] - lowest <= imbalance]
     matched = {r: table.matched_blocks(r, keys) for r in queue_lens} if keys else dict.fromkeys(queue_lens, 0)
     best = max(queue_lens, key=lambda r: (matched[r], -queue_lens[r], -table.size(r)))
-    if matched[best] > 0 and queue_lens[best] - lowest <= imbalance:
+    if matched[best] > 0 and best in balanced:
         first, why = best, "prefix"
+    elif keys and matched[best] == 0:
+        first, why = min(balanced, key=lambda r: (table.size(r), queue_lens[r])), "spread"
     else:
-        first, why = min(queue_lens, key=lambda r: (queue_lens[r], table.size(r), -matched[r])), "load"
+        first, why = min(queue_lens, key=lambda r: (queue_lens[r], -matched[r], table.size(r))), "load"
     rest = sorted((r for r in queue_lens if r != first), key=lambda r: (queue_lens[r], -matched[r]))
     return [[first]] + ([rest] if rest else []), why

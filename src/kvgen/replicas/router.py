@@ -32,7 +32,7 @@ class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 8, routed_ttl_s: float = 60.0, **_: Any) -> None:
         self.imbalance = imbalance
         self.table = AffinityTable(routed_ttl_s)
-        self.decisions = {"prefix": 0, "load": 0}
+        self.decisions = {"prefix": 0, "load": 0, "spread": 0}
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:  # fmt: skip
