@@ -9,6 +9,7 @@ request ends: nothing waits on a dead replica.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator
@@ -35,6 +36,7 @@ async def relay(handle, call: RoutedCall, retries: int) -> StreamingResponse:
             stream.cancel()
             lost = error
             log.warning("a replica died before answering (attempt %d of %d): %s", attempt + 1, retries + 1, error)
+            await asyncio.sleep(0.25 * 2**attempt)  # the router hears of the death meanwhile
             continue
         except BaseException:
             stream.cancel()
