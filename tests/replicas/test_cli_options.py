@@ -28,3 +28,16 @@ def test_autoscaling_options_become_ray_serves() -> None:
         "min_replicas": 1, "initial_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 6}  # fmt: skip
     fixed = ReplicaOptions(replicas=3).deployment_options()
     assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 1.0} and "autoscaling_config" not in fixed
+
+
+def test_kvgen_runs_without_ray_and_says_how_to_get_it() -> None:
+    """Ray blocked from importing (as when the extra is not installed): the CLI and the server load,
+    and --replicas is exit 2 saying to install kvgen[ray]."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import kvgen.cli, kvgen.server.app, kvgen.replicas.prompt_key, kvgen.replicas.affinity\n"
+            "sys.exit(kvgen.cli.main(['serve', '--no-progress', '--replicas', '2']))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "pip install 'kvgen[ray]'" in result.stderr, result.stderr
