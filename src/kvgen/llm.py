@@ -21,6 +21,7 @@ from kvgen.loading.hf import load_hf_folder
 from kvgen.loading.registry import resolve_model_path
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import check_mode
+from kvgen.lora.registry import AdapterRegistry
 from kvgen.models import DecoderLM, build_model
 from kvgen.sampling.params import SamplingParams
 from kvgen.session import Session
@@ -57,6 +58,7 @@ class LLM:
         self.path = checkpoint.path
         self.weights = checkpoint.weights
         self.generator = Generator(model, self.tokenizer, max_context, cache)
+        self.adapters = AdapterRegistry(model)  # LoRA adapters requests may name (SamplingParams.adapter)
         self._batch = None  # BatchGenerator, built on the first generate_batch
 
     @classmethod
@@ -71,6 +73,16 @@ class LLM:
         """
         checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
         return cls(build_model(checkpoint), checkpoint, max_context, cache)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Serve the LoRA adapter at `path` (a PEFT folder or a GGUF LoRA file) as `name`; requests
+        pick it with SamplingParams(adapter=name). AdapterError when it does not fit this model."""
+        self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving `name`: True when gone now; False when running requests still use it (it
+        goes when they end; new requests for it are refused at once)."""
+        return self.adapters.unload(name)
 
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,

@@ -17,6 +17,7 @@ from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
+from kvgen.models.lora import LoraStacks
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, frozen, linear
@@ -89,6 +90,20 @@ class DecoderLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
+    # The loaded LoRA adapters' weights (kvgen/lora/registry.py attaches them to the blocks).
+    lora: LoraStacks | None = None
+
+    def _activate_adapters(self, adapters: Sequence[str | None] | None, row_tokens: Sequence[int]) -> bool:
+        """Rows of the next forward use these adapters (by name; None: the base model). True when
+        some row has one: that forward then runs the torch path (the C decode step adds no deltas)."""
+        if adapters is None or all(a is None for a in adapters):
+            return False
+        unknown = [a for a in adapters if a is not None and (self.lora is None or a not in self.lora.slots)]
+        if unknown:
+            raise ValueError(f"adapter {unknown[0]!r} is not loaded on this model: load it first (LLM.load_adapter)")
+        assert self.lora is not None
+        return self.lora.activate(adapters, row_tokens)
+
     # One-token decode steps run in C when the weights are quantized (models/fast_decode.py);
     # set False to force the torch path (the reference the C path is tested against).
     use_fast_decode: bool = True
@@ -133,21 +148,30 @@ class DecoderLM(nn.Module):
         cache: KVCache,
         positions: torch.Tensor | None = None,
         logits_to_keep: int | None = 1,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] at positions cache.seq_len.. -> logits [B, logits_to_keep or S, V].
 
         Appends the S positions to `cache` (committed only after every layer succeeded). One forward
         at a time per model: the C decode path and the quantized layers reuse scratch buffers.
+        `adapter`: the loaded LoRA adapter every row runs with (None: the base model).
         """
         with self._forward_lock:
-            return self._forward(input_ids, cache, positions, logits_to_keep)
+            batch, seq = input_ids.shape
+            with_lora = self._activate_adapters([adapter] * batch, [seq] * batch)
+            try:
+                return self._forward(input_ids, cache, positions, logits_to_keep, with_lora)
+            finally:
+                if with_lora:
+                    self.lora.deactivate()  # type: ignore[union-attr]
 
     def _forward(
-        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None,
+        with_lora: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         batch, seq = input_ids.shape
         # A decode, or a verify that wants every token's logits, takes the C step; prompts do not.
-        if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)):
+        if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)) and not with_lora:
             fast = self._fast_hidden(input_ids, cache)
             if fast is not None:
                 return self._logits(fast, row_invariant=True)  # [1, S, V]
@@ -199,7 +223,8 @@ class DecoderLM(nn.Module):
         return h  # [B, S, H]
 
     def forward_batch(
-        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: Sequence[int] | None = None
+        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: Sequence[int] | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> torch.Tensor:
         """Ragged batch: row i appends token_ids[i] (>= 1 tokens) at caches[i].seq_len.. to its own
         cache -> logits of each row's last token, [B, V]; with `num_logits`, of row i's last
@@ -207,6 +232,7 @@ class DecoderLM(nn.Module):
 
         One forward with a batch dimension (rows padded to the longest); every cache is committed
         only after all layers succeeded, so a failure leaves every cache's length as it was.
+        `adapters`: per row the loaded LoRA adapter it runs with (None: the base model).
         """
         if len(token_ids) != len(caches) or not caches:
             raise ValueError(f"forward_batch needs one cache per row and at least one row, got {len(token_ids)} rows and {len(caches)} caches")
@@ -217,15 +243,25 @@ class DecoderLM(nn.Module):
         num_logits = list(num_logits) if num_logits is not None else [1] * len(token_ids)
         if len(num_logits) != len(token_ids) or any(not 1 <= n <= len(ids) for n, ids in zip(num_logits, token_ids)):
             raise ValueError(f"num_logits needs one count per row, each between 1 and the row's length, got {num_logits}")
+        if adapters is not None and len(adapters) != len(token_ids):
+            raise ValueError(f"adapters needs one entry per row (None for the base model), got {len(adapters)} for {len(token_ids)} rows")
         if len(caches) == 1 and not caches[0].batch_path_only:  # no padding: the single-sequence path and its C kernels
-            if len(token_ids[0]) > 1:  # a verify takes the C step of decodes, as in a batch
+            no_adapter = adapters is None or all(a is None for a in adapters)
+            if len(token_ids[0]) > 1 and no_adapter:  # a verify takes the C step of decodes, as in a batch
                 with self._forward_lock:
                     fast = self._decode_rows_fast(token_ids, caches, num_logits)
                 if fast is not None:
                     return fast
-            return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
+            adapter = adapters[0] if adapters is not None else None
+            return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0], adapter=adapter)[0]
         with self._forward_lock:
-            return self._forward_batch(token_ids, caches, num_logits)
+            longest = max(len(ids) for ids in token_ids)
+            with_lora = self._activate_adapters(adapters, [longest] * len(token_ids))
+            try:
+                return self._forward_batch(token_ids, caches, num_logits, with_lora)
+            finally:
+                if with_lora:
+                    self.lora.deactivate()  # type: ignore[union-attr]
 
     def _decode_rows_fast(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor | None:
         """Decodes and speculative verifies (rows that want the logits of every token they run)
@@ -263,8 +299,10 @@ class DecoderLM(nn.Module):
             hidden.append(h[[end - num_logits[i] + j for end, i in zip(ends, step) for j in range(num_logits[i])]])
         return self._logits(torch.cat(hidden)[None], row_invariant=True)[0]  # [sum(num_logits), V]
 
-    def _forward_batch(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor:
-        fast = self._decode_rows_fast(token_ids, caches, num_logits)
+    def _forward_batch(
+        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], with_lora: bool = False
+    ) -> torch.Tensor:
+        fast = self._decode_rows_fast(token_ids, caches, num_logits) if not with_lora else None
         if fast is not None:
             return fast
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]

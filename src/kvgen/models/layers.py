@@ -10,6 +10,7 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.kv.interface import KVCache
+from kvgen.models.lora import LoraStacks
 from kvgen.models.rotary import apply_rotary
 from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
 
@@ -90,6 +91,8 @@ class AttentionMask:
 class Attention(nn.Module):
     """Grouped-query attention with fused QKV; keys and values go through the cache contract."""
 
+    lora: LoraStacks | None = None  # set while adapters are loaded (kvgen/lora/registry.py)
+
     def __init__(self, config: ModelConfig, layer: int, weights: WeightSource, prefix: str, qk_norm_offset: float | None):
         super().__init__()
         self.layer = layer
@@ -117,7 +120,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)
+        if self.lora is not None:
+            qkv = self.lora.add_delta(self.layer, "qkv", x, qkv)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -135,7 +141,9 @@ class Attention(nn.Module):
                 q, keys, values, attn_mask=mask.mask, is_causal=mask.is_causal, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )  # fmt: skip
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_size))
+        out = out.transpose(1, 2).reshape(batch, seq, q_size)
+        y = self.o_proj(out)
+        return y if self.lora is None else self.lora.add_delta(self.layer, "o", out, y)
 
     def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
         """softmax(cap * tanh(q.k * scale / cap) + mask) v, the eager attention of Gemma 2."""
@@ -160,6 +168,9 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (SwiGLU / GeGLU)."""
 
+    lora: LoraStacks | None = None  # set with `layer` while adapters are loaded
+    layer: int = -1
+
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
         super().__init__()
         self.intermediate = config.intermediate_size
@@ -171,5 +182,10 @@ class GatedMLP(nn.Module):
         self.act = F.silu if config.hidden_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(self.act(gate) * up)
+        gate_up = self.gate_up(x)
+        if self.lora is not None:
+            gate_up = self.lora.add_delta(self.layer, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        hidden = self.act(gate) * up
+        y = self.down(hidden)
+        return y if self.lora is None else self.lora.add_delta(self.layer, "down", hidden, y)

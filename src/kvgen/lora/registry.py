@@ -1,0 +1,209 @@
+"""AdapterRegistry: the LoRA adapters one model serves, by name.
+
+Adapters live in CPU RAM within an optional budget: loading past it evicts the least recently used
+adapters that no request holds; an evicted adapter stays registered and is read from its file again
+on its next use (vLLM's max_cpu_loras, by bytes). A request holds its adapter from admission to its
+end (`acquire` / `release`); unloading a held adapter is deferred: new requests are refused at
+once, the running ones finish with it, and it goes when the last one ends. Every change restacks the
+weights under the model's forward lock, so a forward never sees half an update.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvgen.lora.adapter import AdapterError, LoraAdapter, UnknownAdapterError
+from kvgen.lora.gguf_lora import is_gguf_lora, load_gguf_lora
+from kvgen.lora.peft_folder import is_peft_folder, load_peft_folder
+from kvgen.models.layers import Attention, GatedMLP
+from kvgen.models.lora import FUSED_MODULES, LoraStacks
+
+
+def read_adapter(name: str, path: str | Path, config) -> LoraAdapter:  # config: ModelConfig
+    """A PEFT folder or a GGUF LoRA file -> LoraAdapter checked against `config` (AdapterError)."""
+    path = Path(path)
+    if is_peft_folder(path):
+        return load_peft_folder(name, path, config)
+    if is_gguf_lora(path):
+        return load_gguf_lora(name, path, config)
+    raise AdapterError(f"no LoRA adapter at {path}: give a PEFT folder (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file")
+
+
+@dataclass
+class AdapterStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    loads: int = 0  # reads of its file (the first, and each after an eviction)
+
+
+@dataclass
+class _Entry:
+    path: Path
+    generation: int  # tells a reload under the same name apart (prefix-cache key)
+    adapter: LoraAdapter | None  # None: evicted, read again on next use
+    in_use: int = 0
+    draining: bool = False  # unload asked while in use
+    last_used: float = field(default_factory=time.monotonic)
+    stats: AdapterStats = field(default_factory=AdapterStats)
+
+
+class AdapterRegistry:
+    def __init__(self, model, budget_mb: float | None = None):  # model: DecoderLM
+        self.model = model
+        self.budget_bytes = int(budget_mb * 2**20) if budget_mb is not None else None
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
+        self._generations = 0
+        self.evictions = 0
+        config = model.config
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        sizes = {"q": q, "k": kv, "v": kv, "o": config.hidden_size, "gate": config.intermediate_size,
+                 "up": config.intermediate_size, "down": config.hidden_size}  # fmt: skip
+        self._out_sizes = {fused: tuple(sizes[p] for p in projs) for fused, projs in FUSED_MODULES.items()}
+
+    def check_model(self) -> None:
+        """AdapterError unless every block is attention + gated MLP (the linears LoRA targets)."""
+        for block in getattr(self.model, "layers", []):
+            if not isinstance(getattr(block, "attn", None), Attention) or not isinstance(getattr(block, "mlp", None), GatedMLP):
+                raise AdapterError(f"LoRA adapters are not supported for {self.model.config.architecture} models")
+        if not hasattr(self.model, "layers"):
+            raise AdapterError(f"LoRA adapters are not supported for {self.model.config.architecture} models")
+
+    # -- loading -----------------------------------------------------------------------------------
+    def load(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read and check the adapter, then serve it as `name`. AdapterError when the name is taken
+        or the file does not fit the model; nothing changes then."""
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise AdapterError(f"an adapter name must be a non-empty string without surrounding spaces, got {name!r}")
+        self.check_model()
+        with self._lock:
+            if name in self._entries:
+                raise AdapterError(f"an adapter named {name!r} is loaded already: unload it first or pick another name")
+        adapter = read_adapter(name, path, self.model.config)  # slow part outside the lock
+        with self._lock:
+            if name in self._entries:
+                raise AdapterError(f"an adapter named {name!r} is loaded already: unload it first or pick another name")
+            self._generations += 1
+            entry = _Entry(Path(path), self._generations, adapter)
+            entry.stats.loads = 1
+            self._entries[name] = entry
+            self._fit_budget(keep=name)
+            self._restack()
+        return adapter
+
+    def unload(self, name: str) -> bool:
+        """Stop serving `name`: True when it is gone now, False when requests hold it (it goes when
+        the last ends; new requests for it are refused from now)."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None or entry.draining:
+                raise UnknownAdapterError(f"no adapter named {name!r} is loaded")
+            if entry.in_use:
+                entry.draining = True
+                return False
+            del self._entries[name]
+            self._restack()
+            return True
+
+    # -- requests ----------------------------------------------------------------------------------
+    def cache_key(self, name: str) -> str:
+        """What joins the prefix-cache key of a request under `name`: blocks computed with one
+        adapter (or one load of it) are never reused for another."""
+        with self._lock:
+            entry = self._live(name)
+            return f"lora:{name}#{entry.generation}"
+
+    def check(self, name: str) -> None:
+        """UnknownAdapterError unless `name` is loaded and accepting requests."""
+        with self._lock:
+            self._live(name)
+
+    def acquire(self, name: str) -> str:
+        """Hold `name` for one request (reads it again if it was evicted); its cache key."""
+        with self._lock:
+            entry = self._live(name)
+            if entry.adapter is None:
+                entry.adapter = read_adapter(name, entry.path, self.model.config)
+                entry.stats.loads += 1
+                self._fit_budget(keep=name)
+                self._restack()
+            entry.in_use += 1
+            entry.last_used = time.monotonic()
+            entry.stats.requests += 1
+            return f"lora:{name}#{entry.generation}"
+
+    def release(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return
+            entry.in_use -= 1
+            entry.stats.prompt_tokens += prompt_tokens
+            entry.stats.generated_tokens += generated_tokens
+            if entry.draining and entry.in_use == 0:
+                del self._entries[name]
+                self._restack()
+
+    def _live(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None or entry.draining:
+            loaded = ", ".join(self.names()) or "none"
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded (loaded: {loaded})")
+        return entry
+
+    # -- memory ------------------------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        return sum(e.adapter.nbytes for e in self._entries.values() if e.adapter is not None)
+
+    def _fit_budget(self, keep: str) -> None:
+        """Evict idle adapters, least recently used first, until the resident ones fit the budget."""
+        if self.budget_bytes is None:
+            return
+        idle = sorted((e.last_used, n) for n, e in self._entries.items() if n != keep and e.in_use == 0 and e.adapter is not None)
+        for _, name in idle:
+            if self.resident_bytes() <= self.budget_bytes:
+                break
+            self._entries[name].adapter = None
+            self.evictions += 1
+        if self.resident_bytes() > self.budget_bytes:
+            raise AdapterError(f"adapter {keep!r} does not fit the adapter memory budget "
+                               f"({self.budget_bytes / 2**20:.1f} MiB) beside the adapters in use: raise the budget")  # fmt: skip
+
+    def _restack(self) -> None:
+        """Stack the resident adapters into the model's linears (under its forward lock)."""
+        resident = [(n, e.adapter.weights) for n, e in self._entries.items() if e.adapter is not None]
+        with self.model._forward_lock:
+            if not resident:
+                self._attach(None)
+                return
+            stacks = self.model.lora if self.model.lora is not None else LoraStacks(self._out_sizes)
+            stacks.rebuild(resident)
+            self._attach(stacks)
+
+    def _attach(self, stacks: LoraStacks | None) -> None:
+        for i, block in enumerate(self.model.layers):
+            block.attn.lora = stacks
+            block.mlp.lora, block.mlp.layer = stacks, i
+        self.model.lora = stacks
+
+    # -- introspection -----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Adapters accepting requests, in load order."""
+        return [n for n, e in self._entries.items() if not e.draining]
+
+    def info(self) -> dict[str, dict]:
+        """Per adapter: path, rank, projections, resident bytes, in-use count and counters (metrics)."""
+        with self._lock:
+            out = {}
+            for name, e in self._entries.items():
+                a = e.adapter
+                out[name] = {
+                    "path": str(e.path), "resident": a is not None, "bytes": a.nbytes if a else 0,
+                    "rank": a.rank if a else None, "projections": list(a.projections) if a else None,
+                    "in_use": e.in_use, "unloading": e.draining, **vars(e.stats),
+                }  # fmt: skip
+            return out

@@ -1,0 +1,113 @@
+"""LoRA deltas added to the base linears' outputs, for a batch whose rows use different adapters.
+
+Nothing is merged into the base weights, so one model serves every adapter and the base model at
+once. Per (layer, fused linear) every loaded adapter's A and B are stacked, one slot per adapter,
+zero-padded to the widest rank; the fused linears (q|k|v, gate|up) hold their projections' ranks
+side by side, each B block writing only its own output columns. Scaling (alpha / r, or alpha /
+sqrt(r) with rsLoRA) is folded into B.
+
+A forward gets each row's adapter (or none). The adapters used in the batch are gathered once per
+linear and every token meets them in two GEMMs (Punica / S-LoRA's gathered matmul, as dense
+matmuls over the used slots): xa = x @ A_used^T [N, used*R], a 0/1 mask keeps each token's own
+slot's R columns (all zero for rows without an adapter, whose output is then exactly the base
+one), and delta = xa @ B_used [N, out]. The work grows with the adapters in the batch, not with
+its rows, and there is no Python per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# Fused linear -> the projections it holds, in output order (models/layers.py fuses them so).
+FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+MODULE_OF = {proj: fused for fused, projs in FUSED_MODULES.items() for proj in projs}
+
+# (layer, projection) -> (A [r, in], B [out, r] with the scaling folded in)
+LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Active:
+    """One forward's rows: which used slot each token takes, and the used slots."""
+
+    used: torch.Tensor  # [u] int64 slot numbers
+    token_slot: torch.Tensor  # [N] int64 index into `used`, -1 for tokens of rows without an adapter
+    all_same: bool  # every token takes used[0]: no mask needed
+    masks: dict[int, torch.Tensor]  # rank width -> [N, u * R] 0/1 mask, built on first use
+
+
+class LoraStacks:
+    """Every loaded adapter's weights, stacked per (layer, fused linear); `activate` chooses each
+    row's adapter for one forward, `add_delta` adds it to a linear's output."""
+
+    def __init__(self, out_sizes: dict[str, tuple[int, ...]]):
+        self.out_sizes = out_sizes  # fused linear -> its projections' output sizes
+        self.slots: dict[str, int] = {}  # adapter key -> slot
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # A [n, R, in], B [n, R, out]
+        self._active: _Active | None = None
+
+    def rebuild(self, adapters: Sequence[tuple[str, LoraWeights]]) -> None:
+        """Stack these adapters (key, weights), slot i for the i-th; replaces what was stacked."""
+        self.slots = {key: i for i, (key, _) in enumerate(adapters)}
+        targets = sorted({(layer, MODULE_OF[proj]) for _, weights in adapters for layer, proj in weights})
+        stacks = {}
+        for layer, fused in targets:
+            projs = FUSED_MODULES[fused]
+            outs = self.out_sizes[fused]
+            ranks = [sum(w[(layer, p)][0].shape[0] for p in projs if (layer, p) in w) for _, w in adapters]
+            in_features = next(w[(layer, p)][0].shape[1] for _, w in adapters for p in projs if (layer, p) in w)
+            width = max(ranks)
+            a_stack = torch.zeros(len(adapters), width, in_features)
+            b_stack = torch.zeros(len(adapters), width, sum(outs))
+            for slot, (_, weights) in enumerate(adapters):
+                rank_at, out_at = 0, 0
+                for proj, out in zip(projs, outs):
+                    if (layer, proj) in weights:
+                        a, b = weights[(layer, proj)]
+                        a_stack[slot, rank_at : rank_at + a.shape[0]] = a
+                        b_stack[slot, rank_at : rank_at + a.shape[0], out_at : out_at + out] = b.T
+                        rank_at += a.shape[0]
+                    out_at += out
+            stacks[layer, fused] = (a_stack, b_stack)
+        self.stacks = stacks
+
+    def activate(self, row_keys: Sequence[str | None], row_tokens: Sequence[int]) -> bool:
+        """Rows of the next forward use these adapter keys (None: the base model); row i brings
+        row_tokens[i] positions (padded rows: the padded length). False when no row has one."""
+        slots = [self.slots[key] if key is not None else -1 for key in row_keys]
+        used = sorted({s for s in slots if s >= 0})
+        if not used or not self.stacks:
+            self._active = None
+            return False
+        local = torch.tensor([used.index(s) if s >= 0 else -1 for s in slots])
+        token_slot = local.repeat_interleave(torch.tensor(list(row_tokens)))
+        self._active = _Active(torch.tensor(used), token_slot, len(used) == 1 and bool((local == 0).all()), {})
+        return True
+
+    def deactivate(self) -> None:
+        self._active = None
+
+    def add_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = base_linear(x) [..., out] -> y + B(A x) for each token's adapter."""
+        active, stack = self._active, self.stacks.get((layer, fused))
+        if active is None or stack is None:
+            return y
+        a_stack, b_stack = stack
+        used, width = active.used, a_stack.shape[1]
+        if len(used) == a_stack.shape[0]:  # every slot is used: views, no gather
+            a, b = a_stack.reshape(-1, a_stack.shape[2]), b_stack.reshape(-1, b_stack.shape[2])
+        else:
+            a = a_stack.index_select(0, used).reshape(-1, a_stack.shape[2])  # [u * R, in]
+            b = b_stack.index_select(0, used).reshape(-1, b_stack.shape[2])  # [u * R, out]
+        xa = x.reshape(-1, x.shape[-1]).float() @ a.T  # [N, u * R]
+        if not active.all_same:
+            mask = active.masks.get(width)
+            if mask is None:
+                columns = torch.arange(len(used) * width) // width  # the used slot of each column
+                mask = active.masks[width] = (columns[None, :] == active.token_slot[:, None]).float()
+            xa = xa * mask
+        delta = (xa @ b).view(*y.shape[:-1], y.shape[-1])
+        return y + delta.to(y.dtype)
