@@ -16,6 +16,7 @@ from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
 from kvgen.kv.interface import KVCache
 from kvgen.loading.tokenizer import Tokenizer
+from kvgen.lora.adapter import UnknownAdapterError
 from kvgen.models.base import DecoderLM
 from kvgen.prompt_checks import check_params, encode_prompt
 from kvgen.result import GenerationResult, Timings, Usage
@@ -47,6 +48,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.max_context = min(max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.cache_config = cache or CacheConfig()
+        self.adapters = None  # the LLM's AdapterRegistry: LoRA adapters that SamplingParams.adapter may name
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -65,8 +67,13 @@ class Generator:
         return self.caches.new_cache(num_tokens)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary, and
+        that the adapter it names is loaded (UnknownAdapterError)."""
         check_params(params, self.model.config.vocab_size)
+        if params.adapter is not None:
+            if self.adapters is None:
+                raise UnknownAdapterError(f"adapter {params.adapter!r} is not loaded: this model serves no adapters")
+            self.adapters.check(params.adapter)
 
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, on_chunk: ChunkCallback | None = None,
@@ -101,7 +108,7 @@ class Generator:
         try:
             started = time.perf_counter()
             with torch.inference_mode():
-                logits = self.model(torch.tensor([ids]), base)[0, -1]  # [V]
+                logits = self.model(torch.tensor([ids]), base, adapter=params.adapter)[0, -1]  # [V]
             prefill_seconds = time.perf_counter() - started
             results = []
             for i in range(params.n):
@@ -147,6 +154,8 @@ class GenerationStream:
         self.sampler = self.state.sampler
         self.result = self.state.result()  # live: token ids and timings fill in as the stream runs
         self.speculative = speculative
+        if speculative is not None and params.adapter is not None:
+            raise ValueError("speculative decoding does not run with LoRA adapters: generate without speculative")
         if speculative is not None and hasattr(generator.model, "new_state_cache"):
             raise ValueError(f"speculative decoding needs a rewindable KV cache; {generator.model.config.architecture} "
                              "models keep their own state: generate without speculative")
@@ -182,6 +191,9 @@ class GenerationStream:
         self.shifted += end - start
 
     def _run(self) -> Iterator[Chunk]:
+        adapters, adapter = self.generator.adapters, self.params.adapter
+        if adapter is not None:  # held while generating: an unload waits for this request
+            adapters.acquire(adapter)  # type: ignore[union-attr]
         try:
             for chunk in self._generate():
                 if self.on_chunk is not None:
@@ -192,6 +204,8 @@ class GenerationStream:
                 self._proposer.release()
             if self.owns_cache:
                 self.cache.release()
+            if adapter is not None:
+                adapters.release(adapter, len(self.prompt_ids), len(self.result.token_ids))  # type: ignore[union-attr]
 
     def _prefill(self) -> torch.Tensor:
         """The logits [V] that choose the first new token."""
@@ -200,7 +214,7 @@ class GenerationStream:
         self.cache.truncate(self.reused)
         pending = self.prompt_ids[self.reused :]
         self.result.timings.prefill_tokens = len(pending)
-        return self.generator.model(torch.tensor([pending]), self.cache)[0, -1]  # [V]
+        return self.generator.model(torch.tensor([pending]), self.cache, adapter=self.params.adapter)[0, -1]  # [V]
 
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:
@@ -235,7 +249,7 @@ class GenerationStream:
             else:
                 if params.context_shift and self.cache.seq_len + 1 > max_context:
                     self._shift_context()
-                token = sampler(model(torch.tensor([[token]]), self.cache)[0, -1])
+                token = sampler(model(torch.tensor([[token]]), self.cache, adapter=params.adapter)[0, -1])
             result.timings.decode_tokens += 1
         if ahead:  # stopped inside a verified run: the cache must hold the emitted tokens but the last
             self.cache.truncate(len(self.prompt_ids) + len(result.token_ids) - 1)

@@ -59,6 +59,7 @@ class LLM:
         self.weights = checkpoint.weights
         self.generator = Generator(model, self.tokenizer, max_context, cache)
         self.adapters = AdapterRegistry(model)  # LoRA adapters requests may name (SamplingParams.adapter)
+        self.generator.adapters = self.adapters
         self._batch = None  # BatchGenerator, built on the first generate_batch
 
     @classmethod

@@ -35,6 +35,7 @@ class Session:
         self._last: GenerationStream | None = None
         self._ids: list[int] = []  # the cached ids when no stream is attached (after fork / rewind)
         self.last_result: GenerationResult | None = None
+        self._adapter: str | None = None  # the LoRA adapter the cached keys and values were computed with
 
     @property
     def cached_ids(self) -> list[int]:
@@ -56,7 +57,10 @@ class Session:
         reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)  # the stream truncates to it
         if hasattr(self.cache, "resume_point"):  # a recurrent state rewinds only to its checkpoints
             reused = self.cache.resume_point(reused)
+        if params.adapter != self._adapter:  # another adapter's keys and values are not this turn's
+            reused = 0
         self._last = GenerationStream(self.generator, self.cache, ids, reused, params, on_chunk=on_chunk, speculative=speculative)
+        self._adapter = params.adapter
         return self._last
 
     def chat(
@@ -75,6 +79,7 @@ class Session:
         twin.generator, twin.cache = self.generator, self.cache.fork()
         twin.messages = [dict(m) for m in self.messages]
         twin._last, twin._ids, twin.last_result = None, self.cached_ids, self.last_result
+        twin._adapter = self._adapter
         return twin
 
     def rewind(self, *, num_tokens: int | None = None, num_turns: int | None = None) -> None:

@@ -23,6 +23,7 @@ from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
 from kvgen.kv.disk_store import DiskBlockStore, model_fingerprint
 from kvgen.kv.disk_tier import PrefixDiskTier
+from kvgen.lora.adapter import UnknownAdapterError
 from kvgen.prompt_checks import check_params, encode_prompt
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.request_state import RequestState
@@ -40,7 +41,7 @@ class LLMEngine:
     supported_params = frozenset({
         "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "stop", "ignore_eos",
-        "logprobs", "top_logprobs", "structured",
+        "logprobs", "top_logprobs", "structured", "adapter",
     })  # fmt: skip
 
     def __init__(self, llm, config: EngineConfig | None = None, cache: CacheConfig | None = None):  # llm: kvgen.LLM
@@ -66,6 +67,7 @@ class LLMEngine:
         self.disk = self._open_disk_tier(llm) if self.config.kv_cache_dir is not None else None
         self.scheduler.disk = self.disk
         self.runner = ModelRunner(self.model)
+        self.adapters = getattr(llm, "adapters", None)  # AdapterRegistry: the LoRA adapters requests may name
         self.requests: dict[str, Request] = {}
         self.speculative_totals = SpeculativeStats()  # over every speculative request (metrics)
 
@@ -110,6 +112,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         ids = encode_prompt(self.tokenizer, prompt, vocab, self.max_context)  # empty, out-of-vocabulary or too-long prompts raise
         check_params(params, vocab)
+        if params.adapter is not None:  # UnknownAdapterError unless loaded; its blocks are keyed apart
+            salt = f"{salt}\x00{self._adapter_key(params.adapter, speculative)}"
         longest = min(len(ids) + params.max_new_tokens, self.max_context)
         if self.state_model:
             if speculative is not None:
@@ -129,11 +133,24 @@ class LLMEngine:
             request.speculation = RequestSpeculation(speculative, proposer, request.sampler, self.speculative_totals)
         return request
 
+    def _adapter_key(self, name: str, speculative: SpeculativeConfig | None) -> str:
+        if self.adapters is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded: this model serves no adapters")
+        if speculative is not None:
+            raise ValueError("speculative decoding does not run with LoRA adapters: leave speculative off for adapter requests")
+        return self.adapters.cache_key(name)
+
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use: pick a unique id")
+        if request.params.adapter is not None:  # held until the request ends (an unload waits for it)
+            self.adapters.acquire(request.params.adapter)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.params.adapter is not None:
+            self.adapters.release(request.params.adapter, len(request.prompt_ids), len(request.output_ids))
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -157,6 +174,7 @@ class LLMEngine:
             return None
         self.scheduler.release(request)
         request.release_speculation()
+        self._release_adapter(request)
         return request.abort(reason, error)
 
     def has_unfinished(self) -> bool:
@@ -188,6 +206,7 @@ class LLMEngine:
                 self.scheduler.index_blocks(request)
                 self.scheduler.release(request)
                 request.release_speculation()
+                self._release_adapter(request)
                 del self.requests[request.request_id]
             outputs.append(output)
         return outputs

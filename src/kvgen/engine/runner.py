@@ -38,8 +38,11 @@ class ModelRunner:
         chunks = [i for i in range(len(rows)) if not rows[i].request.is_decoding]
         short = [i for i in chunks if rows[i].num_tokens <= SHORT_ROW_TOKENS]
         long = [i for i in chunks if rows[i].num_tokens > SHORT_ROW_TOKENS]
+        # Decodes under a LoRA adapter run the torch path (the C step adds no deltas): the base
+        # model's decodes and verifies keep their C step in a forward of their own.
+        adapted = [i for i in steps if rows[i].request.params.adapter is not None]
         if self._has_c_step():
-            groups = [steps, short, long]
+            groups = [[i for i in steps if i not in adapted], adapted, short, long]
         else:  # the torch path pads: one-token decodes apart from verifies
             groups = [[i for i in steps if rows[i].num_tokens == 1], [i for i in steps if rows[i].num_tokens > 1], short, long]
         groups = [group for group in groups if group]
@@ -64,7 +67,8 @@ class ModelRunner:
             caches.append(request.cache)
             num_logits.append(1 + len(draft))
             starts.append(start)
-        logits = self.model.forward_batch(token_ids, caches, num_logits)  # [sum(num_logits), V]
+        adapters = [row.request.params.adapter for row in rows]
+        logits = self.model.forward_batch(token_ids, caches, num_logits, adapters)  # [sum(num_logits), V]
         self.num_forwards += 1
         self.num_tokens += sum(len(ids) for ids in token_ids)
         new_tokens: list[list[int]] = []

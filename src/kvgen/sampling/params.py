@@ -50,6 +50,8 @@ class SamplingParams:
     # (re-rotating the keys that move) and go on, instead of stopping with finish_reason "length".
     context_shift: bool = False
     context_keep: int = 4
+    # The loaded LoRA adapter to run with (LLM.load_adapter's name); None: the base model.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -73,6 +75,8 @@ class SamplingParams:
         _check(self.context_keep >= 0, f"context_keep must be >= 0, got {self.context_keep!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                f"structured must be a StructuredOutput (e.g. StructuredOutput.json_schema(schema)), got {type(self.structured).__name__}")  # fmt: skip
+        _check(self.adapter is None or (isinstance(self.adapter, str) and self.adapter != ""),
+               f"adapter must be a loaded adapter's name or None, got {self.adapter!r}")  # fmt: skip
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
