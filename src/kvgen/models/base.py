@@ -245,15 +245,17 @@ class DecoderLM(nn.Module):
             raise ValueError(f"num_logits needs one count per row, each between 1 and the row's length, got {num_logits}")
         if adapters is not None and len(adapters) != len(token_ids):
             raise ValueError(f"adapters needs one entry per row (None for the base model), got {len(adapters)} for {len(token_ids)} rows")
-        if len(caches) == 1 and not caches[0].batch_path_only:  # no padding: the single-sequence path and its C kernels
-            no_adapter = adapters is None or all(a is None for a in adapters)
-            if len(token_ids[0]) > 1 and no_adapter:  # a verify takes the C step of decodes, as in a batch
+        # One row alone takes the single-sequence path and its C kernels. Not under an adapter: its
+        # decodes then run the batch path's attention, the one they meet beside other rows, so
+        # that a row gets the same bits alone or batched (int8 activations amplify any difference).
+        with_adapter = adapters is not None and any(a is not None for a in adapters)
+        if len(caches) == 1 and not caches[0].batch_path_only and not with_adapter:
+            if len(token_ids[0]) > 1:  # a verify takes the C step of decodes, as in a batch
                 with self._forward_lock:
                     fast = self._decode_rows_fast(token_ids, caches, num_logits)
                 if fast is not None:
                     return fast
-            adapter = adapters[0] if adapters is not None else None
-            return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0], adapter=adapter)[0]
+            return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
         with self._forward_lock:
             longest = max(len(ids) for ids in token_ids)
             with_lora = self._activate_adapters(adapters, [longest] * len(token_ids))

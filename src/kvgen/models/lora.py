@@ -37,6 +37,7 @@ class _Active:
     token_slot: torch.Tensor  # [N] int64 index into `used`, -1 for tokens of rows without an adapter
     all_same: bool  # every token takes used[0]: no mask needed
     masks: dict[int, torch.Tensor]  # rank width -> [N, u * R] 0/1 mask, built on first use
+    decode: tuple[torch.Tensor, torch.Tensor] | None  # one-token rows: (slot per row clamped to >= 0, [N, 1] 0/1 has-adapter)
 
 
 class LoraStacks:
@@ -84,7 +85,11 @@ class LoraStacks:
             return False
         local = torch.tensor([used.index(s) if s >= 0 else -1 for s in slots])
         token_slot = local.repeat_interleave(torch.tensor(list(row_tokens)))
-        self._active = _Active(torch.tensor(used), token_slot, len(used) == 1 and bool((local == 0).all()), {})
+        decode = None
+        if all(n == 1 for n in row_tokens):
+            slot_tensor = torch.tensor(slots)
+            decode = (slot_tensor.clamp(min=0), (slot_tensor >= 0).float()[:, None])
+        self._active = _Active(torch.tensor(used), token_slot, len(used) == 1 and bool((local == 0).all()), {}, decode)
         return True
 
     def deactivate(self) -> None:
@@ -96,6 +101,8 @@ class LoraStacks:
         if active is None or stack is None:
             return y
         a_stack, b_stack = stack
+        if active.decode is not None:
+            return y + self._decode_delta(active.decode, a_stack, b_stack, x).view(y.shape).to(y.dtype)
         used, width = active.used, a_stack.shape[1]
         if len(used) == a_stack.shape[0]:  # every slot is used: views, no gather
             a, b = a_stack.reshape(-1, a_stack.shape[2]), b_stack.reshape(-1, b_stack.shape[2])
@@ -111,3 +118,14 @@ class LoraStacks:
             xa = xa * mask
         delta = (xa @ b).view(*y.shape[:-1], y.shape[-1])
         return y + delta.to(y.dtype)
+
+    @staticmethod
+    def _decode_delta(decode: tuple[torch.Tensor, torch.Tensor], a_stack: torch.Tensor, b_stack: torch.Tensor,
+                      x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One-token rows: each row's own A and B gathered (BGMV) and reduced row by row, so a row's
+        delta has the same bits in a batch of one or of many (GEMMs round by their row count):
+        decodes stay batch-invariant. [N, out]."""
+        slots, has_adapter = decode
+        rows = x.reshape(-1, x.shape[-1]).float()  # [N, in]
+        xa = (rows[:, None, :] * a_stack[slots]).sum(-1) * has_adapter  # [N, R]
+        return (xa[:, :, None] * b_stack[slots]).sum(1)  # [N, out]
