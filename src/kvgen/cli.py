@@ -7,6 +7,7 @@ with status 2; only bugs show a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Sequence
 
@@ -74,6 +75,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
     parser.add_argument("--draft-weights", default="q4", choices=WEIGHT_MODES, help="weights of the draft model")
     parser.add_argument("--draft-layers", type=int, default=None, help="layers of the self-draft (default: half)")
+    parser.add_argument("--lora", default=None, metavar="PATH",
+                        help="apply this LoRA adapter (a PEFT folder or a GGUF LoRA file) without merging it")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,10 +225,19 @@ def stats_line(result: GenerationResult) -> str:
     )
 
 
+def _with_adapter(llm, args: argparse.Namespace, params: SamplingParams) -> SamplingParams:
+    """--lora: load the adapter and have every request use it."""
+    if args.lora is None:
+        return params
+    llm.load_adapter("lora", args.lora)
+    return dataclasses.replace(params, adapter="lora")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     speculative = _speculative(args)
     llm = _load(args)
+    params = _with_adapter(llm, args, params)
     prompt = args.prompt
     if args.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -243,6 +255,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
     speculative = _speculative(args)
     llm = _load(args)
+    params = _with_adapter(llm, args, params)
     session = llm.session(system_prompt=args.system)
     print("kvgen chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
