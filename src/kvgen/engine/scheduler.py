@@ -66,8 +66,12 @@ class Scheduler:
             budget -= count
         if self.num_preemptions != preempted_before:
             return rows  # the pool is short: admit nobody until the running requests get through
+        held: list[Request] = []
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self._prefix_in_flight(request):
+                held.append(self.waiting.pop(0))
+                continue
             self._attach_cache(request)
             count = min(request.num_pending, budget)
             if not self._reserve(request, count):
@@ -78,7 +82,30 @@ class Scheduler:
             self.running.append(request)
             rows.append(ScheduledRow(request, count))
             budget -= count
+        self.waiting[:0] = held  # back in their places, for the next step
         return rows
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """A running request is still computing a prompt that shares at least one more full block
+        with this one than the prefix index holds now: admitting it would compute those blocks a
+        second time, so it waits until they are indexed (a burst of one system prompt computes it
+        once)."""
+        if self.prefix is None or request.miss_reason is not None:  # only first admissions wait
+            return False
+        size = self.storage.block_size
+        prompt = request.prompt_ids
+        for other in self.running:
+            if other.prompt_indexed or other.salt != request.salt:
+                continue
+            shared = 0
+            for a, b in zip(prompt, other.prompt_ids):
+                if a != b:
+                    break
+                shared += 1
+            shared = min(shared, len(prompt) - 1) // size * size  # the last token is always recomputed
+            if shared >= size and self.prefix.matched_tokens(prompt, request.salt, max_tokens=shared) < shared:
+                return True
+        return False
 
     def _attach_cache(self, request: Request) -> None:
         """A fresh cache for a waiting request, starting from its longest cached prefix."""

@@ -140,6 +140,17 @@ class PrefixIndex:
             self.stats.misses += 1
         return PrefixMatch(blocks, node, reason, [n.pages for n in path])
 
+    def matched_tokens(self, tokens: list[int], salt: str = "", max_tokens: int | None = None) -> int:
+        """How many tokens `match` would reuse now, without counting a query or touching the LRU."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        node, path = self.roots.get(salt), []
+        for chunk in self._chunks(tokens, limit) if node is not None else []:
+            node = node.children.get(chunk)
+            if node is None:
+                break
+            path.append(node)
+        return self._usable_depth(path) * self.block_size
+
     def _usable_depth(self, path: list[PrefixNode]) -> int:
         """The deepest prefix of `path` a request can resume from: every window group's pages from
         the window's start to the end of the prefix are held (all of it, without window groups)."""
