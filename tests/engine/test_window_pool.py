@@ -128,7 +128,7 @@ def test_the_c_step_reads_each_layer_through_its_group(long_ids, monkeypatch) ->
     steps = []
     original = FastDecoder.step_rows
     monkeypatch.setattr(FastDecoder, "step_rows", lambda self, *a: (steps.append(a[2][0]), original(self, *a))[1])
-    prompts = [long_ids[:600], long_ids[:40]]
+    prompts = [long_ids[:600], long_ids[600:640]]  # no shared prefix: both are admitted at once
     outputs = {}
     for grouped in (True, False):
         engine = LLMEngine(llm, EngineConfig(num_blocks=600, max_tokens_per_step=256, layer_groups=grouped))

@@ -68,7 +68,10 @@ class ModelRunner:
             num_logits.append(1 + len(draft))
             starts.append(start)
         adapters = [row.request.params.adapter for row in rows]
-        logits = self.model.forward_batch(token_ids, caches, num_logits, adapters)  # [sum(num_logits), V]
+        if any(adapters):  # only attention models take adapters (the registry refuses the others)
+            logits = self.model.forward_batch(token_ids, caches, num_logits, adapters)  # [sum(num_logits), V]
+        else:
+            logits = self.model.forward_batch(token_ids, caches, num_logits)
         self.num_forwards += 1
         self.num_tokens += sum(len(ids) for ids in token_ids)
         new_tokens: list[list[int]] = []

@@ -59,11 +59,16 @@ class AdapterRegistry:
         self._lock = threading.RLock()
         self._generations = 0
         self.evictions = 0
-        config = model.config
+
+    @property
+    def _out_sizes(self) -> dict[str, tuple[int, ...]]:
+        """Output width of each projection a fused linear holds (attention models only: Mamba and
+        T5 have no such config, and `check_model` refuses adapters for them before any load)."""
+        config = self.model.config
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         sizes = {"q": q, "k": kv, "v": kv, "o": config.hidden_size, "gate": config.intermediate_size,
                  "up": config.intermediate_size, "down": config.hidden_size}  # fmt: skip
-        self._out_sizes = {fused: tuple(sizes[p] for p in projs) for fused, projs in FUSED_MODULES.items()}
+        return {fused: tuple(sizes[p] for p in projs) for fused, projs in FUSED_MODULES.items()}
 
     def check_model(self) -> None:
         """AdapterError unless every block is attention + gated MLP (the linears LoRA targets)."""
