@@ -28,12 +28,6 @@ if TYPE_CHECKING:
     from kvgen.speculative.config import SpeculativeConfig
 
 
-def with_adapter(adapter: str | None) -> dict:
-    """The forward's adapter argument, only when a request names one: Mamba and T5 take none (and
-    the adapter registry refuses them)."""
-    return {"adapter": adapter} if adapter is not None else {}
-
-
 @dataclass(frozen=True)
 class Chunk:
     text: str  # new text that is now final (may be "" while a character or a possible stop string is held back)
@@ -114,7 +108,7 @@ class Generator:
         try:
             started = time.perf_counter()
             with torch.inference_mode():
-                logits = self.model(torch.tensor([ids]), base, **with_adapter(params.adapter))[0, -1]  # [V]
+                logits = self.model(torch.tensor([ids]), base, adapter=params.adapter)[0, -1]  # [V]
             prefill_seconds = time.perf_counter() - started
             results = []
             for i in range(params.n):
@@ -220,7 +214,7 @@ class GenerationStream:
         self.cache.truncate(self.reused)
         pending = self.prompt_ids[self.reused :]
         self.result.timings.prefill_tokens = len(pending)
-        return self.generator.model(torch.tensor([pending]), self.cache, **with_adapter(self.params.adapter))[0, -1]  # [V]
+        return self.generator.model(torch.tensor([pending]), self.cache, adapter=self.params.adapter)[0, -1]  # [V]
 
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:
@@ -255,7 +249,7 @@ class GenerationStream:
             else:
                 if params.context_shift and self.cache.seq_len + 1 > max_context:
                     self._shift_context()
-                token = sampler(model(torch.tensor([[token]]), self.cache, **with_adapter(params.adapter))[0, -1])
+                token = sampler(model(torch.tensor([[token]]), self.cache, adapter=params.adapter)[0, -1])
             result.timings.decode_tokens += 1
         if ahead:  # stopped inside a verified run: the cache must hold the emitted tokens but the last
             self.cache.truncate(len(self.prompt_ids) + len(result.token_ids) - 1)

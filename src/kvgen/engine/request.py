@@ -125,4 +125,4 @@ class Request:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
         self.state.usage.cached_tokens = self.cached_tokens
         result = dataclasses.replace(self.state.result(), finish_reason=reason, stop_reason=None, error=error)
-        return RequestOutput(self.request_id, [], "", True, reason, self.usage(), error, result=result)
+        return RequestOutput(self.request_id, [], "", True, reason, result.usage, error, result=result)

@@ -68,10 +68,7 @@ class ModelRunner:
             num_logits.append(1 + len(draft))
             starts.append(start)
         adapters = [row.request.params.adapter for row in rows]
-        if any(adapters):  # only attention models take adapters (the registry refuses the others)
-            logits = self.model.forward_batch(token_ids, caches, num_logits, adapters)  # [sum(num_logits), V]
-        else:
-            logits = self.model.forward_batch(token_ids, caches, num_logits)
+        logits = self.model.forward_batch(token_ids, caches, num_logits, adapters)  # [sum(num_logits), V]
         self.num_forwards += 1
         self.num_tokens += sum(len(ids) for ids in token_ids)
         new_tokens: list[list[int]] = []

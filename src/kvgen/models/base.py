@@ -126,13 +126,11 @@ class DecoderLM(nn.Module):
         if decoder is None or cache.key_bias() is not None or seq > decoder.max_rows:
             return None  # the C decode step knows no bias: a biased cache takes the torch path
         positions = torch.arange(cache.seq_len, cache.seq_len + seq)
+        h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
+        rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
         if seq == 1:
-            h = self._embed(input_ids)[0, 0].contiguous()  # [H], updated in place by the C blocks
-            rope = torch.stack([torch.cat(rope(positions[None], h.dtype)).reshape(2, -1) for rope in self.ropes])  # [kinds, 2, D]
-            decoder.step(h, rope, cache)
-            return h[None, None]
-        h = self._embed(input_ids[0]).contiguous()  # [S, H]
-        if not decoder.step_tokens(h, self._rows_rope(positions, h.dtype), cache, positions):
+            decoder.step(h[0], rope[0], cache)
+        elif not decoder.step_tokens(h, rope, cache, positions):
             return None
         return h[None]
 
@@ -158,7 +156,7 @@ class DecoderLM(nn.Module):
         """
         with self._forward_lock:
             batch, seq = input_ids.shape
-            with_lora = self._activate_adapters([adapter] * batch, [seq] * batch)
+            with_lora = adapter is not None and self._activate_adapters([adapter] * batch, [seq] * batch)
             try:
                 return self._forward(input_ids, cache, positions, logits_to_keep, with_lora)
             finally:
@@ -249,12 +247,7 @@ class DecoderLM(nn.Module):
         # decodes then run the batch path's attention, the one they meet beside other rows, so
         # that a row gets the same bits alone or batched (int8 activations amplify any difference).
         with_adapter = adapters is not None and any(a is not None for a in adapters)
-        if len(caches) == 1 and not caches[0].batch_path_only and not with_adapter:
-            if len(token_ids[0]) > 1:  # a verify takes the C step of decodes, as in a batch
-                with self._forward_lock:
-                    fast = self._decode_rows_fast(token_ids, caches, num_logits)
-                if fast is not None:
-                    return fast
+        if len(caches) == 1 and not caches[0].batch_path_only and not with_adapter:  # a verify too: see _fast_hidden
             return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
         with self._forward_lock:
             longest = max(len(ids) for ids in token_ids)
@@ -278,10 +271,13 @@ class DecoderLM(nn.Module):
         if decoder is None or max(lengths) > decoder.max_rows or num_logits != lengths:
             return None  # prompt chunks (one logit for many tokens) take the prefill path
         steps: list[list[int]] = [[]]  # row indices per C step
+        filled = 0  # tokens in the last step
         for i, n in enumerate(lengths):
-            if sum(lengths[j] for j in steps[-1]) + n > decoder.max_rows:
+            if filled + n > decoder.max_rows:
                 steps.append([])
+                filled = 0
             steps[-1].append(i)
+            filled += n
         kernels = []
         for step in steps:  # every step's kernel before any runs: all or nothing
             view = type(caches[0]).batch_view([caches[i] for i in step], [lengths[i] for i in step])  # reserves slots

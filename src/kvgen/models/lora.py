@@ -21,6 +21,13 @@ from typing import Sequence
 
 import torch
 
+def refuse_adapters(architecture: str, adapters: Sequence[str | None] | None) -> None:
+    """Models without attention + gated-MLP linears (Mamba, T5) take the adapter arguments of the
+    forward contract and refuse any adapter (the registry refuses to load one for them already)."""
+    if adapters is not None and any(a is not None for a in adapters):
+        raise ValueError(f"LoRA adapters are not supported for {architecture} models: leave adapter unset")
+
+
 # Fused linear -> the projections it holds, in output order (models/layers.py fuses them so).
 FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 MODULE_OF = {proj: fused for fused, projs in FUSED_MODULES.items() for proj in projs}

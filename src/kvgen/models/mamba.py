@@ -19,6 +19,7 @@ from torch import nn
 from kvgen.config import MambaConfig
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
+from kvgen.models.lora import refuse_adapters
 from kvgen.models.weights import WeightSource, frozen, linear
 
 SCAN_CHUNK = 64
@@ -113,10 +114,12 @@ class MambaModel(nn.Module):
         return SSMStateCache(state_spec(self.config), checkpoint_every, max_checkpoints)
 
     def forward(
-        self, input_ids: torch.Tensor, cache: SSMStateCache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, cache: SSMStateCache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1,
+        adapter: str | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """input_ids [1, S] after cache.seq_len tokens -> logits [1, logits_to_keep or S, V]; the
         state after them is committed to `cache` (with checkpoints passed on the way)."""
+        refuse_adapters(self.config.architecture, [adapter])
         if positions is not None:
             raise ValueError("Mamba has no positions: its state orders the tokens; call without positions")
         if input_ids.shape[0] != 1:
@@ -125,10 +128,12 @@ class MambaModel(nn.Module):
         return logits[None]  # [1, S', V]
 
     def forward_batch(
-        self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int] | None = None
-    ) -> torch.Tensor:
+        self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int] | None = None,
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Ragged rows, each continuing its own cache, in one scan (padded on the right; each row's
         state is taken at its own last token) -> logits of each row's last num_logits[i] tokens [sum, V]."""
+        refuse_adapters(self.config.architecture, adapters)
         if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
             raise ValueError("forward_batch needs one cache per row and at least one token in every row")
         if not all(isinstance(c, SSMStateCache) for c in caches):

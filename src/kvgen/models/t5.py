@@ -18,6 +18,7 @@ from kvgen.config import T5Config
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.encoder import EncoderCache, EncoderHandle, LayerKV
 from kvgen.kv.interface import CacheSpec
+from kvgen.models.lora import refuse_adapters
 from kvgen.models.layers import RMSNorm
 from kvgen.models.weights import WeightSource, frozen, linear
 
@@ -189,10 +190,12 @@ class T5Model(nn.Module):
         return [(layer["cross"].split(layer["cross"].k(states)), layer["cross"].split(layer["cross"].v(states))) for layer in self.decoder]
 
     def forward(
-        self, input_ids: torch.Tensor, cache: T5Cache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, cache: T5Cache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1,
+        adapter: str | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """First call on an empty cache: input_ids [1, S] is the encoder input, the decoder runs its
         start token -> logits [1, 1, V]. Later calls: decoder tokens [1, S] -> logits [1, S', V]."""
+        refuse_adapters(self.config.architecture, [adapter])
         if positions is not None or input_ids.shape[0] != 1:
             raise ValueError("T5 runs one request per call, without explicit positions")
         if not isinstance(cache, T5Cache):
@@ -208,11 +211,15 @@ class T5Model(nn.Module):
                 h = h[:, -logits_to_keep:]
             return self._head(h)
 
-    def forward_batch(self, token_ids: list[list[int]], caches: list[T5Cache], num_logits: list[int] | None = None) -> torch.Tensor:
+    def forward_batch(
+        self, token_ids: list[list[int]], caches: list[T5Cache], num_logits: list[int] | None = None,
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The engine's call: rows, each continuing its own T5Cache -> the logits of each row's last
         num_logits[i] tokens [sum, V]. One-token decode rows run together in one batched decoder
         pass (`_decode_rows`); a row on an empty cache is a whole encoder input (it gives the start
         token's logits) and runs on its own, as does any other row."""
+        refuse_adapters(self.config.architecture, adapters)
         if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
             raise ValueError("forward_batch needs one cache per row and at least one token in every row")
         if not all(isinstance(c, T5Cache) for c in caches):
