@@ -3,6 +3,8 @@ llama.cpp (llama-cpp-python) on the same GGUF file, in the same run.
 
 Every engine is timed the same way from outside: time to first token = generate(1 token);
 decode tokens/s = (N - 1) / (time of generate(N) - time of generate(1)). Greedy, EOS ignored.
+Every engine is loaded first; then each round times every engine in turn (so a slow spell of the
+machine hits all of them), every sample is kept in the JSON, and the table shows the medians.
 The roofline: a decode step must read every weight once, so weight bytes x tokens/s is the memory
 traffic achieved, compared with the bandwidth this machine measures for a streaming read.
 
@@ -12,6 +14,7 @@ traffic achieved, compared with the bandwidth this machine measures for a stream
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -19,26 +22,30 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, print_table, prompt_ids, timed, write_results  # noqa: E402
+from common import best_of, cpu_class, print_table, prompt_ids, timed, write_results  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
 
 
-def measure(generate: Callable[[int], Any], prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, float | None]:
-    """new_tokens 1 measures prefill only (a decode rate from a handful of tokens is noise)."""
-    generate(2)  # warm up allocators and kernels
-    first = best_of(repeats, lambda: timed(lambda: generate(1)))
+def measure_round(generate: Callable[[int], Any], prompt_tokens: int, new_tokens: int) -> dict[str, float | None]:
+    """One sample. new_tokens 1 measures prefill only (a decode rate from a handful of tokens is noise)."""
+    first = timed(lambda: generate(1))
     if new_tokens <= 1:
         return {"time_to_first_token_s": first, "prefill_tokens_per_s": prompt_tokens / first,
                 "decode_tokens_per_s": None, "total_s": first}  # fmt: skip
-    full = best_of(repeats, lambda: timed(lambda: generate(new_tokens)))
+    full = timed(lambda: generate(new_tokens))
     return {
         "time_to_first_token_s": first,
         "prefill_tokens_per_s": prompt_tokens / first,
         "decode_tokens_per_s": (new_tokens - 1) / (full - first),
         "total_s": full,
     }
+
+
+def medians(samples: list[dict[str, float | None]]) -> dict[str, float | None]:
+    return {key: (statistics.median(v for s in samples if (v := s[key]) is not None) if samples[0][key] is not None else None)
+            for key in samples[0]}  # fmt: skip
 
 
 def kvgen_runner(llm: LLM, ids: list[int]) -> Callable[[int], Any]:
@@ -107,33 +114,38 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; every engine runs once per round")
     parser.add_argument("--weights", default="q4,int8,fp32", help="kvgen weight modes to run, comma-separated")
     parser.add_argument("--peers", default="transformers,llama.cpp", help="comma-separated; empty for none")
-    parser.add_argument("--name", default="decode", help="results file: results/<name>-<model>.json")
+    parser.add_argument("--name", default="decode", help="results file: results/<name>-<model>-<cpu class>.json")
     args = parser.parse_args()
 
     path = resolve_model_path(args.model)
     bandwidth = memory_bandwidth_gbs()
-    rows: list[dict[str, Any]] = []
+    engines: list[tuple[dict[str, Any], Callable[[int], Any]]] = []  # (row, generate), all loaded first
     ids: list[int] = []
     for mode in [m for m in args.weights.split(",") if m]:
         llm = LLM.load(args.model, progress=False, weights=mode)
         ids = prompt_ids(llm.tokenizer, args.prompt_tokens)
-        row = {"engine": f"kvgen ({llm.weights})", **measure(kvgen_runner(llm, ids), len(ids), args.new_tokens, args.repeats)}
-        row["weight_mb"] = weight_bytes(llm) / 1e6
-        if row["decode_tokens_per_s"]:
+        engines.append(({"engine": f"kvgen ({llm.weights})", "weight_mb": weight_bytes(llm) / 1e6}, kvgen_runner(llm, ids)))
+    peers = [p for p in args.peers.split(",") if p]
+    if "transformers" in peers:
+        engines.append(({"engine": "transformers"}, transformers_runner(path, ids, torch.float32)))
+    if "llama.cpp" in peers:
+        engines.append(({"engine": "llama.cpp"}, llama_cpp_runner(path, ids, torch.get_num_threads())))
+    for _, generate in engines:
+        generate(2)  # warm up allocators and kernels
+    samples: list[list[dict[str, float | None]]] = [[] for _ in engines]
+    for _ in range(args.repeats):
+        for i, (_, generate) in enumerate(engines):
+            samples[i].append(measure_round(generate, len(ids), args.new_tokens))
+    rows: list[dict[str, Any]] = []
+    for (row, _), engine_samples in zip(engines, samples):
+        row = {**row, **medians(engine_samples), "samples": engine_samples}
+        if row["decode_tokens_per_s"] and "weight_mb" in row:
             row["achieved_gbs"] = row["weight_mb"] / 1e3 * row["decode_tokens_per_s"]
             row["roofline_fraction"] = row["achieved_gbs"] / bandwidth
         rows.append(row)
-        del llm
-    peers = [p for p in args.peers.split(",") if p]
-    if "transformers" in peers:
-        runner = transformers_runner(path, ids, torch.float32)
-        rows.append({"engine": "transformers", **measure(runner, len(ids), args.new_tokens, args.repeats)})
-    if "llama.cpp" in peers:
-        runner = llama_cpp_runner(path, ids, torch.get_num_threads())
-        rows.append({"engine": "llama.cpp", **measure(runner, len(ids), args.new_tokens, args.repeats)})
     for peer in ("transformers", "llama.cpp"):
         base = next((r for r in rows if r["engine"] == peer), None)
         if base is None:
@@ -144,12 +156,12 @@ def main() -> None:
             row[f"prefill_vs_{peer}"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
 
     print(f"\n{args.model}, batch 1, {len(ids)}-token prompt, {args.new_tokens} new tokens, greedy, "
-          f"{torch.get_num_threads()} threads; measured memory bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+          f"{torch.get_num_threads()} threads, medians of {args.repeats} rounds; memory bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
     print_table(rows, ["engine", "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_vs_transformers",
                        "decode_vs_transformers", "decode_vs_llama.cpp", "prefill_vs_llama.cpp", "achieved_gbs",
                        "roofline_fraction"])  # fmt: skip
     config = {k: getattr(args, k) for k in ("model", "prompt_tokens", "new_tokens", "repeats", "weights", "peers")}
-    path = write_results(f"{args.name}-{args.model}", {"config": config, "memory_bandwidth_gbs": bandwidth, "rows": rows})
+    path = write_results(f"{args.name}-{args.model}-{cpu_class()}", {"config": config, "memory_bandwidth_gbs": bandwidth, "rows": rows})
     print(f"\nwrote {path}")
 
 

@@ -34,14 +34,25 @@ def integer_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
-    weight = requantize(torch.randn(96, 256) * 0.05, kind)
+    weight = requantize(torch.randn(100, 256) * 0.05, kind)  # 100 rows: q4's last group of 8 is partial
     x = torch.randn(rows, 256)
-    y = QuantizedLinear(weight)(x)
+    y = QuantizedLinear(weight)(x, row_invariant=True)  # the C kernel at any row count
     expected = integer_reference(weight, x)
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
+    """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
+    torch.manual_seed(0)
+    linear = QuantizedLinear(requantize(torch.randn(72, 192) * 0.05, kind))
+    x = torch.randn(131, 192)
+    alone = torch.cat([linear(x[i : i + 1], row_invariant=True) for i in range(x.shape[0])])
+    for rows in (2, 3, 4, 5, 64, 65, 131):
+        assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
@@ -50,7 +61,7 @@ def test_many_rows_use_a_dequantized_gemm(kind: str, dtype: torch.dtype) -> None
     weight = requantize(torch.randn(64, 128), kind)
     bias = torch.arange(64.0)
     linear = QuantizedLinear(weight, bias=bias)
-    linear.gemm_dtype = dtype
+    linear.prefill = "bf16" if dtype == torch.bfloat16 else "fp32"
     dense = linear.dequantized()
     # The bf16 weights are the fp32 ones rounded to nearest even (the C conversion matches torch's).
     assert torch.equal(linear.dequantized(dtype=torch.bfloat16), dense.bfloat16())
@@ -111,15 +122,18 @@ def test_perplexity_change_within_stated_tolerance(smollm2, mode: str) -> None:
 
 def test_the_prefill_gemm_dtype_follows_the_cpu_unless_overridden(monkeypatch) -> None:
     from kvgen.kernels.build import has_fast_bf16
-    from kvgen.models.quantized_linear import prefill_gemm_dtype
+    from kvgen.models.quantized_linear import NEVER, prefill_path
 
     monkeypatch.delenv("KVGEN_PREFILL_GEMM", raising=False)
-    assert prefill_gemm_dtype() == (torch.bfloat16 if has_fast_bf16() else torch.float32)
+    assert prefill_path() == ("bf16" if has_fast_bf16() else "int8")
+    monkeypatch.setenv("KVGEN_PREFILL_GEMM", "int8")  # the C kernel at every row count
+    assert QuantizedLinear(requantize(torch.randn(64, 128), "q4")).gemm_rows == NEVER
+    assert QuantizedLinear(requantize(torch.randn(64, 128), "q8")).gemm_rows == NEVER
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp32")
-    assert prefill_gemm_dtype() == torch.float32
+    assert prefill_path() == "fp32"
     assert QuantizedLinear(requantize(torch.randn(64, 128), "q4")).gemm_rows == 48
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "bf16")
     assert QuantizedLinear(requantize(torch.randn(64, 128), "q4")).gemm_rows == 24
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp16")
-    with pytest.raises(ValueError, match="KVGEN_PREFILL_GEMM must be auto, fp32 or bf16, got 'fp16'"):
-        prefill_gemm_dtype()
+    with pytest.raises(ValueError, match="KVGEN_PREFILL_GEMM must be auto, int8, fp32 or bf16, got 'fp16'"):
+        prefill_path()

@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("decode.c", "attention_tiles.c", "quantized_attention.c", "paged_codes_attention.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "paged_codes_attention.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
@@ -76,11 +76,13 @@ def load() -> ctypes.CDLL | None:
         return None
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.kvgen_quantize_x8.argtypes = [pointer, count, count, pointer]
-    for name in ("kvgen_gemm_q4", "kvgen_gemm_q8"):
+    for name in ("kvgen_gemm_q4x8", "kvgen_gemm_q8x8"):
         getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
-    for name in ("kvgen_linear_q4", "kvgen_linear_q8"):
+    for name in ("kvgen_repack_q4x8", "kvgen_repack_q8x8"):
+        getattr(library, name).argtypes = [pointer, pointer, count, count]
+    for name in ("kvgen_linear_q4x8", "kvgen_linear_q8x8"):
         getattr(library, name).argtypes = [pointer, pointer, pointer, pointer, count, count, count]
-    dequantizers = ("kvgen_dequantize_q4", "kvgen_dequantize_q8", "kvgen_dequantize_q4_bf16", "kvgen_dequantize_q8_bf16")
+    dequantizers = ("kvgen_dequantize_q4x8", "kvgen_dequantize_q8x8", "kvgen_dequantize_q4x8_bf16", "kvgen_dequantize_q8x8_bf16")
     for name in dequantizers:
         getattr(library, name).argtypes = [pointer, pointer, count, count]
     library.kvgen_block_pre.argtypes = [pointer] * 6
@@ -102,7 +104,7 @@ def load() -> ctypes.CDLL | None:
     library.kvgen_decode_rows_over_codes.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer,
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer]  # fmt: skip
-    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4", "kvgen_gemm_q8",
-                 "kvgen_linear_q4", "kvgen_linear_q8", *dequantizers):  # fmt: skip
+    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4x8", "kvgen_gemm_q8x8",
+                 "kvgen_repack_q4x8", "kvgen_repack_q8x8", "kvgen_linear_q4x8", "kvgen_linear_q8x8", *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

@@ -1,18 +1,23 @@
 """QuantizedLinear: nn.Linear's job with weights kept in 4- or 8-bit blocks.
 
-Few rows (decode, small batches): activations are quantized to int8 blocks and multiplied by the
-blocks directly in C, reading the weights once per tile of rows. Many rows (prefill): the weight is
-dequantized into a temporary matrix and a BLAS GEMM runs, since compute, not weight reads, bounds
-that case. The matrix is bf16 where the CPU multiplies bf16 natively (AVX-512 BF16 / AMX: oneDNN's
-bf16 GEMM ran 2.5-2.8x its fp32 one on 2 EPYC cores), else fp32. bf16 rounds activations and
-outputs to 8 significant bits, as coarse as the int8 blocks of the decode path (measured on SmolLM2
-below, in docs/benchmarks.md). KVGEN_PREFILL_GEMM=fp32|bf16 overrides the choice.
+Activations are quantized to int8 blocks and multiplied by the weight's integers in C. Weights
+are repacked at load, eight rows interleaved (kernels/interleaved.c), so that one kernel serves
+every row count: a row's output has the same bits whether it is decoded alone, batched, verified
+or prefilled, and on CPUs without native bf16 that int8 kernel also beats a dequantize + fp32 BLAS
+GEMM on prefill (an int8 multiply-add does 4x the work of an fp32 FMA per instruction).
+
+Where the CPU multiplies bf16 natively (AVX-512 BF16 / AMX: oneDNN's bf16 GEMM ran 2.5-2.8x its
+fp32 one on 2 EPYC cores), many rows instead dequantize the weight to bf16 and run that GEMM; bf16
+rounds activations and outputs to 8 significant bits, as coarse as the int8 blocks (measured on
+SmolLM2 in docs/benchmarks.md). KVGEN_PREFILL_GEMM=int8|fp32|bf16 overrides the many-row choice.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,22 +30,40 @@ from kvgen.kernels.formats import BLOCK_BYTES, QK, QuantizedWeight
 # One per thread: within a forward pass one weight is used at a time; threads must not share it.
 _scratch = threading.local()
 
-# From this many rows on, dequantize + GEMM beats the C kernel. Measured over SmolLM2's linears on
-# 2 EPYC cores (AVX-512 machine, AVX2 kernel): fp32 (MKL) 32 rows 265 vs 320 rows/s, 64 rows 341 vs
-# 304; bf16 (oneDNN) 16 rows 368 vs 405, 24 rows 378 vs 312, 32 rows 548 vs 307.
+# From this many rows on, dequantize + GEMM beat the row-major C kernels. Measured over SmolLM2's
+# linears on 2 EPYC cores (AVX-512 machine, the row-major kernel that 4-bit weights used before
+# q4x8): fp32 (MKL) 32 rows 265 vs 320 rows/s, 64 rows 341 vs 304; bf16 (oneDNN) 16 rows 368 vs
+# 405, 24 rows 378 vs 312, 32 rows 548 vs 307.
 GEMM_ROWS_THRESHOLD = 48
 BF16_GEMM_ROWS_THRESHOLD = 24
 X8_BLOCK_BYTES = 8 + QK
+INTERLEAVED_ROWS = 8
 
 
-def prefill_gemm_dtype() -> torch.dtype:
-    """The dtype of the many-row GEMM: KVGEN_PREFILL_GEMM (fp32 or bf16), else bf16 where it is native."""
+PrefillPath = Literal["int8", "fp32", "bf16"]
+NEVER = sys.maxsize
+
+
+def prefill_path() -> PrefillPath:
+    """How many rows are multiplied: KVGEN_PREFILL_GEMM, else bf16 where it is native, else int8 (C)."""
     choice = os.environ.get("KVGEN_PREFILL_GEMM", "auto")
-    if choice not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"KVGEN_PREFILL_GEMM must be auto, fp32 or bf16, got {choice!r}")
+    if choice not in ("auto", "int8", "fp32", "bf16"):
+        raise ValueError(f"KVGEN_PREFILL_GEMM must be auto, int8, fp32 or bf16, got {choice!r}")
     if choice == "auto":
-        return torch.bfloat16 if has_fast_bf16() else torch.float32
-    return torch.bfloat16 if choice == "bf16" else torch.float32
+        return "bf16" if has_fast_bf16() else "int8"
+    return choice  # type: ignore[return-value]
+
+
+def repack_x8(weight: QuantizedWeight) -> torch.Tensor:
+    """Row-major blocks -> the kernels' layout of 8 interleaved rows (rows padded to a multiple of 8)."""
+    library = load()
+    assert library is not None
+    groups = -(-weight.out_features // INTERLEAVED_ROWS)
+    group_bytes = INTERLEAVED_ROWS * BLOCK_BYTES[weight.kind]  # 8 rows' d and m, then their integers
+    out = torch.empty(groups * (weight.in_features // QK) * group_bytes, dtype=torch.uint8)
+    repack = getattr(library, f"kvgen_repack_{weight.kind}x8")
+    repack(weight.blocks.contiguous().data_ptr(), out.data_ptr(), weight.out_features, weight.in_features)
+    return out
 
 
 class QuantizedLinear(nn.Module):
@@ -48,24 +71,33 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         library = load()
         assert library is not None, "QuantizedLinear needs the compiled kernels (kvgen.kernels.load())"
-        self._linear = library.kvgen_linear_q4 if weight.kind == "q4" else library.kvgen_linear_q8
+        kind = weight.kind
+        self._linear = getattr(library, f"kvgen_linear_{kind}x8")
         self._dequantize = {
-            torch.float32: library.kvgen_dequantize_q4 if weight.kind == "q4" else library.kvgen_dequantize_q8,
-            torch.bfloat16: library.kvgen_dequantize_q4_bf16 if weight.kind == "q4" else library.kvgen_dequantize_q8_bf16,
+            torch.float32: getattr(library, f"kvgen_dequantize_{kind}x8"),
+            torch.bfloat16: getattr(library, f"kvgen_dequantize_{kind}x8_bf16"),
         }
-        self.gemm_dtype = prefill_gemm_dtype()  # of the many-row path; the few-row C path is int8 x 4/8-bit
+        self.prefill = prefill_path()  # the many-row path; few rows always run the int8 C kernel
         self.kind = weight.kind
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.register_buffer("blocks", weight.blocks.contiguous(), persistent=False)
+        self.register_buffer("blocks", repack_x8(weight), persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         # Per-call costs matter at ~120 calls per token: keep the pointers and a scratch buffer ready.
         self._blocks_ptr = self.blocks.data_ptr()
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     @property
+    def gemm_dtype(self) -> torch.dtype:
+        """The dtype of the dequantized GEMM, where one runs."""
+        return torch.bfloat16 if self.prefill == "bf16" else torch.float32
+
+    @property
     def gemm_rows(self) -> int:
-        """From this many rows on, forward dequantizes and runs a GEMM in `gemm_dtype`."""
-        return BF16_GEMM_ROWS_THRESHOLD if self.gemm_dtype == torch.bfloat16 else GEMM_ROWS_THRESHOLD
+        """From this many rows on, forward dequantizes and runs a GEMM in `gemm_dtype` (NEVER: the
+        int8 C kernel takes every row count)."""
+        if self.prefill == "bf16":
+            return BF16_GEMM_ROWS_THRESHOLD
+        return NEVER if self.prefill == "int8" else GEMM_ROWS_THRESHOLD
 
     def dequantized(self, reuse_scratch: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as [out, in] fp32 (or bf16). reuse_scratch: write into one buffer per dtype

@@ -1,0 +1,209 @@
+// 4- and 8-bit weights repacked eight rows at a time (q4x8, q8x8), and the one matmul over them
+// that every row count runs: decode (1 row), batched decode and verify (a few rows) and prefill
+// (hundreds).
+//
+// Layout. For each group of 8 weight rows and each 32-element block: the 8 rows' scales d[8] and
+// offsets m[8] (w = d * q + m), then their integers, four consecutive elements of one row per
+// 32-bit lane: one 32-byte load holds 4 elements of each of the 8 rows, so a broadcast of 4
+// activation bytes yields 8 row dots in one multiply-add (as ik_llama.cpp's repacked _R8 types
+// do), and the scales of 8 rows apply in one vector FMA instead of 8 scalar ones.
+//   q4x8: byte i * 32 + r * 4 + e holds row r's element 4i + e (low nibble) and 16 + 4i + e (high), i < 4
+//   q8x8: byte i * 32 + r * 4 + e holds row r's element 4i + e, i < 8
+// Rows are padded to a multiple of 8 (zero scales); the repacking is one pass at load.
+//
+// Numerics. Each output is sum over blocks, in order, of float(idot) * (d_w * d_x) + m_w * s_x,
+// with idot the exact integer dot of the block. Nothing depends on how many activation rows are
+// multiplied together or on the instruction set (VNNI or AVX2's multiply-add pair compute the
+// same integer), so a row's logits are the same alone, batched, verified or prefilled.
+
+#define XROWS 8
+
+typedef struct { float d[XROWS]; float m[XROWS]; uint8_t qs[XROWS * QK / 2]; } block_q4x8;
+typedef struct { float d[XROWS]; float m[XROWS]; int8_t qs[XROWS * QK]; } block_q8x8;
+
+static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
+
+// Row-major blocks [n, k / 32] -> groups [ceil(n / 8), k / 32]; padding rows are zero.
+#define REPACK(NAME, SRC, DST, COPY_ROW)                                                             \
+    void NAME(const SRC* w, DST* out, int64_t n, int64_t k) {                                        \
+        const int64_t nb = k / QK, groups = x8_groups(n);                                            \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t g = 0; g < groups; g++) {                                                       \
+            for (int64_t b = 0; b < nb; b++) {                                                       \
+                DST* o = out + g * nb + b;                                                           \
+                memset(o, 0, sizeof *o);                                                             \
+                for (int r = 0; r < XROWS && g * XROWS + r < n; r++) {                               \
+                    const SRC* src = w + (g * XROWS + r) * nb + b;                                   \
+                    o->d[r] = src->d;                                                                \
+                    o->m[r] = src->m;                                                                \
+                    COPY_ROW                                                                         \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }
+// q4 source byte j holds elements j (low) and j + 16 (high): it moves whole.
+REPACK(kvgen_repack_q4x8, block_q4, block_q4x8, for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+
+// Element j of row r in a block (dequantizing and the portable path).
+static inline int q4x8_value(const block_q4x8* blk, int r, int j) {
+    const int low = j < QK / 2;
+    const int jj = low ? j : j - QK / 2;
+    const uint8_t byte = blk->qs[(jj / 4) * 32 + r * 4 + jj % 4];
+    return low ? (byte & 0x0F) : (byte >> 4);
+}
+
+static inline int q8x8_value(const block_q8x8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
+
+#ifdef __AVX2__
+static inline __m256i broadcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+// Exact integer dots of one block for R activation rows (R constant at each call site, so the
+// accumulators stay in registers): idot[t] lane r = row r's dot with activation row t.
+// q4: the unsigned nibbles are the u8 side. AVX2 sums the u8 x s8 pairs in int16 (|sum| <= 8 * 2
+// * 15 * 127 = 30480, no saturation) and widens once; VNNI adds into int32 directly.
+// q8: signed weights take the sign trick (|w| as u8, the activation takes w's sign); one pair
+// reaches 2 * 128 * 127, so AVX2 widens every multiply-add.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT16(acc, w, x) (acc) = _mm256_dpbusd_epi32((acc), (w), (x))
+#define WIDEN16(acc) (acc)
+#define DOT32(acc, w, x) (acc) = _mm256_dpbusd_epi32((acc), (w), (x))
+#elif defined(__AVXVNNI__)
+#define DOT16(acc, w, x) (acc) = _mm256_dpbusd_avx_epi32((acc), (w), (x))
+#define WIDEN16(acc) (acc)
+#define DOT32(acc, w, x) (acc) = _mm256_dpbusd_avx_epi32((acc), (w), (x))
+#else
+#define DOT16(acc, w, x) (acc) = _mm256_add_epi16((acc), _mm256_maddubs_epi16((w), (x)))
+#define WIDEN16(acc) _mm256_madd_epi16((acc), _mm256_set1_epi16(1))
+#define DOT32(acc, w, x) (acc) = _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
+#endif
+
+#define Q4X8_DOTS(R)                                                                                 \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
+        const __m256i lo = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));                         \
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));  \
+        for (int t = 0; t < R; t++) {                                                                \
+            const int8_t* xq = x[t * x_stride + b].qs;                                               \
+            DOT16(dot[t], lo, broadcast4(xq + 4 * i));                                               \
+            DOT16(dot[t], hi, broadcast4(xq + 16 + 4 * i));                                          \
+        }                                                                                            \
+    }                                                                                                \
+    for (int t = 0; t < R; t++) dot[t] = WIDEN16(dot[t]);
+
+#define Q8X8_DOTS(R)                                                                                 \
+    for (int i = 0; i < 8; i++) {                                                                    \
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));                   \
+        const __m256i magnitude = _mm256_abs_epi8(w);                                                \
+        for (int t = 0; t < R; t++) {                                                                \
+            const __m256i xs = _mm256_sign_epi8(broadcast4(x[t * x_stride + b].qs + 4 * i), w);     \
+            DOT32(dot[t], magnitude, xs);                                                            \
+        }                                                                                            \
+    }
+
+// Up to 4 activation rows share each loaded weight block; y rows are y_stride apart.
+#define ROWS_KERNEL(NAME, BLOCK, DOTS)                                                               \
+    static inline void NAME(const BLOCK* wg, const block_x8* x, int64_t x_stride, float* y,          \
+                            int64_t y_stride, int rows, int64_t nb, int out_count) {                 \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        switch (rows) {                                                                              \
+            case 4: TILE_LOOP(BLOCK, DOTS, 4) break;                                                 \
+            case 3: TILE_LOOP(BLOCK, DOTS, 3) break;                                                 \
+            case 2: TILE_LOOP(BLOCK, DOTS, 2) break;                                                 \
+            default: TILE_LOOP(BLOCK, DOTS, 1) break;                                                \
+        }                                                                                            \
+        for (int t = 0; t < rows; t++) {                                                             \
+            if (out_count == XROWS) {                                                                \
+                _mm256_storeu_ps(y + t * y_stride, acc[t]);                                          \
+            } else {                                                                                 \
+                float lanes[XROWS];                                                                  \
+                _mm256_storeu_ps(lanes, acc[t]);                                                     \
+                memcpy(y + t * y_stride, lanes, (size_t)out_count * sizeof(float));                  \
+            }                                                                                        \
+        }                                                                                            \
+    }
+#define TILE_LOOP(BLOCK, DOTS, R)                                                                    \
+    for (int64_t b = 0; b < nb; b++) {                                                               \
+        const BLOCK* blk = wg + b;                                                                   \
+        __m256i dot[R];                                                                              \
+        for (int t = 0; t < R; t++) dot[t] = _mm256_setzero_si256();                                 \
+        DOTS(R)                                                                                      \
+        const __m256 d = _mm256_loadu_ps(blk->d), m = _mm256_loadu_ps(blk->m);                       \
+        for (int t = 0; t < R; t++) {                                                                \
+            const block_x8* xb = x + t * x_stride + b;                                               \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                              \
+        }                                                                                            \
+    }
+
+ROWS_KERNEL(q4x8_rows, block_q4x8, Q4X8_DOTS)
+ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS)
+#else
+// Portable path: the same sums in the same order, one lane at a time.
+#define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE)                                                       \
+    static void NAME(const BLOCK* wg, const block_x8* x, int64_t x_stride, float* y,                 \
+                     int64_t y_stride, int rows, int64_t nb, int out_count) {                        \
+        for (int t = 0; t < rows; t++) {                                                             \
+            for (int r = 0; r < out_count; r++) {                                                    \
+                float acc = 0.0f;                                                                    \
+                for (int64_t b = 0; b < nb; b++) {                                                   \
+                    const block_x8* xb = x + t * x_stride + b;                                       \
+                    int dot = 0;                                                                     \
+                    for (int j = 0; j < QK; j++) dot += VALUE(wg + b, r, j) * xb->qs[j];             \
+                    acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc);                                 \
+                    acc = fmaf(wg[b].m[r], xb->s, acc);                                              \
+                }                                                                                    \
+                y[t * y_stride + r] = acc;                                                           \
+            }                                                                                        \
+        }                                                                                            \
+    }
+ROWS_KERNEL_SCALAR(q4x8_rows, block_q4x8, q4x8_value)
+ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value)
+#endif
+
+// Activation rows are taken in chunks that stay in L2 while every weight group (a few KiB, in L1)
+// passes over them; within a chunk, 4 rows share each unpacked weight block.
+#define ROW_CHUNK 64
+
+#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN)                                                        \
+    void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
+        const int64_t nb = k / QK, groups = x8_groups(n);                                            \
+        const int64_t chunks = (m_rows + ROW_CHUNK - 1) / ROW_CHUNK;                                 \
+        _Pragma("omp parallel for collapse(2) schedule(static)")                                     \
+        for (int64_t c = 0; c < chunks; c++) {                                                       \
+            for (int64_t g = 0; g < groups; g++) {                                                   \
+                const int64_t m_end = (c + 1) * ROW_CHUNK < m_rows ? (c + 1) * ROW_CHUNK : m_rows;   \
+                const int out_count = (int)(n - g * XROWS < XROWS ? n - g * XROWS : XROWS);          \
+                for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += 4) {                              \
+                    const int rows = (int)(m_end - m0 < 4 ? m_end - m0 : 4);                         \
+                    ROWS_FN(w + g * nb, x + m0 * nb, nb, y + m0 * n + g * XROWS, n, rows, nb, out_count); \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+    /* One call per linear layer: quantize the activation rows into `scratch`, then multiply. */    \
+    void LINEAR(const BLOCK* w, const float* x, block_x8* scratch, float* y, int64_t m_rows, int64_t n, int64_t k) { \
+        kvgen_quantize_x8(x, m_rows, k, scratch);                                                    \
+        NAME(w, scratch, y, m_rows, n, k);                                                           \
+    }
+
+GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows)
+GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows)
+
+#define DEQUANTIZE_X8(NAME, BLOCK, VALUE, OUT_T, CONVERT)                                            \
+    void NAME(const BLOCK* w, OUT_T* out, int64_t n, int64_t k) {                                    \
+        const int64_t nb = k / QK;                                                                   \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t row = 0; row < n; row++) {                                                      \
+            const BLOCK* wg = w + (row / XROWS) * nb;                                                \
+            const int r = (int)(row % XROWS);                                                        \
+            for (int64_t b = 0; b < nb; b++) {                                                       \
+                OUT_T* o = out + row * k + b * QK;                                                   \
+                for (int j = 0; j < QK; j++) o[j] = CONVERT(wg[b].d[r] * (float)VALUE(wg + b, r, j) + wg[b].m[r]); \
+            }                                                                                        \
+        }                                                                                            \
+    }
