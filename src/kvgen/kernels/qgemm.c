@@ -18,11 +18,42 @@ typedef struct { float d; float m; uint8_t qs[QK / 2]; } block_q4;  // w = d * q
 typedef struct { float d; float m; int8_t qs[QK]; } block_q8;       // w = d * q + m, q in [-128, 127]
 typedef struct { float d; float s; int8_t qs[QK]; } block_x8;       // x = d * q, s = d * sum(q)
 
+#ifdef __AVX2__
+// One block, vectorised: the same amax, scale, rounding (cvtps rounds to nearest even under the
+// default MXCSR, as lrintf does) and sum as the portable loop below, so both give the same codes.
+static inline void quantize_block_x8(const float* v, block_x8* out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm256_loadu_ps(v + 8 * j);
+    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], id));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    const __m256i packed16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)out->qs, ordered);
+    out->d = d;
+    out->s = d * (float)_mm_cvtsi128_si32(t4);
+}
+#endif
+
 void kvgen_quantize_x8(const float* x, int64_t m_rows, int64_t k, block_x8* out) {
     const int64_t nb = k / QK;
 #pragma omp parallel for schedule(static) if (m_rows * k > 65536)
     for (int64_t i = 0; i < m_rows * nb; i++) {
         const float* v = x + i * QK;
+#ifdef __AVX2__
+        quantize_block_x8(v, out + i);
+#else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
         const float d = amax / 127.0f;
@@ -35,6 +66,7 @@ void kvgen_quantize_x8(const float* x, int64_t m_rows, int64_t k, block_x8* out)
         }
         out[i].d = d;
         out[i].s = d * (float)sum;
+#endif
     }
 }
 

@@ -69,10 +69,9 @@ class FastDecoder:
         self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
         self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
         self._rope_index = torch.tensor(model.rope_index)  # [layers] int64, for the C side
-        # step_rows pays while the tiled int8 kernel is about as fast as the torch path's dequantize
-        # + GEMM (fp32 from 48 rows), and it keeps decodes batch-invariant: every row gets the
-        # bits of the batch-1 C step. So it runs below the fp32 GEMM threshold even where a bf16
-        # GEMM takes over prefill at fewer rows (its bf16 activations would round rows differently).
+        # step_rows takes decode batches and verifies of up to 47 rows: its attention runs per row
+        # (right for decodes), while long prompt chunks go to the torch forward's SDPA. Its linears
+        # are the same interleaved kernel as the torch forward's.
         self.max_rows = GEMM_ROWS_THRESHOLD - 1
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
