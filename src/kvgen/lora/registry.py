@@ -127,8 +127,10 @@ class AdapterRegistry:
         with self._lock:
             self._live(name)
 
-    def acquire(self, name: str) -> str:
-        """Hold `name` for one request (reads it again if it was evicted); its cache key."""
+    def acquire(self, name: str, count: bool = True) -> str:
+        """Hold `name` for one request (reads it again if it was evicted); its cache key. `count`:
+        the hold is a request of its own (False: work for a request counted already, e.g. the
+        server scoring an echoed prompt)."""
         with self._lock:
             entry = self._live(name)
             if entry.adapter is None:
@@ -138,7 +140,7 @@ class AdapterRegistry:
                 self._restack()
             entry.in_use += 1
             entry.last_used = time.monotonic()
-            entry.stats.requests += 1
+            entry.stats.requests += count
             return f"lora:{name}#{entry.generation}"
 
     def release(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
@@ -162,7 +164,9 @@ class AdapterRegistry:
 
     # -- memory ------------------------------------------------------------------------------------
     def resident_bytes(self) -> int:
-        return sum(e.adapter.nbytes for e in self._entries.values() if e.adapter is not None)
+        """Bytes of the adapters' weights in RAM (the loaded ones not evicted, and the unloading ones)."""
+        with self._lock:
+            return sum(e.adapter.nbytes for e in self._entries.values() if e.adapter is not None)
 
     def _fit_budget(self, keep: str) -> None:
         """Evict idle adapters, least recently used first, until the resident ones fit the budget."""
@@ -198,7 +202,8 @@ class AdapterRegistry:
     # -- introspection -----------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Adapters accepting requests, in load order."""
-        return [n for n, e in self._entries.items() if not e.draining]
+        with self._lock:
+            return [n for n, e in self._entries.items() if not e.draining]
 
     def info(self) -> dict[str, dict]:
         """Per adapter: path, rank, projections, resident bytes, in-use count and counters (metrics)."""
