@@ -62,6 +62,8 @@ def _adapter_metrics(registry: CollectorRegistry, adapters) -> None:  # adapters
         return
     Gauge("kvgen_lora_adapters_loaded", "LoRA adapters accepting requests", registry=registry).set_function(lambda: len(adapters.names()))
     Gauge("kvgen_lora_adapter_bytes", "Bytes of LoRA adapter weights in RAM", registry=registry).set_function(adapters.resident_bytes)
+    Gauge("kvgen_lora_adapter_budget_bytes", "The RAM budget of LoRA adapter weights (0: no limit)", registry=registry).set_function(
+        lambda: adapters.budget_bytes or 0)
     Gauge("kvgen_lora_adapter_evictions", "Adapters evicted from RAM by the memory budget since start", registry=registry).set_function(
         lambda: adapters.evictions)
 
