@@ -36,6 +36,7 @@ def test_serve_refuses_bad_lora_specs_before_loading_the_model(tmp_path) -> None
                           ("smollm2=" + real, "the base model's name")]:  # fmt: skip
         assert_one_line_error(kvgen("serve", "smollm2", "--no-progress", "--lora", spec), pattern)
     assert_one_line_error(kvgen("serve", "smollm2", "--no-progress", "--lora", f"a={real}", "--lora", f"a={real}"), "given twice")
+    assert_one_line_error(kvgen("serve", "smollm2", "--no-progress", "--lora-budget-mb", "0"), "--lora-budget-mb must be a positive")
 
 
 @pytest.mark.slow
