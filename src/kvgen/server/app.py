@@ -1,7 +1,8 @@
 """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (SSE streaming),
 /health, /metrics, and the LoRA adapter routes (server/adapters.py). Every request runs on the shared
-AsyncLLMEngine; a client that disconnects cancels it. Bodies are read and parsed here (size and nesting bounded, unknown fields refused) rather than by
-FastAPI, so that every failure has OpenAI's error shape."""
+AsyncLLMEngine; a client that disconnects cancels it. Bodies are read and parsed here (size and
+nesting bounded, unknown fields refused) rather than by FastAPI, so that every failure has OpenAI's
+error shape."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         if spec.echo is not None and spec.logprobs:  # the prompt's own logprobs: one forward, engine held
             try:
-                scored = await asyncio.to_thread(engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs, adapter) for ids in prompt_ids])
+                scored = await asyncio.to_thread(
+                    engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs, adapter) for ids in prompt_ids])
             except BaseException:
                 release(requests)
                 raise
