@@ -5,6 +5,8 @@ peft adapters of tests/lora/conftest.py; few tokens per request."""
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 import requests
@@ -175,3 +177,20 @@ def test_metrics_per_adapter(client, server, smollm2_adapters) -> None:
     assert after['kvgen_adapter_requests_total{adapter="qv-r4"}'] >= 0  # listed from the start
     assert after["kvgen_lora_adapters_loaded"] == len(llm.adapters.names())
     assert after["kvgen_lora_adapter_bytes"] == llm.adapters.resident_bytes() > 0
+
+
+def test_a_request_whose_adapter_went_before_it_reached_the_engine_fails_alone(server, smollm2_adapters) -> None:
+    """Validated while loaded, unloaded before the engine thread took it: that request ends with an
+    error naming the adapter; the engine thread keeps serving."""
+    llm, adapters = smollm2_adapters
+    llm.load_adapter("brief", adapters["k-r2"].path)
+    request = server.engine.engine.make_request("race", PROMPTS[0], SamplingParams(max_new_tokens=2, adapter="brief"))
+    assert llm.unload_adapter("brief") is True  # nothing held it yet
+
+    async def run() -> list:
+        return [output async for output in server.engine.run(request)]
+
+    outputs = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert outputs[-1].finish_reason == "error" and "'brief' is not loaded" in outputs[-1].error
+    assert server.engine.is_running()
+    server.assert_no_leaks()
