@@ -31,7 +31,7 @@ def random_adapter(config, seed: int = 0) -> LoraAdapter:
     for layer in range(config.num_layers):
         for proj, (out_features, in_features) in projection_shapes(config).items():
             pairs[layer, proj] = {"A": torch.randn(RANK, in_features, generator=generator) / in_features**0.5,
-                                  "B": torch.randn(out_features, RANK, generator=generator) * 0.03}  # fmt: skip
+                                  "B": torch.randn(out_features, RANK, generator=generator) * 0.1}  # fmt: skip
             scalings[layer, proj] = 1.0
     return build_adapter("random", Path("random"), pairs, scalings, config)
 
@@ -83,7 +83,8 @@ def test_llama_cpp_applies_kvgens_gguf_lora_alike(tmp_path) -> None:
     their_base, _ = llama_cpp_run(None, ids)
     floor = kl(base, their_base)  # 4-bit vs fp32 arithmetic, no adapter
     effect = kl(ours, base)  # what the adapter changes
+    print(f"KL: adapter effect {effect:.4f}, kvgen vs llama.cpp with it {kl(ours, theirs):.4f}, without {floor:.4f}")
     assert effect > 20 * max(floor, 1e-4), (effect, floor)  # not a vacuous comparison
-    assert kl(ours, theirs) < 3 * max(floor, 1e-4), (kl(ours, theirs), floor, effect)
+    assert kl(ours, theirs) < 2 * max(floor, 1e-4), (kl(ours, theirs), floor, effect)
     assert our_tokens != base_tokens
     assert our_tokens == their_tokens, (llm.tokenizer.decode(our_tokens), llm.tokenizer.decode(their_tokens))
