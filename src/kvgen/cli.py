@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--eviction", default="lru", choices=("lru", "lfu"), help="prefix-cache eviction policy")
     serve.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                        help="keep evicted prefix-cache blocks on disk here, across restarts (one server per directory)")
+    serve.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                       help="serve this LoRA adapter (PEFT folder or GGUF LoRA file) as NAME: requests pick it with "
+                            "model=NAME; repeat for several")  # fmt: skip
+    serve.add_argument("--lora-budget-mb", type=float, default=None, metavar="MB",
+                       help="the most MiB of LoRA weights in RAM: idle adapters past it are evicted (least recently used) "
+                            "and read again from their file on next use (default: no limit)")  # fmt: skip
     serve.add_argument("--kv-disk-budget-mb", type=float, default=None,
                        help="the most MB of block files in --kv-cache-dir (default 1024); least recently used go first")
     _add_model_options(serve)
@@ -317,17 +323,25 @@ def cmd_kv_check(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from kvgen.server.launch import serve, server_config
+    from kvgen.server.launch import lora_specs, serve, server_config
 
     if args.model_name:
         args.model = args.model_name
     if args.kv_disk_budget_mb is not None and args.kv_cache_dir is None:
         raise ValueError("--kv-disk-budget-mb limits the disk tier: also pass --kv-cache-dir DIR (or drop it)")
     config = server_config(args, env_key=os.environ.get("KVGEN_API_KEY"))  # bad options fail before the model loads
+    adapters = lora_specs(args.lora, config.model_name)
+    if args.lora_budget_mb is not None and not args.lora_budget_mb > 0:
+        raise ValueError(f"--lora-budget-mb must be a positive number of MiB, got {args.lora_budget_mb}")
     if args.replicas is not None or args.ray_address is not None:
+        if adapters or args.lora_budget_mb is not None:
+            raise ValueError("--lora is not supported with --replicas yet: serve adapters from one server (drop --replicas)")
         return _serve_replicas(args, config)
     _refuse_replica_options(args)
-    return serve(args, _load(args, engine=True), config)
+    llm = _load(args, engine=True)
+    if args.lora_budget_mb is not None:
+        llm.adapters.set_budget(args.lora_budget_mb)
+    return serve(args, llm, config, adapters)
 
 
 def _refuse_replica_options(args: argparse.Namespace) -> None:

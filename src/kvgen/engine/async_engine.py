@@ -110,7 +110,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add(request)
-        except ValueError as error:
+        except (ValueError, LookupError) as error:  # LookupError: its LoRA adapter was unloaded since it was built
             self._deliver([request.abort("error", str(error))])
 
     def _run(self) -> None:

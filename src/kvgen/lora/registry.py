@@ -54,11 +54,22 @@ class _Entry:
 class AdapterRegistry:
     def __init__(self, model, budget_mb: float | None = None):  # model: DecoderLM
         self.model = model
-        self.budget_bytes = int(budget_mb * 2**20) if budget_mb is not None else None
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self._generations = 0
         self.evictions = 0
+        self.budget_bytes: int | None = None
+        self.set_budget(budget_mb)
+
+    def set_budget(self, budget_mb: float | None) -> None:
+        """The most MiB of adapter weights kept in RAM (None: no limit); idle adapters past it are
+        evicted now, least recently used first. ValueError for a budget that is not positive."""
+        if budget_mb is not None and not (isinstance(budget_mb, (int, float)) and budget_mb > 0):
+            raise AdapterError(f"the adapter memory budget must be a positive number of MiB, got {budget_mb!r}")
+        with self._lock:
+            self.budget_bytes = int(budget_mb * 2**20) if budget_mb is not None else None
+            if self.budget_bytes is not None and self._evict_idle(keep=None):
+                self._restack()
 
     @property
     def _out_sizes(self) -> dict[str, tuple[int, ...]]:
@@ -96,7 +107,11 @@ class AdapterRegistry:
             entry = _Entry(Path(path), self._generations, adapter)
             entry.stats.loads = 1
             self._entries[name] = entry
-            self._fit_budget(keep=name)
+            try:
+                self._fit_budget(keep=name)
+            except AdapterError:
+                del self._entries[name]
+                raise
             self._restack()
         return adapter
 
@@ -127,18 +142,24 @@ class AdapterRegistry:
         with self._lock:
             self._live(name)
 
-    def acquire(self, name: str) -> str:
-        """Hold `name` for one request (reads it again if it was evicted); its cache key."""
+    def acquire(self, name: str, count: bool = True) -> str:
+        """Hold `name` for one request (reads it again if it was evicted); its cache key. `count`:
+        the hold is a request of its own (False: work for a request counted already, e.g. the
+        server scoring an echoed prompt)."""
         with self._lock:
             entry = self._live(name)
             if entry.adapter is None:
                 entry.adapter = read_adapter(name, entry.path, self.model.config)
+                try:
+                    self._fit_budget(keep=name)
+                except AdapterError:
+                    entry.adapter = None
+                    raise
                 entry.stats.loads += 1
-                self._fit_budget(keep=name)
                 self._restack()
             entry.in_use += 1
             entry.last_used = time.monotonic()
-            entry.stats.requests += 1
+            entry.stats.requests += count
             return f"lora:{name}#{entry.generation}"
 
     def release(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
@@ -162,21 +183,33 @@ class AdapterRegistry:
 
     # -- memory ------------------------------------------------------------------------------------
     def resident_bytes(self) -> int:
-        return sum(e.adapter.nbytes for e in self._entries.values() if e.adapter is not None)
+        """Bytes of the adapters' weights in RAM (the loaded ones not evicted, and the unloading ones)."""
+        with self._lock:
+            return sum(e.adapter.nbytes for e in self._entries.values() if e.adapter is not None)
 
     def _fit_budget(self, keep: str) -> None:
-        """Evict idle adapters, least recently used first, until the resident ones fit the budget."""
+        """Evict idle adapters, least recently used first, until the resident ones fit the budget.
+        AdapterError, evicting nothing, when `keep` and the adapters in use cannot fit together."""
         if self.budget_bytes is None:
             return
+        pinned = sum(e.adapter.nbytes for n, e in self._entries.items() if e.adapter is not None and (n == keep or e.in_use))
+        if pinned > self.budget_bytes:
+            raise AdapterError(f"adapter {keep!r} does not fit the adapter memory budget "
+                               f"({self.budget_bytes / 2**20:.1f} MiB) beside the adapters in use: raise the budget")  # fmt: skip
+        self._evict_idle(keep)
+
+    def _evict_idle(self, keep: str | None) -> int:
+        """Evict idle resident adapters other than `keep`, least recently used first, until the
+        resident ones fit the budget (they stay registered); how many went."""
         idle = sorted((e.last_used, n) for n, e in self._entries.items() if n != keep and e.in_use == 0 and e.adapter is not None)
+        evicted = 0
         for _, name in idle:
             if self.resident_bytes() <= self.budget_bytes:
                 break
             self._entries[name].adapter = None
             self.evictions += 1
-        if self.resident_bytes() > self.budget_bytes:
-            raise AdapterError(f"adapter {keep!r} does not fit the adapter memory budget "
-                               f"({self.budget_bytes / 2**20:.1f} MiB) beside the adapters in use: raise the budget")  # fmt: skip
+            evicted += 1
+        return evicted
 
     def _restack(self) -> None:
         """Stack the resident adapters into the model's linears (under its forward lock)."""
@@ -198,7 +231,8 @@ class AdapterRegistry:
     # -- introspection -----------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Adapters accepting requests, in load order."""
-        return [n for n, e in self._entries.items() if not e.draining]
+        with self._lock:
+            return [n for n, e in self._entries.items() if not e.draining]
 
     def info(self) -> dict[str, dict]:
         """Per adapter: path, rank, projections, resident bytes, in-use count and counters (metrics)."""

@@ -1,7 +1,8 @@
 """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (SSE streaming),
-/health, /metrics. Every request runs on the shared AsyncLLMEngine; a client that disconnects cancels
-it. Bodies are read and parsed here (size and nesting bounded, unknown fields refused) rather than by
-FastAPI, so that every failure has OpenAI's error shape."""
+/health, /metrics, and the LoRA adapter routes (server/adapters.py). Every request runs on the shared
+AsyncLLMEngine; a client that disconnects cancels it. Bodies are read and parsed here (size and
+nesting bounded, unknown fields refused) rather than by FastAPI, so that every failure has OpenAI's
+error shape."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from kvgen.engine.async_engine import AsyncLLMEngine
+from kvgen.server import adapters as adapter_routes
 from kvgen.server.config import ServerConfig
 from kvgen.server.errors import APIError, install_error_handlers
 from kvgen.server.limits import read_json
@@ -61,24 +63,25 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvgen"}]}
+        return {"object": "list", "data": adapter_routes.model_cards(config.model_name, serving.adapters)}
 
     @app.post("/v1/completions")
     async def completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
         body = parse(CompletionRequest, await read_json(http, config.limits), REFUSED_COMPLETIONS)
-        serving.check_common(body)
-        jobs, spec, prompt_ids = await asyncio.to_thread(prepare_completions, serving, body)
+        adapter = serving.check_common(body)
+        jobs, spec, prompt_ids = await asyncio.to_thread(prepare_completions, serving, body, adapter)
         request_id, salt, speculative = f"cmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         if spec.echo is not None and spec.logprobs:  # the prompt's own logprobs: one forward, engine held
             try:
-                scored = await asyncio.to_thread(engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs) for ids in prompt_ids])
+                scored = await asyncio.to_thread(
+                    engine.run_locked, lambda e: [prompt_logprobs(e, ids, body.logprobs, adapter) for ids in prompt_ids])
             except BaseException:
                 release(requests)
                 raise
             spec = dataclasses.replace(spec, prompt_logprobs=scored)
         log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
-        head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
+        head = {"id": request_id, "created": int(time.time()), "model": body.model}  # the adapter's name when one was asked
         return await serving.respond(http, "completions", requests,
                                      stream=bool(body.stream), full=lambda r: full_response(r, head, spec) | _extra(body),
                                      events=lambda c: stream_events(c, head, spec))  # fmt: skip
@@ -86,12 +89,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
         body = parse(ChatCompletionRequest, await read_json(http, config.limits), REFUSED_CHAT)
-        serving.check_common(body)
-        jobs, spec = await asyncio.to_thread(prepare_chat, serving, body)
+        adapter = serving.check_common(body)
+        jobs, spec = await asyncio.to_thread(prepare_chat, serving, body, adapter)
         request_id, salt, speculative = f"chatcmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
-        head = {"id": request_id, "created": int(time.time()), "model": config.model_name}
+        head = {"id": request_id, "created": int(time.time()), "model": body.model}  # the adapter's name when one was asked
         if body.service_tier is not None:
             head["service_tier"] = "default"
         return await serving.respond(http, "chat", requests,
@@ -99,6 +102,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                                      events=lambda c: stream_events(c, head, spec))  # fmt: skip
 
     responses.install(app, authorize)
+    adapter_routes.install(app, serving, authorize)
     return app
 
 

@@ -34,6 +34,7 @@ async def _one_choice(engine: AsyncLLMEngine, index: int, request: Request, metr
             else:
                 metrics.ttft.observe(now - started)
             metrics.generation_tokens.inc(len(output.token_ids))
+            metrics.adapter_generation_tokens.labels(request.params.adapter or "").inc(len(output.token_ids))
             produced, last = True, now
         if output.finished and output.usage is not None:
             metrics.prompt_tokens.inc(output.usage.prompt_tokens)

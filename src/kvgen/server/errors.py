@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvgen.lora.adapter import UnknownAdapterError
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +42,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error_response(error.status, error.message, error.kind, error.param, error.code)
+
+    @app.exception_handler(UnknownAdapterError)
+    async def unknown_adapter(_: Request, error: UnknownAdapterError) -> JSONResponse:  # unloaded while the request was prepared
+        return error_response(404, str(error), param="model", code="model_not_found")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.config import EngineConfig
@@ -30,6 +31,34 @@ def server_config(args: argparse.Namespace, env_key: str | None) -> ServerConfig
                         allow_priority=args.allow_priority)  # fmt: skip
 
 
+def lora_specs(values: list[str] | None, model_name: str) -> list[tuple[str, Path]]:
+    """`--lora NAME=PATH` values -> (name, path), checked (ValueError naming the flag) before the
+    model loads: the form, a unique name other than the model's, a path that exists."""
+    specs: list[tuple[str, Path]] = []
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {value!r}: give NAME=PATH (the name requests put in `model`, a PEFT folder or GGUF LoRA file)")
+        if name == model_name:
+            raise ValueError(f"--lora {value!r}: {name!r} is the base model's name; requests naming it get no adapter: pick another name")
+        if any(name == other for other, _ in specs):
+            raise ValueError(f"--lora {value!r}: the name {name!r} is given twice")
+        if not Path(path).exists():
+            raise ValueError(f"--lora {value!r}: no such file or folder {path}")
+        specs.append((name, Path(path)))
+    return specs
+
+
+def load_adapters(llm, specs: list[tuple[str, Path]]) -> None:
+    """Load the --lora adapters (ValueError naming the flag when one does not fit the model)."""
+    for name, path in specs:
+        try:
+            llm.load_adapter(name, path)
+        except ValueError as error:
+            raise ValueError(f"--lora {name}={path}: {error}") from None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         max_tokens_per_step=args.max_tokens_per_step, max_num_seqs=args.max_num_seqs, block_size=args.kv_block_size,
@@ -39,11 +68,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )  # fmt: skip
 
 
-def serve(args: argparse.Namespace, llm, server_config: ServerConfig) -> int:
+def serve(args: argparse.Namespace, llm, server_config: ServerConfig, adapters: Sequence[tuple[str, Path]] = ()) -> int:
+    """Run the server; `adapters` (from lora_specs) are loaded first, and requests name them in `model`."""
     import uvicorn
 
+    load_adapters(llm, list(adapters))
     app, engine = build(llm, engine_config(args), server_config)
-    print(f"kvgen: serving {server_config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    served = f" with LoRA adapters {', '.join(name for name, _ in adapters)}" if adapters else ""
+    print(f"kvgen: serving {server_config.model_name!r}{served} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

@@ -34,10 +34,21 @@ def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offs
     }
 
 
-def prompt_logprobs(engine, ids: list[int], top: int) -> dict:
+def prompt_logprobs(engine, ids: list[int], top: int, adapter: str | None = None) -> dict:
     """Completions' columns for the prompt itself (echo + logprobs): each token's log-probability
-    given the ones before it (None for the first), by a forward pass over a fresh cache. Call it with
-    the engine held (AsyncLLMEngine.run_locked): it uses the engine's model between steps."""
+    given the ones before it (None for the first), by a forward pass over a fresh cache, under the
+    LoRA `adapter` (None: the base model). Call it with the engine held (AsyncLLMEngine.run_locked):
+    it uses the engine's model between steps."""
+    if adapter is not None:  # held (and read again if it was evicted) while it scores
+        engine.adapters.acquire(adapter, count=False)
+        try:
+            return _prompt_logprobs(engine, ids, top, {"adapter": adapter})
+        finally:
+            engine.adapters.release(adapter)
+    return _prompt_logprobs(engine, ids, top, {})
+
+
+def _prompt_logprobs(engine, ids: list[int], top: int, adapter: dict) -> dict:
     chunk_size = 256
     cache = engine.caches.new_cache(len(ids))
     values: list[float | None] = [None]
@@ -45,7 +56,7 @@ def prompt_logprobs(engine, ids: list[int], top: int) -> dict:
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, chunk_size):
             chunk = ids[start : min(start + chunk_size, len(ids) - 1)]
-            logits = engine.model(torch.tensor([chunk]), cache, logits_to_keep=len(chunk))[0]  # [S, V]
+            logits = engine.model(torch.tensor([chunk]), cache, logits_to_keep=len(chunk), **adapter)[0]  # [S, V]
             rows = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
             targets = torch.tensor(ids[start + 1 : start + 1 + len(chunk)])  # [S]
             values += rows.gather(1, targets[:, None])[:, 0].tolist()

@@ -17,6 +17,13 @@ class ServerMetrics:
         self.ttft = Histogram("kvgen_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvgen_inter_token_latency_seconds", "Time between tokens of a request", buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("kvgen_requests_in_flight", "Requests the server is serving now", registry=r)
+        self.adapter_requests = Counter("kvgen_adapter_requests", "Finished requests by LoRA adapter (\"\": the base model)",
+                                        ["adapter"], registry=r)  # fmt: skip
+        self.adapter_generation_tokens = Counter("kvgen_adapter_generation_tokens", "Generated tokens by LoRA adapter (\"\": the base model)",
+                                                 ["adapter"], registry=r)  # fmt: skip
+        for name in ["", *(async_engine.engine.adapters.names() if async_engine.engine.adapters is not None else [])]:
+            self.track_adapter(name)
+        _adapter_metrics(r, async_engine.engine.adapters)
         read = async_engine.run_locked
         Gauge("kvgen_kv_blocks_in_use", "KV blocks held by requests or the prefix cache", registry=r).set_function(
             lambda: read(lambda e: e.scheduler.num_blocks_in_use()))
@@ -40,8 +47,25 @@ class ServerMetrics:
 
         _kv_tier_metrics(r, read)
 
+    def track_adapter(self, name: str) -> None:
+        """Show `name`'s per-adapter series at 0 from now (before its first request)."""
+        self.adapter_requests.labels(name)
+        self.adapter_generation_tokens.labels(name)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _adapter_metrics(registry: CollectorRegistry, adapters) -> None:  # adapters: AdapterRegistry | None
+    """The LoRA adapters in RAM: how many serve requests, their bytes, evictions (the registry's own lock)."""
+    if adapters is None:
+        return
+    Gauge("kvgen_lora_adapters_loaded", "LoRA adapters accepting requests", registry=registry).set_function(lambda: len(adapters.names()))
+    Gauge("kvgen_lora_adapter_bytes", "Bytes of LoRA adapter weights in RAM", registry=registry).set_function(adapters.resident_bytes)
+    Gauge("kvgen_lora_adapter_budget_bytes", "The RAM budget of LoRA adapter weights (0: no limit)", registry=registry).set_function(
+        lambda: adapters.budget_bytes or 0)
+    Gauge("kvgen_lora_adapter_evictions", "Adapters evicted from RAM by the memory budget since start", registry=registry).set_function(
+        lambda: adapters.evictions)
 
 
 def _kv_tier_metrics(registry: CollectorRegistry, read) -> None:

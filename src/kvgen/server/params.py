@@ -33,6 +33,7 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
 
 
 def _not_supported(field: str) -> APIError:
@@ -57,6 +58,8 @@ def build_params(sampling: Sampling, endpoint: str, max_tokens_limit: int, engin
         fields["stop"] = stops
     if sampling.ignore_eos:
         fields["ignore_eos"] = True
+    if sampling.adapter is not None:
+        fields["adapter"] = sampling.adapter
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(sampling, name):
             fields[name] = getattr(sampling, name)

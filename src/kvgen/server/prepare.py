@@ -47,7 +47,7 @@ def chat_tools(tools, tool_choice, parallel: bool | None, limits) -> ToolPlan:
     return make_plan(specs, choice, parallel)
 
 
-def prepare_chat(serving, body: ChatCompletionRequest) -> tuple[list[Job], OutputSpec]:
+def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = None) -> tuple[list[Job], OutputSpec]:
     limits, engine = serving.limits, serving.engine.engine
     check_count("messages", len(body.messages), limits.max_messages)
     if body.top_logprobs is not None and not body.logprobs:
@@ -62,7 +62,7 @@ def prepare_chat(serving, body: ChatCompletionRequest) -> tuple[list[Job], Outpu
         max_tokens=body.max_completion_tokens or body.max_tokens, temperature=body.temperature, top_p=body.top_p,
         n=body.n or 1, seed=body.seed, stop=body.stop, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, logprobs=bool(body.logprobs),
-        top_logprobs=body.top_logprobs or 0, ignore_eos=body.ignore_eos,
+        top_logprobs=body.top_logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
     )  # fmt: skip
     params = build_params(sampling, "chat", serving.config.max_tokens_limit, engine, limits, structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -78,8 +78,8 @@ def _prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-def prepare_completions(serving, body: CompletionRequest) -> tuple[list[Job], OutputSpec, list[list[int]]]:
-    """(jobs, spec, the prompts' ids); choices i*n .. i*n+n-1 continue prompt i."""
+def prepare_completions(serving, body: CompletionRequest, adapter: str | None = None) -> tuple[list[Job], OutputSpec, list[list[int]]]:
+    """(jobs, spec, the prompts' ids); choices i*n .. i*n+n-1 continue prompt i, with `adapter` (None: the base model)."""
     limits, engine = serving.limits, serving.engine.engine
     prompts = _prompts(body.prompt)
     check_count("prompt", len(prompts), limits.max_prompts)
@@ -101,7 +101,7 @@ def prepare_completions(serving, body: CompletionRequest) -> tuple[list[Job], Ou
     sampling = Sampling(
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, n=n, seed=body.seed, stop=body.stop,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias,
-        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
     )  # fmt: skip
     structured = structured_output(body.response_format)
     params = build_params(sampling, "completions", serving.config.max_tokens_limit, engine, limits, structured)

@@ -63,7 +63,7 @@ class ResponsesAPI:
     async def create(self, http: Request, api_key: str | None) -> Response:
         serving = self.serving
         body = parse(ResponsesRequest, await read_json(http, serving.limits), REFUSED_RESPONSES)
-        serving.check_model(body.model)
+        adapter = serving.check_model(body.model)
         serving.check_priority(body.priority)
         history = self._stored(body.previous_response_id, api_key, "previous_response_id").conversation if body.previous_response_id else []
         conversation = history + input_messages(body.input)
@@ -74,7 +74,7 @@ class ResponsesAPI:
         prompt = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
         structured = await asyncio.to_thread(_structured, body, plan)
         ids = await asyncio.to_thread(render_chat_prompt, serving.engine.engine.tokenizer, prompt, plan, serving.prompt_limit, "input")
-        sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p)
+        sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, adapter=adapter)
         params = build_params(sampling, "responses", serving.config.max_tokens_limit, serving.engine.engine, serving.limits, structured)
         request_id, salt, speculative = f"resp_{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         jobs = [(ids, params[0])]

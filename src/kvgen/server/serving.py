@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.request import Request as EngineRequest
+from kvgen.lora.adapter import UnknownAdapterError
 from kvgen.result import GenerationResult
 from kvgen.server.choices import Job, collect, run_choices
 from kvgen.server.config import ServerConfig, tenant_salt
@@ -32,17 +33,26 @@ class Serving:
     def prompt_limit(self) -> int:
         return min(self.config.max_prompt_tokens or self.engine.engine.max_context - 1, self.engine.engine.max_context - 1)
 
-    def check_model(self, name: str) -> None:
-        if name != self.config.model_name:
-            raise APIError(404, f"model {name[:100]!r} does not exist: this server serves {self.config.model_name!r} (see /v1/models)",
-                           param="model", code="model_not_found")  # fmt: skip
+    @property
+    def adapters(self):  # AdapterRegistry | None: the LoRA adapters the `model` field may name
+        return self.engine.engine.adapters
 
-    def check_common(self, body) -> None:
-        """What chat and completions check before any work: model, priority, stream_options."""
-        self.check_model(body.model)
+    def check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's `model` names: None for the base model (vLLM's convention),
+        else a loaded adapter's name; any other name is a 404 and nothing is queued."""
+        if name == self.config.model_name:
+            return None
+        if self.adapters is not None and name in self.adapters.names():
+            return name
+        raise model_not_found(name, self.config.model_name)
+
+    def check_common(self, body) -> str | None:
+        """What chat and completions check before any work: model (-> its adapter), priority, stream_options."""
+        adapter = self.check_model(body.model)
         self.check_priority(body.priority)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        return adapter
 
     def check_priority(self, priority: int) -> None:
         if priority and not self.config.allow_priority:
@@ -64,6 +74,9 @@ class Serving:
         try:
             for i, (prompt_ids, params) in enumerate(jobs):  # a speculative request builds its proposer, which checks its options
                 requests.append(self.engine.engine.make_request(f"{request_id}-{i}", prompt_ids, params, priority, salt, speculative))
+        except UnknownAdapterError as error:  # unloaded since check_model
+            release(requests)
+            raise model_not_found(jobs[0][1].adapter or "", self.config.model_name) from error
         except ValueError as error:
             release(requests)
             raise APIError(400, str(error), code="invalid_request") from error
@@ -79,34 +92,41 @@ class Serving:
         self.in_flight += 1
         self.metrics.running.inc()
         choices = run_choices(self.engine, requests, self.metrics)
+        adapter = requests[0].params.adapter if requests else None
         if stream:
-            return StreamingResponse(self._finish(events(choices), endpoint), media_type="text/event-stream")
+            return StreamingResponse(self._finish(events(choices), endpoint, adapter), media_type="text/event-stream")
         status = "cancelled"
         try:
             results = await until_disconnect(http, collect(choices, len(requests)))
             failed = [r for r in results if r.finish_reason == "error"]
             status = "error" if failed else "ok"
         finally:
-            self._done(endpoint, status)
+            self._done(endpoint, status, adapter)
         if failed:
             raise APIError(500, f"generation failed: {failed[0].error}", kind="server_error")
         if on_done is not None:
             on_done(results)
         return JSONResponse(full(results))
 
-    def _done(self, endpoint: str, status: str) -> None:
+    def _done(self, endpoint: str, status: str, adapter: str | None) -> None:
         self.in_flight -= 1
         self.metrics.running.dec()
         self.metrics.requests.labels(endpoint, status).inc()
+        self.metrics.adapter_requests.labels(adapter or "").inc()
 
-    async def _finish(self, events: AsyncIterator[str], endpoint: str) -> AsyncIterator[str]:
+    async def _finish(self, events: AsyncIterator[str], endpoint: str, adapter: str | None) -> AsyncIterator[str]:
         status = "cancelled"
         try:
             async for event in events:
                 yield event
             status = "ok"
         finally:
-            self._done(endpoint, status)
+            self._done(endpoint, status, adapter)
+
+
+def model_not_found(name: str, base: str) -> APIError:
+    return APIError(404, f"model {name[:100]!r} does not exist: this server serves {base!r} and the LoRA adapters "
+                         "listed at /v1/models", param="model", code="model_not_found")  # fmt: skip
 
 
 def release(requests: list[EngineRequest]) -> None:
