@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "prefix-cache tenant (default: env KVGEN_API_KEY, else none)")  # fmt: skip
     serve.add_argument("--api-keys-file", default=None, help="more API keys, one a line (# comments)")
     serve.add_argument("--allow-priority", action="store_true", help="honour the requests' `priority` field (else it is a 400)")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (the server then reads "
+                            "adapter paths that clients name; guard it with --api-key)")  # fmt: skip
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask for")
     serve.add_argument("--max-concurrent", type=int, default=256, help="requests served at once; more get HTTP 429")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")

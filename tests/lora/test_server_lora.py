@@ -27,7 +27,7 @@ def want(llm, prompt: str | list[int], adapter: str | None, n: int = 6) -> str:
 @pytest.fixture(scope="module")
 def server(smollm2_adapters) -> LiveServer:
     llm, _ = smollm2_adapters
-    with live_server(llm, max_tokens_limit=64, api_key=KEY) as live:
+    with live_server(llm, max_tokens_limit=64, api_key=KEY, allow_runtime_lora=True) as live:
         yield live
 
 
@@ -126,9 +126,19 @@ def test_load_and_unload_at_run_time(client, server, smollm2_adapters) -> None:
         client.completions.create(model="late", prompt=PROMPTS[2], max_tokens=2)
 
 
-def test_runtime_endpoints_are_open_without_an_api_key(smollm2_adapters) -> None:
+def test_runtime_endpoints_are_off_unless_enabled(smollm2_adapters) -> None:
     llm, adapters = smollm2_adapters
-    with live_server(llm) as open_server:
+    body = {"lora_name": "closed", "lora_path": str(adapters["qv-r4"].path)}
+    with live_server(llm) as closed_server:
+        refused = post(closed_server, "load_lora_adapter", body, key=None)
+        assert refused.status_code == 403 and "--allow-runtime-lora" in refused.json()["error"]["message"]
+        assert post(closed_server, "unload_lora_adapter", {"lora_name": "closed"}, key=None).status_code == 403
+    assert "closed" not in llm.adapters.info()
+
+
+def test_runtime_endpoints_are_open_without_an_api_key_when_enabled(smollm2_adapters) -> None:
+    llm, adapters = smollm2_adapters
+    with live_server(llm, allow_runtime_lora=True) as open_server:
         body = {"lora_name": "open", "lora_path": str(adapters["qv-r4"].path)}
         assert post(open_server, "load_lora_adapter", body, key=None).status_code == 200
         assert "open" in llm.adapters.names()

@@ -41,12 +41,16 @@ def install(app: FastAPI, serving, authorize: Callable) -> None:
     base = serving.config.model_name
 
     def registry():
+        if not serving.config.allow_runtime_lora:
+            raise APIError(403, "loading and unloading adapters at run time is off: start the server with "
+                                "--allow-runtime-lora (and an --api-key)", code="runtime_lora_disabled")  # fmt: skip
         if serving.adapters is None:
             raise APIError(400, f"{base!r} cannot serve LoRA adapters", code="unsupported_model")
         return serving.adapters
 
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)])
     async def load_adapter(http: Request) -> PlainTextResponse:
+        registry()  # refuses first when run-time loading is off
         body = parse(LoadAdapterRequest, await read_json(http, serving.limits), {})
         name = body.lora_name
         if name == base:
@@ -65,6 +69,7 @@ def install(app: FastAPI, serving, authorize: Callable) -> None:
 
     @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorize)])
     async def unload_adapter(http: Request) -> PlainTextResponse:
+        registry()
         body = parse(UnloadAdapterRequest, await read_json(http, serving.limits), {})
         name = body.lora_name
         try:

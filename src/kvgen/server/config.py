@@ -19,6 +19,8 @@ class ServerConfig:
     max_concurrent: int = 256  # requests served at once; more get 429
     api_keys: tuple[str, ...] = ()  # more keys (each a tenant: its own prefix-cache namespace)
     allow_priority: bool = False  # honour the `priority` extension (else a request that sets it is a 400)
+    # POST /v1/load_lora_adapter reads any path the server can read: off unless asked for.
+    allow_runtime_lora: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
