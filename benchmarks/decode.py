@@ -44,8 +44,8 @@ def measure_round(generate: Callable[[int], Any], prompt_tokens: int, new_tokens
 
 
 def medians(samples: list[dict[str, float | None]]) -> dict[str, float | None]:
-    return {key: (statistics.median(v for s in samples if (v := s[key]) is not None) if samples[0][key] is not None else None)
-            for key in samples[0]}  # fmt: skip
+    """Per measure, the median over the rounds (None where the measure is not taken, e.g. decode on a prefill run)."""
+    return {key: None if first is None else statistics.median(s[key] for s in samples) for key, first in samples[0].items()}
 
 
 def kvgen_runner(llm: LLM, ids: list[int]) -> Callable[[int], Any]:

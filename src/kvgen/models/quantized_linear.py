@@ -78,7 +78,7 @@ class QuantizedLinear(nn.Module):
             torch.bfloat16: getattr(library, f"kvgen_dequantize_{kind}x8_bf16"),
         }
         self.prefill = prefill_path()  # the many-row path; few rows always run the int8 C kernel
-        self.kind = weight.kind
+        self.kind = kind
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.register_buffer("blocks", repack_x8(weight), persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None

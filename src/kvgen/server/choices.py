@@ -26,6 +26,7 @@ Job = tuple[list[int], SamplingParams]  # one choice: prompt ids, params
 async def _one_choice(engine: AsyncLLMEngine, index: int, request: Request, metrics) -> AsyncIterator[Event]:
     started = last = time.perf_counter()
     produced = False
+    adapter_tokens = metrics.adapter_generation_tokens.labels(request.params.adapter or "")  # once, not per chunk
     async for output in engine.run(request):
         now = time.perf_counter()
         if output.token_ids:
@@ -34,7 +35,7 @@ async def _one_choice(engine: AsyncLLMEngine, index: int, request: Request, metr
             else:
                 metrics.ttft.observe(now - started)
             metrics.generation_tokens.inc(len(output.token_ids))
-            metrics.adapter_generation_tokens.labels(request.params.adapter or "").inc(len(output.token_ids))
+            adapter_tokens.inc(len(output.token_ids))
             produced, last = True, now
         if output.finished and output.usage is not None:
             metrics.prompt_tokens.inc(output.usage.prompt_tokens)
