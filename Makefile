@@ -45,8 +45,9 @@ models: $(VENV)/.models
 run: $(VENV)/.models
 	$(VENV)/bin/kvgen generate "$(PROMPT)"
 
+# --durations: CI's log names the slowest tests, so the suite can be kept under its time budget.
 test: $(VENV)/.models $(VENV)/.test-deps $(SHAKESPEARE)/.done
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: $(VENV)/.models $(VENV)/.test-deps $(SHAKESPEARE)/.done
 	$(PY) -m pytest -q -m "not slow"
