@@ -1,16 +1,21 @@
-"""Speculative decoding speedup per proposer, on open-ended and input-grounded text (same run).
+"""Speculative decoding speedup per proposer, on chat, open-ended and input-grounded text (same run).
 
 For each target weight format, each task and each proposer: decode tokens/s with speculation vs plain
-greedy decoding of the same model, whether the tokens are identical, and the draft acceptance rate.
-Also the cost of one target forward over 1, 5 and 9 tokens (what a verify step costs vs a plain step).
+greedy decoding of the same model, whether the tokens are identical, the draft acceptance rate and the
+tokens each verify forward yields. Within each round plain decoding and every proposer take turns on
+each task (a slow spell of the machine hits all of them); every sample is kept in the JSON and the
+table shows medians. Also the cost of one target forward over 1, 5 and 9 new tokens (a verify step vs
+a plain step). Where drafts fail (lookup and self on open-ended text), the adaptive draft length must
+fall back to near plain speed: the summary prints the worst ratio.
 
-    python benchmarks/speculative.py                 # fp32 and q4 targets, 128 new tokens
+    python benchmarks/speculative.py                 # fp32 and q4 targets, 128 new tokens, 3 rounds
     python benchmarks/speculative.py --weights q4 --new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,12 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import best_of, print_table, timed, write_results  # noqa: E402
+from common import best_of, cpu_class, print_table, timed, write_results  # noqa: E402
 
 from kvgen import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
 from kvgen.kv.interface import CacheSpec  # noqa: E402
 
+CHAT_REQUEST = "Write a short story about an old lighthouse keeper and the night the light almost failed."
 PASSAGE = (
     "The lighthouse stood on a rock at the mouth of the harbour. Every evening the keeper climbed the "
     "hundred and twelve steps, trimmed the wick, polished the great lens and lit the lamp, and every "
@@ -33,6 +39,7 @@ PASSAGE = (
     "oil he had burned. He did this for forty years, and in all that time the light never failed."
 )
 TASKS = {
+    "chat": None,  # CHAT_REQUEST through the model's chat template (open-ended chat)
     "open-ended": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     # Input-grounded: the answer quotes the passage, as summaries and retrieval answers quote theirs.
     "grounded": f"Passage: {PASSAGE}\n\nQuote the passage exactly.\nQuote: The lighthouse stood on a rock",
@@ -60,11 +67,11 @@ def configs(weights: str, draft: LLM | None) -> dict[str, SpeculativeConfig]:
     return out
 
 
-def run_one(llm: LLM, prompt: str, params: SamplingParams, config: SpeculativeConfig | None, repeats: int):
-    results = []
-    for _ in range(repeats):
-        results.append(llm.generate(prompt, params, speculative=config))
-    return max(results, key=lambda r: r.timings.decode_tokens_per_second)
+def task_prompt(llm: LLM, task: str) -> str | list[int]:
+    if TASKS[task] is not None:
+        return TASKS[task]
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT_REQUEST}], add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
 def main() -> None:
@@ -72,9 +79,16 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", default="fp32,q4", help="target weight formats, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; plain and every proposer run once per round")
+    parser.add_argument("--methods", default="lookup,self,eagle,draft", help="proposers, comma-separated "
+                        "(draft: the 4-bit copy of the model drafting for a non-4-bit target)")  # fmt: skip
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {', '.join(TASKS)}")
     args = parser.parse_args()
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        parser.error(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
 
     rows: list[dict[str, Any]] = []
     forwards: dict[str, dict[int, float]] = {}
@@ -82,30 +96,45 @@ def main() -> None:
         llm = LLM.load(args.model, progress=False, weights=weights)
         # The only same-tokenizer draft we ship is the 4-bit copy of the same model: used for fp32.
         draft = LLM.load(args.model, progress=False, weights="q4") if weights != "q4" else None
-        forwards[weights] = {n: forward_ms(llm, n, max(3, args.repeats)) for n in (1, 5, 9)}
-        for task, prompt in TASKS.items():
-            run_one(llm, prompt, SamplingParams(max_new_tokens=8), None, 1)  # warm-up (kernels, allocator)
-            plain = run_one(llm, prompt, params, None, args.repeats)
-            base = plain.timings.decode_tokens_per_second
-            rows.append({"weights": weights, "task": task, "method": "plain", "decode_tok_s": base, "speedup": 1.0,
-                         "identical": True, "acceptance": None, "tokens_per_verify": None})  # fmt: skip
-            for method, config in configs(weights, draft).items():
-                result = run_one(llm, prompt, params, config, args.repeats)
-                stats = result.speculative
+        methods = {m: c for m, c in configs(weights, draft).items() if m in args.methods.split(",")}
+        forwards[weights] = {n: forward_ms(llm, n, 3) for n in (1, 5, 9)}
+        prompts = {task: task_prompt(llm, task) for task in tasks}
+        samples: dict[tuple[str, str], list[Any]] = {}
+        for task, prompt in prompts.items():
+            llm.generate(prompt, SamplingParams(max_new_tokens=8))  # warm-up (kernels, allocator)
+        for _ in range(args.repeats):
+            for task, prompt in prompts.items():
+                samples.setdefault((task, "plain"), []).append(llm.generate(prompt, params))
+                for method, config in methods.items():
+                    samples.setdefault((task, method), []).append(llm.generate(prompt, params, speculative=config))
+        for task in tasks:
+            plain = samples[(task, "plain")]
+            base = statistics.median(r.timings.decode_tokens_per_second for r in plain)
+            for method in ["plain", *methods]:
+                results = samples[(task, method)]
+                speeds = [r.timings.decode_tokens_per_second for r in results]
+                stats = [r.speculative for r in results if r.speculative is not None]
                 rows.append({
                     "weights": weights, "task": task, "method": method,
-                    "decode_tok_s": result.timings.decode_tokens_per_second,
-                    "speedup": result.timings.decode_tokens_per_second / base,
-                    "identical": result.token_ids == plain.token_ids,
-                    "acceptance": stats.acceptance_rate, "tokens_per_verify": stats.tokens_per_verify,
+                    "decode_tok_s": statistics.median(speeds), "speedup": statistics.median(speeds) / base,
+                    "identical": all(r.token_ids == plain[0].token_ids for r in results),
+                    "acceptance": statistics.median(s.acceptance_rate for s in stats) if stats else None,
+                    "tokens_per_verify": statistics.median(s.tokens_per_verify for s in stats) if stats else None,
+                    "samples_tok_s": speeds,
                 })  # fmt: skip
                 print(f"{weights} {task} {method}: {rows[-1]['speedup']:.2f}x", file=sys.stderr)
     print_table(rows, ["weights", "task", "method", "decode_tok_s", "speedup", "identical", "acceptance", "tokens_per_verify"])
     print("target forward ms by new tokens:", forwards)
-    best = max((r for r in rows if r["method"] != "plain" and r["identical"]), key=lambda r: r["speedup"])
-    print(f"best: {best['method']} on {best['task']} ({best['weights']}): {best['speedup']:.2f}x")
-    path = write_results("speculative", {"model": args.model, "new_tokens": args.new_tokens, "rows": rows,
-                                         "forward_ms": forwards, "best": best})  # fmt: skip
+    drafted = [r for r in rows if r["method"] != "plain"]
+    best = max((r for r in drafted if r["identical"]), key=lambda r: r["speedup"], default=None)
+    worst = min(drafted, key=lambda r: r["speedup"], default=None)
+    for label, row in (("best", best), ("worst", worst)):
+        if row is not None:
+            print(f"{label}: {row['method']} on {row['task']} ({row['weights']}): {row['speedup']:.2f}x")
+    config = {"model": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats, "methods": args.methods,
+              "tasks": tasks, "threads": torch.get_num_threads()}  # fmt: skip
+    path = write_results(f"speculative-{args.model}-{cpu_class()}", {"config": config, "rows": rows,
+                                                                       "forward_ms": forwards, "best": best, "worst": worst})  # fmt: skip
     print(f"wrote {path}")
 
 
