@@ -29,6 +29,21 @@ def test_shrinks_on_low_acceptance_then_pauses_and_resumes():
     assert c.rolling_acceptance == 1.0  # a fresh window after the pause
 
 
+def test_pauses_double_while_drafts_keep_failing_and_reset_when_one_pays():
+    c = DraftLengthController(initial=1, min_length=1, max_length=1, window=1, cooldown=2, max_cooldown=8)
+
+    def pause_after_a_failed_draft() -> int:
+        c.record(c.draft_length(), 0)
+        plain = 0
+        while c.draft_length() == 0:
+            plain += 1
+        return plain
+
+    assert [pause_after_a_failed_draft() for _ in range(5)] == [2, 4, 8, 8, 8]
+    c.record(1, 1)  # a draft that pays: the next pause is short again
+    assert pause_after_a_failed_draft() == 2
+
+
 def test_middle_acceptance_keeps_the_length():
     c = DraftLengthController(initial=4)
     c.record(4, 2)  # 0.5: between the thresholds

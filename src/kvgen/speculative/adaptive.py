@@ -36,11 +36,15 @@ class DraftLengthController:
     """Rolling acceptance over the last `window` verify steps: above `grow_above` the draft grows by
     one token (up to `max_length`), below `shrink_below` it shrinks by one (down to `min_length`).
     Below `shrink_below` at the minimum length for a whole window, drafting pauses for `cooldown`
-    tokens of plain decoding, then starts again at the minimum length with a fresh window."""
+    tokens of plain decoding, then starts again at the minimum length with a fresh window. Each pause
+    that follows another with no good verify step in between is twice as long (up to `max_cooldown`):
+    on text where drafts keep failing, the probing verifies become rare and the cost nears plain
+    decoding's. One verify step at or above `shrink_below` resets the pause length."""
 
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
         window: int = 8, grow_above: float = 0.8, shrink_below: float = 0.4, cooldown: int = 16,
+        max_cooldown: int = 256,
     ):  # fmt: skip
         if not 1 <= min_length <= initial <= max_length:
             raise ValueError(f"need 1 <= min_length <= initial <= max_length, got {min_length}, {initial}, {max_length}")
@@ -49,6 +53,8 @@ class DraftLengthController:
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted) per verify step
         self._low_at_min = 0  # consecutive verify steps at min length with a low rolling rate
         self._paused = 0  # plain tokens left before drafting again
+        self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
+        self.max_cooldown = max(max_cooldown, cooldown)
 
     @property
     def rolling_acceptance(self) -> float:
@@ -66,6 +72,8 @@ class DraftLengthController:
         if not self.adaptive or proposed == 0:
             return
         self._recent.append((proposed, accepted))
+        if accepted >= self.shrink_below * proposed:
+            self._next_cooldown = self.cooldown  # drafting paid at least once since the last pause
         rate = self.rolling_acceptance
         if rate > self.grow_above:
             self.length = min(self.length + 1, self.max_length)
@@ -73,7 +81,8 @@ class DraftLengthController:
             if self.length == self.min_length:
                 self._low_at_min += 1
                 if self._low_at_min >= (self._recent.maxlen or 1):
-                    self._paused, self._low_at_min = self.cooldown, 0
+                    self._paused, self._low_at_min = self._next_cooldown, 0
+                    self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
                     self._recent.clear()
             self.length = max(self.length - 1, self.min_length)
             return
