@@ -91,6 +91,8 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
