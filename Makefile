@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench eagle clean
+.PHONY: install models data run test test-fast bench peers eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -57,7 +57,28 @@ $(VENV)/.bench-deps: $(VENV)/.test-deps requirements-bench.txt
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-bench.txt
 	touch $@
 
-bench: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
+# The other CPU engines decode.py compares with (benchmarks only, never CI): CTranslate2, OpenVINO GenAI
+# and ONNX Runtime GenAI into the venv, with constraints.txt so none brings another torch. OpenVINO's
+# exporter (optimum-intel) pins an older transformers, so it gets a venv of its own, used only to export;
+# its lock is installed without dependency resolution, leaving out torchvision (which fails to load on
+# the CPU torch and is only needed for image models).
+PEERS := $(VENV)/peers
+OV_EXPORT := $(PEERS)/openvino-export
+$(VENV)/.peer-deps: $(VENV)/.installed requirements-peers.txt requirements-peers-export.txt
+	$(PIP) -r requirements-peers.txt
+	$(PYTHON) -m venv $(OV_EXPORT)
+	$(OV_EXPORT)/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt torch==2.13.0
+	$(OV_EXPORT)/bin/python -m pip install --disable-pip-version-check -q --no-deps -r requirements-peers-export.txt
+	touch $@
+
+# Each model as an HF folder (from its GGUF) and each peer's export of it, under $(PEERS)/<model>/.
+$(VENV)/.peer-models: $(VENV)/.models $(VENV)/.peer-deps benchmarks/peers/export.py
+	$(PY) benchmarks/peers/export.py --models smollm2,gemma3-270m --optimum-cli $(OV_EXPORT)/bin/optimum-cli
+	touch $@
+
+peers: $(VENV)/.peer-models
+
+bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.done
 	$(PY) benchmarks/decode.py --prompt-tokens 128 --new-tokens 256 --repeats 3
 	$(PY) benchmarks/decode.py --model gemma3-270m --prompt-tokens 128 --new-tokens 128 --weights q4 --repeats 3
 	$(PY) benchmarks/decode.py --prompt-tokens 512 --new-tokens 1 --name prefill512 --weights q4,fp32 --repeats 5
