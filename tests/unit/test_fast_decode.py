@@ -138,3 +138,17 @@ def test_rows_of_a_batch_decode_in_c_as_each_row_alone(quantized: dict, name: st
     for row, reference in enumerate(references):
         assert torch.equal(logits[row], reference), (row, (logits[row] - reference).abs().max().item())
         assert batched[row].seq_len == alone[row].seq_len == len(histories[row])
+
+
+def test_gemma_keeps_the_files_symmetric_8_bit_blocks_exactly(quantized: dict, gemma3) -> None:
+    """The head (Q8_0) and the Q5_0 / Q8_0 projections stay in q8s blocks (f16 scale, no offset;
+    34 bytes per 32 weights, as in the file), whose values are the file's dequantized ones bit for bit."""
+    model, reference = get(quantized, "gemma3-270m").model, gemma3.model
+    head = model.lm_head
+    assert head.kind == "q8s" and head.blocks.numel() == head.out_features * head.in_features // 32 * 34
+    assert torch.equal(head.dequantized(), reference.lm_head.weight)
+    for layer in (0, 2):  # layer 0's v is Q8_0, layer 2's Q5_0; q, k, gate and up are Q5_0
+        ours, exact = model.layers[layer], reference.layers[layer]
+        assert ours.attn.qkv.kind == ours.mlp.gate_up.kind == "q8s"
+        assert torch.equal(ours.attn.qkv.dequantized(), exact.attn.qkv.weight)
+        assert torch.equal(ours.mlp.gate_up.dequantized(), exact.mlp.gate_up.weight)

@@ -1,25 +1,29 @@
-// 4- and 8-bit weights repacked eight rows at a time (q4x8, q8x8), and the one matmul over them
-// that every row count runs: decode (1 row), batched decode and verify (a few rows) and prefill
-// (hundreds).
+// 4- and 8-bit weights repacked eight rows at a time (q4x8, q8x8, q8sx8), and the one matmul over
+// them that every row count runs: decode (1 row), batched decode and verify (a few rows) and
+// prefill (hundreds).
 //
-// Layout. For each group of 8 weight rows and each 32-element block: the 8 rows' scales d[8] and
-// offsets m[8] (w = d * q + m), then their integers, four consecutive elements of one row per
-// 32-bit lane: one 32-byte load holds 4 elements of each of the 8 rows, so a broadcast of 4
-// activation bytes yields 8 row dots in one multiply-add (as ik_llama.cpp's repacked _R8 types
-// do), and the scales of 8 rows apply in one vector FMA instead of 8 scalar ones.
-//   q4x8: byte i * 32 + r * 4 + e holds row r's element 4i + e (low nibble) and 16 + 4i + e (high), i < 4
-//   q8x8: byte i * 32 + r * 4 + e holds row r's element 4i + e, i < 8
+// Layout. For each group of 8 weight rows and each 32-element block: the 8 rows' scales d[8] (and,
+// for q4x8 / q8x8, offsets m[8]: w = d * q + m), then their integers, four consecutive elements of
+// one row per 32-bit lane: one 32-byte load holds 4 elements of each of the 8 rows, so a broadcast
+// of 4 activation bytes yields 8 row dots in one multiply-add (as ik_llama.cpp's repacked _R8
+// types do), and the scales of 8 rows apply in one vector FMA instead of 8 scalar ones.
+//   q4x8:  byte i * 32 + r * 4 + e holds row r's element 4i + e (low nibble) and 16 + 4i + e (high), i < 4
+//   q8x8:  byte i * 32 + r * 4 + e holds row r's element 4i + e, i < 8
+//   q8sx8: the q8x8 integers with f16 scales and no offsets (w = d * q): GGUF's Q8_0 / Q5_0 blocks
+//          (34 bytes per 32 weights, as in the file, against q8x8's 40)
 // Rows are padded to a multiple of 8 (zero scales); the repacking is one pass at load.
 //
-// Numerics. Each output is sum over blocks, in order, of float(idot) * (d_w * d_x) + m_w * s_x,
-// with idot the exact integer dot of the block. Nothing depends on how many activation rows are
-// multiplied together or on the instruction set (VNNI or AVX2's multiply-add pair compute the
-// same integer), so a row's logits are the same alone, batched, verified or prefilled.
+// Numerics. Each output is sum over blocks, in order, of float(idot) * (d_w * d_x) + m_w * s_x
+// (q8sx8: without the offset term), with idot the exact integer dot of the block. Nothing depends
+// on how many activation rows are multiplied together, on the vector width or on the instruction
+// set (VNNI or AVX2's multiply-add pair compute the same integer, F16C's conversion is exact), so a
+// row's logits are the same alone, batched, verified or prefilled.
 
 #define XROWS 8
 
 typedef struct { float d[XROWS]; float m[XROWS]; uint8_t qs[XROWS * QK / 2]; } block_q4x8;
 typedef struct { float d[XROWS]; float m[XROWS]; int8_t qs[XROWS * QK]; } block_q8x8;
+typedef struct { uint16_t d[XROWS]; int8_t qs[XROWS * QK]; } block_q8sx8;  // d: f16 bits
 
 static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
 
@@ -34,16 +38,15 @@ static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
                 memset(o, 0, sizeof *o);                                                             \
                 for (int r = 0; r < XROWS && g * XROWS + r < n; r++) {                               \
                     const SRC* src = w + (g * XROWS + r) * nb + b;                                   \
-                    o->d[r] = src->d;                                                                \
-                    o->m[r] = src->m;                                                                \
                     COPY_ROW                                                                         \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
     }
 // q4 source byte j holds elements j (low) and j + 16 (high): it moves whole.
-REPACK(kvgen_repack_q4x8, block_q4, block_q4x8, for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
-REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q4x8, block_q4, block_q4x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q8sx8, block_q8s, block_q8sx8, o->d[r] = src->d; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 
 // Element j of row r in a block (dequantizing and the portable path).
 static inline int q4x8_value(const block_q4x8* blk, int r, int j) {
@@ -54,6 +57,12 @@ static inline int q4x8_value(const block_q4x8* blk, int r, int j) {
 }
 
 static inline int q8x8_value(const block_q8x8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
+static inline int q8sx8_value(const block_q8sx8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
+
+// Weight j of row r as a float (dequantizing).
+static inline float q4x8_weight(const block_q4x8* blk, int r, int j) { return blk->d[r] * (float)q4x8_value(blk, r, j) + blk->m[r]; }
+static inline float q8x8_weight(const block_q8x8* blk, int r, int j) { return blk->d[r] * (float)q8x8_value(blk, r, j) + blk->m[r]; }
+static inline float q8sx8_weight(const block_q8sx8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q8sx8_value(blk, r, j); }
 
 #ifdef __AVX2__
 static inline __m256i broadcast4(const int8_t* p) {
@@ -106,15 +115,15 @@ static inline __m256i broadcast4(const int8_t* p) {
     }
 
 // Up to 4 activation rows share each loaded weight block; y rows are y_stride apart.
-#define ROWS_KERNEL(NAME, BLOCK, DOTS)                                                               \
+#define ROWS_KERNEL(NAME, BLOCK, DOTS, APPLY)                                                             \
     static inline void NAME(const BLOCK* wg, const block_x8* x, int64_t x_stride, float* y,          \
                             int64_t y_stride, int rows, int64_t nb, int out_count) {                 \
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
         switch (rows) {                                                                              \
-            case 4: TILE_LOOP(BLOCK, DOTS, 4) break;                                                 \
-            case 3: TILE_LOOP(BLOCK, DOTS, 3) break;                                                 \
-            case 2: TILE_LOOP(BLOCK, DOTS, 2) break;                                                 \
-            default: TILE_LOOP(BLOCK, DOTS, 1) break;                                                \
+            case 4: TILE_LOOP(BLOCK, DOTS, APPLY, 4) break;                                          \
+            case 3: TILE_LOOP(BLOCK, DOTS, APPLY, 3) break;                                          \
+            case 2: TILE_LOOP(BLOCK, DOTS, APPLY, 2) break;                                          \
+            default: TILE_LOOP(BLOCK, DOTS, APPLY, 1) break;                                         \
         }                                                                                            \
         for (int t = 0; t < rows; t++) {                                                             \
             if (out_count == XROWS) {                                                                \
@@ -126,25 +135,35 @@ static inline __m256i broadcast4(const int8_t* p) {
             }                                                                                        \
         }                                                                                            \
     }
-#define TILE_LOOP(BLOCK, DOTS, R)                                                                    \
+#define TILE_LOOP(BLOCK, DOTS, APPLY, R)                                                             \
     for (int64_t b = 0; b < nb; b++) {                                                               \
         const BLOCK* blk = wg + b;                                                                   \
         __m256i dot[R];                                                                              \
         for (int t = 0; t < R; t++) dot[t] = _mm256_setzero_si256();                                 \
         DOTS(R)                                                                                      \
-        const __m256 d = _mm256_loadu_ps(blk->d), m = _mm256_loadu_ps(blk->m);                       \
-        for (int t = 0; t < R; t++) {                                                                \
-            const block_x8* xb = x + t * x_stride + b;                                               \
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
-            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                              \
-        }                                                                                            \
+        APPLY(R)                                                                                     \
+    }
+// acc += float(idot) * (d_w * d_x) (+ m_w * s_x where the format has offsets), one FMA each.
+#define APPLY_SCALES_OFFSETS(R)                                                                      \
+    const __m256 d = _mm256_loadu_ps(blk->d), m = _mm256_loadu_ps(blk->m);                           \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const block_x8* xb = x + t * x_stride + b;                                                   \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
+        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                                  \
+    }
+#define APPLY_F16_SCALES(R)                                                                          \
+    const __m256 d = f16x8_to_f32(blk->d);                                                           \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const block_x8* xb = x + t * x_stride + b;                                                   \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
     }
 
-ROWS_KERNEL(q4x8_rows, block_q4x8, Q4X8_DOTS)
-ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS)
+ROWS_KERNEL(q4x8_rows, block_q4x8, Q4X8_DOTS, APPLY_SCALES_OFFSETS)
+ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS, APPLY_SCALES_OFFSETS)
+ROWS_KERNEL(q8sx8_rows, block_q8sx8, Q8X8_DOTS, APPLY_F16_SCALES)
 #else
 // Portable path: the same sums in the same order, one lane at a time.
-#define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE)                                                       \
+#define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE, APPLY)                                                \
     static void NAME(const BLOCK* wg, const block_x8* x, int64_t x_stride, float* y,                 \
                      int64_t y_stride, int rows, int64_t nb, int out_count) {                        \
         for (int t = 0; t < rows; t++) {                                                             \
@@ -154,15 +173,17 @@ ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS)
                     const block_x8* xb = x + t * x_stride + b;                                       \
                     int dot = 0;                                                                     \
                     for (int j = 0; j < QK; j++) dot += VALUE(wg + b, r, j) * xb->qs[j];             \
-                    acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc);                                 \
-                    acc = fmaf(wg[b].m[r], xb->s, acc);                                              \
+                    APPLY                                                                            \
                 }                                                                                    \
                 y[t * y_stride + r] = acc;                                                           \
             }                                                                                        \
         }                                                                                            \
     }
-ROWS_KERNEL_SCALAR(q4x8_rows, block_q4x8, q4x8_value)
-ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value)
+#define SCALAR_SCALES_OFFSETS acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc); acc = fmaf(wg[b].m[r], xb->s, acc);
+#define SCALAR_F16_SCALES acc = fmaf((float)dot, f16_to_f32(wg[b].d[r]) * xb->d, acc);
+ROWS_KERNEL_SCALAR(q4x8_rows, block_q4x8, q4x8_value, SCALAR_SCALES_OFFSETS)
+ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value, SCALAR_SCALES_OFFSETS)
+ROWS_KERNEL_SCALAR(q8sx8_rows, block_q8sx8, q8sx8_value, SCALAR_F16_SCALES)
 #endif
 
 // Activation rows are taken in chunks that stay in L2 while every weight group (a few KiB, in L1)
@@ -193,8 +214,9 @@ ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value)
 
 GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows)
 GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows)
+GEMM_X8(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows)
 
-#define DEQUANTIZE_X8(NAME, BLOCK, VALUE, OUT_T, CONVERT)                                            \
+#define DEQUANTIZE_X8(NAME, BLOCK, WEIGHT, OUT_T, CONVERT)                                           \
     void NAME(const BLOCK* w, OUT_T* out, int64_t n, int64_t k) {                                    \
         const int64_t nb = k / QK;                                                                   \
         _Pragma("omp parallel for schedule(static)")                                                 \
@@ -203,7 +225,7 @@ GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows)
             const int r = (int)(row % XROWS);                                                        \
             for (int64_t b = 0; b < nb; b++) {                                                       \
                 OUT_T* o = out + row * k + b * QK;                                                   \
-                for (int j = 0; j < QK; j++) o[j] = CONVERT(wg[b].d[r] * (float)VALUE(wg + b, r, j) + wg[b].m[r]); \
+                for (int j = 0; j < QK; j++) o[j] = CONVERT(WEIGHT(wg + b, r, j));                  \
             }                                                                                        \
         }                                                                                            \
     }
