@@ -33,7 +33,7 @@ def integer_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return xq.reshape(x.shape) @ dense.T
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8s"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
@@ -44,7 +44,7 @@ def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8s"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
 def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
     """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
         assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8s"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_use_a_dequantized_gemm(kind: str, dtype: torch.dtype) -> None:
     weight = requantize(torch.randn(64, 128), kind)
@@ -82,7 +82,7 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
     exact = reference.layers[0].attn.qkv.weight
     ours = quantized.layers[0].attn.qkv.dequantized()
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-6)  # same integers and scales, f32 rounding only
-    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if EXACT_SOURCES[type_name] == "q8s" else "q8")
+    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0") else "q8")
     assert quantized.layers[0].attn.qkv.kind == expected_kind
 
 

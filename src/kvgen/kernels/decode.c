@@ -9,7 +9,7 @@
 #include <math.h>
 
 typedef struct {
-    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks
     int32_t has_bias;
     const void* blocks;
     const float* bias;
@@ -67,8 +67,10 @@ static void apply_linear(const qlinear* l, const float* x, void* xq, float* y) {
         kvgen_linear_q4x8((const block_q4x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
     } else if (l->kind == 1) {
         kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
-    } else {
+    } else if (l->kind == 2) {
         kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    } else {
+        kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
     }
     if (l->has_bias) {
         for (int64_t i = 0; i < l->n; i++) y[i] += l->bias[i];
@@ -300,8 +302,10 @@ static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, in
         kvgen_linear_q4x8((const block_q4x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
     } else if (l->kind == 1) {
         kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
-    } else {
+    } else if (l->kind == 2) {
         kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    } else {
+        kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
     }
     if (l->has_bias) {
         for (int64_t r = 0; r < rows; r++)

@@ -6,9 +6,12 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
        and j + 16 (high)                                                      -> 24 bytes per block
   q8:  f32 d, f32 m, int8 q (w = d * q + m)                                   -> 40 bytes per block
   q8s: f16 d, int8 q (w = d * q): GGUF's Q8_0 block, byte for byte            -> 34 bytes per block
+  q5:  f16 d, 5-bit u (w = d * (u - 16)): GGUF's Q5_0 block, byte for byte    -> 22 bytes per block
 
-GGUF's Q4_0 / Q4_1 map onto q4 exactly, Q8_0 / Q5_0 onto q8s and Q5_1 onto q8 (same integers, same
-scales). Other sources (K-quants, float weights) are requantized per block, which is lossy.
+GGUF's Q4_0 / Q4_1 map onto q4 exactly, Q8_0 onto q8s, Q5_0 onto q5 and Q5_1 onto q8 (same
+integers, same scales). Other sources (K-quants, float weights) are requantized per block, which is
+lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
+exact for every part.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import numpy as np
 import torch
 
 QK = 32
-Kind = Literal["q4", "q8", "q8s"]
-BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK}
+Kind = Literal["q4", "q8", "q8s", "q5"]
+BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
-EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8s", "Q5_0": "q8s", "Q5_1": "q8"}
+EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8"}
 # The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
 # not made by requantize (they would lose bits); such weights stay q8.
 F16_TINY, F16_MAX = 2.0**-14, 65504.0
@@ -39,7 +42,7 @@ class QuantizedWeight:
     def scales(self) -> np.ndarray:
         """[N, blocks, 2] float32: each block's d and m (m = 0 for q8s; for integrity checks)."""
         b = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.kind])
-        if self.kind == "q8s":
+        if self.kind in ("q8s", "q5"):
             d = _f16(b, 0)
             return np.stack([d, np.zeros_like(d)], axis=-1)
         return b[..., :8].copy().view(np.float32)
@@ -101,6 +104,8 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         q = (_nibbles(b[..., header + 4 :]) | (high << 4)).astype(np.int16)
         if type_name == "Q5_0":
             q = q - 16
+            if kind == "q5":  # the file's blocks as they are
+                return QuantizedWeight("q5", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, b.shape[1] * QK)
             if kind == "q8s":  # symmetric: the f16 scale carries over unchanged
                 return _pack("q8s", _f16_bits(b, 0), None, q.astype(np.int8))
         elif kind == "q8s":
@@ -125,6 +130,13 @@ def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
     q8s rounds with its f16 scale (as llama.cpp's Q8_0 does); where a block's scale falls outside
     f16's full-precision range the whole weight is made q8 instead (f32 scale)."""
     w = weight.detach().float().numpy().reshape(weight.shape[0], -1, QK)
+    if kind == "q5":  # llama.cpp's Q5_0 rounding: the largest magnitude maps to -16
+        extreme = np.take_along_axis(w, np.abs(w).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        d = (extreme / -16.0).astype(np.float16)
+        d32 = d.astype(np.float32)
+        safe = np.where(d32 != 0, d32, 1.0)
+        u = np.clip(np.rint(w / safe[..., None]) + 16, 0, 31).astype(np.uint8)
+        return _q5_blocks(d, u)
     if kind == "q8s":
         d = (np.abs(w).max(axis=-1) / 127.0).astype(np.float16)
         used = d[d != 0]
@@ -146,10 +158,42 @@ def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
     return _pack("q4", d, low, (q[..., : QK // 2] | (q[..., QK // 2 :] << 4)).astype(np.uint8))
 
 
+def _q5_blocks(d: np.ndarray, u: np.ndarray) -> QuantizedWeight:
+    """d [N, nb] f16, u [N, nb, 32] in [0, 31] -> GGUF Q5_0 blocks (d, fifth bits, nibbles)."""
+    n, nb = d.shape
+    out = np.empty((n, nb, BLOCK_BYTES["q5"]), dtype=np.uint8)
+    out[..., 0:2] = d[..., None].view(np.uint8)
+    high = ((u >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    out[..., 2:6] = high[..., None].view(np.uint8)
+    low = u & 0x0F
+    out[..., 6:] = low[..., : QK // 2] | (low[..., QK // 2 :] << 4)
+    return QuantizedWeight("q5", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
+
+
+def _q5_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """q5 -> (f16 d [N, nb], signed integers u - 16 [N, nb, 32] int8)."""
+    b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q5"])
+    high_bits = b[..., 2:6].copy().view(np.uint32)  # [N, nb, 1]
+    high = ((high_bits >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+    u = _nibbles(b[..., 6:]) | (high << 4)
+    return _f16_bits(b, 0), (u.astype(np.int16) - 16).astype(np.int8)
+
+
+def to_q8s(weight: QuantizedWeight) -> QuantizedWeight:
+    """q5 -> q8s with the same integers and scales (exact), for fusing with q8s rows."""
+    if weight.kind == "q8s":
+        return weight
+    assert weight.kind == "q5", f"{weight.kind} has offsets: it cannot become q8s"
+    d, q = _q5_values(weight)
+    return _pack("q8s", d, None, q)
+
+
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 / q8s -> q8 with the same integers and scales (exact), for fusing with q8 rows."""
+    """q4 / q8s / q5 -> q8 with the same integers and scales (exact), for fusing with q8 rows."""
     if weight.kind == "q8":
         return weight
+    if weight.kind == "q5":
+        weight = to_q8s(weight)
     if weight.kind == "q8s":
         b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q8s"])
         d = _f16(b, 0)
@@ -163,7 +207,7 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack output rows (fused QKV, gate/up); mixed formats meet in q8 (exact for each)."""
     kinds = {w.kind for w in weights}
     if len(kinds) > 1:
-        weights = [to_q8(w) for w in weights]
+        weights = [to_q8s(w) for w in weights] if kinds <= {"q5", "q8s"} else [to_q8(w) for w in weights]
     first = weights[0]
     assert all(w.in_features == first.in_features for w in weights), "fused weights need one input size"
     blocks = torch.cat([w.blocks for w in weights], dim=0)

@@ -7,6 +7,7 @@
 // after torch).
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -17,6 +18,7 @@
 typedef struct { float d; float m; uint8_t qs[QK / 2]; } block_q4;  // w = d * q + m, q in [0, 15]
 typedef struct { float d; float m; int8_t qs[QK]; } block_q8;       // w = d * q + m, q in [-128, 127]
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8s;           // w = d * q, d f16: GGUF's Q8_0 block
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;  // GGUF's Q5_0: w = d * (u - 16)
 typedef struct { float d; float s; int8_t qs[QK]; } block_x8;       // x = d * q, s = d * sum(q)
 
 // f16 bits -> float, exactly (every f16 is a float); the portable twin of F16C's vcvtph2ps.
@@ -121,8 +123,10 @@ static inline uint16_t as_bf16(float v) {  // round to nearest even (weights are
 DEQUANTIZE_X8(kvgen_dequantize_q4x8, block_q4x8, q4x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q8x8, block_q8x8, q8x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8, block_q8sx8, q8sx8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q5x8, block_q5x8, q5x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q4x8_bf16, block_q4x8, q4x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8x8_bf16, block_q8x8, q8x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8_bf16, block_q8sx8, q8sx8_weight, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q5x8_bf16, block_q5x8, q5x8_weight, uint16_t, as_bf16)
 
 #include "decode.c"

@@ -52,7 +52,7 @@ def _qlinear(layer: nn.Module) -> _QLinear:
                     bias.data_ptr() if bias is not None else None, layer.out_features, layer.in_features)  # fmt: skip
 
 
-_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2}  # qlinear.kind in decode.c
+_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3}  # qlinear.kind in decode.c
 
 
 def _norm_ptr(norm: RMSNorm | None) -> int | None:
