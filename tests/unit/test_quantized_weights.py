@@ -138,3 +138,30 @@ def test_the_prefill_gemm_dtype_follows_the_cpu_unless_overridden(monkeypatch) -
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp16")
     with pytest.raises(ValueError, match="KVGEN_PREFILL_GEMM must be auto, int8, fp32 or bf16, got 'fp16'"):
         prefill_path()
+
+
+def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) -> None:
+    """The kernels promise the same bits on every instruction set: build them for AVX2 without F16C
+    or VNNI (an AVX2-only machine's paths) and for no vector extension at all, and compare."""
+    import ctypes
+    import subprocess
+
+    from kvgen.kernels.build import SOURCE
+
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    torch.manual_seed(3)
+    x = torch.randn(5, 256)
+    for name, flags in (("avx2", ["-mavx2", "-mfma"]), ("portable", [])):
+        target = tmp_path / f"{name}.so"
+        subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", str(target), "-lm"],
+                       check=True)  # fmt: skip
+        other = ctypes.CDLL(str(target))
+        for kind in ("q4", "q8", "q8s", "q5"):
+            linear = QuantizedLinear(requantize(torch.randn(100, 256) * 0.05, kind))
+            function = getattr(other, f"kvgen_linear_{kind}x8")
+            function.argtypes = [pointer] * 4 + [count] * 3
+            for rows in (1, 5):
+                expected = linear(x[:rows], row_invariant=True)
+                scratch, y = torch.empty(rows * 8 * 40, dtype=torch.uint8), torch.empty(rows, 100)
+                function(linear.blocks.data_ptr(), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), rows, 100, 256)
+                assert torch.equal(y, expected), (name, kind, rows)
