@@ -138,3 +138,18 @@ def test_rows_of_a_batch_decode_in_c_as_each_row_alone(quantized: dict, name: st
     for row, reference in enumerate(references):
         assert torch.equal(logits[row], reference), (row, (logits[row] - reference).abs().max().item())
         assert batched[row].seq_len == alone[row].seq_len == len(histories[row])
+
+
+def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gemma3) -> None:
+    """The head (Q8_0) stays in q8s blocks (f16 scale, no offset: 34 bytes per 32 weights, as in the
+    file), the Q5_0 projections in q5 (22 bytes), a QKV with a Q8_0 part in q8s; every value is the
+    file's dequantized one bit for bit."""
+    model, reference = get(quantized, "gemma3-270m").model, gemma3.model
+    head = model.lm_head
+    assert head.kind == "q8s" and head.blocks.numel() == head.out_features * head.in_features // 32 * 34
+    assert torch.equal(head.dequantized(), reference.lm_head.weight)
+    for layer, qkv_kind in ((0, "q8s"), (2, "q5")):  # layer 0's v is Q8_0, layer 2's Q5_0, like q and k
+        ours, exact = model.layers[layer], reference.layers[layer]
+        assert (ours.attn.qkv.kind, ours.mlp.gate_up.kind) == (qkv_kind, "q5")
+        assert torch.equal(ours.attn.qkv.dequantized(), exact.attn.qkv.weight)
+        assert torch.equal(ours.mlp.gate_up.dequantized(), exact.mlp.gate_up.weight)

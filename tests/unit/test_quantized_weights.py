@@ -33,7 +33,7 @@ def integer_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return xq.reshape(x.shape) @ dense.T
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
@@ -44,7 +44,7 @@ def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
 def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
     """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
         assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_use_a_dequantized_gemm(kind: str, dtype: torch.dtype) -> None:
     weight = requantize(torch.randn(64, 128), kind)
@@ -82,7 +82,8 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
     exact = reference.layers[0].attn.qkv.weight
     ours = quantized.layers[0].attn.qkv.dequantized()
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-6)  # same integers and scales, f32 rounding only
-    assert quantized.layers[0].attn.qkv.kind == ("q8" if mode == "int8" else EXACT_SOURCES[type_name])
+    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0") else "q8")
+    assert quantized.layers[0].attn.qkv.kind == expected_kind
 
 
 def test_corrupted_scales_are_caught_in_quantized_mode(tmp_path: Path) -> None:
@@ -102,7 +103,7 @@ def test_auto_mode_picks_four_bit_kernels_for_a_quantized_gguf() -> None:
     llm = LLM.load(model_path("smollm2"), progress=False)
     assert llm.weights == "q4"
     assert llm.model.layers[0].mlp.gate_up.kind == "q4"  # Q4_1 in the file
-    assert llm.model.lm_head.kind == "q8"  # the tied Q8_0 embedding
+    assert llm.model.lm_head.kind == "q8s"  # the tied Q8_0 embedding, its blocks as they are
 
 
 # The stated tolerance (docs/benchmarks.md): perplexity on Hamlet, decoded 8 tokens at a time so
@@ -137,3 +138,30 @@ def test_the_prefill_gemm_dtype_follows_the_cpu_unless_overridden(monkeypatch) -
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp16")
     with pytest.raises(ValueError, match="KVGEN_PREFILL_GEMM must be auto, int8, fp32 or bf16, got 'fp16'"):
         prefill_path()
+
+
+def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) -> None:
+    """The kernels promise the same bits on every instruction set: build them for AVX2 without F16C
+    or VNNI (an AVX2-only machine's paths) and for no vector extension at all, and compare."""
+    import ctypes
+    import subprocess
+
+    from kvgen.kernels.build import SOURCE
+
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    torch.manual_seed(3)
+    x = torch.randn(5, 256)
+    for name, flags in (("avx2", ["-mavx2", "-mfma"]), ("portable", [])):
+        target = tmp_path / f"{name}.so"
+        subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", str(target), "-lm"],
+                       check=True)  # fmt: skip
+        other = ctypes.CDLL(str(target))
+        for kind in ("q4", "q8", "q8s", "q5"):
+            linear = QuantizedLinear(requantize(torch.randn(100, 256) * 0.05, kind))
+            function = getattr(other, f"kvgen_linear_{kind}x8")
+            function.argtypes = [pointer] * 4 + [count] * 3
+            for rows in (1, 5):
+                expected = linear(x[:rows], row_invariant=True)
+                scratch, y = torch.empty(rows * 8 * 40, dtype=torch.uint8), torch.empty(rows, 100)
+                function(linear.blocks.data_ptr(), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), rows, 100, 256)
+                assert torch.equal(y, expected), (name, kind, rows)

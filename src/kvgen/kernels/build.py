@@ -76,13 +76,14 @@ def load() -> ctypes.CDLL | None:
         return None
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.kvgen_quantize_x8.argtypes = [pointer, count, count, pointer]
-    for name in ("kvgen_gemm_q4x8", "kvgen_gemm_q8x8"):
+    kinds = ("q4x8", "q8x8", "q8sx8", "q5x8")
+    for name in (f"kvgen_gemm_{kind}" for kind in kinds):
         getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
-    for name in ("kvgen_repack_q4x8", "kvgen_repack_q8x8"):
+    for name in (f"kvgen_repack_{kind}" for kind in kinds):
         getattr(library, name).argtypes = [pointer, pointer, count, count]
-    for name in ("kvgen_linear_q4x8", "kvgen_linear_q8x8"):
+    for name in (f"kvgen_linear_{kind}" for kind in kinds):
         getattr(library, name).argtypes = [pointer, pointer, pointer, pointer, count, count, count]
-    dequantizers = ("kvgen_dequantize_q4x8", "kvgen_dequantize_q8x8", "kvgen_dequantize_q4x8_bf16", "kvgen_dequantize_q8x8_bf16")
+    dequantizers = [f"kvgen_dequantize_{kind}{suffix}" for kind in kinds for suffix in ("", "_bf16")]
     for name in dequantizers:
         getattr(library, name).argtypes = [pointer, pointer, count, count]
     library.kvgen_block_pre.argtypes = [pointer] * 6
@@ -104,7 +105,7 @@ def load() -> ctypes.CDLL | None:
     library.kvgen_decode_rows_over_codes.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer,
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer]  # fmt: skip
-    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8", "kvgen_gemm_q4x8", "kvgen_gemm_q8x8",
-                 "kvgen_repack_q4x8", "kvgen_repack_q8x8", "kvgen_linear_q4x8", "kvgen_linear_q8x8", *dequantizers):  # fmt: skip
+    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8",
+                 *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

@@ -1,13 +1,17 @@
 """Weight formats of the quantized matmul kernels, and conversions into them.
 
-Both formats hold 32 consecutive weights of a row per block with an f32 scale d and an f32 offset m
-(w = d * q + m), matching the structs in qgemm.c:
+Each block holds 32 consecutive weights of a row, matching the structs in qgemm.c:
 
-  q4: 4-bit q in [0, 15], byte j = element j (low nibble) and j + 16 (high) -> 24 bytes per block
-  q8: int8 q                                                                 -> 40 bytes per block
+  q4:  f32 d, f32 m, 4-bit q in [0, 15] (w = d * q + m); byte j = element j (low nibble)
+       and j + 16 (high)                                                      -> 24 bytes per block
+  q8:  f32 d, f32 m, int8 q (w = d * q + m)                                   -> 40 bytes per block
+  q8s: f16 d, int8 q (w = d * q): GGUF's Q8_0 block, byte for byte            -> 34 bytes per block
+  q5:  f16 d, 5-bit u (w = d * (u - 16)): GGUF's Q5_0 block, byte for byte    -> 22 bytes per block
 
-GGUF's Q4_0 / Q4_1 map onto q4 exactly and Q8_0 / Q5_0 / Q5_1 onto q8 exactly (same integers, same
-scales). Other sources (K-quants, float weights) are requantized per block, which is lossy.
+GGUF's Q4_0 / Q4_1 map onto q4 exactly, Q8_0 onto q8s, Q5_0 onto q5 and Q5_1 onto q8 (same
+integers, same scales). Other sources (K-quants, float weights) are requantized per block, which is
+lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
+exact for every part.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import numpy as np
 import torch
 
 QK = 32
-Kind = Literal["q4", "q8"]
-BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK}
+Kind = Literal["q4", "q8", "q8s", "q5"]
+BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
-EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8"}
+EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8"}
+# The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
+# not made by requantize (they would lose bits); such weights stay q8.
+F16_TINY, F16_MAX = 2.0**-14, 65504.0
 
 
 @dataclass
@@ -33,19 +40,33 @@ class QuantizedWeight:
     in_features: int
 
     def scales(self) -> np.ndarray:
-        """[N, blocks, 2] float32: each block's d and m (for integrity checks)."""
+        """[N, blocks, 2] float32: each block's d and m (m = 0 for q8s; for integrity checks)."""
         b = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.kind])
+        if self.kind in ("q8s", "q5"):
+            d = _f16(b, 0)
+            return np.stack([d, np.zeros_like(d)], axis=-1)
         return b[..., :8].copy().view(np.float32)
 
 
-def _pack(kind: Kind, d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> QuantizedWeight:
-    """d, m: [N, nb] float; qs: [N, nb, 16] uint8 (q4, packed) or [N, nb, 32] int8 (q8)."""
+def _pack(kind: Kind, d: np.ndarray, m: np.ndarray | None, qs: np.ndarray) -> QuantizedWeight:
+    """d, m: [N, nb] float (m None for q8s, whose d is stored as f16); qs: [N, nb, 16] uint8 (q4,
+    packed) or [N, nb, 32] int8 (q8, q8s)."""
     n, nb = d.shape
     out = np.empty((n, nb, BLOCK_BYTES[kind]), dtype=np.uint8)
-    out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
-    out[..., 4:8] = m.astype(np.float32)[..., None].view(np.uint8)
-    out[..., 8:] = qs.view(np.uint8)
+    if kind == "q8s":
+        assert m is None, "q8s blocks have no offset"
+        out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+        out[..., 2:] = qs.view(np.uint8)
+    else:
+        assert m is not None, f"{kind} blocks need an offset"
+        out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
+        out[..., 4:8] = m.astype(np.float32)[..., None].view(np.uint8)
+        out[..., 8:] = qs.view(np.uint8)
     return QuantizedWeight(kind, torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
+
+
+def _f16_bits(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[..., start : start + 2].copy().view(np.float16)[..., 0]
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -70,6 +91,8 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
     elif type_name == "Q8_0":
         b = raw.reshape(n, -1, 34)
         d, q = _f16(b, 0), b[..., 2:].view(np.int8)
+        if kind == "q8s":  # the file's blocks as they are
+            return QuantizedWeight("q8s", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, b.shape[1] * QK)
         return _pack("q8", d, np.zeros_like(d), q) if kind == "q8" else _requantize_from(d[..., None] * q, kind)
     elif type_name in ("Q5_0", "Q5_1"):
         header = 2 if type_name == "Q5_0" else 4
@@ -81,11 +104,19 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         q = (_nibbles(b[..., header + 4 :]) | (high << 4)).astype(np.int16)
         if type_name == "Q5_0":
             q = q - 16
+            if kind == "q5":  # the file's blocks as they are
+                return QuantizedWeight("q5", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, b.shape[1] * QK)
+            if kind == "q8s":  # symmetric: the f16 scale carries over unchanged
+                return _pack("q8s", _f16_bits(b, 0), None, q.astype(np.int8))
+        elif kind == "q8s":
+            raise ValueError("Q5_1 has offsets: it maps to q8, not q8s")
         return _pack("q8", d, m, q.astype(np.int8))
     else:
         raise ValueError(f"{type_name} has no exact kernel format; use requantize()")
     if kind == "q4":
         return _pack("q4", d, m, np.ascontiguousarray(qs))
+    if kind == "q8s":
+        raise ValueError(f"{type_name} has offsets: it maps to q4 or q8, not q8s")
     return _pack("q8", d, m, _nibbles(qs).astype(np.int8))  # 4-bit integers fit int8 exactly
 
 
@@ -94,8 +125,27 @@ def _requantize_from(values: np.ndarray, kind: Kind) -> QuantizedWeight:
 
 
 def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
-    """Float weight [N, K] -> `kind` by per-block rounding (lossy): q8 symmetric, q4 min/max."""
+    """Float weight [N, K] -> `kind` by per-block rounding (lossy): q8 / q8s symmetric, q4 min/max.
+
+    q8s rounds with its f16 scale (as llama.cpp's Q8_0 does); where a block's scale falls outside
+    f16's full-precision range the whole weight is made q8 instead (f32 scale)."""
     w = weight.detach().float().numpy().reshape(weight.shape[0], -1, QK)
+    if kind == "q5":  # llama.cpp's Q5_0 rounding: the largest magnitude maps to -16
+        extreme = np.take_along_axis(w, np.abs(w).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        d = (extreme / -16.0).astype(np.float16)
+        d32 = d.astype(np.float32)
+        safe = np.where(d32 != 0, d32, 1.0)
+        u = np.clip(np.rint(w / safe[..., None]) + 16, 0, 31).astype(np.uint8)
+        return _q5_blocks(d, u)
+    if kind == "q8s":
+        d = (np.abs(w).max(axis=-1) / 127.0).astype(np.float16)
+        used = d[d != 0]
+        if used.size and (used.min() < F16_TINY or used.max() > F16_MAX or not np.isfinite(used).all()):
+            return requantize(weight, "q8")
+        d32 = d.astype(np.float32)
+        safe = np.where(d32 > 0, d32, 1.0)
+        q = np.clip(np.rint(w / safe[..., None]), -127, 127).astype(np.int8)
+        return _pack("q8s", d, None, q)
     if kind == "q8":
         d = np.abs(w).max(axis=-1) / 127.0
         safe = np.where(d > 0, d, 1.0)
@@ -108,20 +158,56 @@ def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
     return _pack("q4", d, low, (q[..., : QK // 2] | (q[..., QK // 2 :] << 4)).astype(np.uint8))
 
 
+def _q5_blocks(d: np.ndarray, u: np.ndarray) -> QuantizedWeight:
+    """d [N, nb] f16, u [N, nb, 32] in [0, 31] -> GGUF Q5_0 blocks (d, fifth bits, nibbles)."""
+    n, nb = d.shape
+    out = np.empty((n, nb, BLOCK_BYTES["q5"]), dtype=np.uint8)
+    out[..., 0:2] = d[..., None].view(np.uint8)
+    high = ((u >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    out[..., 2:6] = high[..., None].view(np.uint8)
+    low = u & 0x0F
+    out[..., 6:] = low[..., : QK // 2] | (low[..., QK // 2 :] << 4)
+    return QuantizedWeight("q5", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
+
+
+def _q5_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """q5 -> (f16 d [N, nb], signed integers u - 16 [N, nb, 32] int8)."""
+    b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q5"])
+    high_bits = b[..., 2:6].copy().view(np.uint32)  # [N, nb, 1]
+    high = ((high_bits >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+    u = _nibbles(b[..., 6:]) | (high << 4)
+    return _f16_bits(b, 0), (u.astype(np.int16) - 16).astype(np.int8)
+
+
+def to_q8s(weight: QuantizedWeight) -> QuantizedWeight:
+    """q5 -> q8s with the same integers and scales (exact), for fusing with q8s rows."""
+    if weight.kind == "q8s":
+        return weight
+    assert weight.kind == "q5", f"{weight.kind} has offsets: it cannot become q8s"
+    d, q = _q5_values(weight)
+    return _pack("q8s", d, None, q)
+
+
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 -> q8 with the same integers and scales (exact), for fusing with q8 rows."""
+    """q4 / q8s / q5 -> q8 with the same integers and scales (exact), for fusing with q8 rows."""
     if weight.kind == "q8":
         return weight
+    if weight.kind == "q5":
+        weight = to_q8s(weight)
+    if weight.kind == "q8s":
+        b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q8s"])
+        d = _f16(b, 0)
+        return _pack("q8", d, np.zeros_like(d), b[..., 2:].view(np.int8))
     b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q4"])
     d, m = b[..., 0:4].copy().view(np.float32)[..., 0], b[..., 4:8].copy().view(np.float32)[..., 0]
     return _pack("q8", d, m, _nibbles(b[..., 8:]).astype(np.int8))
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack output rows (fused QKV, gate/up); mixed formats meet in q8."""
+    """Stack output rows (fused QKV, gate/up); mixed formats meet in q8 (exact for each)."""
     kinds = {w.kind for w in weights}
     if len(kinds) > 1:
-        weights = [to_q8(w) for w in weights]
+        weights = [to_q8s(w) for w in weights] if kinds <= {"q5", "q8s"} else [to_q8(w) for w in weights]
     first = weights[0]
     assert all(w.in_features == first.in_features for w in weights), "fused weights need one input size"
     blocks = torch.cat([w.blocks for w in weights], dim=0)

@@ -1,25 +1,36 @@
-// 4- and 8-bit weights repacked eight rows at a time (q4x8, q8x8), and the one matmul over them
-// that every row count runs: decode (1 row), batched decode and verify (a few rows) and prefill
-// (hundreds).
+// 4- and 8-bit weights repacked eight rows at a time (q4x8, q8x8, q8sx8), and the one matmul over
+// them that every row count runs: decode (1 row), batched decode and verify (a few rows) and
+// prefill (hundreds).
 //
-// Layout. For each group of 8 weight rows and each 32-element block: the 8 rows' scales d[8] and
-// offsets m[8] (w = d * q + m), then their integers, four consecutive elements of one row per
-// 32-bit lane: one 32-byte load holds 4 elements of each of the 8 rows, so a broadcast of 4
-// activation bytes yields 8 row dots in one multiply-add (as ik_llama.cpp's repacked _R8 types
-// do), and the scales of 8 rows apply in one vector FMA instead of 8 scalar ones.
-//   q4x8: byte i * 32 + r * 4 + e holds row r's element 4i + e (low nibble) and 16 + 4i + e (high), i < 4
-//   q8x8: byte i * 32 + r * 4 + e holds row r's element 4i + e, i < 8
+// Layout. For each group of 8 weight rows and each 32-element block: the 8 rows' scales d[8] (and,
+// for q4x8 / q8x8, offsets m[8]: w = d * q + m), then their integers, four consecutive elements of
+// one row per 32-bit lane: one 32-byte load holds 4 elements of each of the 8 rows, so a broadcast
+// of 4 activation bytes yields 8 row dots in one multiply-add (as ik_llama.cpp's repacked _R8
+// types do), and the scales of 8 rows apply in one vector FMA instead of 8 scalar ones.
+//   q4x8:  byte i * 32 + r * 4 + e holds row r's element 4i + e (low nibble) and 16 + 4i + e (high), i < 4
+//   q8x8:  byte i * 32 + r * 4 + e holds row r's element 4i + e, i < 8
+//   q8sx8: the q8x8 integers with f16 scales and no offsets (w = d * q): GGUF's Q8_0 blocks
+//          (34 bytes per 32 weights, as in the file, against q8x8's 40)
+//   q5x8:  GGUF's Q5_0 (w = d * (u - 16), u in [0, 31], f16 d; 22 bytes per 32 weights): the low
+//          nibbles of u laid out as q4x8's, then their fifth bits in 32 bytes of bit planes: bit v
+//          of byte c is the fifth bit of byte c of unpacked vector v (v = 2i: q4x8's low nibbles of
+//          load i, v = 2i + 1: its high nibbles), so one shift and one mask give a vector's bits.
 // Rows are padded to a multiple of 8 (zero scales); the repacking is one pass at load.
 //
-// Numerics. Each output is sum over blocks, in order, of float(idot) * (d_w * d_x) + m_w * s_x,
-// with idot the exact integer dot of the block. Nothing depends on how many activation rows are
-// multiplied together or on the instruction set (VNNI or AVX2's multiply-add pair compute the
-// same integer), so a row's logits are the same alone, batched, verified or prefilled.
+// Numerics. Each output is sum over blocks, in order, of float(idot) * (d_w * d_x) + m_w * s_x
+// (q8sx8, q5x8: without the offset term), with idot the exact integer dot of the block (q5x8:
+// sum(u * x) - 16 * sum(x), the signed integers' dot). Nothing depends on how many activation rows
+// are multiplied together or on the instruction set (VNNI or AVX2's multiply-add pair compute the
+// same integer, F16C's conversion is exact), so a row's logits are the same alone, batched,
+// verified or prefilled. Wider (512-bit) variants were not needed: one Zen 4 core runs these kernels
+// at 29-54 GB/s of blocks with the weights in cache, against 18-20 GB/s streamed from memory.
 
 #define XROWS 8
 
 typedef struct { float d[XROWS]; float m[XROWS]; uint8_t qs[XROWS * QK / 2]; } block_q4x8;
 typedef struct { float d[XROWS]; float m[XROWS]; int8_t qs[XROWS * QK]; } block_q8x8;
+typedef struct { uint16_t d[XROWS]; int8_t qs[XROWS * QK]; } block_q8sx8;  // d: f16 bits
+typedef struct { uint16_t d[XROWS]; uint8_t qs[XROWS * QK / 2]; uint8_t qh[QK]; } block_q5x8;
 
 static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
 
@@ -34,16 +45,38 @@ static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
                 memset(o, 0, sizeof *o);                                                             \
                 for (int r = 0; r < XROWS && g * XROWS + r < n; r++) {                               \
                     const SRC* src = w + (g * XROWS + r) * nb + b;                                   \
-                    o->d[r] = src->d;                                                                \
-                    o->m[r] = src->m;                                                                \
                     COPY_ROW                                                                         \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
     }
 // q4 source byte j holds elements j (low) and j + 16 (high): it moves whole.
-REPACK(kvgen_repack_q4x8, block_q4, block_q4x8, for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
-REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q4x8, block_q4, block_q4x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_q8sx8, block_q8s, block_q8sx8, o->d[r] = src->d; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+
+// Q5_0 -> q5x8: the nibbles move as q4's; fifth bit j of a row goes to its vector's plane.
+void kvgen_repack_q5x8(const block_q5_0* w, block_q5x8* out, int64_t n, int64_t k) {
+    const int64_t nb = k / QK, groups = x8_groups(n);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            block_q5x8* o = out + g * nb + b;
+            memset(o, 0, sizeof *o);
+            for (int r = 0; r < XROWS && g * XROWS + r < n; r++) {
+                const block_q5_0* src = w + (g * XROWS + r) * nb + b;
+                uint32_t high;
+                memcpy(&high, src->qh, sizeof high);
+                o->d[r] = src->d;
+                for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];
+                for (int j = 0; j < QK; j++) {  // element j: load i = (j % 16) / 4, high nibble if j >= 16
+                    const int v = 2 * ((j % 16) / 4) + (j >= 16), c = r * 4 + j % 4;
+                    o->qh[c] |= (uint8_t)(((high >> j) & 1) << v);
+                }
+            }
+        }
+    }
+}
 
 // Element j of row r in a block (dequantizing and the portable path).
 static inline int q4x8_value(const block_q4x8* blk, int r, int j) {
@@ -54,6 +87,18 @@ static inline int q4x8_value(const block_q4x8* blk, int r, int j) {
 }
 
 static inline int q8x8_value(const block_q8x8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
+static inline int q8sx8_value(const block_q8sx8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
+static inline int q5x8_value(const block_q5x8* blk, int r, int j) {  // the signed u - 16
+    const int v = 2 * ((j % 16) / 4) + (j >= 16), c = r * 4 + j % 4;
+    const int low = j < QK / 2 ? blk->qs[((j % 16) / 4) * 32 + c] & 0x0F : blk->qs[((j % 16) / 4) * 32 + c] >> 4;
+    return (low | (((blk->qh[c] >> v) & 1) << 4)) - 16;
+}
+
+// Weight j of row r as a float (dequantizing).
+static inline float q4x8_weight(const block_q4x8* blk, int r, int j) { return blk->d[r] * (float)q4x8_value(blk, r, j) + blk->m[r]; }
+static inline float q8x8_weight(const block_q8x8* blk, int r, int j) { return blk->d[r] * (float)q8x8_value(blk, r, j) + blk->m[r]; }
+static inline float q8sx8_weight(const block_q8sx8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q8sx8_value(blk, r, j); }
+static inline float q5x8_weight(const block_q5x8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q5x8_value(blk, r, j); }
 
 #ifdef __AVX2__
 static inline __m256i broadcast4(const int8_t* p) {
@@ -105,16 +150,35 @@ static inline __m256i broadcast4(const int8_t* p) {
         }                                                                                            \
     }
 
+// q5: u = nibble | fifth bit << 4 is the u8 side; one pair reaches 2 * 31 * 127, so AVX2 widens
+// every multiply-add. The 16 * sum(x) of the offset is subtracted as an integer (xsum, per block).
+#define Q5_FIFTH_BIT(planes, v) _mm256_and_si256((v) <= 4 ? _mm256_slli_epi16((planes), 4 - (v)) : _mm256_srli_epi16((planes), (v) - 4), _mm256_set1_epi8(0x10))
+#define Q5X8_DOTS(R)                                                                                 \
+    const __m256i planes = _mm256_loadu_si256((const __m256i*)blk->qh);                              \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, _mm256_set1_epi8(0x0F)), Q5_FIFTH_BIT(planes, 2 * i)); \
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F)), \
+                                           Q5_FIFTH_BIT(planes, 2 * i + 1));                         \
+        for (int t = 0; t < R; t++) {                                                                \
+            const int8_t* xq = x[t * x_stride + b].qs;                                               \
+            DOT32(dot[t], lo, broadcast4(xq + 4 * i));                                               \
+            DOT32(dot[t], hi, broadcast4(xq + 16 + 4 * i));                                          \
+        }                                                                                            \
+    }                                                                                                \
+    for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * xsum[t * x_stride + b]));
+
 // Up to 4 activation rows share each loaded weight block; y rows are y_stride apart.
-#define ROWS_KERNEL(NAME, BLOCK, DOTS)                                                               \
-    static inline void NAME(const BLOCK* wg, const block_x8* x, int64_t x_stride, float* y,          \
-                            int64_t y_stride, int rows, int64_t nb, int out_count) {                 \
+#define ROWS_KERNEL(NAME, BLOCK, DOTS, APPLY)                                                             \
+    static inline void NAME(const BLOCK* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride, \
+                            float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {       \
+        (void)xsum;                                                                                  \
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
         switch (rows) {                                                                              \
-            case 4: TILE_LOOP(BLOCK, DOTS, 4) break;                                                 \
-            case 3: TILE_LOOP(BLOCK, DOTS, 3) break;                                                 \
-            case 2: TILE_LOOP(BLOCK, DOTS, 2) break;                                                 \
-            default: TILE_LOOP(BLOCK, DOTS, 1) break;                                                \
+            case 4: TILE_LOOP(BLOCK, DOTS, APPLY, 4) break;                                          \
+            case 3: TILE_LOOP(BLOCK, DOTS, APPLY, 3) break;                                          \
+            case 2: TILE_LOOP(BLOCK, DOTS, APPLY, 2) break;                                          \
+            default: TILE_LOOP(BLOCK, DOTS, APPLY, 1) break;                                         \
         }                                                                                            \
         for (int t = 0; t < rows; t++) {                                                             \
             if (out_count == XROWS) {                                                                \
@@ -126,27 +190,39 @@ static inline __m256i broadcast4(const int8_t* p) {
             }                                                                                        \
         }                                                                                            \
     }
-#define TILE_LOOP(BLOCK, DOTS, R)                                                                    \
+#define TILE_LOOP(BLOCK, DOTS, APPLY, R)                                                             \
     for (int64_t b = 0; b < nb; b++) {                                                               \
         const BLOCK* blk = wg + b;                                                                   \
         __m256i dot[R];                                                                              \
         for (int t = 0; t < R; t++) dot[t] = _mm256_setzero_si256();                                 \
         DOTS(R)                                                                                      \
-        const __m256 d = _mm256_loadu_ps(blk->d), m = _mm256_loadu_ps(blk->m);                       \
-        for (int t = 0; t < R; t++) {                                                                \
-            const block_x8* xb = x + t * x_stride + b;                                               \
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
-            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                              \
-        }                                                                                            \
+        APPLY(R)                                                                                     \
+    }
+// acc += float(idot) * (d_w * d_x) (+ m_w * s_x where the format has offsets), one FMA each.
+#define APPLY_SCALES_OFFSETS(R)                                                                      \
+    const __m256 d = _mm256_loadu_ps(blk->d), m = _mm256_loadu_ps(blk->m);                           \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const block_x8* xb = x + t * x_stride + b;                                                   \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
+        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                                  \
+    }
+#define APPLY_F16_SCALES(R)                                                                          \
+    const __m256 d = f16x8_to_f32(blk->d);                                                           \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const block_x8* xb = x + t * x_stride + b;                                                   \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
     }
 
-ROWS_KERNEL(q4x8_rows, block_q4x8, Q4X8_DOTS)
-ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS)
+ROWS_KERNEL(q4x8_rows, block_q4x8, Q4X8_DOTS, APPLY_SCALES_OFFSETS)
+ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS, APPLY_SCALES_OFFSETS)
+ROWS_KERNEL(q8sx8_rows, block_q8sx8, Q8X8_DOTS, APPLY_F16_SCALES)
+ROWS_KERNEL(q5x8_rows, block_q5x8, Q5X8_DOTS, APPLY_F16_SCALES)
 #else
 // Portable path: the same sums in the same order, one lane at a time.
-#define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE)                                                       \
-    static void NAME(const BLOCK* wg, const block_x8* x, int64_t x_stride, float* y,                 \
-                     int64_t y_stride, int rows, int64_t nb, int out_count) {                        \
+#define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE, APPLY)                                                \
+    static void NAME(const BLOCK* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride,      \
+                     float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {              \
+        (void)xsum; /* the values are already signed */                                             \
         for (int t = 0; t < rows; t++) {                                                             \
             for (int r = 0; r < out_count; r++) {                                                    \
                 float acc = 0.0f;                                                                    \
@@ -154,24 +230,39 @@ ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS)
                     const block_x8* xb = x + t * x_stride + b;                                       \
                     int dot = 0;                                                                     \
                     for (int j = 0; j < QK; j++) dot += VALUE(wg + b, r, j) * xb->qs[j];             \
-                    acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc);                                 \
-                    acc = fmaf(wg[b].m[r], xb->s, acc);                                              \
+                    APPLY                                                                            \
                 }                                                                                    \
                 y[t * y_stride + r] = acc;                                                           \
             }                                                                                        \
         }                                                                                            \
     }
-ROWS_KERNEL_SCALAR(q4x8_rows, block_q4x8, q4x8_value)
-ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value)
+#define SCALAR_SCALES_OFFSETS acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc); acc = fmaf(wg[b].m[r], xb->s, acc);
+#define SCALAR_F16_SCALES acc = fmaf((float)dot, f16_to_f32(wg[b].d[r]) * xb->d, acc);
+ROWS_KERNEL_SCALAR(q4x8_rows, block_q4x8, q4x8_value, SCALAR_SCALES_OFFSETS)
+ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value, SCALAR_SCALES_OFFSETS)
+ROWS_KERNEL_SCALAR(q8sx8_rows, block_q8sx8, q8sx8_value, SCALAR_F16_SCALES)
+ROWS_KERNEL_SCALAR(q5x8_rows, block_q5x8, q5x8_value, SCALAR_F16_SCALES)
 #endif
 
 // Activation rows are taken in chunks that stay in L2 while every weight group (a few KiB, in L1)
 // passes over them; within a chunk, 4 rows share each unpacked weight block.
 #define ROW_CHUNK 64
 
-#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN)                                                        \
+// Integer sums of each activation block's codes (q5x8's offset), for the vector path only.
+static int32_t* x8_sums(const block_x8* x, int64_t count) {
+    int32_t* sums = malloc((size_t)(count > 0 ? count : 1) * sizeof(int32_t));
+    for (int64_t i = 0; i < count; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < QK; j++) s += x[i].qs[j];
+        sums[i] = s;
+    }
+    return sums;
+}
+
+#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS)                                            \
     void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
         const int64_t nb = k / QK, groups = x8_groups(n);                                            \
+        int32_t* xsum = NEEDS_SUMS ? x8_sums(x, m_rows * nb) : NULL;                                 \
         const int64_t chunks = (m_rows + ROW_CHUNK - 1) / ROW_CHUNK;                                 \
         _Pragma("omp parallel for collapse(2) schedule(static)")                                     \
         for (int64_t c = 0; c < chunks; c++) {                                                       \
@@ -180,10 +271,12 @@ ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value)
                 const int out_count = (int)(n - g * XROWS < XROWS ? n - g * XROWS : XROWS);          \
                 for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += 4) {                              \
                     const int rows = (int)(m_end - m0 < 4 ? m_end - m0 : 4);                         \
-                    ROWS_FN(w + g * nb, x + m0 * nb, nb, y + m0 * n + g * XROWS, n, rows, nb, out_count); \
+                    ROWS_FN(w + g * nb, x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb,       \
+                            y + m0 * n + g * XROWS, n, rows, nb, out_count);                         \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
+        free(xsum);                                                                                  \
     }                                                                                                \
     /* One call per linear layer: quantize the activation rows into `scratch`, then multiply. */    \
     void LINEAR(const BLOCK* w, const float* x, block_x8* scratch, float* y, int64_t m_rows, int64_t n, int64_t k) { \
@@ -191,10 +284,17 @@ ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value)
         NAME(w, scratch, y, m_rows, n, k);                                                           \
     }
 
-GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows)
-GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows)
+#ifdef __AVX2__
+#define Q5_SUMS 1
+#else
+#define Q5_SUMS 0
+#endif
+GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, 0)
+GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, 0)
+GEMM_X8(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, 0)
+GEMM_X8(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, Q5_SUMS)
 
-#define DEQUANTIZE_X8(NAME, BLOCK, VALUE, OUT_T, CONVERT)                                            \
+#define DEQUANTIZE_X8(NAME, BLOCK, WEIGHT, OUT_T, CONVERT)                                           \
     void NAME(const BLOCK* w, OUT_T* out, int64_t n, int64_t k) {                                    \
         const int64_t nb = k / QK;                                                                   \
         _Pragma("omp parallel for schedule(static)")                                                 \
@@ -203,7 +303,7 @@ GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows)
             const int r = (int)(row % XROWS);                                                        \
             for (int64_t b = 0; b < nb; b++) {                                                       \
                 OUT_T* o = out + row * k + b * QK;                                                   \
-                for (int j = 0; j < QK; j++) o[j] = CONVERT(wg[b].d[r] * (float)VALUE(wg + b, r, j) + wg[b].m[r]); \
+                for (int j = 0; j < QK; j++) o[j] = CONVERT(WEIGHT(wg + b, r, j));                  \
             }                                                                                        \
         }                                                                                            \
     }

@@ -7,6 +7,7 @@
 // after torch).
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -16,7 +17,34 @@
 
 typedef struct { float d; float m; uint8_t qs[QK / 2]; } block_q4;  // w = d * q + m, q in [0, 15]
 typedef struct { float d; float m; int8_t qs[QK]; } block_q8;       // w = d * q + m, q in [-128, 127]
+typedef struct { uint16_t d; int8_t qs[QK]; } block_q8s;           // w = d * q, d f16: GGUF's Q8_0 block
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;  // GGUF's Q5_0: w = d * (u - 16)
 typedef struct { float d; float s; int8_t qs[QK]; } block_x8;       // x = d * q, s = d * sum(q)
+
+// f16 bits -> float, exactly (every f16 is a float); the portable twin of F16C's vcvtph2ps.
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24 is exact in float
+        const float v = ldexpf((float)mantissa, -24);
+        return sign ? -v : v;
+    }
+    bits = sign | (exponent == 31 ? 0x7F800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+#ifdef __AVX2__
+static inline __m256 f16x8_to_f32(const uint16_t* h) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+#else
+    return _mm256_setr_ps(f16_to_f32(h[0]), f16_to_f32(h[1]), f16_to_f32(h[2]), f16_to_f32(h[3]),
+                          f16_to_f32(h[4]), f16_to_f32(h[5]), f16_to_f32(h[6]), f16_to_f32(h[7]));
+#endif
+}
+#endif
 
 #ifdef __AVX2__
 // One block, vectorised: the same amax, scale, rounding (cvtps rounds to nearest even under the
@@ -92,9 +120,13 @@ static inline uint16_t as_bf16(float v) {  // round to nearest even (weights are
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-DEQUANTIZE_X8(kvgen_dequantize_q4x8, block_q4x8, q4x8_value, float, as_fp32)
-DEQUANTIZE_X8(kvgen_dequantize_q8x8, block_q8x8, q8x8_value, float, as_fp32)
-DEQUANTIZE_X8(kvgen_dequantize_q4x8_bf16, block_q4x8, q4x8_value, uint16_t, as_bf16)
-DEQUANTIZE_X8(kvgen_dequantize_q8x8_bf16, block_q8x8, q8x8_value, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q4x8, block_q4x8, q4x8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q8x8, block_q8x8, q8x8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q8sx8, block_q8sx8, q8sx8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q5x8, block_q5x8, q5x8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q4x8_bf16, block_q4x8, q4x8_weight, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q8x8_bf16, block_q8x8, q8x8_weight, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q8sx8_bf16, block_q8sx8, q8sx8_weight, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q5x8_bf16, block_q5x8, q5x8_weight, uint16_t, as_bf16)
 
 #include "decode.c"

@@ -2,8 +2,9 @@
 
   fp32  every weight dequantized to the compute dtype (exact reference behaviour)
   int8  matmul weights in 8-bit blocks: exact for Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 files, rounded otherwise
+        (symmetric q8s blocks with f16 scales where the source has no offsets, q8 otherwise)
   q4    matmul weights as the file has them where the kernels can (4-bit Q4_0/Q4_1, 8-bit Q8_0/Q5_x);
-        K-quants and float weights rounded to 4-bit (Q2_K..Q4_K, floats) or 8-bit (Q5_K, Q6_K)
+        K-quants and float weights rounded to 4-bit (Q2_K..Q4_K, floats) or 8-bit q8s (Q5_K, Q6_K)
   auto  q4 for a quantized GGUF file when the kernels compiled, fp32 otherwise
 """
 
@@ -53,11 +54,12 @@ def quantizable(shape: tuple[int, ...]) -> bool:
 
 
 def target_kind(mode: Literal["int8", "q4"], source_type: str) -> Kind:
+    exact = EXACT_SOURCES.get(source_type)
     if mode == "int8":
-        return "q8"
-    if source_type in EXACT_SOURCES:
-        return EXACT_SOURCES[source_type]
-    return "q4" if source_type in _FOUR_BIT_OR_LESS else "q8"
+        return "q8" if exact in ("q4", "q8") else "q8s"  # sources with offsets keep them in q8
+    if exact is not None:
+        return exact
+    return "q4" if source_type in _FOUR_BIT_OR_LESS else "q8s"
 
 
 def quantize_gguf_rows(type_name: str, raw_rows: np.ndarray, dequantized: np.ndarray | None,
@@ -71,4 +73,4 @@ def quantize_gguf_rows(type_name: str, raw_rows: np.ndarray, dequantized: np.nda
 
 
 def quantize_float(weight: torch.Tensor, mode: Literal["int8", "q4"]) -> QuantizedWeight:
-    return requantize(weight, "q8" if mode == "int8" else "q4")
+    return requantize(weight, "q8s" if mode == "int8" else "q4")

@@ -48,8 +48,11 @@ class _Block(ctypes.Structure):
 def _qlinear(layer: nn.Module) -> _QLinear:
     assert isinstance(layer, QuantizedLinear)
     bias = layer.bias
-    return _QLinear(0 if layer.kind == "q4" else 1, int(bias is not None), layer.blocks.data_ptr(),
+    return _QLinear(_KIND_CODES[layer.kind], int(bias is not None), layer.blocks.data_ptr(),
                     bias.data_ptr() if bias is not None else None, layer.out_features, layer.in_features)  # fmt: skip
+
+
+_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3}  # qlinear.kind in decode.c
 
 
 def _norm_ptr(norm: RMSNorm | None) -> int | None:
