@@ -12,6 +12,9 @@ matmuls over the used slots): xa = x @ A_used^T [N, used*R], a 0/1 mask keeps ea
 slot's R columns (all zero for rows without an adapter, whose output is then exactly the base
 one), and delta = xa @ B_used [N, out]. The work grows with the adapters in the batch, not with
 its rows, and there is no Python per row.
+
+Decodes on quantized weights add the same deltas inside the C steps instead (kernels/lora_delta.c,
+described by models/fast_decode.py from `stacks` and `ranks`), each row from its own slot.
 """
 
 from __future__ import annotations
@@ -55,13 +58,17 @@ class LoraStacks:
         self.out_sizes = out_sizes  # fused linear -> its projections' output sizes
         self.slots: dict[str, int] = {}  # adapter key -> slot
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # A [n, R, in], B [n, R, out]
+        # Per stack, each slot's rank per projection ([n, parts] int32, the parts' rank rows side by
+        # side from 0): the C decode steps skip the zero padding with it (kernels/lora_delta.c).
+        self.ranks: dict[tuple[int, str], torch.Tensor] = {}
+        self.generation = 0  # bumped by every rebuild (the C steps' view of the stacks follows it)
         self._active: _Active | None = None
 
     def rebuild(self, adapters: Sequence[tuple[str, LoraWeights]]) -> None:
         """Stack these adapters (key, weights), slot i for the i-th; replaces what was stacked."""
         self.slots = {key: i for i, (key, _) in enumerate(adapters)}
         targets = sorted({(layer, MODULE_OF[proj]) for _, weights in adapters for layer, proj in weights})
-        stacks = {}
+        stacks, rank_tables = {}, {}
         for layer, fused in targets:
             projs = FUSED_MODULES[fused]
             outs = self.out_sizes[fused]
@@ -70,6 +77,7 @@ class LoraStacks:
             width = max(ranks)
             a_stack = torch.zeros(len(adapters), width, in_features)
             b_stack = torch.zeros(len(adapters), width, sum(outs))
+            part_ranks = torch.zeros(len(adapters), len(projs), dtype=torch.int32)
             for slot, (_, weights) in enumerate(adapters):
                 rank_at, out_at = 0, 0
                 for proj, out in zip(projs, outs):
@@ -78,9 +86,16 @@ class LoraStacks:
                         a_stack[slot, rank_at : rank_at + a.shape[0]] = a
                         b_stack[slot, rank_at : rank_at + a.shape[0], out_at : out_at + out] = b.T
                         rank_at += a.shape[0]
+                        part_ranks[slot, projs.index(proj)] = a.shape[0]
                     out_at += out
             stacks[layer, fused] = (a_stack, b_stack)
-        self.stacks = stacks
+            rank_tables[layer, fused] = part_ranks
+        self.stacks, self.ranks = stacks, rank_tables
+        self.generation += 1
+
+    def slots_of(self, row_keys: Sequence[str | None]) -> list[int]:
+        """Each row's slot (-1: the base model) for the C decode steps."""
+        return [self.slots[key] if key is not None else -1 for key in row_keys]
 
     def activate(self, row_keys: Sequence[str | None], row_tokens: Sequence[int]) -> bool:
         """Rows of the next forward use these adapter keys (None: the base model); row i brings
