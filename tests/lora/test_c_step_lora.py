@@ -124,8 +124,8 @@ def test_the_one_token_c_step_equals_the_rows_step(smollm2_q4_adapters, name) ->
 
 @torch.inference_mode()
 def test_a_base_prompt_prefilled_beside_adapter_prompts_gets_the_base_only_bits(smollm2_q4_adapters) -> None:
-    """A prefill batch adds each adapter row's delta through a 0/1 mask: a base row's delta is an
-    exact zero, so its logits do not depend on its neighbours' adapters."""
+    """A prefill batch adds the deltas to adapter rows only: a base row's logits do not depend on
+    its neighbours' adapters."""
     llm, _ = smollm2_q4_adapters
     ids = llm.tokenizer.encode(PROMPT)
     prompts = [ids[: len(ids) - row] for row in range(4)]

@@ -6,12 +6,11 @@ zero-padded to the widest rank; the fused linears (q|k|v, gate|up) hold their pr
 side by side, each B block writing only its own output columns. Scaling (alpha / r, or alpha /
 sqrt(r) with rsLoRA) is folded into B.
 
-A forward gets each row's adapter (or none). The adapters used in the batch are gathered once per
-linear and every token meets them in two GEMMs (Punica / S-LoRA's gathered matmul, as dense
-matmuls over the used slots): xa = x @ A_used^T [N, used*R], a 0/1 mask keeps each token's own
-slot's R columns (all zero for rows without an adapter, whose output is then exactly the base
-one), and delta = xa @ B_used [N, out]. The work grows with the adapters in the batch, not with
-its rows, and there is no Python per row.
+A forward gets each row's adapter (or none). Prompt tokens are grouped by adapter once per
+forward (Punica / S-LoRA's segmented gather): per adapter used in the batch, its tokens' rows meet
+its A and B in two GEMMs and the deltas are added to those rows only, so rows without an adapter
+keep exactly the base output. The work grows with the adapter tokens, and there is no Python per
+row.
 
 Decodes on quantized weights add the same deltas inside the C steps instead (kernels/lora_delta.c,
 described by models/fast_decode.py from `stacks` and `ranks`), each row from its own slot.
@@ -41,12 +40,11 @@ LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class _Active:
-    """One forward's rows: which used slot each token takes, and the used slots."""
+    """One forward's rows: the used slots and the tokens that take each."""
 
-    used: torch.Tensor  # [u] int64 slot numbers
-    token_slot: torch.Tensor  # [N] int64 index into `used`, -1 for tokens of rows without an adapter
-    all_same: bool  # every token takes used[0]: no mask needed
-    masks: dict[int, torch.Tensor]  # rank width -> [N, u * R] 0/1 mask, built on first use
+    used: list[int]  # slot numbers
+    token_rows: list[torch.Tensor]  # per used slot: the flat indices [n] int64 of its tokens
+    all_same: bool  # every token takes used[0]
     decode: tuple[torch.Tensor, torch.Tensor] | None  # one-token rows: (slot per row clamped to >= 0, [N, 1] 0/1 has-adapter)
 
 
@@ -111,7 +109,8 @@ class LoraStacks:
         if all(n == 1 for n in row_tokens):
             slot_tensor = torch.tensor(slots)
             decode = (slot_tensor.clamp(min=0), (slot_tensor >= 0).float()[:, None])
-        self._active = _Active(torch.tensor(used), token_slot, len(used) == 1 and bool((local == 0).all()), {}, decode)
+        token_rows = [torch.nonzero(token_slot == k).flatten() for k in range(len(used))]
+        self._active = _Active(used, token_rows, len(used) == 1 and bool((local == 0).all()), decode)
         return True
 
     def deactivate(self) -> None:
@@ -125,21 +124,15 @@ class LoraStacks:
         a_stack, b_stack = stack
         if active.decode is not None:
             return y + self._decode_delta(active.decode, a_stack, b_stack, x).view(y.shape).to(y.dtype)
-        used, width = active.used, a_stack.shape[1]
-        if len(used) == a_stack.shape[0]:  # every slot is used: views, no gather
-            a, b = a_stack.reshape(-1, a_stack.shape[2]), b_stack.reshape(-1, b_stack.shape[2])
-        else:
-            a = a_stack.index_select(0, used).reshape(-1, a_stack.shape[2])  # [u * R, in]
-            b = b_stack.index_select(0, used).reshape(-1, b_stack.shape[2])  # [u * R, out]
-        xa = x.reshape(-1, x.shape[-1]).float() @ a.T  # [N, u * R]
-        if not active.all_same:
-            mask = active.masks.get(width)
-            if mask is None:
-                columns = torch.arange(len(used) * width) // width  # the used slot of each column
-                mask = active.masks[width] = (columns[None, :] == active.token_slot[:, None]).float()
-            xa = xa * mask
-        delta = (xa @ b).view(*y.shape[:-1], y.shape[-1])
-        return y + delta.to(y.dtype)
+        rows = x.reshape(-1, x.shape[-1]).float()  # [N, in]
+        if active.all_same:
+            a, b = a_stack[active.used[0]], b_stack[active.used[0]]
+            return y + ((rows @ a.T) @ b).view(y.shape).to(y.dtype)
+        out = y.reshape(-1, y.shape[-1]).clone()  # [N, out]; base rows keep their bits
+        for slot, index in zip(active.used, active.token_rows):
+            delta = (rows.index_select(0, index) @ a_stack[slot].T) @ b_stack[slot]  # [n, out]
+            out.index_add_(0, index, delta.to(y.dtype))
+        return out.view(y.shape)
 
     @staticmethod
     def _decode_delta(decode: tuple[torch.Tensor, torch.Tensor], a_stack: torch.Tensor, b_stack: torch.Tensor,
