@@ -47,3 +47,14 @@ def smollm2_adapters(lora_dir):
     yield llm, adapters
     for name in adapters:
         llm.unload_adapter(name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_adapters(smollm2_q4, lora_dir):
+    """The shared 4-bit SmolLM2 (the C decode steps' weights) with SPECS' adapters loaded."""
+    adapters = peft_adapters("smollm2", lora_dir)
+    for name, adapter in adapters.items():
+        smollm2_q4.load_adapter(name, adapter.path)
+    yield smollm2_q4, adapters
+    for name in adapters:
+        smollm2_q4.unload_adapter(name)

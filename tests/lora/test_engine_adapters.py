@@ -8,26 +8,22 @@ import dataclasses
 import pytest
 import torch
 
-from kvgen import LLM, SamplingParams
+from kvgen import SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine, RequestStatus
 from kvgen.lora import AdapterError, UnknownAdapterError
 from tests.conftest import load_llm
 from tests.engine.test_engine import SYSTEM, assert_nothing_leaked, drain
-from tests.lora.conftest import peft_adapters
-from tests.support.models import PROMPTS, model_path
+from tests.support.models import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=8)
 
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_16_concurrent_requests_over_4_adapters_and_the_base_equal_each_alone(lora_dir) -> None:
-    """On the default (4-bit) weights: base decodes keep the C step, adapter decodes run the torch
-    path beside them; every request's greedy tokens equal its run alone in the engine."""
-    llm = LLM.load(model_path("smollm2"), progress=False)
-    adapters = peft_adapters("smollm2", lora_dir)
-    for name, adapter in adapters.items():
-        llm.load_adapter(name, adapter.path)
+def test_16_concurrent_requests_over_4_adapters_and_the_base_equal_each_alone(smollm2_q4_adapters) -> None:
+    """On 4-bit weights: base and adapter decodes share the C rows step, each row with its own
+    adapter's deltas; every request's greedy tokens equal its run alone in the engine."""
+    llm, adapters = smollm2_q4_adapters
     names = [None, *adapters]  # 5 choices over 16 requests
     prompts = [PROMPTS[i % 4] + " " * (i // 4) for i in range(16)]
     params = [dataclasses.replace(PARAMS, max_new_tokens=12, ignore_eos=True, adapter=names[i % 5]) for i in range(16)]

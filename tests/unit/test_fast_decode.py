@@ -45,11 +45,11 @@ def compare_block(llm: LLM, layer: int, position: int) -> float:
         actual = h.clone()
         block, lib = decoder.blocks[layer], decoder.library
         lib.kvgen_block_pre(ctypes.byref(block), actual.data_ptr(), cos.reshape(-1).data_ptr(),
-                            sin.reshape(-1).data_ptr(), decoder.k_new.data_ptr(), decoder.v_new.data_ptr())  # fmt: skip
+                            sin.reshape(-1).data_ptr(), decoder.k_new.data_ptr(), decoder.v_new.data_ptr(), None, -1)  # fmt: skip
         keys, values = cache.update(layer, decoder.k_new, decoder.v_new)
         start = max(0, position - window + 1) if window else 0
         lib.kvgen_block_post(ctypes.byref(block), actual.data_ptr(), keys.data_ptr(), keys.stride(1), keys.stride(2),
-                             values.data_ptr(), values.stride(1), values.stride(2), start, keys.shape[2])  # fmt: skip
+                             values.data_ptr(), values.stride(1), values.stride(2), start, keys.shape[2], None, -1)  # fmt: skip
     return (actual - expected).abs().max().item() / expected.abs().max().item()
 
 

@@ -38,11 +38,10 @@ class ModelRunner:
         chunks = [i for i in range(len(rows)) if not rows[i].request.is_decoding]
         short = [i for i in chunks if rows[i].num_tokens <= SHORT_ROW_TOKENS]
         long = [i for i in chunks if rows[i].num_tokens > SHORT_ROW_TOKENS]
-        # Decodes under a LoRA adapter run the torch path (the C step adds no deltas): the base
-        # model's decodes and verifies keep their C step in a forward of their own.
-        adapted = [i for i in steps if rows[i].request.params.adapter is not None]
+        # Decodes under LoRA adapters share the C step with the base model's: it adds each row's
+        # delta by its adapter slot.
         if self._has_c_step():
-            groups = [[i for i in steps if i not in adapted], adapted, short, long]
+            groups = [steps, short, long]
         else:  # the torch path pads: one-token decodes apart from verifies
             groups = [[i for i in steps if rows[i].num_tokens == 1], [i for i in steps if rows[i].num_tokens > 1], short, long]
         groups = [group for group in groups if group]

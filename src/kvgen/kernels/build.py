@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "paged_codes_attention.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "paged_codes_attention.c", "lora_delta.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
@@ -86,26 +86,29 @@ def load() -> ctypes.CDLL | None:
     dequantizers = [f"kvgen_dequantize_{kind}{suffix}" for kind in kinds for suffix in ("", "_bf16")]
     for name in dequantizers:
         getattr(library, name).argtypes = [pointer, pointer, count, count]
-    library.kvgen_block_pre.argtypes = [pointer] * 6
+    library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
+    library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]
     library.kvgen_paged_decode_attention.argtypes = [pointer] * 4 + [count] * 4 + [ctypes.c_float] + [count] * 4 + [pointer, count, pointer, pointer]
-    library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count]
+    library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count,
+                                         pointer, count]  # fmt: skip
     library.kvgen_quantized_decode_attention.argtypes = [pointer, pointer, count, count, count, ctypes.c_float, pointer,
                                                          pointer, count, count, pointer, pointer, count, count, pointer,
                                                          pointer, count, count, count]  # fmt: skip
     library.kvgen_decode_layers_over_codes.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer,
-                                                       count, count]  # fmt: skip
+                                                       count, count, pointer, count]  # fmt: skip
     library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
-                                            count, count, count, count, count, pointer, count]  # fmt: skip
+                                            count, count, count, count, count, pointer, count, pointer, count]  # fmt: skip
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,
-                                          pointer, pointer]  # fmt: skip
+                                          pointer, pointer, pointer, pointer]  # fmt: skip
     library.kvgen_paged_codes_attention.argtypes = [pointer, pointer, count, pointer, pointer, count, count, count,
                                                     ctypes.c_float, count, pointer, pointer, count, pointer, count,
                                                     pointer, pointer, pointer, pointer]  # fmt: skip
     library.kvgen_decode_rows_over_codes.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer,
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
-                                                     pointer, pointer, pointer, count, pointer, pointer, pointer]  # fmt: skip
-    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_quantize_x8",
+                                                     pointer, pointer, pointer, count, pointer, pointer, pointer, pointer,
+                                                     pointer]  # fmt: skip
+    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
                  *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

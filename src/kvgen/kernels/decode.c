@@ -77,6 +77,8 @@ static void apply_linear(const qlinear* l, const float* x, void* xq, float* y) {
     }
 }
 
+#include "lora_delta.c"
+
 static void rotate_half(float* x, const float* cos, const float* sin, int64_t d) {
     const int64_t half = d / 2;
     for (int64_t i = 0; i < half; i++) {
@@ -87,11 +89,13 @@ static void rotate_half(float* x, const float* cos, const float* sin, int64_t d)
 }
 
 // Writes the new key and value of each kv head to k_out/v_out + head * out_head_stride.
+// lora: this layer's LORA_LINEARS deltas, or NULL; slot: the token's adapter slot (-1: none).
 static void block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
-                      int64_t out_head_stride) {
+                      int64_t out_head_stride, const lora_linear* lora, const int64_t* slot) {
     const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
     rms_norm(h, b->input_norm, b->eps, b->hidden, b->x);
     apply_linear(&b->qkv, b->x, b->xq, b->qkv_out);
+    if (lora) lora_rows(&lora[LORA_QKV], &b->qkv, b->x, b->qkv_out, 1, slot);
     float* q = b->qkv_out;
     float* k = b->qkv_out + nq;
     const float* v = b->qkv_out + nq + nkv;
@@ -107,9 +111,11 @@ static void block_pre(const block_t* b, const float* h, const float* cos, const 
     }
 }
 
-// k_out, v_out: [kv_heads, head_dim] contiguous (handed to cache.update by the caller).
-void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out) {
-    block_pre(b, h, cos, sin, k_out, v_out, b->head_dim);
+// k_out, v_out: [kv_heads, head_dim] contiguous (handed to cache.update by the caller). lora: the
+// layer's deltas or NULL, applied for adapter slot `slot` (-1: none).
+void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
+                     const lora_linear* lora, int64_t slot) {
+    block_pre(b, h, cos, sin, k_out, v_out, b->head_dim, lora, &slot);
 }
 
 // Where a cache keeps one layer's keys or values (see KVLayout in kv/interface.py): one strided
@@ -207,48 +213,56 @@ static void add_residual(float* h, float* y, const float* norm, float eps, int64
 }
 
 // Everything after attention (b->attn holds its output): o-proj, residual, MLP, residual.
-static void block_finish(const block_t* b, float* h) {
+static void block_finish(const block_t* b, float* h, const lora_linear* lora, const int64_t* slot) {
     apply_linear(&b->o, b->attn, b->xq, b->x);
+    if (lora) lora_rows(&lora[LORA_O], &b->o, b->attn, b->x, 1, slot);
     add_residual(h, b->x, b->attn_out_norm, b->eps, b->hidden);
 
     rms_norm(h, b->mlp_in_norm, b->eps, b->hidden, b->x);
     apply_linear(&b->gate_up, b->x, b->xq, b->mlp);
+    if (lora) lora_rows(&lora[LORA_GATE_UP], &b->gate_up, b->x, b->mlp, 1, slot);
     const int64_t n = b->intermediate;
     gated_activation(b->mlp, b->mlp + n, b->mlp, n, b->gelu);  // in place: element i reads i, writes i
     apply_linear(&b->down, b->mlp, b->xq, b->x);
+    if (lora) lora_rows(&lora[LORA_DOWN], &b->down, b->mlp, b->x, 1, slot);
     add_residual(h, b->x, b->mlp_out_norm, b->eps, b->hidden);
 }
 
 static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
-                       int64_t end) {
+                       int64_t end, const lora_linear* lora, const int64_t* slot) {
     attend(b, keys, values, start, end);
-    block_finish(b, h);
+    block_finish(b, h, lora, slot);
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.
 void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_head_stride, int64_t k_pos_stride,
-                      const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end) {
+                      const float* values, int64_t v_head_stride, int64_t v_pos_stride, int64_t start, int64_t end,
+                      const lora_linear* lora, int64_t slot) {
     const kv_layout k = {keys, k_head_stride, k_pos_stride, 0, 1, NULL};
     const kv_layout v = {values, v_head_stride, v_pos_stride, 0, 1, NULL};
-    block_post(b, h, &k, &v, start, end);
+    block_post(b, h, &k, &v, start, end, lora, &slot);
 }
 
 // Every block for one token, reading and appending K/V in the cache's own storage (KVLayout):
 // the new key/value is written at `position`, attention reads positions [start, position].
 // rope: [kinds, 2, head_dim] (cos, sin); rope_kind, window: per layer (window 0 = full attention).
+// lora: [num_layers, LORA_LINEARS] adapter deltas or NULL, applied for adapter slot `slot` (-1: none).
 void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, const float* rope,
                          const int64_t* rope_kind, const int64_t* window, float* k_base, float* v_base,
                          int64_t layer_stride, int64_t head_stride, int64_t pos_stride, int64_t block_stride,
-                         int64_t block_size, const int64_t* table, int64_t position) {
+                         int64_t block_size, const int64_t* table, int64_t position, const lora_linear* lora,
+                         int64_t slot) {
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const block_t* b = &blocks[layer];
+        const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
         const int64_t d = b->head_dim;
         const float* cos = rope + rope_kind[layer] * 2 * d;
         const kv_layout k = {k_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
         const kv_layout v = {v_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
-        block_pre(b, h, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position), head_stride);
+        block_pre(b, h, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position), head_stride,
+                  layer_lora, &slot);
         const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-        block_post(b, h, &k, &v, start, position + 1);
+        block_post(b, h, &k, &v, start, position + 1, layer_lora, &slot);
     }
 }
 
@@ -356,18 +370,23 @@ static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const row
 
 // Every block for a batch of one-token rows: as kvgen_decode_layers does for one row, with the
 // matmuls of all rows in one tiled GEMM per weight. Row r is at positions[r] and has its own RoPE:
-// rope [rows, kinds, 2, d]. Keys and values: see rows_kv.
+// rope [rows, kinds, 2, d]. Keys and values: see rows_kv. lora: [num_layers, LORA_LINEARS] adapter
+// deltas or NULL; lora_slots[r]: row r's adapter slot (-1: none; rows without one get the bits of
+// the base-only step).
 static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
                         int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, const rows_kv* kv,
-                        const int64_t* positions, const rows_scratch* s) {
+                        const int64_t* positions, const rows_scratch* s, const lora_linear* lora,
+                        const int64_t* lora_slots) {
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const block_t* b = &blocks[layer];
+        const lora_linear* ll = lora ? lora + layer * LORA_LINEARS : NULL;
         const int64_t hidden = b->hidden, d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
         const int64_t qkv_width = nq + 2 * nkv, inter = b->intermediate;
         float* k_layer = layer_store(kv, kv->k_base, layer);
         float* v_layer = layer_store(kv, kv->v_base, layer);
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->input_norm, b->eps, hidden, s->x + r * hidden);
         linear_rows(&b->qkv, s->x, s->xq, s->qkv_out, rows);
+        if (ll) lora_rows(&ll[LORA_QKV], &b->qkv, s->x, s->qkv_out, rows, lora_slots);
         for (int64_t r = 0; r < rows; r++) {  // QK-norm, RoPE, and the new key/value into the row's slot
             const float* cos = rope + (r * num_rope_kinds + rope_kind[layer]) * 2 * d;
             float* q = s->qkv_out + r * qkv_width;
@@ -388,15 +407,18 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
         }
         attend_rows(b, layer, rows, kv, positions, window[layer], s);
         linear_rows(&b->o, s->attn, s->xq, s->y, rows);
+        if (ll) lora_rows(&ll[LORA_O], &b->o, s->attn, s->y, rows, lora_slots);
         for (int64_t r = 0; r < rows; r++) {
             add_residual(h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
             rms_norm(h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
         }
         linear_rows(&b->gate_up, s->x, s->xq, s->mlp, rows);
+        if (ll) lora_rows(&ll[LORA_GATE_UP], &b->gate_up, s->x, s->mlp, rows, lora_slots);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < rows; r++)  // act(gate) * up, packed [rows, inter] into x for down()
             gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
         linear_rows(&b->down, s->x, s->xq, s->y, rows);
+        if (ll) lora_rows(&ll[LORA_DOWN], &b->down, s->x, s->y, rows, lora_slots);
         for (int64_t r = 0; r < rows; r++) add_residual(h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
     }
 }
@@ -408,10 +430,10 @@ void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, 
                        float* v_base, int64_t layer_stride, int64_t head_stride, int64_t pos_stride,
                        int64_t block_stride, int64_t block_size, const int64_t* tables, int64_t table_width,
                        const int64_t* layer_slot, const int64_t* layer_group, const int64_t* positions,
-                       const rows_scratch* s) {
+                       const rows_scratch* s, const lora_linear* lora, const int64_t* lora_slots) {
     const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride, block_size, tables,
                         table_width, positions, NULL, NULL, NULL, 0, 0, NULL, layer_slot, layer_group};
-    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s);
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
 }
 
 // Every block for one-token rows over a pool of K/V codes (kv/paged_codes.py): the new key/value go
@@ -424,9 +446,9 @@ void kvgen_decode_rows_over_codes(const block_t* blocks, int64_t num_layers, int
                                   const int64_t* offsets, const packed_codes* key_codes,
                                   const packed_codes* value_codes, const int64_t* code_tables,
                                   int64_t code_table_width, const int64_t* num_code_blocks, const int64_t* positions,
-                                  const rows_scratch* s) {
+                                  const rows_scratch* s, const lora_linear* lora, const int64_t* lora_slots) {
     const int64_t d = blocks[0].head_dim;
     const rows_kv kv = {stage_k, stage_v, layer_stride, head_stride, d, slot_stride, block_size, slots, 1, offsets,
                         key_codes, value_codes, code_tables, code_table_width, block_size, num_code_blocks, NULL, NULL};
-    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s);
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
 }

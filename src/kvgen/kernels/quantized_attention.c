@@ -358,29 +358,31 @@ typedef struct {
 
 // Every block for one token over a QuantizedCache, as kvgen_decode_layers does over fp32 storage:
 // the new key/value go to their fp32 sink or tail slot (room made by the caller), attention reads
-// the codes, and the caller commits. window: per layer (0 = full attention).
+// the codes, and the caller commits. window: per layer (0 = full attention). lora, slot: as
+// kvgen_decode_layers takes them.
 void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, float* h, const float* rope,
                                     const int64_t* rope_kind, const int64_t* window, const quantized_kv* kv,
-                                    int64_t num_blocks, int64_t position) {
+                                    int64_t num_blocks, int64_t position, const lora_linear* lora, int64_t slot) {
     const int64_t packed_end = kv->sink_len + num_blocks * kv->block_size;
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const block_t* b = &blocks[layer];
+        const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
         const int64_t d = b->head_dim;
         const float* cos = rope + rope_kind[layer] * 2 * d;
         float* sink = kv->sink + layer * kv->sink_layer_stride;
         float* tail = kv->tail + layer * kv->tail_layer_stride;
         if (position < kv->sink_len) {
             block_pre(b, h, cos, cos + d, sink + position * d, sink + kv->sink_kv_stride + position * d,
-                      kv->sink_head_stride);
+                      kv->sink_head_stride, layer_lora, &slot);
         } else {
-            float* slot = tail + (position - packed_end) * d;
-            block_pre(b, h, cos, cos + d, slot, slot + kv->tail_kv_stride, kv->tail_head_stride);
+            float* tail_slot = tail + (position - packed_end) * d;
+            block_pre(b, h, cos, cos + d, tail_slot, tail_slot + kv->tail_kv_stride, kv->tail_head_stride, layer_lora, &slot);
         }
         const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
         kvgen_quantized_decode_attention(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, sink,
                                          sink + kv->sink_kv_stride, kv->sink_head_stride, kv->sink_len,
                                          &kv->key_codes[layer], &kv->value_codes[layer], num_blocks, kv->block_size,
                                          tail, tail + kv->tail_kv_stride, kv->tail_head_stride, start, position + 1);
-        block_finish(b, h);
+        block_finish(b, h, layer_lora, &slot);
     }
 }

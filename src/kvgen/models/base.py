@@ -95,7 +95,7 @@ class DecoderLM(nn.Module):
 
     def _activate_adapters(self, adapters: Sequence[str | None] | None, row_tokens: Sequence[int]) -> bool:
         """Rows of the next forward use these adapters (by name; None: the base model). True when
-        some row has one: that forward then runs the torch path (the C decode step adds no deltas)."""
+        some row has one: the torch path then adds each row's delta (the C steps take slots instead)."""
         if adapters is None or all(a is None for a in adapters):
             return False
         unknown = [a for a in adapters if a is not None and (self.lora is None or a not in self.lora.slots)]
@@ -116,11 +116,12 @@ class DecoderLM(nn.Module):
             self._fast_decoder = FastDecoder(self)
         return self._fast_decoder
 
-    def _fast_hidden(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+    def _fast_hidden(self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1) -> torch.Tensor | None:
         """input_ids [1, S] -> the last block's output [1, S, H] through the C step: one token by
         the decode step, a few tokens (a speculative verify) as a kernel row each of the rows step,
-        so each gets what plain decoding would give it. None when the torch path must run (no C
-        path, a biased cache, too many tokens, no fp32 layout for several)."""
+        so each gets what plain decoding would give it; slot: the LoRA adapter slot (-1: none).
+        None when the torch path must run (no C path, a biased cache, too many tokens, no fp32
+        layout for several)."""
         decoder = self.fast_decoder() if self.use_fast_decode else None
         seq = input_ids.shape[1]
         if decoder is None or cache.key_bias() is not None or seq > decoder.max_rows:
@@ -129,8 +130,8 @@ class DecoderLM(nn.Module):
         h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
         rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
         if seq == 1:
-            decoder.step(h[0], rope[0], cache)
-        elif not decoder.step_tokens(h, rope, cache, positions):
+            decoder.step(h[0], rope[0], cache, slot)
+        elif not decoder.step_tokens(h, rope, cache, positions, slot):
             return None
         return h[None]
 
@@ -158,19 +159,21 @@ class DecoderLM(nn.Module):
             batch, seq = input_ids.shape
             with_lora = adapter is not None and self._activate_adapters([adapter] * batch, [seq] * batch)
             try:
-                return self._forward(input_ids, cache, positions, logits_to_keep, with_lora)
+                slot = self.lora.slots[adapter] if with_lora else -1  # type: ignore[union-attr]
+                return self._forward(input_ids, cache, positions, logits_to_keep, with_lora, slot)
             finally:
                 if with_lora:
                     self.lora.deactivate()  # type: ignore[union-attr]
 
     def _forward(
         self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, logits_to_keep: int | None,
-        with_lora: bool = False,
+        with_lora: bool = False, slot: int = -1,
     ) -> torch.Tensor:  # fmt: skip
         batch, seq = input_ids.shape
-        # A decode, or a verify that wants every token's logits, takes the C step; prompts do not.
-        if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)) and not with_lora:
-            fast = self._fast_hidden(input_ids, cache)
+        # A decode, or a verify that wants every token's logits, takes the C step (with the LoRA
+        # slot's deltas, if any); prompts do not.
+        if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)):
+            fast = self._fast_hidden(input_ids, cache, slot)
             if fast is not None:
                 return self._logits(fast, row_invariant=True)  # [1, S, V]
         h = self._hidden_states(input_ids, cache, positions, self.config.num_layers)
@@ -252,20 +255,24 @@ class DecoderLM(nn.Module):
         with self._forward_lock:
             longest = max(len(ids) for ids in token_ids)
             with_lora = self._activate_adapters(adapters, [longest] * len(token_ids))
+            slots = self.lora.slots_of(adapters) if with_lora else None  # type: ignore[union-attr, arg-type]
             try:
-                return self._forward_batch(token_ids, caches, num_logits, with_lora)
+                return self._forward_batch(token_ids, caches, num_logits, with_lora, slots)
             finally:
                 if with_lora:
                     self.lora.deactivate()  # type: ignore[union-attr]
 
-    def _decode_rows_fast(self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int]) -> torch.Tensor | None:
+    def _decode_rows_fast(
+        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], slots: list[int] | None = None
+    ) -> torch.Tensor | None:  # fmt: skip
         """Decodes and speculative verifies (rows that want the logits of every token they run)
         whose caches offer the C step over every layer (a paged store of fp32 blocks, or of codes for
         one-token rows) and quantized weights: FastDecoder.step_rows -> logits
         [sum(num_logits), V]; None when the torch path must run. Every token is a kernel row
         computed as a lone decode would compute it, so a decode's logits do not depend on the batch,
         and a speculative verify gives each position the logits plain decoding would. Rows run in
-        steps of at most `max_rows` tokens (past that the torch GEMM is faster, and rounds otherwise)."""
+        steps of at most `max_rows` tokens (past that the torch GEMM is faster, and rounds otherwise).
+        slots: each row's LoRA adapter slot (-1: none), its deltas added in the C step."""
         decoder = self.fast_decoder() if self.use_fast_decode else None
         lengths = [len(ids) for ids in token_ids]
         if decoder is None or max(lengths) > decoder.max_rows or num_logits != lengths:
@@ -290,7 +297,8 @@ class DecoderLM(nn.Module):
             positions = torch.cat([torch.arange(caches[i].seq_len, caches[i].seq_len + lengths[i]) for i in step])
             h = self._embed(torch.tensor([t for i in step for t in token_ids[i]])).contiguous()  # [rows, H]
             rope = self._rows_rope(positions, h.dtype)
-            decoder.step_rows(h, rope, kernel, positions)
+            row_slots = [slots[i] for i in step for _ in range(lengths[i])] if slots is not None else None
+            decoder.step_rows(h, rope, kernel, positions, row_slots)
             for i in step:
                 caches[i].commit(lengths[i])
             ends = torch.tensor([lengths[i] for i in step]).cumsum(0).tolist()
@@ -298,9 +306,10 @@ class DecoderLM(nn.Module):
         return self._logits(torch.cat(hidden)[None], row_invariant=True)[0]  # [sum(num_logits), V]
 
     def _forward_batch(
-        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], with_lora: bool = False
-    ) -> torch.Tensor:
-        fast = self._decode_rows_fast(token_ids, caches, num_logits) if not with_lora else None
+        self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], with_lora: bool = False,
+        slots: list[int] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        fast = self._decode_rows_fast(token_ids, caches, num_logits, slots)
         if fast is not None:
             return fast
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]

@@ -7,12 +7,16 @@ packed codes the kernels read (`codes_view`, one C call per token), or anything 
 `cache.update()` (two C calls per block; the C attention reads the fp32 views update returns).
 `step_rows` runs a batch of one-token rows over one paged store (fp32 blocks, or blocks of codes)
 the same way, all rows' matmuls in one tiled GEMM per weight (the engine's decode steps).
+Both steps add LoRA deltas in C (kernels/lora_delta.c) for rows whose request runs an adapter:
+the model's LoraStacks, described once per restack as one table of [layers, 4] linears, and each
+row's slot (-1: the base model, whose rows keep the base-only bits).
 Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 from torch import nn
@@ -21,6 +25,7 @@ from kvgen.kernels import load
 from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
+from kvgen.models.lora import LoraStacks
 from kvgen.models.quantized_linear import GEMM_ROWS_THRESHOLD, X8_BLOCK_BYTES, QuantizedLinear
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -43,6 +48,28 @@ class _Block(ctypes.Structure):
         ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
         ("x", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr), ("xq", _ptr),
     ]  # fmt: skip
+
+
+class _LoraLinear(ctypes.Structure):
+    _fields_ = [("a", _ptr), ("b", _ptr), ("ranks", _ptr), ("slots", _i64), ("width", _i64), ("parts", _i64),
+                ("part_out", _i64 * 4)]  # fmt: skip
+
+
+LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's lora_linear order in kernels/lora_delta.c
+
+
+def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
+    """stacks -> [num_layers * 4] lora_linear structs (kernels/lora_delta.c; a = NULL where no
+    adapter touches a linear). They point into the stacks' tensors, valid until the next rebuild."""
+    table = (_LoraLinear * (num_layers * len(LORA_LINEARS)))()
+    for (layer, fused), (a, b) in stacks.stacks.items():
+        assert a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype == torch.float32
+        offsets = list(itertools.accumulate(stacks.out_sizes[fused], initial=0))
+        table[layer * len(LORA_LINEARS) + LORA_LINEARS.index(fused)] = _LoraLinear(
+            a.data_ptr(), b.data_ptr(), stacks.ranks[layer, fused].data_ptr(), a.shape[0], a.shape[1],
+            len(offsets) - 1, (_i64 * 4)(*offsets, *[offsets[-1]] * (4 - len(offsets))),
+        )  # fmt: skip
+    return table
 
 
 def _qlinear(layer: nn.Module) -> _QLinear:
@@ -79,6 +106,9 @@ class FastDecoder:
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
+        self._lora_stacks: LoraStacks | None = None  # the stacks (and generation) _lora_table describes
+        self._lora_generation = -1
+        self._lora_table: ctypes.Array | None = None
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -120,18 +150,31 @@ class FastDecoder:
             self._scratch(widest // QK * X8_BLOCK_BYTES, torch.uint8),
         )  # fmt: skip
 
-    def step(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
+    def lora(self, slots: list[int]) -> ctypes.Array | None:
+        """The C description of the model's LoRA stacks when some row has an adapter (slots[r] >= 0),
+        else None (the base-only step). Rebuilt after each restack."""
+        stacks = self.model.lora
+        if stacks is None or not stacks.stacks or all(s < 0 for s in slots):
+            return None
+        if stacks is not self._lora_stacks or stacks.generation != self._lora_generation:
+            self._lora_table = lora_table(stacks, len(self.blocks))
+            self._lora_stacks, self._lora_generation = stacks, stacks.generation
+        return self._lora_table
+
+    def step(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, slot: int = -1) -> None:
         """Run every block on h [hidden] (updated in place) at position cache.seq_len; commits 1 position.
 
-        rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes.
+        rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes. slot: the
+        token's LoRA adapter slot in model.lora (-1: the base model).
         """
+        lora = self.lora([slot])
         layout = cache.kernel_layout(cache.seq_len + 1)
         codes = cache.codes_view(cache.seq_len + 1) if layout is None else None
         if codes is not None:
-            self._step_over_codes(h, rope, cache, codes)
+            self._step_over_codes(h, rope, cache, codes, lora, slot)
             return
         if layout is None:
-            self._step_through_update(h, rope, cache)
+            self._step_through_update(h, rope, cache, lora, slot)
             return
         keys, values = layout.keys, layout.values
         assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
@@ -140,30 +183,36 @@ class FastDecoder:
             self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
             self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), layout.layer_stride, layout.head_stride,
             layout.pos_stride, layout.block_stride, layout.block_size, table.data_ptr() if table is not None else None,
-            cache.seq_len,
+            cache.seq_len, lora, slot,
         )  # fmt: skip
         cache.commit(1)
 
-    def step_rows(self, h: torch.Tensor, rope: torch.Tensor, kernel: tuple[str, tuple], positions: torch.Tensor) -> None:
+    def step_rows(self, h: torch.Tensor, rope: torch.Tensor, kernel: tuple[str, tuple], positions: torch.Tensor,
+                  slots: list[int] | None = None) -> None:  # fmt: skip
         """Every block for one-token rows over one paged store whose batch view offered `kernel`
         (the C step's name and the storage's arguments; the view reserved the rows' slots): h
-        [rows, hidden] updated in place; rope [rows, kinds, 2, head_dim]; positions [rows] int64.
-        The caller commits each row's cache."""
+        [rows, hidden] updated in place; rope [rows, kinds, 2, head_dim]; positions [rows] int64;
+        slots: each row's LoRA adapter slot (-1 or None: the base model). The caller commits each
+        row's cache."""
         rows = h.shape[0]
         assert h.is_contiguous() and rope.is_contiguous()
+        assert slots is None or len(slots) == rows
         name, storage = kernel
+        lora = self.lora(slots) if slots is not None else None
+        row_slots = torch.tensor(slots, dtype=torch.int64) if lora is not None else None
         getattr(self.library, name)(
             self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
             self._rope_index.data_ptr(), self._windows.data_ptr(), *storage, positions.data_ptr(),
-            ctypes.byref(self._scratch_for_rows(rows)),
+            ctypes.byref(self._scratch_for_rows(rows)), lora, row_slots.data_ptr() if row_slots is not None else None,
         )  # fmt: skip
 
-    def step_tokens(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> bool:
+    def step_tokens(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor, slot: int = -1) -> bool:
         """Several new tokens of one sequence (a speculative verify), each a kernel row of the rows
         step at its position, on the cache's fp32 layout: h [S, hidden] updated in place, rope
         [S, kinds, 2, head_dim]; commits S positions. Each layer stores every row's key and value
         before any row attends, so row i sees the rows before it, and each row is computed as
-        `step` computes a lone token. False (nothing done) when the cache offers no fp32 layout."""
+        `step` computes a lone token (slot: its LoRA adapter slot, -1: none). False (nothing done)
+        when the cache offers no fp32 layout."""
         rows = h.shape[0]
         end = cache.seq_len + rows
         layout = cache.kernel_layout(end)
@@ -176,11 +225,14 @@ class FastDecoder:
         else:  # one contiguous buffer: one "block" that holds every position
             table, block_size = torch.zeros(1, dtype=torch.int64), end
         tables = table.repeat(rows).contiguous()  # one table per kernel row
+        lora = self.lora([slot])
+        row_slots = torch.full((rows,), slot, dtype=torch.int64)
         self.library.kvgen_decode_rows(
             self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
             self._rope_index.data_ptr(), self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(),
             layout.layer_stride, layout.head_stride, layout.pos_stride, layout.block_stride, block_size,
             tables.data_ptr(), table.numel(), None, None, positions.data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),
+            lora, row_slots.data_ptr(),
         )  # fmt: skip
         cache.commit(rows)
         return True
@@ -198,15 +250,17 @@ class FastDecoder:
             self._rows_capacity = rows
         return self._rows_scratch
 
-    def _step_over_codes(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, codes: CodesView) -> None:
+    def _step_over_codes(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, codes: CodesView,
+                         lora: ctypes.Array | None, slot: int) -> None:  # fmt: skip
         """Every block in one call over a cache of packed codes: attention reads the codes."""
         self.library.kvgen_decode_layers_over_codes(
             self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
-            self._windows.data_ptr(), ctypes.byref(codes.storage), codes.num_packed_blocks, cache.seq_len,
+            self._windows.data_ptr(), ctypes.byref(codes.storage), codes.num_packed_blocks, cache.seq_len, lora, slot,
         )  # fmt: skip
         cache.commit(1)
 
-    def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache) -> None:
+    def _step_through_update(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, lora: ctypes.Array | None,
+                             slot: int) -> None:  # fmt: skip
         """The general path: each block's new key/value goes through cache.update()."""
         config, lib = self.model.config, self.library
         position = cache.seq_len
@@ -214,11 +268,12 @@ class FastDecoder:
         h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
         for layer, block in enumerate(self.blocks):
             cos, sin = ropes[layer]
-            lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr)
+            layer_lora = ctypes.byref(lora, layer * len(LORA_LINEARS) * ctypes.sizeof(_LoraLinear)) if lora is not None else None
+            lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr, layer_lora, slot)
             keys, values = cache.update(layer, self.k_new, self.v_new)  # [1, H_kv, L, D] views
             assert keys.dtype == torch.float32 and keys.stride(3) == 1 and values.stride(3) == 1
             span = cache.attention_span(layer, config.window_for(layer))
             start, end = span.decode_start(position, cache.visible_start(layer)), keys.shape[2]
             lib.kvgen_block_post(ctypes.byref(block), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2),
-                                 values.data_ptr(), values.stride(1), values.stride(2), start, end)  # fmt: skip
+                                 values.data_ptr(), values.stride(1), values.stride(2), start, end, layer_lora, slot)  # fmt: skip
         cache.commit(1)

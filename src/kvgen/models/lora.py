@@ -6,12 +6,14 @@ zero-padded to the widest rank; the fused linears (q|k|v, gate|up) hold their pr
 side by side, each B block writing only its own output columns. Scaling (alpha / r, or alpha /
 sqrt(r) with rsLoRA) is folded into B.
 
-A forward gets each row's adapter (or none). The adapters used in the batch are gathered once per
-linear and every token meets them in two GEMMs (Punica / S-LoRA's gathered matmul, as dense
-matmuls over the used slots): xa = x @ A_used^T [N, used*R], a 0/1 mask keeps each token's own
-slot's R columns (all zero for rows without an adapter, whose output is then exactly the base
-one), and delta = xa @ B_used [N, out]. The work grows with the adapters in the batch, not with
-its rows, and there is no Python per row.
+A forward gets each row's adapter (or none). Prompt tokens are grouped by adapter once per
+forward (Punica / S-LoRA's segmented gather): per adapter used in the batch, its tokens' rows meet
+its A and B in two GEMMs and the deltas are added to those rows only, so rows without an adapter
+keep exactly the base output. The work grows with the adapter tokens, and there is no Python per
+row.
+
+Decodes on quantized weights add the same deltas inside the C steps instead (kernels/lora_delta.c,
+described by models/fast_decode.py from `stacks` and `ranks`), each row from its own slot.
 """
 
 from __future__ import annotations
@@ -38,12 +40,11 @@ LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class _Active:
-    """One forward's rows: which used slot each token takes, and the used slots."""
+    """One forward's rows: the used slots and the tokens that take each."""
 
-    used: torch.Tensor  # [u] int64 slot numbers
-    token_slot: torch.Tensor  # [N] int64 index into `used`, -1 for tokens of rows without an adapter
-    all_same: bool  # every token takes used[0]: no mask needed
-    masks: dict[int, torch.Tensor]  # rank width -> [N, u * R] 0/1 mask, built on first use
+    used: list[int]  # slot numbers
+    token_rows: list[torch.Tensor]  # per used slot: the flat indices [n] int64 of its tokens
+    all_same: bool  # every token takes used[0]
     decode: tuple[torch.Tensor, torch.Tensor] | None  # one-token rows: (slot per row clamped to >= 0, [N, 1] 0/1 has-adapter)
 
 
@@ -55,13 +56,17 @@ class LoraStacks:
         self.out_sizes = out_sizes  # fused linear -> its projections' output sizes
         self.slots: dict[str, int] = {}  # adapter key -> slot
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # A [n, R, in], B [n, R, out]
+        # Per stack, each slot's rank per projection ([n, parts] int32, the parts' rank rows side by
+        # side from 0): the C decode steps skip the zero padding with it (kernels/lora_delta.c).
+        self.ranks: dict[tuple[int, str], torch.Tensor] = {}
+        self.generation = 0  # bumped by every rebuild (the C steps' view of the stacks follows it)
         self._active: _Active | None = None
 
     def rebuild(self, adapters: Sequence[tuple[str, LoraWeights]]) -> None:
         """Stack these adapters (key, weights), slot i for the i-th; replaces what was stacked."""
         self.slots = {key: i for i, (key, _) in enumerate(adapters)}
         targets = sorted({(layer, MODULE_OF[proj]) for _, weights in adapters for layer, proj in weights})
-        stacks = {}
+        stacks, rank_tables = {}, {}
         for layer, fused in targets:
             projs = FUSED_MODULES[fused]
             outs = self.out_sizes[fused]
@@ -70,6 +75,7 @@ class LoraStacks:
             width = max(ranks)
             a_stack = torch.zeros(len(adapters), width, in_features)
             b_stack = torch.zeros(len(adapters), width, sum(outs))
+            part_ranks = torch.zeros(len(adapters), len(projs), dtype=torch.int32)
             for slot, (_, weights) in enumerate(adapters):
                 rank_at, out_at = 0, 0
                 for proj, out in zip(projs, outs):
@@ -78,9 +84,16 @@ class LoraStacks:
                         a_stack[slot, rank_at : rank_at + a.shape[0]] = a
                         b_stack[slot, rank_at : rank_at + a.shape[0], out_at : out_at + out] = b.T
                         rank_at += a.shape[0]
+                        part_ranks[slot, projs.index(proj)] = a.shape[0]
                     out_at += out
             stacks[layer, fused] = (a_stack, b_stack)
-        self.stacks = stacks
+            rank_tables[layer, fused] = part_ranks
+        self.stacks, self.ranks = stacks, rank_tables
+        self.generation += 1
+
+    def slots_of(self, row_keys: Sequence[str | None]) -> list[int]:
+        """Each row's slot (-1: the base model) for the C decode steps."""
+        return [self.slots[key] if key is not None else -1 for key in row_keys]
 
     def activate(self, row_keys: Sequence[str | None], row_tokens: Sequence[int]) -> bool:
         """Rows of the next forward use these adapter keys (None: the base model); row i brings
@@ -96,7 +109,8 @@ class LoraStacks:
         if all(n == 1 for n in row_tokens):
             slot_tensor = torch.tensor(slots)
             decode = (slot_tensor.clamp(min=0), (slot_tensor >= 0).float()[:, None])
-        self._active = _Active(torch.tensor(used), token_slot, len(used) == 1 and bool((local == 0).all()), {}, decode)
+        token_rows = [torch.nonzero(token_slot == k).flatten() for k in range(len(used))]
+        self._active = _Active(used, token_rows, len(used) == 1 and bool((local == 0).all()), decode)
         return True
 
     def deactivate(self) -> None:
@@ -110,21 +124,15 @@ class LoraStacks:
         a_stack, b_stack = stack
         if active.decode is not None:
             return y + self._decode_delta(active.decode, a_stack, b_stack, x).view(y.shape).to(y.dtype)
-        used, width = active.used, a_stack.shape[1]
-        if len(used) == a_stack.shape[0]:  # every slot is used: views, no gather
-            a, b = a_stack.reshape(-1, a_stack.shape[2]), b_stack.reshape(-1, b_stack.shape[2])
-        else:
-            a = a_stack.index_select(0, used).reshape(-1, a_stack.shape[2])  # [u * R, in]
-            b = b_stack.index_select(0, used).reshape(-1, b_stack.shape[2])  # [u * R, out]
-        xa = x.reshape(-1, x.shape[-1]).float() @ a.T  # [N, u * R]
-        if not active.all_same:
-            mask = active.masks.get(width)
-            if mask is None:
-                columns = torch.arange(len(used) * width) // width  # the used slot of each column
-                mask = active.masks[width] = (columns[None, :] == active.token_slot[:, None]).float()
-            xa = xa * mask
-        delta = (xa @ b).view(*y.shape[:-1], y.shape[-1])
-        return y + delta.to(y.dtype)
+        rows = x.reshape(-1, x.shape[-1]).float()  # [N, in]
+        if active.all_same:
+            a, b = a_stack[active.used[0]], b_stack[active.used[0]]
+            return y + ((rows @ a.T) @ b).view(y.shape).to(y.dtype)
+        out = y.reshape(-1, y.shape[-1]).clone()  # [N, out]; base rows keep their bits
+        for slot, index in zip(active.used, active.token_rows):
+            delta = (rows.index_select(0, index) @ a_stack[slot].T) @ b_stack[slot]  # [n, out]
+            out.index_add_(0, index, delta.to(y.dtype))
+        return out.view(y.shape)
 
     @staticmethod
     def _decode_delta(decode: tuple[torch.Tensor, torch.Tensor], a_stack: torch.Tensor, b_stack: torch.Tensor,
