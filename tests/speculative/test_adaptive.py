@@ -18,10 +18,10 @@ def test_grows_on_high_acceptance_up_to_the_maximum():
 
 def test_shrinks_on_low_acceptance_then_pauses_and_resumes():
     c = DraftLengthController(initial=3, min_length=1, max_length=8, window=2, cooldown=3)
-    c.record(3, 0)
-    assert c.length == 2
+    c.record(3, 1)
+    assert c.length == 2  # one less: the step accepted 1, so 1 + 1 would not shrink it
     c.record(2, 0)
-    assert c.length == 1
+    assert c.length == 1  # nothing accepted: straight to one more than that
     c.record(1, 0)  # first low step at the minimum
     assert c.draft_length() == 1
     c.record(1, 0)  # a whole window (2 steps) low at the minimum: pause
@@ -42,6 +42,23 @@ def test_pauses_double_while_drafts_keep_failing_and_reset_when_one_pays():
     assert [pause_after_a_failed_draft() for _ in range(5)] == [2, 4, 8, 8, 8]
     c.record(1, 1)  # a draft that pays: the next pause is short again
     assert pause_after_a_failed_draft() == 2
+
+
+def test_a_rejected_long_draft_drops_to_what_was_accepted_plus_one():
+    c = DraftLengthController(initial=8, min_length=1, max_length=8)
+    c.record(8, 0)
+    assert c.length == 1
+
+
+def test_a_failed_probe_after_a_pause_pauses_again_at_once():
+    c = DraftLengthController(initial=1, min_length=1, max_length=4, window=4, cooldown=2, max_cooldown=16, patience=4)
+    for _ in range(4):
+        c.record(1, 0)  # a whole window low at the minimum: the first pause
+    assert [c.draft_length() for _ in range(3)] == [0, 0, 1]
+    c.record(1, 0)  # the probe fails: no second window of failures before the next, longer pause
+    assert [c.draft_length() for _ in range(5)] == [0, 0, 0, 0, 1]
+    c.record(1, 1)  # the probe pays: drafting goes on, and grows
+    assert c.draft_length() == 2
 
 
 def test_middle_acceptance_keeps_the_length():
@@ -65,3 +82,16 @@ def test_stats_rates():
     stats = SpeculativeStats(verify_steps=4, proposed_tokens=16, accepted_tokens=12)
     assert stats.acceptance_rate == 0.75
     assert stats.tokens_per_verify == 4.0
+
+
+def test_a_draft_that_costs_more_than_it_saves_counts_as_failed():
+    c = DraftLengthController(initial=2, min_length=1, max_length=4, cooldown=4)
+    c.record_plain(0.010)  # a plain step takes 10 ms
+    c.record(2, 2, seconds=0.020)  # 3 tokens in 20 ms: pays
+    assert c.length == 3
+    c.record(3, 3, seconds=0.050)  # every draft accepted, but 4 tokens took 5 plain steps' time
+    assert c.length == 2
+    c.record(2, 2, seconds=0.040)
+    c.record(1, 1, seconds=0.030)  # the minimum length, still too slow: the second such step pauses
+    c.record(1, 1, seconds=0.030)
+    assert c.draft_length() == 0

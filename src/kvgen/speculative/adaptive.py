@@ -34,17 +34,24 @@ class SpeculativeStats:
 
 class DraftLengthController:
     """Rolling acceptance over the last `window` verify steps: above `grow_above` the draft grows by
-    one token (up to `max_length`), below `shrink_below` it shrinks by one (down to `min_length`).
-    Below `shrink_below` at the minimum length for a whole window, drafting pauses for `cooldown`
-    tokens of plain decoding, then starts again at the minimum length with a fresh window. Each pause
-    that follows another with no good verify step in between is twice as long (up to `max_cooldown`):
-    on text where drafts keep failing, the probing verifies become rare and the cost nears plain
-    decoding's. One verify step at or above `shrink_below` resets the pause length."""
+    one token (up to `max_length`); below `shrink_below` it shrinks to one more than the last step
+    accepted (at least one less, down to `min_length`), so a run of rejected drafts reaches the
+    minimum in one step instead of one token at a time. Below `shrink_below` at the minimum length for
+    a whole window, drafting pauses for `cooldown` tokens of plain decoding, then probes again at the
+    minimum length. A probe that fails pauses again at once, for twice as long (up to
+    `max_cooldown`): on text where drafts keep failing, probing verifies become rare and the cost
+    nears plain decoding's. One verify step at or above `shrink_below` resets the pause length and
+    ends probing.
+
+    Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
+    if it also made its tokens faster than plain steps do (draft + verify time against accepted + 1
+    plain steps): a draft that is accepted but costs more than it saves (a slow proposer) counts as a
+    failure, and `patience` such steps at the minimum length pause drafting."""
 
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
         window: int = 8, grow_above: float = 0.8, shrink_below: float = 0.4, cooldown: int = 16,
-        max_cooldown: int = 256,
+        max_cooldown: int = 256, patience: int = 2,
     ):  # fmt: skip
         if not 1 <= min_length <= initial <= max_length:
             raise ValueError(f"need 1 <= min_length <= initial <= max_length, got {min_length}, {initial}, {max_length}")
@@ -54,6 +61,9 @@ class DraftLengthController:
         self._low_at_min = 0  # consecutive verify steps at min length with a low rolling rate
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
+        self._probing = False  # drafting again after a pause, no verify step has paid yet
+        self.patience = max(1, min(patience, window))  # failed steps at the minimum length before a pause
+        self._plain_seconds: float | None = None  # moving average of one plain step's time
         self.max_cooldown = max(max_cooldown, cooldown)
 
     @property
@@ -68,22 +78,38 @@ class DraftLengthController:
             return 0
         return self.length
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record_plain(self, seconds: float) -> None:
+        """The time of one plain (undrafted) step: what a verify step must beat per token."""
+        previous = self._plain_seconds
+        self._plain_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
+
+    def record(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """One verify step: `proposed` drafted tokens, `accepted` of them kept; `seconds` the draft and
+        verify's time, where the caller measures it."""
         if not self.adaptive or proposed == 0:
             return
         self._recent.append((proposed, accepted))
-        if accepted >= self.shrink_below * proposed:
-            self._next_cooldown = self.cooldown  # drafting paid at least once since the last pause
+        in_time = seconds is None or self._plain_seconds is None or seconds <= (accepted + 1) * self._plain_seconds
+        paid = accepted >= self.shrink_below * proposed and in_time
+        if paid:
+            self._next_cooldown, self._probing = self.cooldown, False  # drafting paid since the last pause
+        elif self._probing:
+            self._pause()  # the probe after a pause failed: pause again, longer
+            return
         rate = self.rolling_acceptance
-        if rate > self.grow_above:
+        if rate > self.grow_above and in_time:
             self.length = min(self.length + 1, self.max_length)
-        elif rate < self.shrink_below:
+        elif rate < self.shrink_below or not in_time:
             if self.length == self.min_length:
                 self._low_at_min += 1
-                if self._low_at_min >= (self._recent.maxlen or 1):
-                    self._paused, self._low_at_min = self._next_cooldown, 0
-                    self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
-                    self._recent.clear()
-            self.length = max(self.length - 1, self.min_length)
+                if self._low_at_min >= self.patience:
+                    self._pause()
+            self.length = max(min(self.length - 1, accepted + 1), self.min_length)
             return
         self._low_at_min = 0
+
+    def _pause(self) -> None:
+        self._paused, self._low_at_min, self._probing = self._next_cooldown, 0, True
+        self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
+        self.length = self.min_length
+        self._recent.clear()

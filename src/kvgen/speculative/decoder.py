@@ -10,6 +10,8 @@ so speculative output is plain decoding's; proposers draft under the sampler's g
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvgen.kv.interface import KVCache
@@ -44,11 +46,13 @@ class SpeculativeDecoder:
         k = min(self.controller.draft_length(), max_tokens - 1, room)
         if self.proposer.needs_target_features and not self._has_features:
             k = 0  # the first step gives the proposer the features it starts from
+        started = time.perf_counter()  # the controller weighs a draft's time against plain steps'
         draft = self.proposer.propose(self.ids, k, self.policy, self.constraint) if k > 0 else None
         if draft is None or not draft.tokens:
             tokens = [self._plain_step()]
+            self.controller.record_plain(time.perf_counter() - started)
         else:
-            tokens = self._verify_step(draft)
+            tokens = self._verify_step(draft, started)
         self.ids.extend(tokens)
         return tokens
 
@@ -71,7 +75,7 @@ class SpeculativeDecoder:
         self.stats.plain_steps += 1
         return token
 
-    def _verify_step(self, draft) -> list[int]:
+    def _verify_step(self, draft, started: float) -> list[int]:
         start = self.cache.seq_len
         logits = self._target([self.ids[-1]] + draft.tokens)  # [k+1, V]
         tokens = verify(logits, draft, self.sampler)
@@ -79,7 +83,7 @@ class SpeculativeDecoder:
         self.cache.truncate(start + 1 + accepted)  # the rejected drafts' keys and values go
         if self.proposer.needs_target_features:
             self.proposer.observe_features(self._features[accepted])
-        self.controller.record(len(draft.tokens), accepted)
+        self.controller.record(len(draft.tokens), accepted, seconds=time.perf_counter() - started)
         self.stats.record_verify(len(draft.tokens), accepted)
         return tokens
 
