@@ -66,9 +66,9 @@ INT8_TOLERANCE = 2e-4
 
 
 def filled_cache(k_dtype, v_dtype, length: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[QuantizedCache, QuantizedDecodeView]:
-    """A 2-layer cache holding keys/values [1, 3, length, 64] of layer 1, the last position written
+    """A 2-layer cache holding keys/values [1, 3, length, D] of layer 1, the last position written
     as the C step writes it (uncommitted), and the kernel's view of it."""
-    spec = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=64)
+    spec = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=keys.shape[-1])
     if k_dtype == "kvquant3":
         cache = kvquant3_cache(spec, 64, 1024)
     else:
@@ -84,7 +84,7 @@ def filled_cache(k_dtype, v_dtype, length: int, keys: torch.Tensor, values: torc
 
 def attend(cache: QuantizedCache, attention: QuantizedDecodeView, q: torch.Tensor, start: int) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
-    attention.attend(cache, 1, q.data_ptr(), out.data_ptr(), q.shape[0], 1 / math.sqrt(64), start, cache.seq_len + 1)
+    attention.attend(cache, 1, q.data_ptr(), out.data_ptr(), q.shape[0], 1 / math.sqrt(q.shape[1]), start, cache.seq_len + 1)
     return out
 
 
@@ -104,24 +104,26 @@ def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype,
     assert torch.allclose(out, expected, atol=tolerance, rtol=1e-5), (out - expected).abs().max()
 
 
-@pytest.mark.parametrize("length,start", [(100, 0), (333, 150), (1000, 0)])
-def test_integer_key_scores_and_value_sums_are_exact(length: int, start: int) -> None:
+@pytest.mark.parametrize("length,start,dim,heads", [(100, 0, 64, 9), (333, 150, 64, 9), (1000, 0, 64, 9),
+                                                   (333, 150, 96, 15), (300, 0, 256, 12)])  # fmt: skip
+def test_integer_key_scores_and_value_sums_are_exact(length: int, start: int, dim: int, heads: int) -> None:
     """Where no rounding happens (a query that is its own int16 codes; value rows of one scale under
     equal weights) the integer paths equal the float reference to 1e-5: every dot and every pair
-    of value rows lands where it belongs, odd tiles and the 256-position splits included."""
+    of value rows lands where it belongs, odd tiles, the 256-position splits, a head size that is
+    not a multiple of 64 and groups of 4 and 5 query heads included."""
     torch.manual_seed(length)
-    codes = torch.randint(-32512, 32513, (9, 64)).float()
+    codes = torch.randint(-32512, 32513, (heads, dim)).float()
     codes[:, 0] = 32512  # max |q| / 32512 = 2^-12: the kernel's codes are exactly these
-    q = codes * 2.0**-12
-    keys, values = torch.randn(1, 3, length, 64) * 2, torch.randn(1, 3, length, 64)
+    q = codes * 2.0**-12 / math.sqrt(dim)
+    keys, values = torch.randn(1, 3, length, dim) * 2, torch.randn(1, 3, length, dim)
     cache, attention = filled_cache("int8", "fp32", length, keys, values)
     decoded_keys, decoded_values = cache._assemble(1, length)
     expected = reference(q, decoded_keys[0], decoded_values[0], start)
     assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
 
-    values = torch.randint(-126, 127, (1, 3, length, 64)).float()
+    values = torch.randint(-126, 127, (1, 3, length, dim)).float()
     values[..., 7] = 127  # every row's scale is 1 / 127 x its maximum, 127: all equal
-    cache, attention = filled_cache("fp32", "int8", length, torch.zeros(1, 3, length, 64), values)
+    cache, attention = filled_cache("fp32", "int8", length, torch.zeros(1, 3, length, dim), values)
     decoded_keys, decoded_values = cache._assemble(1, length)
     expected = reference(q, decoded_keys[0], decoded_values[0], start)  # the mean of the values
     assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
