@@ -1,14 +1,13 @@
 // Decode attention straight over a QuantizedCache's stored codes (kv/quantized.py): one query per
 // head over a fp32 sink, packed blocks of codes, and a fp32 tail, with no fp32 copy of the history.
-// Each packed block is decoded for one kv head into a small tile (registers / L1), scored by every
-// query head of its group, and dropped; the work is split over kv heads and position ranges
-// (flash-decoding) and the partial softmaxes are merged at the end.
+// Each packed block is read for one kv head as one tile and scored by every query head of its
+// group (group_tiles.c): int8 codes as integers, other codecs decoded into a small fp32 tile
+// (registers / L1) and dropped. The work is split over kv heads and fixed position ranges
+// (flash-decoding) and the partial softmaxes are merged in position order, so the result does not
+// depend on the number of threads.
 //
 // This file is #included by decode.c (after attention_tiles.c).
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 enum {
     CODES_FP32 = 0,
@@ -260,6 +259,14 @@ static codes_part codes_at(const packed_codes* c, int64_t head, int64_t block, i
     return (codes_part){codes + offset * d * bytes, step};
 }
 
+// Asks for the next block's int8 codes and scales ahead of use: streams restart at every work
+// item, and the hardware prefetcher only learns a stream after a few misses.
+static void prefetch_block(const packed_codes* kc, const packed_codes* vc, int64_t head, int64_t block, int64_t bytes) {
+    const codes_part k = codes_at(kc, head, block, 0, 0), v = codes_at(vc, head, block, 0, 0);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(k.codes + b), __builtin_prefetch(v.codes + b);
+    __builtin_prefetch(k.step), __builtin_prefetch(v.step);
+}
+
 // fp32 rows of positions [pos, pos + n) of one kv head's sink or tail (n inside the segment).
 static void segment_rows(const codes_attention* a, int64_t kv_head, int64_t pos, int64_t n, const float** keys,
                          const float** values) {
@@ -303,6 +310,8 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
             segment_rows(a, kv_head, pos, n, key_rows, value_rows);
         } else {
             const codes_part k = codes_at(kc, kv_head, block, offset, d), v = codes_at(vc, kv_head, block, offset, d);
+            if (kc->kind == CODES_INT8 && vc->kind == CODES_INT8 && pos + n < end && block + 1 < a->num_blocks)
+                prefetch_block(kc, vc, kv_head, block + 1, d * a->block_size);
             if (kc->kind == CODES_INT8) {
                 key_codes = (const int8_t*)k.codes, key_scales = k.step;
             } else {
