@@ -372,7 +372,7 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
     {
         float* scores = malloc(sizeof(float) * (size_t)((group + 2 * d) * MAX_TILE));
         float* decoded = scores + group * MAX_TILE;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait  // the region's end is the one barrier
         for (int64_t item = 0; item < items; item++) {
             const int64_t kv_head = item / splits, split = first_split + item % splits;
             const int64_t lo = split * SPLIT_POSITIONS, hi = lo + SPLIT_POSITIONS;
