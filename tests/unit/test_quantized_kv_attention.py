@@ -1,16 +1,20 @@
 """Decode attention over a QuantizedCache's stored codes (kernels/quantized_attention.c) computes
-what softmax attention over the decoded history computes, and the C decode step uses it without
-ever decoding the history into the cache's scratch buffer."""
+what softmax attention over the decoded history computes, gives the same bits for any thread count
+and instruction set, and the C decode step uses it without ever decoding the history into the
+cache's scratch buffer."""
 
 from __future__ import annotations
 
 import math
+import platform
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvgen import LLM
 from kvgen.kernels import load
+from kvgen.kernels.build import FLAGS, _cpu_flags, build, open_library
 from kvgen.kv.codecs import Int8Codec
 from kvgen.kv.interface import CacheSpec
 from kvgen.cache_factory import build_quantized_cache
@@ -55,29 +59,111 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
     return (torch.softmax(scores, -1) @ values[:, start:]).reshape(heads, dim)
 
 
-@pytest.mark.parametrize("k_dtype,v_dtype", [*READABLE, (SinkInt8(), "int4"), ("kvquant3", "kvquant3")])
-@pytest.mark.parametrize("length,start", [(1, 0), (7, 0), (64, 0), (100, 0), (333, 0), (333, 280), (333, 150)])
-def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype, v_dtype, length: int, start: int) -> None:
-    torch.manual_seed(length + start)
-    spec, heads = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=64), 9
+# int8 keys are scored against the query rounded to int16 codes (step max|q| / 32512), and int8
+# values summed with each tile's weights rounded to 15 bits: on these inputs (keys up to ~14,
+# values ~N(0, 1)) that moves the output by up to 1e-4; every other codec is read as floats.
+INT8_TOLERANCE = 2e-4
+
+
+def filled_cache(k_dtype, v_dtype, length: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[QuantizedCache, QuantizedDecodeView]:
+    """A 2-layer cache holding keys/values [1, 3, length, D] of layer 1, the last position written
+    as the C step writes it (uncommitted), and the kernel's view of it."""
+    spec = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=keys.shape[-1])
     if k_dtype == "kvquant3":
         cache = kvquant3_cache(spec, 64, 1024)
     else:
-        cache = QuantizedCache(spec, 64, 1024, k_dtype, v_dtype)
-    keys, values = torch.randn(1, 3, length, 64) * 2, torch.randn(1, 3, length, 64)
-    keys[..., 5] += 8  # an outlier channel, as real keys have
+        cache = QuantizedCache(spec, 64, 4096, k_dtype, v_dtype)
     for layer in range(2):
         cache.update(layer, keys[:, :, :-1], values[:, :, :-1])
     cache.commit(length - 1)
     attention = QuantizedDecodeView()
     attention.prepare(cache, length)
     cache.write(1, keys[:, :, -1:], values[:, :, -1:])
-    q, out = torch.randn(heads, 64), torch.full((heads, 64), float("nan"))
-    attention.attend(cache, 1, q.data_ptr(), out.data_ptr(), heads, 1 / math.sqrt(64), start, length)
+    return cache, attention
+
+
+def attend(cache: QuantizedCache, attention: QuantizedDecodeView, q: torch.Tensor, start: int) -> torch.Tensor:
+    out = torch.full_like(q, float("nan"))
+    attention.attend(cache, 1, q.data_ptr(), out.data_ptr(), q.shape[0], 1 / math.sqrt(q.shape[1]), start, cache.seq_len + 1)
+    return out
+
+
+@pytest.mark.parametrize("k_dtype,v_dtype", [*READABLE, (SinkInt8(), "int4"), ("int8", "fp32"), ("fp32", "int8"), ("kvquant3", "kvquant3")])
+@pytest.mark.parametrize("length,start", [(1, 0), (7, 0), (64, 0), (100, 0), (333, 0), (333, 280), (333, 150)])
+def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype, v_dtype, length: int, start: int) -> None:
+    torch.manual_seed(length + start)
+    keys, values = torch.randn(1, 3, length, 64) * 2, torch.randn(1, 3, length, 64)
+    keys[..., 5] += 8  # an outlier channel, as real keys have
+    cache, attention = filled_cache(k_dtype, v_dtype, length, keys, values)
+    q = torch.randn(9, 64)
+    out = attend(cache, attention, q, start)
     decoded_keys, decoded_values = cache._assemble(1, length)  # what the torch path reads
     expected = reference(q, decoded_keys[0], decoded_values[0], start)
     assert cache.num_packed_blocks == max(0, (length - 1 - cache.sink_tokens - 32) // 32)
-    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5), (out - expected).abs().max()
+    tolerance = INT8_TOLERANCE if "int8" in (k_dtype, v_dtype) or isinstance(k_dtype, SinkInt8) else 1e-5
+    assert torch.allclose(out, expected, atol=tolerance, rtol=1e-5), (out - expected).abs().max()
+
+
+@pytest.mark.parametrize("length,start,dim,heads", [(100, 0, 64, 9), (333, 150, 64, 9), (1000, 0, 64, 9),
+                                                   (333, 150, 96, 15), (300, 0, 256, 12)])  # fmt: skip
+def test_integer_key_scores_and_value_sums_are_exact(length: int, start: int, dim: int, heads: int) -> None:
+    """Where no rounding happens (a query that is its own int16 codes; value rows of one scale under
+    equal weights) the integer paths equal the float reference to 1e-5: every dot and every pair
+    of value rows lands where it belongs, odd tiles, the 256-position splits, a head size that is
+    not a multiple of 64 and groups of 4 and 5 query heads included."""
+    torch.manual_seed(length)
+    codes = torch.randint(-32512, 32513, (heads, dim)).float()
+    codes[:, 0] = 32512  # max |q| / 32512 = 2^-12: the kernel's codes are exactly these
+    q = codes * 2.0**-12 / math.sqrt(dim)
+    keys, values = torch.randn(1, 3, length, dim) * 2, torch.randn(1, 3, length, dim)
+    cache, attention = filled_cache("int8", "fp32", length, keys, values)
+    decoded_keys, decoded_values = cache._assemble(1, length)
+    expected = reference(q, decoded_keys[0], decoded_values[0], start)
+    assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
+
+    values = torch.randint(-126, 127, (1, 3, length, dim)).float()
+    values[..., 7] = 127  # every row's scale is 1 / 127 x its maximum, 127: all equal
+    cache, attention = filled_cache("fp32", "int8", length, torch.zeros(1, 3, length, dim), values)
+    decoded_keys, decoded_values = cache._assemble(1, length)
+    expected = reference(q, decoded_keys[0], decoded_values[0], start)  # the mean of the values
+    assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
+
+
+def instruction_sets() -> dict[str, list[str]]:
+    """Builds of the kernels this machine can run besides its native one: AVX2 (no AVX-512) and
+    none (plain x86-64), each with its own vector paths."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return {}
+    portable = [flag for flag in FLAGS if flag != "-march=native"]
+    sets = {"x86-64": [*portable, "-march=x86-64"]}
+    if {"avx2", "fma", "f16c"} <= set(_cpu_flags().split()):
+        sets["avx2"] = [*portable, "-march=x86-64", "-mavx2", "-mfma", "-mf16c"]
+    return sets
+
+
+def test_same_bits_for_any_thread_count_and_instruction_set(tmp_path: Path) -> None:
+    """Work is split at fixed positions and every sum runs in one order, so 1 or 2 threads and the
+    AVX-512 / AVX2 / scalar builds give the same bits (int8 K/V, a sink, fp32 tail, a window)."""
+    torch.manual_seed(3)
+    length = 1000
+    keys, values = torch.randn(1, 3, length, 64) * 2, torch.randn(1, 3, length, 64)
+    cache, attention = filled_cache(SinkInt8(), "int8", length, keys, values)
+    q = torch.randn(9, 64)
+    threads = torch.get_num_threads()
+    try:
+        outputs = {}
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outputs[f"{count} threads"] = (attend(cache, attention, q, 0), attend(cache, attention, q, 300))
+    finally:
+        torch.set_num_threads(threads)
+    for name, flags in instruction_sets().items():
+        build(tmp_path / f"{name}.so", flags)
+        attention.library = open_library(tmp_path / f"{name}.so")
+        outputs[name] = (attend(cache, attention, q, 0), attend(cache, attention, q, 300))
+    first = next(iter(outputs.values()))
+    for name, out in outputs.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, first)), name
 
 
 def test_codecs_the_kernel_cannot_read_keep_the_update_path() -> None:

@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "paged_codes_attention.c", "lora_delta.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "paged_codes_attention.c", "lora_delta.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
@@ -48,14 +48,15 @@ def library_path() -> Path:
     return root / f"qgemm-{key}.so"
 
 
-def build(target: Path) -> None:
+def build(target: Path, flags: list[str] = FLAGS) -> None:
+    """Compile the kernels into `target` (flags: another instruction set, for tests that compare them)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[:500]}")
         os.replace(built, target)  # atomic: a concurrent process sees the old file or the new one
@@ -70,10 +71,15 @@ def load() -> ctypes.CDLL | None:
     try:
         if not target.exists():
             build(target)
-        library = ctypes.CDLL(str(target))
+        return open_library(target)
     except (OSError, RuntimeError) as error:
         last_error = str(error)
         return None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions' signatures."""
+    library = ctypes.CDLL(str(path))
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.kvgen_quantize_x8.argtypes = [pointer, count, count, pointer]
     kinds = ("q4x8", "q8x8", "q8sx8", "q5x8")

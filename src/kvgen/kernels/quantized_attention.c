@@ -1,14 +1,13 @@
 // Decode attention straight over a QuantizedCache's stored codes (kv/quantized.py): one query per
 // head over a fp32 sink, packed blocks of codes, and a fp32 tail, with no fp32 copy of the history.
-// Each packed block is decoded for one kv head into a small tile (registers / L1), scored by every
-// query head of its group, and dropped; the work is split over kv heads and position ranges
-// (flash-decoding) and the partial softmaxes are merged at the end.
+// Each packed block is read for one kv head as one tile and scored by every query head of its
+// group (group_tiles.c): int8 codes as integers, other codecs decoded into a small fp32 tile
+// (registers / L1) and dropped. The work is split over kv heads and fixed position ranges
+// (flash-decoding) and the partial softmaxes are merged in position order, so the result does not
+// depend on the number of threads.
 //
 // This file is #included by decode.c (after attention_tiles.c).
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 enum {
     CODES_FP32 = 0,
@@ -229,119 +228,185 @@ static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int6
     }
 }
 
-// A run of positions in one storage segment: the sink or tail (fp32 rows), or part of a block.
-typedef struct {
-    int64_t first, count;  // first position, number of positions (<= MAX_TILE)
-    int64_t block;         // packed block index, or -1 for fp32 rows
-    int64_t offset;        // index of `first` inside its block or fp32 segment
-    int32_t tail;          // fp32 rows of the tail (else of the sink)
-} tile_t;
+#include "group_tiles.c"
 
-// Tiles of positions [start, end): fp32 sink [0, sink_len), blocks, fp32 tail [packed_end, end).
-static int64_t make_tiles(tile_t* tiles, int64_t start, int64_t end, int64_t sink_len, int64_t num_blocks,
-                          int64_t block_size) {
-    const int64_t packed_end = sink_len + num_blocks * block_size;
-    int64_t count = 0;
-    for (int64_t pos = start; pos < end;) {
-        tile_t t = {pos, 0, -1, 0, 0};
-        int64_t limit;
-        if (pos < sink_len) {
-            t.offset = pos, limit = sink_len;
-        } else if (pos < packed_end) {
-            t.block = (pos - sink_len) / block_size, t.offset = (pos - sink_len) % block_size;
-            limit = sink_len + (t.block + 1) * block_size;
-        } else {
-            t.tail = 1, t.offset = pos - packed_end, limit = end;
-        }
-        t.count = limit < end ? limit - pos : end - pos;
-        if (t.count > MAX_TILE) t.count = MAX_TILE;
-        tiles[count++] = t;
-        pos += t.count;
+// Positions each work item covers: fixed ranges of absolute positions, so the split (and with it
+// the merge, and every bit of the result) is the same for any number of threads.
+#define SPLIT_POSITIONS 256
+
+// Where one layer's keys and values live for the attention of one step.
+typedef struct {
+    int64_t heads, kv_heads, d;
+    float scale;
+    const float *sink_k, *sink_v;
+    int64_t sink_head_stride, sink_len;
+    const packed_codes *key_codes, *value_codes;
+    int64_t num_blocks, block_size;
+    const float *tail_k, *tail_v;
+    int64_t tail_head_stride;
+} codes_attention;
+
+// A block's codes and per-position scales from position `offset` on, for one kv head (int8, fp32).
+typedef struct {
+    const uint8_t* codes;
+    const uint16_t* step;
+} codes_part;
+
+static codes_part codes_at(const packed_codes* c, int64_t head, int64_t block, int64_t offset, int64_t d) {
+    const uint8_t* codes = c->codes + head * c->code_head_stride + block * c->code_block_stride;
+    const int64_t bytes = c->kind == CODES_FP32 ? (int64_t)sizeof(float) : 1;
+    const uint16_t* step = c->step ? c->step + head * c->step_head_stride + block * c->step_block_stride + offset : NULL;
+    return (codes_part){codes + offset * d * bytes, step};
+}
+
+// Asks for the next block's int8 codes and scales ahead of use: streams restart at every work
+// item, and the hardware prefetcher only learns a stream after a few misses.
+static void prefetch_block(const packed_codes* kc, const packed_codes* vc, int64_t head, int64_t block, int64_t bytes) {
+    const codes_part k = codes_at(kc, head, block, 0, 0), v = codes_at(vc, head, block, 0, 0);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(k.codes + b), __builtin_prefetch(v.codes + b);
+    __builtin_prefetch(k.step), __builtin_prefetch(v.step);
+}
+
+// fp32 rows of positions [pos, pos + n) of one kv head's sink or tail (n inside the segment).
+static void segment_rows(const codes_attention* a, int64_t kv_head, int64_t pos, int64_t n, const float** keys,
+                         const float** values) {
+    const int64_t packed_end = a->sink_len + a->num_blocks * a->block_size;
+    const int64_t tail = pos >= packed_end;
+    const int64_t offset = (tail ? pos - packed_end : pos) * a->d;
+    const int64_t head = kv_head * (tail ? a->tail_head_stride : a->sink_head_stride);
+    const float* k = (tail ? a->tail_k : a->sink_k) + head + offset;
+    const float* v = (tail ? a->tail_v : a->sink_v) + head + offset;
+    for (int64_t i = 0; i < n; i++) keys[i] = k + i * a->d, values[i] = v + i * a->d;
+}
+
+// One kv head's query group over positions [first, end): the partial softmax of each query head
+// into acc (per head: max, sum, out[d]). scores: [group, MAX_TILE]; decoded: [2, MAX_TILE, d].
+static void attend_codes_range(const codes_attention* a, const group_query* gq, int64_t kv_head, int64_t first,
+                               int64_t end, float* scores, float* decoded, float* acc) {
+    const int64_t d = a->d, group = a->heads / a->kv_heads, stride = d + 2;
+    const int64_t packed_end = a->sink_len + a->num_blocks * a->block_size;
+    const packed_codes *kc = a->key_codes, *vc = a->value_codes;
+    for (int64_t g = 0; g < group; g++) {
+        acc[g * stride] = -INFINITY, acc[g * stride + 1] = 0.0f;
+        for (int64_t j = 0; j < d; j++) acc[g * stride + 2 + j] = 0.0f;
     }
-    return count;
+    for (int64_t pos = first; pos < end;) {
+        // The tile: positions [pos, pos + n) inside one segment (sink, one packed block, or tail).
+        int64_t n, block = -1, offset = 0;
+        if (pos < a->sink_len) {
+            n = a->sink_len - pos;
+        } else if (pos < packed_end) {
+            block = (pos - a->sink_len) / a->block_size, offset = (pos - a->sink_len) % a->block_size;
+            n = a->block_size - offset;
+        } else {
+            n = end - pos;
+        }
+        if (n > end - pos) n = end - pos;
+        if (n > MAX_TILE) n = MAX_TILE;
+        const float *key_rows[MAX_TILE], *value_rows[MAX_TILE];
+        const int8_t *key_codes = NULL, *value_codes = NULL;
+        const uint16_t *key_scales = NULL, *value_scales = NULL;
+        if (block < 0) {
+            segment_rows(a, kv_head, pos, n, key_rows, value_rows);
+        } else {
+            const codes_part k = codes_at(kc, kv_head, block, offset, d), v = codes_at(vc, kv_head, block, offset, d);
+            if (kc->kind == CODES_INT8 && vc->kind == CODES_INT8 && pos + n < end && block + 1 < a->num_blocks)
+                prefetch_block(kc, vc, kv_head, block + 1, d * a->block_size);
+            if (kc->kind == CODES_INT8) {
+                key_codes = (const int8_t*)k.codes, key_scales = k.step;
+            } else {
+                const float* keys = (const float*)k.codes;
+                if (kc->kind != CODES_FP32) decode_tile(kc, kv_head, block, offset, n, d, pos, decoded), keys = decoded;
+                for (int64_t i = 0; i < n; i++) key_rows[i] = keys + i * d;
+            }
+            if (vc->kind == CODES_INT8) {
+                value_codes = (const int8_t*)v.codes, value_scales = v.step;
+            } else {
+                const float* values = (const float*)v.codes;
+                if (vc->kind != CODES_FP32) {
+                    values = decoded + MAX_TILE * d;
+                    decode_tile(vc, kv_head, block, offset, n, d, pos, (float*)values);
+                }
+                for (int64_t i = 0; i < n; i++) value_rows[i] = values + i * d;
+            }
+        }
+        if (key_codes) int8_key_scores(gq, group, key_codes, key_scales, n, d, scores);
+        for (int64_t g = 0; g < group; g++) {
+            float* s = scores + g * MAX_TILE;
+            if (!key_codes)
+                for (int64_t i = 0; i < n; i++) s[i] = dot_rows(gq->q + g * d, key_rows[i], d) * a->scale;
+            softmax_state st = {acc[g * stride], acc[g * stride + 1]};
+            softmax_fold(s, n, &st, acc + g * stride + 2, d);
+            acc[g * stride] = st.max, acc[g * stride + 1] = st.sum;
+        }
+        group_weighted_sums(scores, value_codes, value_scales, value_rows, n, d, group, acc + 2, stride);
+        pos += n;
+    }
 }
 
 // q, out [heads, d]; sink_* and tail_* are [kv_heads, *, d] fp32 with the given head strides.
+// Work items: kv heads x fixed ranges of SPLIT_POSITIONS positions (flash-decoding), each a
+// partial softmax; the partials are merged in position order.
 void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads, int64_t kv_heads, int64_t d,
                                       float scale, const float* sink_k, const float* sink_v, int64_t sink_head_stride,
                                       int64_t sink_len, const packed_codes* key_codes, const packed_codes* value_codes,
                                       int64_t num_blocks, int64_t block_size, const float* tail_k, const float* tail_v,
                                       int64_t tail_head_stride, int64_t start, int64_t end) {
-    const int64_t group = heads / kv_heads;
-    tile_t* tiles = malloc(sizeof(tile_t) * (size_t)(end - start + 1));  // at most one per position
-    const int64_t num_tiles = make_tiles(tiles, start, end, sink_len, num_blocks, block_size);
-    // Enough work items for every thread: kv heads x splits of the tiles.
-    int64_t threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    int64_t splits = (4 * threads + kv_heads - 1) / kv_heads;
-    if (splits > num_tiles) splits = num_tiles > 0 ? num_tiles : 1;
-    const int64_t items = kv_heads * splits, partial_size = group * (d + 2);
-    float* partial = malloc(sizeof(float) * (size_t)(items * partial_size));
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t kv_head = item / splits, split = item % splits;
-        const int64_t t0 = num_tiles * split / splits, t1 = num_tiles * (split + 1) / splits;
-        float* key_tile = malloc(sizeof(float) * (size_t)(2 * MAX_TILE * d));  // decoded K, then V
-        float* value_tile = key_tile + MAX_TILE * d;
-        float* acc = partial + item * partial_size;  // per query head of the group: max, sum, out[d]
-        for (int64_t g = 0; g < group; g++) {
-            acc[g * (d + 2)] = -INFINITY, acc[g * (d + 2) + 1] = 0.0f;
-            for (int64_t j = 0; j < d; j++) acc[g * (d + 2) + 2 + j] = 0.0f;
-        }
-        for (int64_t t = t0; t < t1; t++) {
-            const tile_t* tile = &tiles[t];
-            const float *keys, *values;
-            if (tile->block >= 0 && key_codes->kind == CODES_FP32 && value_codes->kind == CODES_FP32) {
-                keys = (const float*)(key_codes->codes + kv_head * key_codes->code_head_stride +
-                                      tile->block * key_codes->code_block_stride) + tile->offset * d;
-                values = (const float*)(value_codes->codes + kv_head * value_codes->code_head_stride +
-                                        tile->block * value_codes->code_block_stride) + tile->offset * d;
-            } else if (tile->block >= 0) {
-                decode_tile(key_codes, kv_head, tile->block, tile->offset, tile->count, d, tile->first, key_tile);
-                decode_tile(value_codes, kv_head, tile->block, tile->offset, tile->count, d, tile->first, value_tile);
-                keys = key_tile, values = value_tile;
-            } else if (tile->tail) {
-                keys = tail_k + kv_head * tail_head_stride + tile->offset * d;
-                values = tail_v + kv_head * tail_head_stride + tile->offset * d;
-            } else {
-                keys = sink_k + kv_head * sink_head_stride + tile->offset * d;
-                values = sink_v + kv_head * sink_head_stride + tile->offset * d;
-            }
-            const float *key_rows[MAX_TILE], *value_rows[MAX_TILE];
-            for (int64_t i = 0; i < tile->count; i++) key_rows[i] = keys + i * d, value_rows[i] = values + i * d;
-            for (int64_t g = 0; g < group; g++) {
-                float* a = acc + g * (d + 2);
-                softmax_state st = {a[0], a[1]};
-                attend_tile(q + (kv_head * group + g) * d, key_rows, value_rows, tile->count, d, scale, &st, a + 2);
-                a[0] = st.max, a[1] = st.sum;
-            }
-        }
-        free(key_tile);
+    const codes_attention a = {heads, kv_heads, d, scale, sink_k, sink_v, sink_head_stride, sink_len, key_codes,
+                               value_codes, num_blocks, block_size, tail_k, tail_v, tail_head_stride};
+    const int64_t group = heads / kv_heads, stride = d + 2;
+    const int64_t first_split = start / SPLIT_POSITIONS, splits = (end - 1) / SPLIT_POSITIONS + 1 - first_split;
+    const int64_t items = kv_heads * splits;
+    float* partial = malloc(sizeof(float) * (size_t)(items * group * stride));
+    // The query of every head as int16 codes (and their byte planes), once per step.
+    const int64_t padded = padded_dim(d);
+    int16_t* codes = malloc(sizeof(int16_t) * (size_t)(heads * d));
+    int8_t* planes = malloc((size_t)(heads * 2 * padded));
+    float* factor = malloc(sizeof(float) * (size_t)heads);
+    int32_t* bias = malloc(sizeof(int32_t) * (size_t)heads);
+    for (int64_t head = 0; head < heads; head++) {
+        quantize_query(q + head * d, d, scale, codes + head * d, factor + head);
+        query_planes(codes + head * d, d, planes + head * 2 * padded, bias + head);
     }
-    // Merge each query head's partial softmaxes.
+#pragma omp parallel
+    {
+        float* scores = malloc(sizeof(float) * (size_t)((group + 2 * d) * MAX_TILE));
+        float* decoded = scores + group * MAX_TILE;
+#pragma omp for schedule(dynamic, 1) nowait  // the region's end is the one barrier
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t kv_head = item / splits, split = first_split + item % splits;
+            const int64_t lo = split * SPLIT_POSITIONS, hi = lo + SPLIT_POSITIONS;
+            const int64_t h0 = kv_head * group;
+            const group_query gq = {q + h0 * d, codes + h0 * d, factor + h0, planes + h0 * 2 * padded, bias + h0};
+            attend_codes_range(&a, &gq, kv_head, lo > start ? lo : start, hi < end ? hi : end, scores, decoded,
+                               partial + item * group * stride);
+        }
+        free(scores);
+    }
+    // Merge each query head's partial softmaxes, in position order.
     for (int64_t head = 0; head < heads; head++) {
         const int64_t kv_head = head / group, g = head % group;
         float max = -INFINITY, sum = 0.0f;
         float* o = out + head * d;
         for (int64_t split = 0; split < splits; split++) {
-            const float m = partial[(kv_head * splits + split) * partial_size + g * (d + 2)];
+            const float m = partial[((kv_head * splits + split) * group + g) * stride];
             if (m > max) max = m;
         }
         for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
         for (int64_t split = 0; split < splits; split++) {
-            const float* a = partial + (kv_head * splits + split) * partial_size + g * (d + 2);
-            if (a[0] == -INFINITY) continue;  // a split with no positions
-            const float w = expf(a[0] - max);
-            sum += a[1] * w;
-            for (int64_t j = 0; j < d; j++) o[j] += w * a[2 + j];
+            const float* p = partial + ((kv_head * splits + split) * group + g) * stride;
+            const float w = exp_lane(p[0] - max);
+            sum = fmaf(p[1], w, sum);
+            for (int64_t j = 0; j < d; j++) o[j] = fmaf(w, p[2 + j], o[j]);
         }
         const float inv = 1.0f / sum;
         for (int64_t j = 0; j < d; j++) o[j] *= inv;
     }
+    free(bias);
+    free(factor);
+    free(planes);
+    free(codes);
     free(partial);
-    free(tiles);
 }
 
 // Where one QuantizedCache keeps its fp32 rows (kv/quantized.py `sink_store` / `tail_store`, each

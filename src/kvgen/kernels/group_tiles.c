@@ -1,0 +1,447 @@
+// One kv head's query group over a tile of positions (quantized_attention.c's decode attention):
+// scores, one online-softmax update per query head, and the weighted sum of the values.
+//
+// int8 keys are scored with integer dot products against the query, quantized once per step to
+// int16 codes (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2): the int32 sums are exact, and the
+// per-position fp16 scale multiplies the dot, so no key is ever decoded to floats. int8 values
+// are summed as codes times (softmax weight x position scale), all heads of the group per row.
+// Every other tile comes as fp32 rows (sink, tail, or a block decoded by decode_tile).
+//
+// Every float sum runs in one fixed order, the same with AVX-512, AVX2 or none: value sums one
+// position after another with one fma each, softmax sums in 8 lanes reduced as hsum8 does, exp by
+// one polynomial in vector and scalar form, key dots over fp32 rows in 4 x 8 lanes. A result thus
+// does not depend on the machine's vector width (tests/unit/test_quantized_kv_attention.py builds
+// the kernel for each and compares bits).
+//
+// This file is #included by quantized_attention.c.
+
+#define Q16_MAX 32512  // int16 query codes: |code| <= 127 * 256, so 512 channels x 127 x Q16_MAX fits int32
+#define GROUP_BLOCK 4  // query heads sharing each key and value row read (accumulators in registers)
+#define W15_MAX 32767  // int8 values' weights as 15-bit integers (int16 pairs for vpdpwssd / pmaddwd)
+
+// A kv head's query group, quantized for integer key scores.
+typedef struct {
+    const float* q;   // [group, d] fp32 (fp32 key rows)
+    int16_t* codes;   // [group, d] int16 codes of q
+    float* factor;    // [group] q's step x the softmax scale: score = dot(codes, key codes) x factor x key scale
+    int8_t* planes;   // [group, 2, padded d] the codes as 256 x high + low bytes, zero past d (vpdpbusd)
+    int32_t* bias;    // [group] 128 x sum of the codes (vpdpbusd reads keys as unsigned: code + 128)
+} group_query;
+
+// d rounded up to whole 64-byte rows of key codes.
+static inline int64_t padded_dim(int64_t d) { return (d + 63) / 64 * 64; }
+
+// q [d] -> int16 codes and factor (the step, times `scale`); a zero query gets zero codes.
+static void quantize_query(const float* q, int64_t d, float scale, int16_t* codes, float* factor) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < d; j++) amax = fmaxf(amax, fabsf(q[j]));
+    const float inverse = amax > 0.0f ? (float)Q16_MAX / amax : 0.0f;
+    for (int64_t j = 0; j < d; j++) {
+        long code = lrintf(q[j] * inverse);
+        codes[j] = (int16_t)(code > Q16_MAX ? Q16_MAX : code < -Q16_MAX ? -Q16_MAX : code);
+    }
+    *factor = amax / (float)Q16_MAX * scale;
+}
+
+// codes [d] -> planes [2, padded d] (high and low signed bytes: code = 256 x high + low) and bias.
+static void query_planes(const int16_t* codes, int64_t d, int8_t* planes, int32_t* bias) {
+    const int64_t padded = padded_dim(d);
+    int32_t sum = 0;
+    memset(planes, 0, (size_t)(2 * padded));
+    for (int64_t j = 0; j < d; j++) {
+        const int32_t high = ((int32_t)codes[j] + 128) >> 8;  // floor: low = code - 256 x high in [-128, 127]
+        planes[j] = (int8_t)high, planes[padded + j] = (int8_t)(codes[j] - 256 * high);
+        sum += codes[j];
+    }
+    *bias = 128 * sum;
+}
+
+// e^x as exp8 (attention_tiles.c) computes each lane: the same operations, one lane at a time.
+static inline float exp_lane(float x) {
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693145751953125f, x);
+    r = fmaf(-n, 1.428606765330187045e-06f, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+// hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+static inline float sum_lanes(const float* l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// q . k over fp32 rows in 4 x 8 lanes (channel j in accumulator j / 8 % 4, lane j % 8), the
+// accumulators added pairwise, then the lanes as hsum8; d is a multiple of 32.
+static inline float dot_rows(const float* q, const float* k, int64_t d) {
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 16), _mm256_loadu_ps(k + j + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 24), _mm256_loadu_ps(k + j + 24), a3);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float a[4][8] = {{0.0f}}, lanes[8];
+    for (int64_t j = 0; j < d; j += 32)
+        for (int r = 0; r < 4; r++)
+            for (int l = 0; l < 8; l++) a[r][l] = fmaf(q[j + 8 * r + l], k[j + 8 * r + l], a[r][l]);
+    for (int l = 0; l < 8; l++) lanes[l] = (a[0][l] + a[1][l]) + (a[2][l] + a[3][l]);
+    return sum_lanes(lanes);
+#endif
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// 16 rows of 16 int32 -> 16 columns: r[c] holds dword c of every row, row j in lane j.
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++)
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]), t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    for (int k = 0; k < 4; k++) {  // u[4k + e], 128-bit lane L: dword 4L + e of rows 4k..4k+3
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]), u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]), u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
+// dots[h][i] (rows MAX_TILE apart) for G query heads over n <= MAX_TILE int8 keys, 16 keys at a
+// time: each 64-byte row of 16 keys is transposed so that one vpdpbusd of a broadcast query dword
+// advances all 16 dots; keys are read as unsigned (xor 0x80, `bias` taken off), the query as its
+// two byte planes. Integer and exact: wrap-around on the way cancels (the true dot fits int32).
+static inline __attribute__((always_inline)) void key_dots_vnni(const int G, const int8_t* planes, const int32_t* bias,
+                                                                int64_t padded, const int8_t* keys, int64_t n,
+                                                                int64_t d, int32_t* dots) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512i high[GROUP_BLOCK], low[GROUP_BLOCK];
+        for (int h = 0; h < G; h++) high[h] = _mm512_setzero_si512(), low[h] = _mm512_setzero_si512();
+        for (int64_t c = 0; c < d; c += 64) {
+            const __mmask64 mask = d - c >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (d - c)) - 1;
+            __m512i r[16];
+            for (int k = 0; k < 16; k++) {  // past n: the last key again (its dots are not used)
+                const int8_t* row = keys + (i + k < n ? i + k : n - 1) * d + c;
+                r[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row), _mm512_set1_epi8((char)0x80));
+            }
+            transpose16_epi32(r);
+            for (int w = 0; w < 16; w++)
+                for (int h = 0; h < G; h++) {
+                    const int8_t* q = planes + 2 * h * padded + c + 4 * w;
+                    int32_t qh, ql;
+                    memcpy(&qh, q, 4), memcpy(&ql, q + padded, 4);
+                    high[h] = _mm512_dpbusd_epi32(high[h], r[w], _mm512_set1_epi32(qh));
+                    low[h] = _mm512_dpbusd_epi32(low[h], r[w], _mm512_set1_epi32(ql));
+                }
+        }
+        for (int h = 0; h < G; h++) {
+            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high[h], 8), low[h]), _mm512_set1_epi32(bias[h]));
+            _mm512_storeu_si512((void*)(dots + h * MAX_TILE + i), dot);
+        }
+    }
+}
+#else
+// The instruction sets without VNNI: int16 query codes times widened key codes.
+#ifdef __AVX2__
+// 8 vectors of 8 int32 -> one vector of their 8 sums, in order.
+static inline __m256i sum8_epi32(const __m256i a[8]) {
+    __m256i t[4], u[2];
+    for (int k = 0; k < 4; k++)
+        t[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 2; k++)
+        u[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm256_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
+}
+#endif
+
+// dots[i] = sum_j q[j] * keys[i][j] exactly (int32), for n <= MAX_TILE keys of d int8 codes.
+static void int8_key_dots(const int16_t* q, const int8_t* keys, int64_t n, int64_t d, int32_t* dots) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i < n; i += 8) {
+        __m256i acc[8];
+        const int8_t* row[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256(), row[k] = keys + (i + k < n ? i + k : n - 1) * d;
+        for (int64_t c = 0; c < d; c += 16) {
+            const __m256i qc = _mm256_loadu_si256((const __m256i*)(q + c));
+            for (int k = 0; k < 8; k++)
+                acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row[k] + c))), qc));
+        }
+        _mm256_storeu_si256((__m256i*)(dots + i), sum8_epi32(acc));
+    }
+#endif
+    for (; i < n; i++) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < d; j++) sum += (int32_t)q[j] * keys[i * d + j];
+        dots[i] = sum;
+    }
+}
+#endif
+
+// scores[h][i] = dot(q codes of head h, key codes i) x factor[h] x scale_i for the group's heads
+// (rows MAX_TILE apart) over n <= MAX_TILE int8 keys.
+static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* keys, const uint16_t* scales,
+                            int64_t n, int64_t d, float* scores) {
+    int32_t dots[GROUP_BLOCK * MAX_TILE];
+    for (int64_t g0 = 0; g0 < group; g0 += GROUP_BLOCK) {
+        const int64_t G = group - g0 < GROUP_BLOCK ? group - g0 : GROUP_BLOCK;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        const int64_t padded = padded_dim(d);
+        const int8_t* planes = gq->planes + 2 * g0 * padded;
+        switch (G) {
+            case 1: key_dots_vnni(1, planes, gq->bias + g0, padded, keys, n, d, dots); break;
+            case 2: key_dots_vnni(2, planes, gq->bias + g0, padded, keys, n, d, dots); break;
+            case 3: key_dots_vnni(3, planes, gq->bias + g0, padded, keys, n, d, dots); break;
+            default: key_dots_vnni(4, planes, gq->bias + g0, padded, keys, n, d, dots); break;
+        }
+#else
+        for (int64_t h = 0; h < G; h++) int8_key_dots(gq->codes + (g0 + h) * d, keys, n, d, dots + h * MAX_TILE);
+#endif
+        for (int64_t h = 0; h < G; h++) {
+            float* s = scores + (g0 + h) * MAX_TILE;
+            const int32_t* dot = dots + h * MAX_TILE;
+            const float factor = gq->factor[g0 + h];
+            int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+            for (; i + 8 <= n; i += 8) {
+                const __m256 step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + i)));
+                const __m256 x = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(dot + i)));
+                _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(factor)), step));
+            }
+#endif
+            for (; i < n; i++) s[i] = (float)dot[i] * factor * half_to_float(scales[i]);
+        }
+    }
+}
+
+// Folds a tile's n scores into one head's running softmax: s becomes p = e^(s - max) (0 past n,
+// up to a multiple of 8), and the head's sum and unnormalised output `out` [d] are rescaled when
+// the maximum grows.
+static void softmax_fold(float* s, int64_t n, softmax_state* st, float* out, int64_t d) {
+    float tile_max = -INFINITY;  // a maximum: the same in any order
+    int64_t k = 0;
+#ifdef __AVX2__
+    if (n >= 8) {
+        __m256 m8 = _mm256_loadu_ps(s);
+        for (k = 8; k + 8 <= n; k += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + k));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int l = 0; l < 8; l++) tile_max = lanes[l] > tile_max ? lanes[l] : tile_max;
+    }
+#endif
+    for (; k < n; k++) tile_max = s[k] > tile_max ? s[k] : tile_max;
+    if (tile_max > st->max) {
+        const float correction = exp_lane(st->max - tile_max);
+        st->sum *= correction;
+        for (int64_t j = 0; j < d; j++) out[j] *= correction;
+        st->max = tile_max;
+    }
+    const int64_t padded = (n + 7) / 8 * 8;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 m = _mm256_set1_ps(st->max);
+    __m256 total = _mm256_setzero_ps();
+    for (; i < padded; i += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        if (i + 8 > n) {  // lanes past n weigh nothing
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), lane)));
+        }
+        _mm256_storeu_ps(s + i, p);
+        total = _mm256_add_ps(total, p);
+    }
+    st->sum += hsum8(total);
+#else
+    float lanes[8] = {0.0f};
+    for (; i < padded; i++) {
+        s[i] = i < n ? exp_lane(s[i] - st->max) : 0.0f;
+        lanes[i % 8] += s[i];
+    }
+    st->sum += sum_lanes(lanes);
+#endif
+}
+
+// out[h][j] += sum_i w[h][i] * rows[i][j] for G <= GROUP_BLOCK heads over fp32 rows (w rows
+// MAX_TILE apart, out rows out_stride apart), each row read once for all heads. Positions in
+// order, one fma each.
+static inline __attribute__((always_inline)) void weighted_rows(const int G, const float* w, const float* const* rows,
+                                                                int64_t n, int64_t d, float* out, int64_t out_stride) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    for (; j + 16 <= d; j += 16) {
+        __m256 acc[GROUP_BLOCK][2];
+        for (int h = 0; h < G; h++)
+            acc[h][0] = _mm256_loadu_ps(out + h * out_stride + j), acc[h][1] = _mm256_loadu_ps(out + h * out_stride + j + 8);
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 v0 = _mm256_loadu_ps(rows[i] + j), v1 = _mm256_loadu_ps(rows[i] + j + 8);
+            for (int h = 0; h < G; h++) {
+                const __m256 wi = _mm256_set1_ps(w[h * MAX_TILE + i]);
+                acc[h][0] = _mm256_fmadd_ps(wi, v0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(wi, v1, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < G; h++)
+            _mm256_storeu_ps(out + h * out_stride + j, acc[h][0]), _mm256_storeu_ps(out + h * out_stride + j + 8, acc[h][1]);
+    }
+#endif
+    if (j < d)
+        for (int h = 0; h < G; h++)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = j; c < d; c++)
+                    out[h * out_stride + c] = fmaf(w[h * MAX_TILE + i], rows[i][c], out[h * out_stride + c]);
+}
+
+// A head's weights over a tile of int8 values, w[i] x the fp16 scale of position i, as 15-bit
+// integers: w15[i] = round(w[i] x scale_i / step) with step = the largest / W15_MAX, 0 from n up to
+// the next even count (rows go in pairs). Returns the step. (Relative to the tile's largest
+// weight the rounding is 1.5e-5, against int8 values' own 4e-3.)
+static float integer_weights(const float* w, const uint16_t* scales, int64_t n, int16_t* w15) {
+    float scaled[MAX_TILE], largest = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 top = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + i))));
+        _mm256_storeu_ps(scaled + i, x);
+        top = _mm256_max_ps(top, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) largest = lanes[l] > largest ? lanes[l] : largest;
+#endif
+    for (; i < n; i++) {
+        scaled[i] = w[i] * half_to_float(scales[i]);
+        largest = scaled[i] > largest ? scaled[i] : largest;
+    }
+    const float inverse = largest > 0.0f ? (float)W15_MAX / largest : 0.0f;
+    i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {  // cvtps rounds to nearest even as lrintf does; packs clamps to W15_MAX
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(scaled + i), _mm256_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i*)(w15 + i), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+    }
+#endif
+    for (; i < n; i++) {
+        const long q = lrintf(scaled[i] * inverse);
+        w15[i] = (int16_t)(q > W15_MAX ? W15_MAX : q);
+    }
+    if (n % 2) w15[n] = 0;
+    return largest / (float)W15_MAX;
+}
+
+// out[h][j] += step[h] x sum_i w15[h][i] * codes[i][j] for G <= GROUP_BLOCK heads (w15 rows
+// W15_ROW apart) over n int8 value rows: the sums are int32 and exact (rows in pairs through
+// vpdpwssd / pmaddwd, or one by one), so every instruction set gets the same bits.
+#define W15_ROW (MAX_TILE + 2)
+static inline __attribute__((always_inline)) void int8_value_rows(const int G, const int16_t* w15, const float* step,
+                                                                  const int8_t* codes, int64_t n, int64_t d,
+                                                                  float* out, int64_t out_stride) {
+    int64_t j = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    // Channels j..j+31 of rows i, i+1 as int16 pairs: `low` holds channels 8L..8L+3 of each 128-bit
+    // lane L, `high` 8L+4..8L+7; the sums are put back in channel order at the end.
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (; j + 32 <= d; j += 32) {
+        __m512i low[GROUP_BLOCK], high[GROUP_BLOCK];
+        for (int h = 0; h < G; h++) low[h] = _mm512_setzero_si512(), high[h] = _mm512_setzero_si512();
+        for (int64_t i = 0; i < n; i += 2) {
+            const int8_t* next = codes + (i + 1 < n ? i + 1 : i) * d + j;  // an odd count's last pair: weight 0
+            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(codes + i * d + j)));
+            const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)next));
+            const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+            for (int h = 0; h < G; h++) {
+                int32_t pair;
+                memcpy(&pair, w15 + h * W15_ROW + i, sizeof pair);
+                low[h] = _mm512_dpwssd_epi32(low[h], lo, _mm512_set1_epi32(pair));
+                high[h] = _mm512_dpwssd_epi32(high[h], hi, _mm512_set1_epi32(pair));
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            float* o = out + h * out_stride + j;
+            const __m512 s = _mm512_set1_ps(step[h]);
+            const __m512 x0 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(low[h], first, high[h]));
+            const __m512 x1 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(low[h], second, high[h]));
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(x0, s, _mm512_loadu_ps(o)));
+            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(x1, s, _mm512_loadu_ps(o + 16)));
+        }
+    }
+#elif defined(__AVX2__)
+    for (; j + 16 <= d; j += 16) {  // as above, 16 channels: `low` holds 8L..8L+3 of lane L, `high` 8L+4..
+        __m256i low[GROUP_BLOCK], high[GROUP_BLOCK];
+        for (int h = 0; h < G; h++) low[h] = _mm256_setzero_si256(), high[h] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < n; i += 2) {
+            const int8_t* next = codes + (i + 1 < n ? i + 1 : i) * d + j;
+            const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(codes + i * d + j)));
+            const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)next));
+            const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+            for (int h = 0; h < G; h++) {
+                int32_t pair;
+                memcpy(&pair, w15 + h * W15_ROW + i, sizeof pair);
+                const __m256i wp = _mm256_set1_epi32(pair);
+                low[h] = _mm256_add_epi32(low[h], _mm256_madd_epi16(lo, wp));
+                high[h] = _mm256_add_epi32(high[h], _mm256_madd_epi16(hi, wp));
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            float* o = out + h * out_stride + j;
+            const __m256 s = _mm256_set1_ps(step[h]);
+            const __m256 x0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(low[h], high[h], 0x20));
+            const __m256 x1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(low[h], high[h], 0x31));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(x0, s, _mm256_loadu_ps(o)));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(x1, s, _mm256_loadu_ps(o + 8)));
+        }
+    }
+#endif
+    if (j < d)
+        for (int h = 0; h < G; h++)
+            for (int64_t c = j; c < d; c++) {
+                int32_t sum = 0;
+                for (int64_t i = 0; i < n; i++) sum += (int32_t)w15[h * W15_ROW + i] * codes[i * d + c];
+                out[h * out_stride + c] = fmaf((float)sum, step[h], out[h * out_stride + c]);
+            }
+}
+
+// The group's value sums over a tile, w [group, MAX_TILE] the softmax weights: over n int8 value
+// rows (codes, with their fp16 scales) or fp32 rows.
+static void group_weighted_sums(const float* w, const int8_t* codes, const uint16_t* scales,
+                                const float* const* rows, int64_t n, int64_t d, int64_t group, float* out,
+                                int64_t out_stride) {
+    int16_t w15[GROUP_BLOCK * W15_ROW];
+    float step[GROUP_BLOCK];
+    for (int64_t g = 0; g < group; g += GROUP_BLOCK) {
+        const int G = (int)(group - g < GROUP_BLOCK ? group - g : GROUP_BLOCK);
+        const float* wg = w + g * MAX_TILE;
+        float* o = out + g * out_stride;
+        if (codes) {
+            for (int h = 0; h < G; h++) step[h] = integer_weights(wg + h * MAX_TILE, scales, n, w15 + h * W15_ROW);
+            switch (G) {
+                case 1: int8_value_rows(1, w15, step, codes, n, d, o, out_stride); break;
+                case 2: int8_value_rows(2, w15, step, codes, n, d, o, out_stride); break;
+                case 3: int8_value_rows(3, w15, step, codes, n, d, o, out_stride); break;
+                default: int8_value_rows(4, w15, step, codes, n, d, o, out_stride); break;
+            }
+        } else {
+            switch (G) {
+                case 1: weighted_rows(1, wg, rows, n, d, o, out_stride); break;
+                case 2: weighted_rows(2, wg, rows, n, d, o, out_stride); break;
+                case 3: weighted_rows(3, wg, rows, n, d, o, out_stride); break;
+                default: weighted_rows(4, wg, rows, n, d, o, out_stride); break;
+            }
+        }
+    }
+}
