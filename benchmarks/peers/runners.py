@@ -40,8 +40,11 @@ def _serve(connection, model: str, ids: list[int], threads: int, root: Path | No
         connection.send(error)
         return
     connection.send(None)
-    while (n := connection.recv()) is not None:
-        connection.send(generate(n))
+    try:
+        while (n := connection.recv()) is not None:
+            connection.send(generate(n))
+    except EOFError:  # the benchmark ended without saying goodbye
+        pass
 
 
 def ctranslate2_runner(model: str, ids: list[int], threads: int, root: Path | None = None) -> Generate:

@@ -95,3 +95,17 @@ def test_a_draft_that_costs_more_than_it_saves_counts_as_failed():
     c.record(1, 1, seconds=0.030)  # the minimum length, still too slow: the second such step pauses
     c.record(1, 1, seconds=0.030)
     assert c.draft_length() == 0
+
+
+def test_a_timed_caller_probes_one_token_first_and_a_slow_proposer_pauses_longer():
+    c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    c.start_with_probe()
+    assert c.draft_length() == 1
+    c.record_plain(0.010)
+    c.record(1, 1, seconds=0.015)  # pays: back to the full length, and growing
+    assert c.draft_length() == 5
+    slow = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    slow.start_with_probe()
+    slow.record_plain(0.010)
+    slow.record(1, 1, seconds=0.080)  # 2 tokens in 8 plain steps' time: 4x over, a 4 x 4 pause
+    assert [slow.draft_length() for _ in range(17)] == [0] * 16 + [1]

@@ -116,7 +116,9 @@ class DecoderLM(nn.Module):
             self._fast_decoder = FastDecoder(self)
         return self._fast_decoder
 
-    def _fast_hidden(self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1) -> torch.Tensor | None:
+    def _fast_hidden(
+        self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1, num_layers: int | None = None
+    ) -> torch.Tensor | None:
         """input_ids [1, S] -> the last block's output [1, S, H] through the C step: one token by
         the decode step, a few tokens (a speculative verify) as a kernel row each of the rows step,
         so each gets what plain decoding would give it; slot: the LoRA adapter slot (-1: none).
@@ -130,8 +132,9 @@ class DecoderLM(nn.Module):
         h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
         rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
         if seq == 1:
-            decoder.step(h[0], rope[0], cache, slot)
-        elif not decoder.step_tokens(h, rope, cache, positions, slot):
+            if not decoder.step(h[0], rope[0], cache, slot, num_layers):
+                return None
+        elif num_layers not in (None, self.config.num_layers) or not decoder.step_tokens(h, rope, cache, positions, slot):
             return None
         return h[None]
 
@@ -185,13 +188,14 @@ class DecoderLM(nn.Module):
         """input_ids [B, S] -> the last block's output [B, S, H] (before the final norm), after the
         first `num_layers` blocks only if given (a layer-skip draft; `cache` then needs only those
         layers). `logits_from_hidden` turns them into logits. All layers of one sequence take the C
-        step where `forward` would (a decode or a verify); a layer-skip draft the torch path."""
+        step where `forward` would (a decode or a verify); a layer-skip draft's one-token steps take
+        it too (over the first layers), its several-token catch-ups the torch path."""
         num_layers = self.config.num_layers if num_layers is None else num_layers
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
         with self._forward_lock:
-            if num_layers == self.config.num_layers and input_ids.shape[0] == 1:
-                fast = self._fast_hidden(input_ids, cache)
+            if input_ids.shape[0] == 1 and (num_layers == self.config.num_layers or input_ids.shape[1] == 1):
+                fast = self._fast_hidden(input_ids, cache, num_layers=num_layers)
                 if fast is not None:
                     return fast
             return self._hidden_states(input_ids, cache, None, num_layers)

@@ -161,31 +161,40 @@ class FastDecoder:
             self._lora_stacks, self._lora_generation = stacks, stacks.generation
         return self._lora_table
 
-    def step(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, slot: int = -1) -> None:
+    def step(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, slot: int = -1,
+             num_layers: int | None = None) -> bool:  # fmt: skip
         """Run every block on h [hidden] (updated in place) at position cache.seq_len; commits 1 position.
 
         rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes. slot: the
-        token's LoRA adapter slot in model.lora (-1: the base model).
+        token's LoRA adapter slot in model.lora (-1: the base model). num_layers: only the first
+        blocks (a layer-skip draft's cache holds just those), over an fp32 cache layout only;
+        False (nothing run) where the cache offers none.
         """
         lora = self.lora([slot])
         layout = cache.kernel_layout(cache.seq_len + 1)
+        if num_layers is not None and num_layers != len(self.blocks):
+            if layout is None or not 1 <= num_layers < len(self.blocks):
+                return False
+        else:
+            num_layers = len(self.blocks)
         codes = cache.codes_view(cache.seq_len + 1) if layout is None else None
         if codes is not None:
             self._step_over_codes(h, rope, cache, codes, lora, slot)
-            return
+            return True
         if layout is None:
             self._step_through_update(h, rope, cache, lora, slot)
-            return
+            return True
         keys, values = layout.keys, layout.values
         assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
         table = layout.block_table
         self.library.kvgen_decode_layers(
-            self._block_array, len(self.blocks), h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
+            self._block_array, num_layers, h.data_ptr(), rope.data_ptr(), self._rope_index.data_ptr(),
             self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(), layout.layer_stride, layout.head_stride,
             layout.pos_stride, layout.block_stride, layout.block_size, table.data_ptr() if table is not None else None,
             cache.seq_len, lora, slot,
         )  # fmt: skip
         cache.commit(1)
+        return True
 
     def step_rows(self, h: torch.Tensor, rope: torch.Tensor, kernel: tuple[str, tuple], positions: torch.Tensor,
                   slots: list[int] | None = None) -> None:  # fmt: skip

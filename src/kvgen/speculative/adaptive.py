@@ -46,7 +46,8 @@ class DraftLengthController:
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
     if it also made its tokens faster than plain steps do (draft + verify time against accepted + 1
     plain steps): a draft that is accepted but costs more than it saves (a slow proposer) counts as a
-    failure, and `patience` such steps at the minimum length pause drafting."""
+    failure, `patience` such steps at the minimum length pause drafting, and the pause is as many
+    times longer as the step overran."""
 
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
@@ -62,6 +63,7 @@ class DraftLengthController:
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
         self._probing = False  # drafting again after a pause, no verify step has paid yet
+        self._resume_length = min_length  # the length a paying probe returns to
         self.patience = max(1, min(patience, window))  # failed steps at the minimum length before a pause
         self._plain_seconds: float | None = None  # moving average of one plain step's time
         self.max_cooldown = max(max_cooldown, cooldown)
@@ -91,10 +93,15 @@ class DraftLengthController:
         self._recent.append((proposed, accepted))
         in_time = seconds is None or self._plain_seconds is None or seconds <= (accepted + 1) * self._plain_seconds
         paid = accepted >= self.shrink_below * proposed and in_time
+        # How many times its tokens' plain time the step took (1 where untimed): a slow proposer's
+        # failures pause it for that much longer.
+        overrun = 1.0 if in_time or seconds is None or self._plain_seconds is None else seconds / ((accepted + 1) * self._plain_seconds)
         if paid:
+            if self._probing:
+                self.length = max(self.length, self._resume_length)
             self._next_cooldown, self._probing = self.cooldown, False  # drafting paid since the last pause
         elif self._probing:
-            self._pause()  # the probe after a pause failed: pause again, longer
+            self._pause(overrun)  # the probe failed: pause again, longer
             return
         rate = self.rolling_acceptance
         if rate > self.grow_above and in_time:
@@ -103,13 +110,20 @@ class DraftLengthController:
             if self.length == self.min_length:
                 self._low_at_min += 1
                 if self._low_at_min >= self.patience:
-                    self._pause()
+                    self._pause(overrun)
             self.length = max(min(self.length - 1, accepted + 1), self.min_length)
             return
         self._low_at_min = 0
 
-    def _pause(self) -> None:
-        self._paused, self._low_at_min, self._probing = self._next_cooldown, 0, True
-        self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
+    def start_with_probe(self) -> None:
+        """Draft one minimum-length probe first and go to the full length only once one pays: a
+        caller that times its steps need not pay for a long draft from a proposer it has not timed."""
+        self._probing, self._resume_length = True, self.length
         self.length = self.min_length
+
+    def _pause(self, overrun: float = 1.0) -> None:
+        pause = min(int(self._next_cooldown * max(1.0, overrun)), self.max_cooldown)
+        self._paused, self._low_at_min, self._probing = pause, 0, True
+        self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
+        self.length = self._resume_length = self.min_length
         self._recent.clear()

@@ -32,6 +32,7 @@ class SpeculativeDecoder:
         self.max_context, self.constraint = max_context, sampler.constraint
         self.policy = DraftPolicy(sampler.params)
         self.controller = config.new_controller()
+        self.controller.start_with_probe()  # the steps are timed: a proposer proves itself on one token first
         self.stats = SpeculativeStats()
         self.ids: list[int] = []  # every committed id; all but the last are in the cache
 
