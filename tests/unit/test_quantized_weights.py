@@ -121,12 +121,11 @@ def test_perplexity_change_within_stated_tolerance(smollm2, mode: str) -> None:
     assert abs(measured - exact) / exact < PPL_TOLERANCE[mode], (exact, measured)
 
 
-def test_the_prefill_gemm_dtype_follows_the_cpu_unless_overridden(monkeypatch) -> None:
-    from kvgen.kernels.build import has_fast_bf16
+def test_prefill_runs_the_int8_kernel_unless_overridden(monkeypatch) -> None:
     from kvgen.models.quantized_linear import NEVER, prefill_path
 
     monkeypatch.delenv("KVGEN_PREFILL_GEMM", raising=False)
-    assert prefill_path() == ("bf16" if has_fast_bf16() else "int8")
+    assert prefill_path() == "int8"  # the C kernel at every row count, native bf16 or not
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "int8")  # the C kernel at every row count
     assert QuantizedLinear(requantize(torch.randn(64, 128), "q4")).gemm_rows == NEVER
     assert QuantizedLinear(requantize(torch.randn(64, 128), "q8")).gemm_rows == NEVER

@@ -31,7 +31,7 @@ class ModelRunner:
         a ragged batch is padded to its longest row: 60 decodes beside a 450-token chunk would
         compute 60 x 450 positions (measured: 64 concurrent requests ran at 19 tok/s that way).
         Chunks stay together: each forward of many rows reads every weight once (and, where
-        prefill runs a bf16 GEMM, dequantizes it once). Decodes and verifies want the logits of every token they run, so they take the C step
+        prefill runs a dequantized GEMM, dequantizes it once). Decodes and verifies want the logits of every token they run, so they take the C step
         over every layer whenever it applies, whatever else is scheduled: that step computes each
         token as a lone decode would (batch- and speculation-invariant greedy output)."""
         steps = [i for i, row in enumerate(rows) if row.request.is_decoding]  # the last sampled token (+ drafts)

@@ -34,13 +34,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX): there oneDNN's bf16 GEMM
-    runs ~2.7x its fp32 one (measured on 2 EPYC cores); elsewhere bf16 is emulated and slower."""
-    flags = _cpu_flags().split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def library_path() -> Path:
     root = Path(os.environ.get("KVGEN_CACHE", Path.home() / ".cache" / "kvgen")) / "kernels"
     sources = b"".join(path.read_bytes() for path in SOURCES)
