@@ -73,4 +73,7 @@ def quantize_gguf_rows(type_name: str, raw_rows: np.ndarray, dequantized: np.nda
 
 
 def quantize_float(weight: torch.Tensor, mode: Literal["int8", "q4"]) -> QuantizedWeight:
-    return requantize(weight, "q8s" if mode == "int8" else "q4")
+    # Float weights under `--weights int8` keep the q8 blocks (f32 scale): with q8s, a random tiny
+    # Qwen3's C decode step and torch path parted by one int8 activation rounding from the 17th
+    # token on (tests/parity/test_tiny_families.py), which q8 does not show; not yet understood.
+    return requantize(weight, "q8" if mode == "int8" else "q4")
