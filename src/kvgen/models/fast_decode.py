@@ -72,14 +72,14 @@ def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
     return table
 
 
+_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3}  # qlinear.kind in decode.c
+
+
 def _qlinear(layer: nn.Module) -> _QLinear:
     assert isinstance(layer, QuantizedLinear)
     bias = layer.bias
     return _QLinear(_KIND_CODES[layer.kind], int(bias is not None), layer.blocks.data_ptr(),
                     bias.data_ptr() if bias is not None else None, layer.out_features, layer.in_features)  # fmt: skip
-
-
-_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3}  # qlinear.kind in decode.c
 
 
 def _norm_ptr(norm: RMSNorm | None) -> int | None:
@@ -172,11 +172,9 @@ class FastDecoder:
         """
         lora = self.lora([slot])
         layout = cache.kernel_layout(cache.seq_len + 1)
-        if num_layers is not None and num_layers != len(self.blocks):
-            if layout is None or not 1 <= num_layers < len(self.blocks):
-                return False
-        else:
-            num_layers = len(self.blocks)
+        num_layers = len(self.blocks) if num_layers is None else num_layers
+        if num_layers != len(self.blocks) and (layout is None or not 1 <= num_layers < len(self.blocks)):
+            return False  # the first layers only over an fp32 layout
         codes = cache.codes_view(cache.seq_len + 1) if layout is None else None
         if codes is not None:
             self._step_over_codes(h, rope, cache, codes, lora, slot)

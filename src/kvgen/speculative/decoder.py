@@ -47,7 +47,7 @@ class SpeculativeDecoder:
         k = min(self.controller.draft_length(), max_tokens - 1, room)
         if self.proposer.needs_target_features and not self._has_features:
             k = 0  # the first step gives the proposer the features it starts from
-        started = time.perf_counter()  # the controller weighs a draft's time against plain steps'
+        started = time.perf_counter()  # the controller weighs a draft's time against plain steps
         draft = self.proposer.propose(self.ids, k, self.policy, self.constraint) if k > 0 else None
         if draft is None or not draft.tokens:
             tokens = [self._plain_step()]
