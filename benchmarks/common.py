@@ -69,10 +69,11 @@ def cpu_class() -> str:
 
 
 def git_sha() -> str:
+    """The commit measured; KVGEN_GIT_SHA names it where the tree is a copy without .git (a GPU machine)."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("KVGEN_GIT_SHA", "unknown")
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:

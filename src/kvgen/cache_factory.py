@@ -33,6 +33,7 @@ from kvgen.kv.sinks import SinkCache
 from kvgen.kv.tiered import TieredCache
 from kvgen.kv.window import WindowedCache
 from kvgen.models.base import DecoderLM
+from kvgen.models.cuda_graphs import device_capacity
 
 # Cache kinds the engine's block pool runs: fp32 blocks for contiguous and paged, blocks of codes
 # for quantized. Window, sinks, chunked, compressed and tiered caches are per-sequence designs.
@@ -102,6 +103,8 @@ class CacheFactory:
                 raise ValueError(f"KV cache option {c.kind!r} does not apply to {self.model.config.architecture} "
                                  "models, which keep their own state; use the default cache settings")
             return self.model.new_state_cache()  # type: ignore[operator]
+        if self.model.device.type != "cpu":
+            return self._device_cache(capacity)
         if c.kind == "paged":
             if self._paged_storage is None:
                 self._paged_storage = PagedStorage.create(self.spec, c.budget_mb, c.block_size)
@@ -120,6 +123,16 @@ class CacheFactory:
                 raise ValueError("the compressed cache is for full-attention models; for sliding-window layers use --kv-cache window")
             return CompressedCache(self.spec, c.pool_chunk, c.exact_window, c.sinks, capacity=capacity)
         return ContiguousCache(self.spec, capacity=capacity, max_capacity=self.max_context)
+
+    def _device_cache(self, capacity: int) -> ContiguousCache:
+        """A GPU model's cache: contiguous, on its device, sized in powers of two so that requests
+        of similar lengths reuse the same buffers (and the CUDA graphs captured over them)."""
+        device = self.model.device
+        if self.config != CacheConfig():
+            raise ValueError(f"KV cache kind {self.config.kind!r} and its options run on the CPU; a model on {device} "
+                             "keeps its keys and values in the default contiguous cache: drop the --kv-* options")
+        return ContiguousCache(self.spec, device_capacity(capacity, self.max_context), max_capacity=self.max_context,
+                               device=device)  # fmt: skip
 
     @staticmethod
     def engine_cache(storage: BlockStorage) -> PagedCache:

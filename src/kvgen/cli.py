@@ -24,11 +24,16 @@ EXIT_USAGE = 2
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"short name, .gguf file or HF folder (default {DEFAULT_MODEL})")
-    parser.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), bfloat16, float16")
+    parser.add_argument("--dtype", default=None, help="compute dtype: float32 (the CPU's default), bfloat16 (a GPU's default), float16")
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def _add_device_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N: a GPU with a CUDA build of "
+                        "PyTorch (bf16 float weights, CUDA graph decode; the default cache only)")  # fmt: skip
 
 
 def _add_kv_options(parser: argparse.ArgumentParser) -> None:
@@ -86,11 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user turn of the chat template")
     _add_model_options(generate)
+    _add_device_option(generate)
     _add_kv_options(generate)
     _add_sampling_options(generate)
     chat = commands.add_parser("chat", help="interactive multi-turn chat that keeps its KV cache between turns")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_options(chat)
+    _add_device_option(chat)
     _add_kv_options(chat)
     _add_sampling_options(chat)
     commands.add_parser("models", help="list the short model names and whether they are installed")
@@ -202,7 +209,7 @@ def _load(args: argparse.Namespace, engine: bool = False):  # -> LLM; imported l
         check_engine_cache(cache)
     return LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
-        weights=args.weights, cache=cache,
+        weights=args.weights, cache=cache, device=getattr(args, "device", "cpu"),
     )  # fmt: skip
 
 

@@ -24,6 +24,8 @@ from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.request_state import RequestState
 from kvgen.sampling.sampler import TokenLogprob
 
+GREEDY_BURST = 16  # greedy tokens a GPU decodes per host round trip (a stop inside a run truncates the cache)
+
 if TYPE_CHECKING:
     from kvgen.speculative.config import SpeculativeConfig
 
@@ -154,6 +156,9 @@ class GenerationStream:
         self.sampler = self.state.sampler
         self.result = self.state.result()  # live: token ids and timings fill in as the stream runs
         self.speculative = speculative
+        if speculative is not None and generator.model.device.type != "cpu":
+            raise ValueError(f"speculative decoding runs on the CPU; this model is on {generator.model.device}, where "
+                             "greedy decoding already runs many steps per host round trip: generate without speculative")
         if speculative is not None and params.adapter is not None:
             raise ValueError("speculative decoding does not run with LoRA adapters: generate without speculative")
         if speculative is not None and hasattr(generator.model, "new_state_cache"):
@@ -216,6 +221,18 @@ class GenerationStream:
         self.result.timings.prefill_tokens = len(pending)
         return self.generator.model(torch.tensor([pending]), self.cache, adapter=self.params.adapter)[0, -1]  # [V]
 
+    def _greedy_burst(self, token: int, remaining: int) -> list[int] | None:
+        """On a GPU, plain greedy tokens decode GREEDY_BURST at a time from CUDA graph replays with no
+        host round trip between them (models/cuda_graphs.py); they are emitted one by one like a
+        verified speculative run, so stops still end the text where they occur. None: one at a time."""
+        model = self.generator.model
+        if model.device.type != "cuda" or not self.sampler.plain_greedy or self.params.adapter or self.shifted:
+            return None
+        steps = min(GREEDY_BURST, remaining)
+        if steps < 2 or self.cache.seq_len + steps >= self.generator.max_context:
+            return None
+        return model.greedy_steps(token, self.cache, steps)
+
     @torch.inference_mode()
     def _generate(self) -> Iterator[Chunk]:
         model, result, params, sampler, state = self.generator.model, self.result, self.params, self.sampler, self.state
@@ -245,6 +262,9 @@ class GenerationStream:
                 token = ahead.pop(0)
             elif self._speculator is not None and not self.shifted and self.cache.seq_len + 1 < max_context:
                 ahead = self._speculator.step(state.budget - len(result.token_ids))
+                token = ahead.pop(0)
+            elif burst := self._greedy_burst(token, state.budget - len(result.token_ids)):
+                ahead = burst
                 token = ahead.pop(0)
             else:
                 if params.context_shift and self.cache.seq_len + 1 > max_context:

@@ -23,6 +23,7 @@ from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import check_mode
 from kvgen.lora.registry import AdapterRegistry
 from kvgen.models import DecoderLM, build_model
+from kvgen.models.device import default_dtype, gpu_weights_mode, move_model, resolve_device
 from kvgen.sampling.params import SamplingParams
 from kvgen.session import Session
 from kvgen.speculative.config import SpeculativeConfig
@@ -64,20 +65,35 @@ class LLM:
 
     @classmethod
     def load(
-        cls, name_or_path: str | Path, dtype: str | torch.dtype = "float32", progress: bool = True,
+        cls, name_or_path: str | Path, dtype: str | torch.dtype | None = None, progress: bool = True,
         max_context: int | None = None, weights: str = "auto", cache: CacheConfig | None = None,
+        device: str = "cpu",
     ) -> "LLM":  # fmt: skip
         """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder.
 
         weights: "auto" (4-bit kernels for quantized GGUF files), "fp32", "int8" or "q4"; see
-        kvgen/loading/weight_format.py.
+        kvgen/loading/weight_format.py. dtype: float32 on the CPU, bfloat16 on a GPU by default.
+        device: "cpu", or "cuda" for a GPU (float weights, CUDA graph decode; kvgen/models/device.py).
         """
-        checkpoint = load_checkpoint(name_or_path, dtype, progress, weights)
-        return cls(build_model(checkpoint), checkpoint, max_context, cache)
+        target = resolve_device(device)
+        if target.type != "cpu":
+            weights = gpu_weights_mode(check_mode(weights))
+        checkpoint = load_checkpoint(name_or_path, dtype or default_dtype(target), progress, weights)
+        return cls(move_model(build_model(checkpoint), target), checkpoint, max_context, cache)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def _cpu_only(self, what: str) -> None:
+        if self.device.type != "cpu":
+            raise ValueError(f"{what} runs on the CPU; this model is on {self.device}, where kvgen runs one "
+                             "sequence at a time (generate, stream, generate_n, sessions): load it with device='cpu'")  # fmt: skip
 
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Serve the LoRA adapter at `path` (a PEFT folder or a GGUF LoRA file) as `name`; requests
         pick it with SamplingParams(adapter=name). AdapterError when it does not fit this model."""
+        self._cpu_only("serving LoRA adapters")
         self.adapters.load(name, path)
 
     def unload_adapter(self, name: str) -> bool:
@@ -105,6 +121,7 @@ class LLM:
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[GenerationResult]:
         """Several prompts decoded together (one batched forward per step); a result per prompt."""
+        self._cpu_only("generate_batch")
         if self._batch is None:
             from kvgen.batch import BatchGenerator  # the engine imports this module's neighbours
 

@@ -50,6 +50,9 @@ class LLMEngine:
         option the pool cannot honour is a ValueError here, before anything runs."""
         self.config = config or EngineConfig()
         self.model, self.tokenizer = llm.model, llm.tokenizer
+        if self.model.device.type != "cpu":
+            raise ValueError(f"the engine runs on the CPU; this model is on {self.model.device} (kvgen's GPU path "
+                             "runs LLM.generate / stream / sessions): load it with device='cpu' to serve it")  # fmt: skip
         model_context = self.model.config.max_position_embeddings
         self.max_context = min(self.config.max_context or model_context, model_context)
         self.cache_config = cache or llm.generator.cache_config

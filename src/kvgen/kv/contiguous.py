@@ -15,10 +15,14 @@ class ContiguousCache(KVCache):
     context) bounds the growth.
     """
 
-    def __init__(self, spec: CacheSpec, capacity: int, batch_size: int = 1, max_capacity: int | None = None):
+    def __init__(
+        self, spec: CacheSpec, capacity: int, batch_size: int = 1, max_capacity: int | None = None,
+        device: torch.device | str = "cpu",
+    ):  # fmt: skip
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.spec = spec
+        self.device = torch.device(device)
         self.batch_size = batch_size
         self.max_capacity = max_capacity if max_capacity is not None else capacity
         self._seq_len = 0
@@ -30,8 +34,12 @@ class ContiguousCache(KVCache):
     def _new_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One sequence only reads positions it wrote, so its buffers skip zero-filling (a 512-token
         SmolLM2 prefill spent 4% of its time there). Batched rows are zeroed: a shorter row's padding
-        positions are read under a mask, and uninitialised memory could hold NaN (0 * NaN = NaN)."""
-        return torch.empty(shape, dtype=self.spec.dtype) if self.batch_size == 1 else torch.zeros(shape, dtype=self.spec.dtype)
+        positions are read under a mask, and uninitialised memory could hold NaN (0 * NaN = NaN). So are a
+        GPU cache's: its CUDA graphs attend over a fixed bucket of positions under a mask
+        (models/cuda_graphs.py)."""
+        if self.batch_size == 1 and self.device.type == "cpu":
+            return torch.empty(shape, dtype=self.spec.dtype)
+        return torch.zeros(shape, dtype=self.spec.dtype, device=self.device)
 
     @property
     def seq_len(self) -> int:
@@ -108,7 +116,7 @@ class ContiguousCache(KVCache):
 
     def fork(self) -> "ContiguousCache":
         # Contiguous storage cannot share pages: a fork copies the used part only.
-        twin = ContiguousCache(self.spec, max(self._seq_len, 1), self.batch_size, self.max_capacity)
+        twin = ContiguousCache(self.spec, max(self._seq_len, 1), self.batch_size, self.max_capacity, self.device)
         twin.reserve(self.capacity)
         twin._keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
         twin._values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]

@@ -61,7 +61,7 @@ class DecoderLM(nn.Module):
 
     def rerotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys [B, H, S, D] rotated by RoPE at position p -> as if at p + delta (exact: RoPE angles add)."""
-        cos, sin = self.rope_for(layer)(torch.tensor([[delta]]), torch.float32)  # [1, 1, 1, D]
+        cos, sin = self.rope_for(layer)(torch.tensor([[delta]], device=keys.device), torch.float32)  # [1, 1, 1, D]
         return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
 
     def rope_key(self, layer: int) -> RopeKey:
@@ -90,6 +90,11 @@ class DecoderLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: the CPU, or a GPU the model was moved to (models/device.py)."""
+        return self.embed_tokens.device
+
     # The loaded LoRA adapters' weights (kvgen/lora/registry.py attaches them to the blocks).
     lora: LoraStacks | None = None
 
@@ -115,6 +120,27 @@ class DecoderLM(nn.Module):
         if self._fast_decoder is None and FastDecoder.supports(self):
             self._fast_decoder = FastDecoder(self)
         return self._fast_decoder
+
+    # A GPU model's one-token steps replay CUDA graphs (models/cuda_graphs.py); set False to launch
+    # every kernel from Python instead (the eager path the graphs are measured against).
+    use_cuda_graphs: bool = True
+    _cuda_graphs: object | None = None
+
+    def cuda_graphs(self):  # -> CudaGraphDecoder, built on first use by a model on a GPU
+        from kvgen.models.cuda_graphs import CudaGraphDecoder
+
+        if self._cuda_graphs is None:
+            self._cuda_graphs = CudaGraphDecoder(self)
+        return self._cuda_graphs
+
+    def greedy_steps(self, token: int, cache: KVCache, steps: int) -> list[int] | None:
+        """A GPU model's next `steps` greedy tokens after `token`, decoded by CUDA graph replays
+        without a host round trip between them (the cache then holds `token` and all of them but
+        the last); None where the graphs cannot run them."""
+        if not self.use_cuda_graphs or self.device.type != "cuda":
+            return None
+        with self._forward_lock:
+            return self.cuda_graphs().greedy(token, cache, steps)
 
     def _fast_hidden(
         self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1, num_layers: int | None = None
@@ -158,6 +184,7 @@ class DecoderLM(nn.Module):
         at a time per model: the C decode path and the quantized layers reuse scratch buffers.
         `adapter`: the loaded LoRA adapter every row runs with (None: the base model).
         """
+        input_ids = input_ids.to(self.device)
         with self._forward_lock:
             batch, seq = input_ids.shape
             with_lora = adapter is not None and self._activate_adapters([adapter] * batch, [seq] * batch)
@@ -173,6 +200,11 @@ class DecoderLM(nn.Module):
         with_lora: bool = False, slot: int = -1,
     ) -> torch.Tensor:  # fmt: skip
         batch, seq = input_ids.shape
+        on_gpu = self.use_cuda_graphs and self.device.type == "cuda"
+        if on_gpu and batch == 1 and seq == 1 and positions is None and not with_lora:
+            logits = self.cuda_graphs().step(input_ids, cache)
+            if logits is not None:
+                return logits  # [1, 1, V]
         # A decode, or a verify that wants every token's logits, takes the C step (with the LoRA
         # slot's deltas, if any); prompts do not.
         if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)):
@@ -211,7 +243,7 @@ class DecoderLM(nn.Module):
         batch, seq = input_ids.shape
         start = cache.seq_len
         if positions is None:
-            positions = torch.arange(start, start + seq).expand(batch, seq)
+            positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
         h = self._embed(input_ids)  # [B, S, H]
         ropes = [rope(positions, h.dtype) for rope in self.ropes]
         key_bias = cache.key_bias()
@@ -222,7 +254,7 @@ class DecoderLM(nn.Module):
                 num_keys = start + seq - key_start
                 masks[span, key_start] = AttentionMask.build(
                     start, seq, key_start, num_keys, span.window, span.sinks, span.chunk, key_bias=key_bias
-                )
+                ).to(h.device)
             h = block(h, ropes[self.rope_index[i]], cache, masks[span, key_start])
         cache.commit(seq)
         return h  # [B, S, H]

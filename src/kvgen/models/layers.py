@@ -63,6 +63,12 @@ class AttentionMask:
             return cls(None, True)
         return cls(cls.allowed(query_start, num_queries, key_start, num_keys, window, sinks, chunk), False)
 
+    def to(self, device: torch.device) -> "AttentionMask":
+        """The mask on `device` (the model's: a GPU model's masks are built on the CPU, then moved)."""
+        if self.mask is None or self.mask.device == device:
+            return self
+        return AttentionMask(self.mask.to(device), self.is_causal, self.in_place_starts)
+
     @staticmethod
     def with_key_bias(allowed: torch.Tensor, key_biases: list[torch.Tensor | None]) -> torch.Tensor:
         """Bool mask [B, 1, S, L] -> additive float mask, row b's bias added on its first keys."""

@@ -67,6 +67,11 @@ class Sampler:
             processors.append(GrammarProcessor(self.constraint))
         return processors
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to process or record: the argmax of the raw logits is the choice."""
+        return self.params.greedy and not self.processors and not self.params.logprobs and not self.params.top_logprobs
+
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] (may be modified) -> token id; records the logprob when asked to."""
         return self.choose(logits, self.pick)
@@ -75,7 +80,10 @@ class Sampler:
         """Run the processors over logits [V] (may be modified), let `pick` choose from the processed
         scores, then advance the processors past the choice and record its logprob. Speculative
         verification passes its own `pick` (accept a draft or resample) and gets the same penalties,
-        grammar and logprobs as plain sampling."""
+        grammar and logprobs as plain sampling. A GPU model's logits are read here, on the CPU,
+        where the processors, grammar masks and the seeded random stream live."""
+        if logits.device.type != "cpu":
+            logits = logits.to("cpu", torch.float32)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if self.params.logprobs else None
         for processor in self.processors:
             logits = processor(logits)

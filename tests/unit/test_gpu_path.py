@@ -1,0 +1,81 @@
+"""The GPU path's parts that a CPU can check: the CUDA graphs' step computation run eagerly (same
+math, no capture) against kvgen's torch path on real fp32 weights, the greedy runs that advance the
+position on the device, and the clear refusals. tests/gpu/ runs the captured graphs on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen import LLM
+from kvgen.kv.contiguous import ContiguousCache
+from kvgen.models.cuda_graphs import CudaGraphDecoder, bucket_for, device_capacity
+from kvgen.models.device import gpu_weights_mode, resolve_device
+
+
+def _decode_both_ways(llm: LLM, prompt: list[int], steps: int) -> tuple[float, list[int], list[int], list[int]]:
+    """Greedy from the same prefill by the torch path and by the graphs' step (eager), then by the
+    graphs' greedy runs -> (largest logit difference, torch tokens, step tokens, run tokens)."""
+    model = llm.model
+    graphs = CudaGraphDecoder(model, capture=False)
+    caches = [llm.generator.new_cache(len(prompt) + steps + 1) for _ in range(3)]
+    with torch.inference_mode():
+        first = [int(model(torch.tensor([prompt]), cache)[0, -1].argmax()) for cache in caches]
+        torch_tokens, step_tokens, largest = [first[0]], [first[1]], 0.0
+        for _ in range(steps):
+            expected = model(torch.tensor([[torch_tokens[-1]]]), caches[0])[0, -1]
+            got = graphs.step(torch.tensor([[step_tokens[-1]]]), caches[1])[0, -1]
+            largest = max(largest, float((expected - got).abs().max()))
+            torch_tokens.append(int(expected.argmax()))
+            step_tokens.append(int(got.argmax()))
+        run = graphs.greedy(first[2], caches[2], steps)
+    assert caches[2].seq_len == caches[1].seq_len == len(prompt) + steps
+    return largest, torch_tokens[1:], step_tokens[1:], run
+
+
+def test_graph_step_computes_what_the_torch_path_does(smollm2: LLM) -> None:
+    prompt = smollm2.tokenizer.encode("The three primary colors are")
+    largest, torch_tokens, step_tokens, run = _decode_both_ways(smollm2, prompt, 12)
+    assert largest < 1e-3  # fp32: only attention's masked bucket vs exact-length keys rounds apart
+    assert step_tokens == torch_tokens
+    assert run == step_tokens  # argmax fed back and the position advanced on the device
+
+
+def test_graph_step_crosses_the_sliding_window_and_a_bucket(gemma3: LLM) -> None:
+    """Gemma 3's local layers see the last 512 positions: decode from 505 to 517 crosses the window
+    and the 512-position bucket."""
+    prompt = [(7 * i) % 5000 + 100 for i in range(505)]
+    largest, torch_tokens, step_tokens, run = _decode_both_ways(gemma3, prompt, 12)
+    assert largest < 1e-3
+    assert step_tokens == torch_tokens and run == step_tokens
+
+
+def test_buckets_and_capacities_are_powers_of_two() -> None:
+    assert [bucket_for(p, 4096) for p in (0, 255, 256, 1000, 5000)] == [256, 256, 512, 1024, 4096]
+    assert [device_capacity(n, 8192) for n in (1, 256, 257, 9000)] == [256, 256, 512, 8192]
+
+
+def test_graphs_refuse_what_they_cannot_run(smollm2: LLM) -> None:
+    graphs = CudaGraphDecoder(smollm2.model, capture=False)
+    contiguous = smollm2.generator.new_cache(4)
+    assert graphs.supports(contiguous)
+    assert not graphs.supports(ContiguousCache(contiguous.spec, 8, batch_size=2))  # batched rows
+    quantized = smollm2.generator.caches.quantized(8, "int8", "int8")
+    assert not graphs.supports(quantized)
+    assert graphs.step(torch.tensor([[1]]), quantized) is None and quantized.seq_len == 0  # left untouched
+    full = ContiguousCache(contiguous.spec, 4, max_capacity=4)
+    full.commit(4)
+    assert graphs.greedy(1, full, 2) is None and full.seq_len == 4
+
+
+def test_unusable_devices_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA build of PyTorch"):
+            LLM.load("smollm2", device="cuda")
+    with pytest.raises(ValueError, match="--weights q4 runs kvgen's CPU kernels"):
+        gpu_weights_mode("q4")
+    assert gpu_weights_mode("auto") == "fp32"
