@@ -69,11 +69,13 @@ def cpu_class() -> str:
 
 
 def git_sha() -> str:
-    """The commit measured; KVGEN_GIT_SHA names it where the tree is a copy without .git (a GPU machine)."""
+    """The commit measured; KVGEN_GIT_SHA names it where the tree is a copy (a GPU machine's)."""
+    if os.environ.get("KVGEN_GIT_SHA"):
+        return os.environ["KVGEN_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KVGEN_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:

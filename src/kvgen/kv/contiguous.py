@@ -27,19 +27,24 @@ class ContiguousCache(KVCache):
         self.max_capacity = max_capacity if max_capacity is not None else capacity
         self._seq_len = 0
         self._removed = 0  # positions dropped by remove_range since the cache was last empty
-        shape = (spec.num_layers, batch_size, spec.num_kv_heads, min(capacity, self.max_capacity), spec.head_dim)
-        self._keys = self._new_buffer(shape)  # [L, B, H, C, D]
-        self._values = self._new_buffer(shape)  # [L, B, H, C, D]
+        self._keys, self._values = self._new_buffers(min(capacity, self.max_capacity))  # [L, B, H, C, D] each
 
-    def _new_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """One sequence only reads positions it wrote, so its buffers skip zero-filling (a 512-token
-        SmolLM2 prefill spent 4% of its time there). Batched rows are zeroed: a shorter row's padding
-        positions are read under a mask, and uninitialised memory could hold NaN (0 * NaN = NaN). So are a
-        GPU cache's: its CUDA graphs attend over a fixed bucket of positions under a mask
-        (models/cuda_graphs.py)."""
-        if self.batch_size == 1 and self.device.type == "cpu":
-            return torch.empty(shape, dtype=self.spec.dtype)
-        return torch.zeros(shape, dtype=self.spec.dtype, device=self.device)
+    def _new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values for `capacity` positions. One sequence only reads positions it wrote, so
+        its buffers skip zero-filling (a 512-token SmolLM2 prefill spent 4% of its time there).
+        Batched rows are zeroed: a shorter row's padding positions are read under a mask, and
+        uninitialised memory could hold NaN (0 * NaN = NaN). So is a GPU cache, whose CUDA graphs
+        attend over a fixed bucket of positions under a mask (models/cuda_graphs.py); its keys and
+        values are one allocation, so a later cache of the same size gets back the same address
+        (and the graphs captured over it)."""
+        spec = self.spec
+        shape = (spec.num_layers, self.batch_size, spec.num_kv_heads, capacity, spec.head_dim)
+        if self.device.type != "cpu":
+            both = torch.zeros((2, *shape), dtype=spec.dtype, device=self.device)
+            return both[0], both[1]
+        if self.batch_size == 1:
+            return torch.empty(shape, dtype=spec.dtype), torch.empty(shape, dtype=spec.dtype)
+        return torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype)
 
     @property
     def seq_len(self) -> int:
@@ -56,11 +61,10 @@ class ContiguousCache(KVCache):
         if num_tokens > self.max_capacity:
             raise ValueError(f"cache needs {num_tokens} positions but is limited to {self.max_capacity}")
         new_capacity = min(max(num_tokens, 2 * self.capacity), self.max_capacity)
-        for name in ("_keys", "_values"):
-            old = getattr(self, name)
-            grown = self._new_buffer((*old.shape[:3], new_capacity, old.shape[4]))
-            grown[:, :, :, : self._seq_len] = old[:, :, :, : self._seq_len]
-            setattr(self, name, grown)
+        keys, values = self._new_buffers(new_capacity)
+        keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
+        values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
+        self._keys, self._values = keys, values
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._seq_len, self._seq_len + keys.shape[2]
@@ -75,6 +79,13 @@ class ContiguousCache(KVCache):
         self.reserve(num_tokens)
         k = self._keys  # [L, 1, H, C, D]
         return KVLayout(self._keys, self._values, k.stride(0), k.stride(2), k.stride(3))
+
+    def release(self) -> None:
+        """A GPU cache hands its memory back at once (not when the last reference goes), so the next
+        request of the same size is given the same buffers. Reusable: it grows again on demand."""
+        super().release()
+        if self.device.type != "cpu":
+            self._keys, self._values = self._new_buffers(0)
 
     def commit(self, num_tokens: int) -> None:
         if self._seq_len + num_tokens > self.capacity:

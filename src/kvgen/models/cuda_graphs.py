@@ -7,7 +7,7 @@ reads: the token, and the position — written in place by a fill kernel before 
 advanced by the graph itself when it runs several greedy steps back to back (`greedy`), so those
 steps need no host work at all between them.
 
-The cache is a ContiguousCache on the GPU (zero-filled, see its _new_buffer). A graph attends over
+The cache is a ContiguousCache on the GPU (zero-filled, see its _new_buffers). A graph attends over
 a fixed bucket of its positions (a power of two, at least MIN_BUCKET) under a mask built on the
 device from the position, and writes the step's keys and values with index_copy_ at that position;
 one graph per (cache buffers, capacity, bucket), captured on first use and kept (few: caches of
@@ -63,7 +63,7 @@ class _Graph:
     """A captured step (or greedy step) and the static tensor it writes its result to."""
 
     def __init__(self, run: Callable[[], torch.Tensor], capture: bool, pool: object | None):
-        self.run = run
+        self.run: Callable[[], torch.Tensor] | None = run
         self.graph: torch.cuda.CUDAGraph | None = None
         if capture:  # warm up on a side stream (lazy inits, autotuning), then capture
             stream = torch.cuda.Stream()
@@ -74,9 +74,11 @@ class _Graph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.output = run()
+            self.run = None  # the graph holds addresses, not the cache: nothing keeps the cache alive
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:  # eager: the same computation, for CPU tests of the graphs' math
+            assert self.run is not None
             return self.run()
         self.graph.replay()
         return self.output
