@@ -124,6 +124,16 @@ def test_a_session_keeps_its_gpu_cache_between_turns(pair: Pair) -> None:
     assert second.result.usage.cached_tokens == len(ids) + len(generated) - 1
 
 
+def test_samples_share_one_prefill_on_the_gpu(pair: Pair) -> None:
+    ids = pair.prompt(20, seed=5)
+    greedy = pair.llm.generate(ids, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    samples = pair.llm.generate_n(ids, SamplingParams(n=2, max_new_tokens=12, ignore_eos=True))
+    assert [s.token_ids for s in samples] == [greedy, greedy]  # each fork of the GPU cache decodes alike
+    seeded = SamplingParams(n=2, max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
+    first, again = pair.llm.generate_n(ids, seeded), pair.llm.generate_n(ids, seeded)
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]  # seeds reproduce on the GPU too
+
+
 def test_gpu_models_refuse_cpu_only_features(pair: Pair) -> None:
     from kvgen.config import CacheConfig
     from kvgen.engine.engine import LLMEngine

@@ -87,6 +87,12 @@ class ContiguousCache(KVCache):
         if self.device.type != "cpu":
             self._keys, self._values = self._new_buffers(0)
 
+    def static_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.batch_size != 1 or num_tokens > self.max_capacity:
+            return None
+        self.reserve(num_tokens)
+        return self._keys, self._values
+
     def commit(self, num_tokens: int) -> None:
         if self._seq_len + num_tokens > self.capacity:
             raise AssertionError(f"commit of {num_tokens} past capacity {self.capacity} at {self._seq_len}")

@@ -179,6 +179,13 @@ class KVCache(ABC):
         """
         return None
 
+    def static_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: keys and values [L, 1, H, C, D] (C >= num_tokens, room made now) that stay where
+        they are until the cache grows or is released and may be written in place at any position:
+        what a decode step replayed from a CUDA graph needs (models/cuda_graphs.py), which then
+        commits what it wrote. None (the default): no such storage, or no room for num_tokens."""
+        return None
+
     def codes_view(self, num_tokens: int) -> CodesView | None:
         """Optional: for caches that store packed codes the C kernels read, room for `num_tokens`
         positions and the kernels' view of the storage (the caller then `commit`s); None for every

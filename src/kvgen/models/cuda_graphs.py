@@ -7,13 +7,14 @@ reads: the token, and the position — written in place by a fill kernel before 
 advanced by the graph itself when it runs several greedy steps back to back (`greedy`), so those
 steps need no host work at all between them.
 
-The cache is a ContiguousCache on the GPU (zero-filled, see its _new_buffers). A graph attends over
-a fixed bucket of its positions (a power of two, at least MIN_BUCKET) under a mask built on the
-device from the position, and writes the step's keys and values with index_copy_ at that position;
-one graph per (cache buffers, capacity, bucket), captured on first use and kept (few: caches of
-the same shape reuse the same buffers through torch's caching allocator). Steps the graphs cannot
-run — LongRoPE (it picks factors on the host), attention sinks or chunked spans, a biased cache —
-take the eager torch path (`step` returns None).
+The cache offers storage through the contract's `static_buffers` (a GPU ContiguousCache:
+zero-filled, keys and values in one allocation). A graph attends over a fixed bucket of its
+positions (a power of two, at least MIN_BUCKET) under a mask built on the device from the
+position, and writes the step's keys and values with index_copy_ at that position; one graph per
+(buffers, capacity, bucket), captured on first use and kept (few: a released GPU cache hands its
+memory back, so the next cache of that size gets the same address). Steps the graphs cannot run —
+LongRoPE (it picks factors on the host), attention sinks or chunked spans, a biased cache, a cache
+without static buffers on the model's device — take the eager torch path (`step` returns None).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Callable
 
 import torch
 
-from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import KVCache
 from kvgen.models.layers import AttentionMask
 from kvgen.models.rotary import LongRopeEmbedding
@@ -49,8 +49,8 @@ class _PositionedKV:
     """What a block's attention sees while a graph is captured: `update` writes the step's keys and
     values at the device-side position and returns the bucket's keys and values."""
 
-    def __init__(self, cache: ContiguousCache, position: torch.Tensor, bucket: int):
-        self.keys, self.values = cache._keys, cache._values  # [L, 1, H, C, D]
+    def __init__(self, buffers: tuple[torch.Tensor, torch.Tensor], position: torch.Tensor, bucket: int):
+        self.keys, self.values = buffers  # [L, 1, H, C, D]
         self.position, self.bucket = position, bucket
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,7 @@ class _Graph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.output = run()
-            self.run = None  # the graph holds addresses, not the cache: nothing keeps the cache alive
+            self.run = None  # the graph holds addresses only: nothing keeps the cache buffers alive
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:  # eager: the same computation, for CPU tests of the graphs' math
@@ -102,25 +102,29 @@ class CudaGraphDecoder:
         self.runs_graphs = not any(isinstance(rope, LongRopeEmbedding) for rope in model.ropes)
 
     def supports(self, cache: KVCache) -> bool:
-        """Whether a graph can run this cache's next step (else the eager path runs it)."""
-        if not (self.runs_graphs and type(cache) is ContiguousCache and cache.batch_size == 1):
-            return False
-        if cache.device != self.model.device or cache.seq_len >= cache.max_capacity:
+        """Whether graphs can run this cache's steps (else the eager path runs them)."""
+        if not self.runs_graphs or cache.key_bias() is not None:
             return False
         spans = [cache.attention_span(i, w) for i, w in enumerate(self.windows)]
-        return cache.key_bias() is None and all(s.sinks == 0 and s.chunk is None for s in spans)
+        if any(s.sinks or s.chunk is not None for s in spans):
+            return False
+        buffers = cache.static_buffers(cache.seq_len)
+        return buffers is not None and buffers[0].device == self.model.device
+
+    def _buffers(self, cache: KVCache, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cache's storage with room for num_tokens, where graphs can run its steps."""
+        return cache.static_buffers(num_tokens) if self.supports(cache) else None
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """input_ids [1, 1] -> logits [1, 1, V] (a copy), the token's keys and values appended to the
         cache; None when a graph cannot run this step."""
-        if not self.supports(cache):
-            return None
-        assert isinstance(cache, ContiguousCache)
         start = cache.seq_len
-        cache.reserve(start + 1)
+        buffers = self._buffers(cache, start + 1)
+        if buffers is None:
+            return None
         self.token.copy_(input_ids)
         self.position.fill_(start)
-        graph = self._graph(cache, bucket_for(start, cache.capacity), steps=1)
+        graph = self._graph(buffers, bucket_for(start, buffers[0].shape[3]), steps=1)
         logits = graph.replay().clone()
         cache.commit(1)
         return logits
@@ -130,32 +134,33 @@ class CudaGraphDecoder:
         each replay appends its input's keys and values, writes the argmax as the next input and
         advances the device-side position. -> the `steps` new tokens (the cache then holds `token`
         and all but the last of them); None when a graph cannot run them."""
-        if not self.supports(cache) or cache.seq_len + steps > cache.max_capacity:
-            return None
-        assert isinstance(cache, ContiguousCache)
         start = cache.seq_len
-        cache.reserve(start + steps)
+        buffers = self._buffers(cache, start + steps)
+        if buffers is None:
+            return None
         out = torch.empty(steps, dtype=torch.long, device=self.token.device)
         self.token.fill_(token)
         self.position.fill_(start)
         done = 0
         while done < steps:  # one bucket's graph at a time: a run stays inside its bucket
-            bucket = bucket_for(start + done, cache.capacity)
+            bucket = bucket_for(start + done, buffers[0].shape[3])
             run = min(steps - done, bucket - (start + done))
-            graph = self._graph(cache, bucket, steps=0)
+            graph = self._graph(buffers, bucket, steps=0)
             for _ in range(run):
                 out[done] = graph.replay()[0]  # a device copy, queued: no host sync
                 done += 1
         cache.commit(steps)
         return out.tolist()  # the one sync of the run
 
-    def _graph(self, cache: ContiguousCache, bucket: int, steps: int) -> _Graph:
+    def _graph(self, buffers: tuple[torch.Tensor, torch.Tensor], bucket: int, steps: int) -> _Graph:
         """steps=1: a step that returns logits; steps=0: a greedy step (argmax fed back, position
         advanced) that returns its token."""
-        key = (cache._keys.data_ptr(), cache._values.data_ptr(), cache.capacity, bucket, steps)
+        keys, values = buffers
+        key = (keys.data_ptr(), values.data_ptr(), keys.shape, bucket, steps)
         graph = self.graphs.get(key)
         if graph is None:
-            run = (lambda: self._forward(cache, bucket)) if steps == 1 else (lambda: self._greedy_step(cache, bucket))
+            view = _PositionedKV(buffers, self.position, bucket)
+            run = (lambda: self._forward(view)) if steps == 1 else (lambda: self._greedy_step(view))
             # The warm-up runs the step for real: it writes this very step's keys and values (the
             # replay writes them again), but a greedy step also moves the token and position on.
             token, position = self.token.clone(), self.position.clone()
@@ -169,23 +174,22 @@ class CudaGraphDecoder:
         self.graphs.move_to_end(key)
         return graph
 
-    def _greedy_step(self, cache: ContiguousCache, bucket: int) -> torch.Tensor:
-        logits = self._forward(cache, bucket)[0, -1]  # [V]
+    def _greedy_step(self, view: _PositionedKV) -> torch.Tensor:
+        logits = self._forward(view)[0, -1]  # [V]
         chosen = torch.argmax(logits).view(1)  # the first of equal maxima, as the host sampler picks
         self.token.copy_(chosen.view(1, 1))
         self.position.add_(1)
         return chosen
 
-    def _forward(self, cache: ContiguousCache, bucket: int) -> torch.Tensor:
+    def _forward(self, view: _PositionedKV) -> torch.Tensor:
         """The step itself, all device tensors: embed the token, run every block over the bucket, logits."""
-        model = self.model
+        model, bucket = self.model, view.bucket
         h = model._embed(self.token)  # [1, 1, H]
         positions = self.position.view(1, 1)
         ropes = [rope(positions, h.dtype) for rope in model.ropes]
         keys = torch.arange(bucket, device=h.device)
         seen = keys <= self.position  # [bucket]: causal, and written slots only
         masks: dict[int | None, AttentionMask] = {}
-        view = _PositionedKV(cache, self.position, bucket)
         for i, block in enumerate(model.layers):
             window = self.windows[i]
             if window not in masks:
