@@ -9,7 +9,7 @@
 #include <math.h>
 
 typedef struct {
-    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks
     int32_t has_bias;
     const void* blocks;
     const float* bias;
@@ -69,8 +69,12 @@ static void apply_linear(const qlinear* l, const float* x, void* xq, float* y) {
         kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
     } else if (l->kind == 2) {
         kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
-    } else {
+    } else if (l->kind == 3) {
         kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    } else if (l->kind == 4) {
+        kvgen_linear_q4kx8((const block_q4kx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    } else {
+        kvgen_linear_q6kx8((const block_q6kx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
     }
     if (l->has_bias) {
         for (int64_t i = 0; i < l->n; i++) y[i] += l->bias[i];
@@ -323,8 +327,12 @@ static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, in
         kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
     } else if (l->kind == 2) {
         kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
-    } else {
+    } else if (l->kind == 3) {
         kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    } else if (l->kind == 4) {
+        kvgen_linear_q4kx8((const block_q4kx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    } else {
+        kvgen_linear_q6kx8((const block_q6kx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
     }
     if (l->has_bias) {
         for (int64_t r = 0; r < rows; r++)
