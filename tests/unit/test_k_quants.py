@@ -18,8 +18,10 @@ pytestmark = pytest.mark.skipif(load() is None, reason="quantized kernels need a
 def test_dequantized_weights_are_ggufs_values_bit_for_bit() -> None:
     raw = random_q4k(100, 512)  # 100 rows: the last group of 8 is partial
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
-    ours = QuantizedLinear(from_gguf_blocks("Q4_K", raw, "q4k")).dequantized().numpy()
+    linear = QuantizedLinear(from_gguf_blocks("Q4_K", raw, "q4k"))
+    ours = linear.dequantized().numpy()
     assert np.array_equal(ours.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    assert torch.equal(linear.dequantized(dtype=torch.bfloat16), torch.from_numpy(ours).bfloat16())  # bf16 prefill GEMM
     as_q8 = QuantizedLinear(from_gguf_blocks("Q4_K", raw, "q8")).dequantized().numpy()
     assert np.array_equal(as_q8, expected)  # --weights int8: the same integers in q8 blocks
 
@@ -29,6 +31,7 @@ def test_q6k_dequantizes_to_ggufs_values_and_computes_their_integer_dots() -> No
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K)
     linear = QuantizedLinear(from_gguf_blocks("Q6_K", raw, "q6k"))
     assert np.array_equal(linear.dequantized().numpy().view(np.uint32), expected.view(np.uint32))
+    assert torch.equal(linear.dequantized(dtype=torch.bfloat16), torch.from_numpy(expected).bfloat16())
     x = torch.randn(9, 512, dtype=torch.float64)
     xb = x.reshape(9, -1, 32)
     scale = xb.abs().amax(-1, keepdim=True) / 127
