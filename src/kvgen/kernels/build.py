@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "paged_codes_attention.c", "lora_delta.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "paged_codes_attention.c", "lora_delta.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
@@ -75,7 +75,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.kvgen_quantize_x8.argtypes = [pointer, count, count, pointer]
-    kinds = ("q4x8", "q8x8", "q8sx8", "q5x8")
+    kinds = ("q4x8", "q8x8", "q8sx8", "q5x8", "q4kx8", "q6kx8")
     for name in (f"kvgen_gemm_{kind}" for kind in kinds):
         getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
     for name in (f"kvgen_repack_{kind}" for kind in kinds):

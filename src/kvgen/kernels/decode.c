@@ -9,7 +9,7 @@
 #include <math.h>
 
 typedef struct {
-    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks
     int32_t has_bias;
     const void* blocks;
     const float* bias;
@@ -69,8 +69,12 @@ static void apply_linear(const qlinear* l, const float* x, void* xq, float* y) {
         kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
     } else if (l->kind == 2) {
         kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
-    } else {
+    } else if (l->kind == 3) {
         kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    } else if (l->kind == 4) {
+        kvgen_linear_q4kx8((const block_q4kx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+    } else {
+        kvgen_linear_q6kx8((const block_q6kx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
     }
     if (l->has_bias) {
         for (int64_t i = 0; i < l->n; i++) y[i] += l->bias[i];
@@ -184,20 +188,25 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
 // out[i] = silu(gate[i]) * up[i] (SwiGLU) or gelu_tanh(gate[i]) * up[i] (GeGLU), n values.
 static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu);
 
+// tanh-GELU as a sigmoid: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
+// so GeGLU takes SwiGLU's vectorised exp (tanhf one lane at a time cost Gemma 3 270M ~0.5 ms a
+// token, 26 us per layer's 2,048 values on one core while the other thread waited).
 static inline float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    return x / (1.0f + expf(-1.5957691216057308f * (x + 0.044715f * x * x * x)));
 }
 
 static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu) {
     int64_t i = 0;
 #ifdef __AVX2__
-    if (!gelu) {
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= n; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-        }
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        // SiLU: g / (1 + e^-g); tanh-GELU: g / (1 + e^(-2u)) with -2u = c g (1 + 0.044715 g^2)
+        const __m256 z = gelu ? _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f), g),
+                                              _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(0.044715f), one))
+                              : _mm256_sub_ps(_mm256_setzero_ps(), g);
+        const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, exp8(z)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
     }
 #endif
     for (; i < n; i++) {
@@ -318,8 +327,12 @@ static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, in
         kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
     } else if (l->kind == 2) {
         kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
-    } else {
+    } else if (l->kind == 3) {
         kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    } else if (l->kind == 4) {
+        kvgen_linear_q4kx8((const block_q4kx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+    } else {
+        kvgen_linear_q6kx8((const block_q6kx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
     }
     if (l->has_bias) {
         for (int64_t r = 0; r < rows; r++)

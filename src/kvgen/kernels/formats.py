@@ -7,9 +7,13 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
   q8:  f32 d, f32 m, int8 q (w = d * q + m)                                   -> 40 bytes per block
   q8s: f16 d, int8 q (w = d * q): GGUF's Q8_0 block, byte for byte            -> 34 bytes per block
   q5:  f16 d, 5-bit u (w = d * (u - 16)): GGUF's Q5_0 block, byte for byte    -> 22 bytes per block
+  q4k: GGUF's Q4_K super-block of 256 weights, byte for byte: f16 d and dmin, 6-bit scale sc and
+       min mn per 32 weights, 4-bit q (w = d * sc * q - dmin * mn)            -> 144 bytes per 8 blocks
+  q6k: GGUF's Q6_K super-block of 256 weights, byte for byte: 6-bit u, an int8 scale sc per 16
+       weights, f16 d (w = d * sc * (u - 32))                                  -> 210 bytes per 8 blocks
 
-GGUF's Q4_0 / Q4_1 map onto q4 exactly, Q8_0 onto q8s, Q5_0 onto q5 and Q5_1 onto q8 (same
-integers, same scales). Other sources (K-quants, float weights) are requantized per block, which is
+GGUF's Q4_0 / Q4_1 map onto q4 exactly, Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
+and Q5_1 onto q8 (same integers, same scales). Other sources (K-quants, float weights) are requantized per block, which is
 lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
@@ -23,10 +27,17 @@ import numpy as np
 import torch
 
 QK = 32
-Kind = Literal["q4", "q8", "q8s", "q5"]
+QK_K = 256  # weights per K-quant super-block
+Kind = Literal["q4", "q8", "q8s", "q5", "q4k", "q6k"]
+# Row-major bytes per 32 weights (the K-quants: per 256, their GGUF super-block, SUPER_BLOCK_BYTES).
 BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2}
+SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
+# The kernels' interleaved layout (kernels/interleaved.c, k_quants.c): bytes per 8 rows x 32
+# weights; q4kx8 unpacks the 6-bit scales and mins to a byte each (1,184 bytes per 8 rows x 256).
+X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
-EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8"}
+EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8", "Q4_K": "q4k",
+                                  "Q6_K": "q6k"}  # fmt: skip
 # The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
 # not made by requantize (they would lose bits); such weights stay q8.
 F16_TINY, F16_MAX = 2.0**-14, 65504.0
@@ -41,6 +52,12 @@ class QuantizedWeight:
 
     def scales(self) -> np.ndarray:
         """[N, blocks, 2] float32: each block's d and m (m = 0 for q8s; for integrity checks)."""
+        if self.kind == "q6k":  # d * sc per 16 weights
+            d, _ = _q6k_values(self.blocks.numpy())
+            return np.stack([d, np.zeros_like(d)], axis=-1)
+        if self.kind == "q4k":
+            d, m, _ = _q4k_values(self.blocks.numpy().reshape(self.out_features, -1))
+            return np.stack([d, m], axis=-1)
         b = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.kind])
         if self.kind in ("q8s", "q5"):
             d = _f16(b, 0)
@@ -81,6 +98,20 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWeight:
     """GGUF rows [N, row_bytes] of an EXACT_SOURCES type -> `kind`, keeping its integers and scales."""
     n = raw.shape[0]
+    if type_name == "Q6_K":
+        k = raw.shape[1] // 210 * QK_K
+        if kind == "q6k":  # the file's super-blocks as they are
+            return QuantizedWeight("q6k", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, k)
+        scale, q = _q6k_values(raw)  # two scales per 32 weights: other formats round (as before q6k)
+        return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(n, k)), kind)
+    if type_name == "Q4_K":
+        k = raw.shape[1] // 144 * QK_K
+        if kind == "q4k":  # the file's super-blocks as they are
+            return QuantizedWeight("q4k", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, k)
+        if kind == "q8s":
+            raise ValueError("Q4_K has offsets: it maps to q4k or q8, not q8s")
+        d, m, q = _q4k_values(raw)
+        return _pack("q8", d, m, q.astype(np.int8)) if kind == "q8" else _pack("q4", d, m, q[..., :16] | (q[..., 16:] << 4))
     if type_name == "Q4_0":
         b = raw.reshape(n, -1, 18)
         d, qs = _f16(b, 0), b[..., 2:]
@@ -129,6 +160,8 @@ def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
 
     q8s rounds with its f16 scale (as llama.cpp's Q8_0 does); where a block's scale falls outside
     f16's full-precision range the whole weight is made q8 instead (f32 scale)."""
+    if kind in ("q4k", "q6k"):
+        raise ValueError(f"{kind} holds GGUF's super-blocks as the file has them; float weights are not rounded to it")
     w = weight.detach().float().numpy().reshape(weight.shape[0], -1, QK)
     if kind == "q5":  # llama.cpp's Q5_0 rounding: the largest magnitude maps to -16
         extreme = np.take_along_axis(w, np.abs(w).argmax(axis=-1)[..., None], axis=-1)[..., 0]
@@ -179,6 +212,34 @@ def _q5_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     return _f16_bits(b, 0), (u.astype(np.int16) - 16).astype(np.int8)
 
 
+def _q4k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_K rows [N, bytes] -> per 32-weight block d = d * sc and m = -dmin * mn (float32, both
+    exact) [N, nb], and q [N, nb, 32] uint8 in [0, 15]: w = d * q + m."""
+    n = raw.shape[0]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, 144)
+    d, dmin, s = _f16(b, 0), _f16(b, 2), b[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = b[..., 16:].reshape(n, -1, 4, 32)  # 32 bytes per pair of sub-blocks: low nibbles, then high
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, QK)  # [N, nb, 32]
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    offset = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return scale, offset, q
+
+
+def _q6k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q6_K rows [N, bytes] -> d * sc per 16 weights (float32) [N, k / 16] and the signed
+    integers u - 32 [N, k / 16, 16] int8: w = (d * sc) * q, gguf's order of rounding."""
+    n = raw.shape[0]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, 210)
+    ql, qh = b[..., :128].reshape(n, -1, 2, 1, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(n, -1, 2, 4, 32)
+    top = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3).reshape(n, -1, 2, 4, 32)
+    q = ((low | (top << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1, 16)
+    scale = _f16(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)  # [N, nsb, 16]
+    return scale.reshape(n, -1), q
+
+
 def to_q8s(weight: QuantizedWeight) -> QuantizedWeight:
     """q5 -> q8s with the same integers and scales (exact), for fusing with q8s rows."""
     if weight.kind == "q8s":
@@ -188,10 +249,22 @@ def to_q8s(weight: QuantizedWeight) -> QuantizedWeight:
     return _pack("q8s", d, None, q)
 
 
+def _q6k_as_q8s(weight: QuantizedWeight) -> QuantizedWeight:
+    scale, q = _q6k_values(weight.blocks.numpy())
+    return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(weight.out_features, -1)), "q8s")
+
+
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 / q8s / q5 -> q8 with the same integers and scales (exact), for fusing with q8 rows."""
+    """q4 / q8s / q5 / q4k -> q8 with the same integers and scales (exact), for fusing with q8 rows;
+    q6k (two scales per 32 weights) is rounded to q8."""
     if weight.kind == "q8":
         return weight
+    if weight.kind == "q6k":
+        scale, q = _q6k_values(weight.blocks.numpy())
+        return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(weight.out_features, -1)), "q8")
+    if weight.kind == "q4k":
+        d, m, q = _q4k_values(weight.blocks.numpy())
+        return _pack("q8", d, m, q.astype(np.int8))
     if weight.kind == "q5":
         weight = to_q8s(weight)
     if weight.kind == "q8s":
@@ -206,7 +279,9 @@ def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack output rows (fused QKV, gate/up); mixed formats meet in q8 (exact for each)."""
     kinds = {w.kind for w in weights}
-    if len(kinds) > 1:
+    if len(kinds) > 1 and "q6k" in kinds and kinds <= {"q6k", "q5", "q8s"}:  # rounded to q8s, as before q6k
+        weights = [to_q8s(w) if w.kind != "q6k" else _q6k_as_q8s(w) for w in weights]
+    elif len(kinds) > 1:
         weights = [to_q8s(w) for w in weights] if kinds <= {"q5", "q8s"} else [to_q8(w) for w in weights]
     first = weights[0]
     assert all(w.in_features == first.in_features for w in weights), "fused weights need one input size"

@@ -127,9 +127,10 @@ static inline __m256i broadcast4(const int8_t* p) {
 #define DOT32(acc, w, x) (acc) = _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
 #endif
 
-#define Q4X8_DOTS(R)                                                                                 \
+#define Q4X8_DOTS(R) NIBBLE_DOTS(R, blk->qs)
+#define NIBBLE_DOTS(R, QS)                                                                           \
     for (int i = 0; i < 4; i++) {                                                                    \
-        const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)((QS) + 32 * i));                 \
         const __m256i lo = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));                         \
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));  \
         for (int t = 0; t < R; t++) {                                                                \
@@ -259,7 +260,9 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
     return sums;
 }
 
-#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS)                                            \
+// GROUP_BLOCKS: BLOCKs per group of 8 rows (nb 32-element blocks; q4kx8: nb / 8 super-blocks).
+#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS) GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS, nb)
+#define GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS, GROUP_BLOCKS)                      \
     void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
         const int64_t nb = k / QK, groups = x8_groups(n);                                            \
         int32_t* xsum = NEEDS_SUMS ? x8_sums(x, m_rows * nb) : NULL;                                 \
@@ -271,7 +274,7 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
                 const int out_count = (int)(n - g * XROWS < XROWS ? n - g * XROWS : XROWS);          \
                 for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += 4) {                              \
                     const int rows = (int)(m_end - m0 < 4 ? m_end - m0 : 4);                         \
-                    ROWS_FN(w + g * nb, x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb,       \
+                    ROWS_FN(w + g * (GROUP_BLOCKS), x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb,       \
                             y + m0 * n + g * XROWS, n, rows, nb, out_count);                         \
                 }                                                                                    \
             }                                                                                        \
@@ -293,6 +296,8 @@ GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, 0)
 GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, 0)
 GEMM_X8(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, 0)
 GEMM_X8(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, Q5_SUMS)
+
+#include "k_quants.c"
 
 #define DEQUANTIZE_X8(NAME, BLOCK, WEIGHT, OUT_T, CONVERT)                                           \
     void NAME(const BLOCK* w, OUT_T* out, int64_t n, int64_t k) {                                    \

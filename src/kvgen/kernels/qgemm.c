@@ -128,5 +128,9 @@ DEQUANTIZE_X8(kvgen_dequantize_q4x8_bf16, block_q4x8, q4x8_weight, uint16_t, as_
 DEQUANTIZE_X8(kvgen_dequantize_q8x8_bf16, block_q8x8, q8x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8_bf16, block_q8sx8, q8sx8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q5x8_bf16, block_q5x8, q5x8_weight, uint16_t, as_bf16)
+DEQUANTIZE_Q4KX8(kvgen_dequantize_q4kx8, float, as_fp32)
+DEQUANTIZE_Q4KX8(kvgen_dequantize_q4kx8_bf16, uint16_t, as_bf16)
+DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8, float, as_fp32)
+DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 
 #include "decode.c"

@@ -1,10 +1,11 @@
 """Which weights kvgen keeps quantized, and in which kernel format.
 
   fp32  every weight dequantized to the compute dtype (exact reference behaviour)
-  int8  matmul weights in 8-bit blocks: exact for Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 files, rounded otherwise
+  int8  matmul weights in 8-bit blocks: exact for Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K files, rounded otherwise
         (symmetric q8s blocks with f16 scales where the source has no offsets, q8 otherwise)
-  q4    matmul weights as the file has them where the kernels can (4-bit Q4_0/Q4_1, 8-bit Q8_0/Q5_x);
-        K-quants and float weights rounded to 4-bit (Q2_K..Q4_K, floats) or 8-bit q8s (Q5_K, Q6_K)
+  q4    matmul weights as the file has them where the kernels can (4-bit Q4_0/Q4_1, Q4_K and Q6_K
+        super-blocks, 8-bit Q8_0/Q5_x); other K-quants and float weights rounded to 4-bit (Q2_K,
+        Q3_K, floats) or 8-bit q8s (Q5_K)
   auto  q4 for a quantized GGUF file when the kernels compiled, fp32 otherwise
 """
 
@@ -56,7 +57,9 @@ def quantizable(shape: tuple[int, ...]) -> bool:
 def target_kind(mode: Literal["int8", "q4"], source_type: str) -> Kind:
     exact = EXACT_SOURCES.get(source_type)
     if mode == "int8":
-        return "q8" if exact in ("q4", "q8") else "q8s"  # sources with offsets keep them in q8
+        if exact == "q6k":
+            return "q8s"  # rounded: q8s has one scale per 32 weights, Q6_K two
+        return "q8" if exact in ("q4", "q8", "q4k") else "q8s"  # sources with offsets keep them in q8
     if exact is not None:
         return exact
     return "q4" if source_type in _FOUR_BIT_OR_LESS else "q8s"

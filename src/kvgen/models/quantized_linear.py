@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels import load
-from kvgen.kernels.formats import BLOCK_BYTES, QK, QuantizedWeight
+from kvgen.kernels.formats import BLOCK_BYTES, QK, X8_GROUP_BYTES, QuantizedWeight
 
 # One per thread: within a forward pass one weight is used at a time; threads must not share it.
 _scratch = threading.local()
@@ -60,7 +60,7 @@ def repack_x8(weight: QuantizedWeight) -> torch.Tensor:
     library = load()
     assert library is not None
     groups = -(-weight.out_features // INTERLEAVED_ROWS)
-    group_bytes = INTERLEAVED_ROWS * BLOCK_BYTES[weight.kind]  # 8 rows' scales (and offsets), then their integers
+    group_bytes = X8_GROUP_BYTES[weight.kind]  # 8 rows' scales (and offsets), then their integers
     out = torch.empty(groups * (weight.in_features // QK) * group_bytes, dtype=torch.uint8)
     repack = getattr(library, f"kvgen_repack_{weight.kind}x8")
     repack(weight.blocks.contiguous().data_ptr(), out.data_ptr(), weight.out_features, weight.in_features)

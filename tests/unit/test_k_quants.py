@@ -1,0 +1,77 @@
+"""q4k / q6k: GGUF's Q4_K and Q6_K super-blocks kept as the file has them (kernels/k_quants.c)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvgen.kernels import load
+from kvgen.kernels.formats import from_gguf_blocks, to_q8
+from kvgen.models.quantized_linear import QuantizedLinear
+from tests.support.k_quants import q4k_weight, q6k_weight, random_q4k, random_q6k
+
+pytestmark = pytest.mark.skipif(load() is None, reason="quantized kernels need a C compiler")
+
+
+def test_dequantized_weights_are_ggufs_values_bit_for_bit() -> None:
+    raw = random_q4k(100, 512)  # 100 rows: the last group of 8 is partial
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    linear = QuantizedLinear(from_gguf_blocks("Q4_K", raw, "q4k"))
+    ours = linear.dequantized().numpy()
+    assert np.array_equal(ours.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    assert torch.equal(linear.dequantized(dtype=torch.bfloat16), torch.from_numpy(ours).bfloat16())  # bf16 prefill GEMM
+    as_q8 = QuantizedLinear(from_gguf_blocks("Q4_K", raw, "q8")).dequantized().numpy()
+    assert np.array_equal(as_q8, expected)  # --weights int8: the same integers in q8 blocks
+
+
+def test_q6k_dequantizes_to_ggufs_values_and_computes_their_integer_dots() -> None:
+    raw = random_q6k(100, 512, seed=2)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K)
+    linear = QuantizedLinear(from_gguf_blocks("Q6_K", raw, "q6k"))
+    assert np.array_equal(linear.dequantized().numpy().view(np.uint32), expected.view(np.uint32))
+    assert torch.equal(linear.dequantized(dtype=torch.bfloat16), torch.from_numpy(expected).bfloat16())
+    x = torch.randn(9, 512, dtype=torch.float64)
+    xb = x.reshape(9, -1, 32)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(xb / scale) * scale).reshape(9, 512)  # the kernels' int8 activation blocks
+    reference = rounded @ torch.from_numpy(expected).double().T
+    torch.testing.assert_close(linear(x.float(), row_invariant=True).double(), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_q6k_rows_get_the_same_bits_at_any_row_count() -> None:
+    linear = QuantizedLinear(q6k_weight(100, 512, seed=3))
+    x = torch.randn(70, 512)
+    alone = torch.cat([linear(x[i : i + 1], row_invariant=True) for i in range(x.shape[0])])
+    for rows in (2, 3, 4, 5, 64, 65, 70):
+        assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
+
+
+def test_a_row_gets_the_q8_kernels_bits_at_any_row_count() -> None:
+    """q4k's sums are q8's over the same integers and scales, in the same order, at every row count."""
+    weight = q4k_weight(100, 512, seed=1)
+    linear, reference = QuantizedLinear(weight), QuantizedLinear(to_q8(weight))
+    x = torch.randn(70, 512)
+    alone = torch.cat([linear(x[i : i + 1], row_invariant=True) for i in range(x.shape[0])])
+    assert torch.equal(alone, reference(x, row_invariant=True))
+    for rows in (2, 3, 4, 5, 64, 65, 70):
+        assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
+
+
+def test_the_real_files_k_quant_tensors_keep_their_values() -> None:
+    """Gemma 3 270M Q4_K_M: attn_output and half of ffn_down are Q4_K, the other half Q6_K; --weights
+    q4 keeps them as q4k and q6k with gguf's values."""
+    from kvgen.loading.gguf_file import GGUFFile
+    from kvgen.loading.weight_format import quantize_gguf_rows
+    from tests.support.models import model_path
+
+    file = GGUFFile(model_path("gemma3-270m"))
+    downs = {t.type_name: n for n, t in file.tensors.items() if n.endswith("ffn_down.weight")}
+    assert file.tensors["blk.0.attn_output.weight"].type_name == "Q4_K" and {"Q4_K", "Q6_K"} <= set(downs)
+    for name in ("blk.0.attn_output.weight", downs["Q4_K"], downs["Q6_K"]):
+        info = file.tensors[name]
+        weight = quantize_gguf_rows(info.type_name, file.raw(info), None, "q4")
+        assert weight.kind == info.type_name.lower().replace("_", "")
+        expected = gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType[info.type_name])
+        assert np.array_equal(QuantizedLinear(weight).dequantized().numpy(), expected), name
