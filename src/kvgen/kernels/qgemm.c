@@ -130,3 +130,4 @@ DEQUANTIZE_X8(kvgen_dequantize_q8sx8_bf16, block_q8sx8, q8sx8_weight, uint16_t, 
 DEQUANTIZE_X8(kvgen_dequantize_q5x8_bf16, block_q5x8, q5x8_weight, uint16_t, as_bf16)
 
 #include "decode.c"
+#include "rows_ops.c"
