@@ -143,7 +143,8 @@ def test_prefill_runs_the_int8_kernel_unless_overridden(monkeypatch) -> None:
 
 def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) -> None:
     """The kernels promise the same bits on every instruction set: build them for AVX2 without F16C
-    or VNNI (an AVX2-only machine's paths) and for no vector extension at all, and compare."""
+    or VNNI (an AVX2-only machine's paths), for AVX-512 without VNNI (8-row tiles over AVX2's
+    multiply-adds) and for no vector extension at all, and compare."""
     import ctypes
     import subprocess
 
@@ -151,8 +152,10 @@ def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) ->
 
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     torch.manual_seed(3)
-    x = torch.randn(5, 256)
-    for name, flags in (("avx2", ["-mavx2", "-mfma"]), ("portable", [])):
+    x = torch.randn(19, 256)  # 19 rows: full and partial tiles of every build's tile height
+    builds = (("avx2", ["-mavx2", "-mfma"]), ("avx512-without-vnni", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
+              ("portable", []))  # fmt: skip
+    for name, flags in builds:
         target = tmp_path / f"{name}.so"
         subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", str(target), "-lm"],
                        check=True)  # fmt: skip
@@ -163,7 +166,7 @@ def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) ->
             linear = QuantizedLinear(weight)
             function = getattr(other, f"kvgen_linear_{kind}x8")
             function.argtypes = [pointer] * 4 + [count] * 3
-            for rows in (1, 5):
+            for rows in (1, 5, 19):
                 expected = linear(x[:rows], row_invariant=True)
                 scratch, y = torch.empty(rows * 8 * 40, dtype=torch.uint8), torch.empty(rows, 100)
                 function(linear.blocks.data_ptr(), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), rows, 100, 256)

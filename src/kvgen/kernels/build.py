@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "paged_codes_attention.c", "lora_delta.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "paged_codes_attention.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None
@@ -85,6 +85,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     dequantizers = [f"kvgen_dequantize_{kind}{suffix}" for kind in kinds for suffix in ("", "_bf16")]
     for name in dequantizers:
         getattr(library, name).argtypes = [pointer, pointer, count, count]
+    library.kvgen_rms_norm_rows.argtypes = [pointer, pointer, ctypes.c_float, count, count, pointer]
+    library.kvgen_swiglu_rows.argtypes = [pointer, count, count, pointer]
+    library.kvgen_rope.argtypes = [pointer] + [count] * 7 + [pointer, pointer, count, pointer]
     library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
     library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]
     library.kvgen_paged_decode_attention.argtypes = [pointer] * 4 + [count] * 4 + [ctypes.c_float] + [count] * 4 + [pointer, count, pointer, pointer]
@@ -107,7 +110,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer, pointer,
                                                      pointer]  # fmt: skip
-    for name in ("kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
+    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
                  *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

@@ -117,6 +117,11 @@ static inline __m256i broadcast4(const int8_t* p) {
 #define DOT16(acc, w, x) (acc) = _mm256_dpbusd_epi32((acc), (w), (x))
 #define WIDEN16(acc) (acc)
 #define DOT32(acc, w, x) (acc) = _mm256_dpbusd_epi32((acc), (w), (x))
+// The 4 activation bytes at p broadcast inside the multiply-add ({1to8}): one instruction where
+// gcc emits a broadcast and a multiply-add, which relieves the front end of the many-row tiles.
+#define DOT_BCAST(acc, w, p) __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)(p)))
+#define DOT16_BCAST DOT_BCAST
+#define DOT32_BCAST DOT_BCAST
 #elif defined(__AVXVNNI__)
 #define DOT16(acc, w, x) (acc) = _mm256_dpbusd_avx_epi32((acc), (w), (x))
 #define WIDEN16(acc) (acc)
@@ -125,6 +130,10 @@ static inline __m256i broadcast4(const int8_t* p) {
 #define DOT16(acc, w, x) (acc) = _mm256_add_epi16((acc), _mm256_maddubs_epi16((w), (x)))
 #define WIDEN16(acc) _mm256_madd_epi16((acc), _mm256_set1_epi16(1))
 #define DOT32(acc, w, x) (acc) = _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
+#endif
+#ifndef DOT_BCAST
+#define DOT16_BCAST(acc, w, p) DOT16(acc, w, broadcast4(p))
+#define DOT32_BCAST(acc, w, p) DOT32(acc, w, broadcast4(p))
 #endif
 
 #define Q4X8_DOTS(R) NIBBLE_DOTS(R, blk->qs)
@@ -135,8 +144,8 @@ static inline __m256i broadcast4(const int8_t* p) {
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));  \
         for (int t = 0; t < R; t++) {                                                                \
             const int8_t* xq = x[t * x_stride + b].qs;                                               \
-            DOT16(dot[t], lo, broadcast4(xq + 4 * i));                                               \
-            DOT16(dot[t], hi, broadcast4(xq + 16 + 4 * i));                                          \
+            DOT16_BCAST(dot[t], lo, xq + 4 * i);                                                     \
+            DOT16_BCAST(dot[t], hi, xq + 16 + 4 * i);                                                \
         }                                                                                            \
     }                                                                                                \
     for (int t = 0; t < R; t++) dot[t] = WIDEN16(dot[t]);
@@ -163,19 +172,35 @@ static inline __m256i broadcast4(const int8_t* p) {
                                            Q5_FIFTH_BIT(planes, 2 * i + 1));                         \
         for (int t = 0; t < R; t++) {                                                                \
             const int8_t* xq = x[t * x_stride + b].qs;                                               \
-            DOT32(dot[t], lo, broadcast4(xq + 4 * i));                                               \
-            DOT32(dot[t], hi, broadcast4(xq + 16 + 4 * i));                                          \
+            DOT32_BCAST(dot[t], lo, xq + 4 * i);                                                     \
+            DOT32_BCAST(dot[t], hi, xq + 16 + 4 * i);                                                \
         }                                                                                            \
     }                                                                                                \
     for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * xsum[t * x_stride + b]));
 
-// Up to 4 activation rows share each loaded weight block; y rows are y_stride apart.
+// Up to TILE_ROWS activation rows share each loaded weight block; y rows are y_stride apart.
+// AVX-512VL gives 32 vector registers: 8 rows' integer dots and float sums stay in registers, and
+// each unpacked weight vector feeds 8 multiply-adds instead of 4. AVX2's 16 registers hold 4 rows.
+// The tile height changes which rows share a weight load, never a row's sums.
+#ifdef __AVX512VL__
+#define TILE_ROWS 8
+#define TILE_CASES(BLOCK, DOTS, APPLY)                                                               \
+    case 8: TILE_LOOP(BLOCK, DOTS, APPLY, 8) break;                                                  \
+    case 7: TILE_LOOP(BLOCK, DOTS, APPLY, 7) break;                                                  \
+    case 6: TILE_LOOP(BLOCK, DOTS, APPLY, 6) break;                                                  \
+    case 5: TILE_LOOP(BLOCK, DOTS, APPLY, 5) break;
+#else
+#define TILE_ROWS 4
+#define TILE_CASES(BLOCK, DOTS, APPLY)
+#endif
 #define ROWS_KERNEL(NAME, BLOCK, DOTS, APPLY)                                                             \
     static inline void NAME(const BLOCK* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride, \
                             float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {       \
         (void)xsum;                                                                                  \
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        __m256 acc[TILE_ROWS];                                                                       \
+        for (int t = 0; t < TILE_ROWS; t++) acc[t] = _mm256_setzero_ps();                            \
         switch (rows) {                                                                              \
+            TILE_CASES(BLOCK, DOTS, APPLY)                                                           \
             case 4: TILE_LOOP(BLOCK, DOTS, APPLY, 4) break;                                          \
             case 3: TILE_LOOP(BLOCK, DOTS, APPLY, 3) break;                                          \
             case 2: TILE_LOOP(BLOCK, DOTS, APPLY, 2) break;                                          \
@@ -248,6 +273,9 @@ ROWS_KERNEL_SCALAR(q5x8_rows, block_q5x8, q5x8_value, SCALAR_F16_SCALES)
 // Activation rows are taken in chunks that stay in L2 while every weight group (a few KiB, in L1)
 // passes over them; within a chunk, 4 rows share each unpacked weight block.
 #define ROW_CHUNK 64
+#ifndef TILE_ROWS
+#define TILE_ROWS 4  // the portable path: rows of a tile are computed one after another anyway
+#endif
 
 // Integer sums of each activation block's codes (q5x8's offset), for the vector path only.
 static int32_t* x8_sums(const block_x8* x, int64_t count) {
@@ -260,22 +288,37 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
     return sums;
 }
 
-// GROUP_BLOCKS: BLOCKs per group of 8 rows (nb 32-element blocks; q4kx8: nb / 8 super-blocks).
-#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS) GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS, nb)
-#define GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, NEEDS_SUMS, GROUP_BLOCKS)                      \
+// Work is split over (row chunk, pair of weight groups); a pair whose groups are both full runs
+// the 16-output kernel, other groups the 8-output one: a row's outputs have the same bits either way.
+// GROUP_BLOCKS: BLOCKs per group of 8 rows (nb 32-element blocks; q4kx8: nb / 8 super-blocks);
+// ROWS / PAIR_ROWS_MAX: the most activation rows ROWS_FN / PAIR_FN take at once.
+#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS)                                   \
+    GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, nb, TILE_ROWS, PAIR_ROWS)
+#define GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, GROUP_BLOCKS, ROWS, PAIR_ROWS_MAX) \
     void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
-        const int64_t nb = k / QK, groups = x8_groups(n);                                            \
+        const int64_t nb = k / QK, groups = x8_groups(n), pairs = (groups + 1) / 2;                  \
         int32_t* xsum = NEEDS_SUMS ? x8_sums(x, m_rows * nb) : NULL;                                 \
         const int64_t chunks = (m_rows + ROW_CHUNK - 1) / ROW_CHUNK;                                 \
         _Pragma("omp parallel for collapse(2) schedule(static)")                                     \
         for (int64_t c = 0; c < chunks; c++) {                                                       \
-            for (int64_t g = 0; g < groups; g++) {                                                   \
+            for (int64_t p = 0; p < pairs; p++) {                                                    \
                 const int64_t m_end = (c + 1) * ROW_CHUNK < m_rows ? (c + 1) * ROW_CHUNK : m_rows;   \
-                const int out_count = (int)(n - g * XROWS < XROWS ? n - g * XROWS : XROWS);          \
-                for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += 4) {                              \
-                    const int rows = (int)(m_end - m0 < 4 ? m_end - m0 : 4);                         \
-                    ROWS_FN(w + g * (GROUP_BLOCKS), x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb,       \
-                            y + m0 * n + g * XROWS, n, rows, nb, out_count);                         \
+                const int64_t g = 2 * p;                                                             \
+                if (n >= (g + 2) * XROWS) {                                                          \
+                    for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += PAIR_ROWS_MAX) {              \
+                        const int rows = (int)(m_end - m0 < PAIR_ROWS_MAX ? m_end - m0 : PAIR_ROWS_MAX); \
+                        PAIR_FN(w + g * (GROUP_BLOCKS), w + (g + 1) * (GROUP_BLOCKS), x + m0 * nb,  \
+                                xsum != NULL ? xsum + m0 * nb : NULL, nb, y + m0 * n + g * XROWS, n, rows, nb); \
+                    }                                                                                \
+                    continue;                                                                        \
+                }                                                                                    \
+                for (int64_t h = g; h < g + 2 && h < groups; h++) {                                  \
+                    const int out_count = (int)(n - h * XROWS < XROWS ? n - h * XROWS : XROWS);      \
+                    for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += (ROWS)) {                     \
+                        const int rows = (int)(m_end - m0 < (ROWS) ? m_end - m0 : (ROWS));           \
+                        ROWS_FN(w + h * (GROUP_BLOCKS), x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb, \
+                                y + m0 * n + h * XROWS, n, rows, nb, out_count);                     \
+                    }                                                                                \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
@@ -292,10 +335,12 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 #else
 #define Q5_SUMS 0
 #endif
-GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, 0)
-GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, 0)
-GEMM_X8(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, 0)
-GEMM_X8(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, Q5_SUMS)
+#include "interleaved_pairs.c"
+
+GEMM_X8(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, q4x8_pair_rows, 0)
+GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, q8x8_pair_rows, 0)
+GEMM_X8(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q8sx8_pair_rows, 0)
+GEMM_X8(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_pair_rows, Q5_SUMS)
 
 #include "k_quants.c"
 

@@ -132,7 +132,8 @@ static void q4kx8_rows(const block_q4kx8* wg, const block_x8* x, const int32_t* 
 }
 #endif
 
-GEMM_X8_GROUPED(kvgen_gemm_q4kx8, kvgen_linear_q4kx8, block_q4kx8, q4kx8_rows, 0, nb / SUBS)
+PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
+GEMM_X8_GROUPED(kvgen_gemm_q4kx8, kvgen_linear_q4kx8, block_q4kx8, q4kx8_rows, q4kx8_pair_rows, 0, nb / SUBS, 4, 4)
 
 // Dequantizing (instantiated in qgemm.c next to the other formats' dequantizers).
 #define DEQUANTIZE_Q4KX8(NAME, OUT_T, CONVERT)                                                       \
@@ -295,7 +296,8 @@ static void q6kx8_rows(const block_q6kx8* wg, const block_x8* x, const int32_t* 
 }
 #endif
 
-GEMM_X8_GROUPED(kvgen_gemm_q6kx8, kvgen_linear_q6kx8, block_q6kx8, q6kx8_rows, 0, nb / SUBS)
+PAIR_OF_GROUPS(q6kx8_pair_rows, block_q6kx8, q6kx8_rows)
+GEMM_X8_GROUPED(kvgen_gemm_q6kx8, kvgen_linear_q6kx8, block_q6kx8, q6kx8_rows, q6kx8_pair_rows, 0, nb / SUBS, 4, 4)
 
 // Weight l of a block is (d * sc) * (u - 32), in gguf's order of rounding.
 #define DEQUANTIZE_Q6KX8(NAME, OUT_T, CONVERT)                                                       \

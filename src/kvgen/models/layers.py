@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig
+from kvgen.kernels import load
 from kvgen.kv.interface import KVCache
 from kvgen.models.lora import LoraStacks
 from kvgen.models.rotary import apply_rotary
@@ -24,6 +25,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        library = load()
+        if library is not None and x.dtype == torch.float32:  # the C decode step's norm, one pass per row
+            rows = x.contiguous()
+            out = torch.empty_like(rows)
+            weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+            library.kvgen_rms_norm_rows(rows.data_ptr(), weight.data_ptr(), self.eps, rows.numel() // rows.shape[-1],
+                                        rows.shape[-1], out.data_ptr())  # fmt: skip
+            return out
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
@@ -191,7 +200,14 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up(x)
         if self.lora is not None:
             gate_up = self.lora.add_delta(self.layer, "gate_up", x, gate_up)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        hidden = self.act(gate) * up
+        library = load()
+        if self.act is F.silu and library is not None and gate_up.dtype == torch.float32:
+            # the C decode step's SwiGLU, one pass per row (torch: silu, then the product)
+            gate_up = gate_up.contiguous()
+            hidden = torch.empty(*gate_up.shape[:-1], self.intermediate)
+            library.kvgen_swiglu_rows(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], self.intermediate, hidden.data_ptr())
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = self.act(gate) * up
         y = self.down(hidden)
         return y if self.lora is None else self.lora.add_delta(self.layer, "down", hidden, y)

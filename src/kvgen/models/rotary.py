@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvgen.config import RopeScaling
+from kvgen.kernels import load
 
 from kvgen.kv.rotation import rotate_half  # one definition, shared with the caches that turn pre-RoPE keys
 
@@ -80,7 +82,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [B, H, S, D] rotated by its positions' angles; cos/sin narrower than D (partial rotary)
     turn only the first channels."""
     rotary = cos.shape[-1]
+    library = load()
+    if library is not None and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1:
+        return _rope_in_c(library, x, cos, sin)
     if rotary < x.shape[-1]:
         turned, kept = x[..., :rotary], x[..., rotary:]
         return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
     return x * cos + rotate_half(x) * sin
+
+
+def _rope_in_c(library: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in one pass over x's strided view, with the same roundings."""
+    batch, heads, seq, dim = x.shape
+    cos, sin = cos.expand(-1, 1, seq, dim).contiguous(), sin.expand(-1, 1, seq, dim).contiguous()
+    out = torch.empty(batch, heads, seq, dim)
+    cos_batch_stride = 0 if cos.shape[0] == 1 else seq * dim
+    library.kvgen_rope(x.data_ptr(), batch, heads, seq, dim, x.stride(0), x.stride(1), x.stride(2), cos.data_ptr(),
+                       sin.data_ptr(), cos_batch_stride, out.data_ptr())  # fmt: skip
+    return out

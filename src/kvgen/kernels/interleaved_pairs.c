@@ -1,0 +1,105 @@
+// Two adjacent groups of 8 interleaved weight rows at once, in 512-bit registers (AVX-512 builds):
+// a tile of 16 outputs x up to PAIR_ROWS activation rows. #included by interleaved.c after the
+// 8-output kernels (*_rows), which every other build, and the groups left over here, run.
+//
+// Why: with one group per 256-bit vector each broadcast of 4 activation bytes feeds 8 outputs, and
+// on Zen 4 the broadcast then costs as much as the multiply-add (5.6 G multiply-adds/s per core
+// against 7.3 without broadcasts); one broadcast feeding 16 outputs runs at 7.0. A 512-bit op does
+// the same lanes' work as two 256-bit ones, so the numerics are the 8-output kernels' lane for
+// lane: the same exact integer dots, then acc = fma(float(idot), d_w * d_x, acc) (and
+// acc = fma(m_w, s_x, acc)) block after block, in order.
+//
+// pair_rows(w0, w1, ...): outputs of group w0 then group w1 (16 contiguous y values per row);
+// both groups must be full (8 real rows each). Formats without a 512-bit kernel run the 8-output
+// kernel on each group.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PAIR_ROWS 8
+
+static inline __m512i pair_load(const void* a, const void* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                              _mm256_loadu_si256((const __m256i*)b), 1);
+}
+
+static inline __m512 pair_load_ps(const float* a, const float* b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+static inline __m512i broadcast4_512(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+// q4: as Q4X8_DOTS, 16 rows per vector (VNNI: the nibble sums go straight into int32).
+#define Q4X8_PAIR_DOTS(R)                                                                            \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        const __m512i packed = pair_load(b0->qs + 32 * i, b1->qs + 32 * i);                          \
+        const __m512i lo = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));                         \
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));  \
+        for (int t = 0; t < R; t++) {                                                                \
+            const int8_t* xq = x[t * x_stride + b].qs;                                               \
+            dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4_512(xq + 4 * i));                    \
+            dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4_512(xq + 16 + 4 * i));               \
+        }                                                                                            \
+    }
+
+#define APPLY_PAIR_SCALES_OFFSETS(R)                                                                 \
+    const __m512 d = pair_load_ps(b0->d, b1->d), m = pair_load_ps(b0->m, b1->m);                     \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const block_x8* xb = x + t * x_stride + b;                                                   \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(d, _mm512_set1_ps(xb->d)), acc[t]); \
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xb->s), acc[t]);                                  \
+    }
+
+#define PAIR_LOOP(BLOCK, DOTS, APPLY, R)                                                             \
+    for (int64_t b = 0; b < nb; b++) {                                                               \
+        const BLOCK* b0 = w0 + b;                                                                    \
+        const BLOCK* b1 = w1 + b;                                                                    \
+        __m512i dot[R];                                                                              \
+        for (int t = 0; t < R; t++) dot[t] = _mm512_setzero_si512();                                 \
+        DOTS(R)                                                                                      \
+        APPLY(R)                                                                                     \
+    }
+
+#define PAIR_KERNEL(NAME, BLOCK, DOTS, APPLY)                                                        \
+    static inline void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* x, const int32_t* xsum, \
+                            int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {    \
+        (void)xsum;                                                                                  \
+        __m512 acc[PAIR_ROWS];                                                                       \
+        for (int t = 0; t < PAIR_ROWS; t++) acc[t] = _mm512_setzero_ps();                            \
+        switch (rows) {                                                                              \
+            case 8: PAIR_LOOP(BLOCK, DOTS, APPLY, 8) break;                                          \
+            case 7: PAIR_LOOP(BLOCK, DOTS, APPLY, 7) break;                                          \
+            case 6: PAIR_LOOP(BLOCK, DOTS, APPLY, 6) break;                                          \
+            case 5: PAIR_LOOP(BLOCK, DOTS, APPLY, 5) break;                                          \
+            case 4: PAIR_LOOP(BLOCK, DOTS, APPLY, 4) break;                                          \
+            case 3: PAIR_LOOP(BLOCK, DOTS, APPLY, 3) break;                                          \
+            case 2: PAIR_LOOP(BLOCK, DOTS, APPLY, 2) break;                                          \
+            default: PAIR_LOOP(BLOCK, DOTS, APPLY, 1) break;                                         \
+        }                                                                                            \
+        for (int t = 0; t < rows; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);                   \
+    }
+
+PAIR_KERNEL(q4x8_pair_rows, block_q4x8, Q4X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
+#define Q4X8_PAIRS q4x8_pair_rows
+#endif
+
+// The 8-output kernel on each group of the pair, for formats (or builds) without a 512-bit kernel.
+#define PAIR_OF_GROUPS(NAME, BLOCK, ROWS_FN)                                                         \
+    static inline void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* x, const int32_t* xsum, \
+                            int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {    \
+        ROWS_FN(w0, x, xsum, x_stride, y, y_stride, rows, nb, XROWS);                                \
+        ROWS_FN(w1, x, xsum, x_stride, y + XROWS, y_stride, rows, nb, XROWS);                        \
+    }
+#ifndef Q4X8_PAIRS
+PAIR_OF_GROUPS(q4x8_pair_rows, block_q4x8, q4x8_rows)
+#define Q4X8_PAIRS q4x8_pair_rows
+#endif
+PAIR_OF_GROUPS(q8x8_pair_rows, block_q8x8, q8x8_rows)
+PAIR_OF_GROUPS(q8sx8_pair_rows, block_q8sx8, q8sx8_rows)
+PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
+#ifndef PAIR_ROWS
+#define PAIR_ROWS TILE_ROWS
+#endif

@@ -1,0 +1,39 @@
+// The torch blocks' per-row operations over many rows (prefill, the batched torch path), in C: the
+// decode step's own RMSNorm and SwiGLU (decode.c) on each row, rows split over threads. One pass
+// where torch makes several over the rows and their temporaries, and a row gets the bits the C
+// decode step computes for it, at any row count. #included by qgemm.c after decode.c.
+
+// out[r] = x[r] / rms(x[r]) * w for rows x n values (out may be x).
+void kvgen_rms_norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * n, w, eps, n, out + r * n);
+}
+
+// out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], rows x n values.
+void kvgen_swiglu_rows(const float* gate_up, int64_t rows, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; r++) gated_activation(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n, 0);
+}
+
+// RoPE over x [batch, heads, seq, d] (strides sb, sh, ss in floats; d contiguous) into out, contiguous:
+// out = x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), the product and sum rounded as
+// torch rounds them (no fused multiply-add: qgemm.c is built as ISO C, which contracts nothing), so
+// the bits are the torch expression's. cos, sin: [batch or 1, 1, seq, d] contiguous; cos_sb: their
+// batch stride (0: one row of angles for every batch row).
+void kvgen_rope(const float* x, int64_t batch, int64_t heads, int64_t seq, int64_t d, int64_t sb, int64_t sh,
+                int64_t ss, const float* cos, const float* sin, int64_t cos_sb, float* out) {
+    const int64_t half = d / 2, rows = batch * heads * seq;
+#pragma omp parallel for schedule(static) if (rows * d > 32768)
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t b = row / (heads * seq), h = (row / seq) % heads, s = row % seq;
+        const float* xr = x + b * sb + h * sh + s * ss;
+        const float* c = cos + b * cos_sb + s * d;
+        const float* sn = sin + b * cos_sb + s * d;
+        float* o = out + row * d;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xr[i], e = xr[i + half];
+            o[i] = a * c[i] + (-e) * sn[i];
+            o[i + half] = e * c[i + half] + a * sn[i + half];
+        }
+    }
+}

@@ -1,0 +1,49 @@
+"""The per-row C operations of the torch blocks (kernels/rows_ops.c) against torch's expressions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvgen.kernels import load
+from kvgen.kv.rotation import rotate_half
+from kvgen.models.layers import RMSNorm
+from kvgen.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the row operations need a C compiler")
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (1, 37), (3, 5)])
+def test_rope_gives_the_torch_expressions_bits(batch: int, seq: int) -> None:
+    """On the strided q view attention hands it, with one or per-row angles."""
+    torch.manual_seed(seq)
+    qkv = torch.randn(batch, seq, 15 * 64) * 3
+    q = qkv[..., : 9 * 64].view(batch, seq, 9, 64).transpose(1, 2)  # [B, H, S, D], not contiguous
+    positions = torch.arange(100, 100 + seq).expand(batch, seq) if batch == 1 else torch.randint(0, 4000, (batch, seq))
+    cos, sin = RotaryEmbedding(inverse_frequencies(64, 10000.0, None))(positions, torch.float32)
+    assert torch.equal(apply_rotary(q, cos, sin), q * cos + rotate_half(q) * sin)
+
+
+def test_rms_norm_matches_torch_and_ignores_the_row_count() -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(torch.randn(576), 1e-5)
+    x = torch.randn(2, 70, 576) * 4
+    y = norm(x)
+    reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(norm(x[1, 9:10]), y[1, 9:10])
+
+
+def swiglu_in_c(gate_up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    load().kvgen_swiglu_rows(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
+    return out
+
+
+def test_swiglu_matches_torch_and_ignores_the_row_count() -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(40, 2 * 100) * 4  # 100: the vector loop and its scalar tail
+    hidden = swiglu_in_c(gate_up)
+    torch.testing.assert_close(hidden, F.silu(gate_up[:, :100]) * gate_up[:, 100:], rtol=1e-5, atol=1e-6)
+    assert torch.equal(swiglu_in_c(gate_up[7:8].clone()), hidden[7:8])
