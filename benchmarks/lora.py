@@ -11,6 +11,9 @@ greedy, EOS ignored, prefix cache off; request i runs under adapter i % (adapter
     grouped  the same requests, one adapter's (or the base's) group at a time: the way without
              per-row adapters (merge an adapter, serve its requests, switch)
 
+Each request is also run alone once (`LLM.generate`, its adapter): the script counts, per round, the
+requests whose greedy tokens equal mixed vs grouped and mixed vs alone.
+
 Throughput = generated tokens / wall time. `--rounds` rounds, the configurations taking turns within
 each (the order rotates), every sample kept; the table shows medians. The 1-minute load average is
 recorded with each sample: on a shared machine read the ratios with it.
@@ -124,12 +127,16 @@ def main() -> None:
     # Greedy tokens of each request, mixed vs grouped (every round): a base row prefilled beside
     # adapter rows runs another kernel path than beside base rows only, so a near tie may flip.
     same = [sum(a == b for a, b in zip(m["outputs"], g["outputs"])) for m, g in zip(samples["mixed"], samples["grouped"])]
+    alone = [llm.generate(p, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, adapter=a)).token_ids
+             for p, a in zip(prompts, adapters)]  # fmt: skip
+    same_alone = [sum(a == b for a, b in zip(m["outputs"], alone)) for m in samples["mixed"]]
     medians = {c: statistics.median(s["tokens_per_s"] for s in runs) for c, runs in samples.items()}
     rows = [{"config": c, "median_tokens_per_s": medians[c], "vs_base": medians[c] / medians["base"],
              "samples_tokens_per_s": [round(s["tokens_per_s"], 2) for s in runs],
              "load_1min": [round(s["load_1min"], 2) for s in runs]} for c, runs in samples.items()]  # fmt: skip
     summary = {"mixed_vs_base": medians["mixed"] / medians["base"], "mixed_vs_grouped": medians["mixed"] / medians["grouped"],
-               "requests_with_equal_tokens_mixed_vs_grouped": same, "load_1min_before": load_before,
+               "requests_with_equal_tokens_mixed_vs_grouped": same, "requests_with_equal_tokens_mixed_vs_alone": same_alone,
+               "load_1min_before": load_before,
                "load_1min_after": os.getloadavg()[0]}  # fmt: skip
 
     print(f"\n{args.model} ({llm.weights} weights), {args.concurrency} requests: {args.adapters} rank-{args.rank} adapters on all "
@@ -137,7 +144,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, median of {args.rounds} rounds")  # fmt: skip
     print_table(rows, ["config", "median_tokens_per_s", "vs_base", "samples_tokens_per_s"])
     print(f"mixed / base {summary['mixed_vs_base']:.2f}x, mixed / grouped {summary['mixed_vs_grouped']:.2f}x, "
-          f"requests with equal tokens mixed vs grouped: {same} of {args.concurrency}, "
+          f"requests with equal tokens mixed vs grouped: {same}, mixed vs alone: {same_alone} of {args.concurrency}, "
           f"load {load_before:.2f} -> {summary['load_1min_after']:.2f}")  # fmt: skip
     out = write_results(f"lora-{args.model}-{cpu_class()}", {"config": vars(args), "rows": rows, "summary": summary})
     print(f"\nwrote {out}")

@@ -28,8 +28,8 @@ class Scores:
 def score(model: DecoderLM, cache_factory, ids: list[int], chunk_size: int, keep_distributions: bool = False) -> Scores:
     """Feed `ids` through the model `chunk_size` tokens at a time over one cache.
 
-    chunk_size 1 is token-by-token decoding; small chunks run the quantized decode kernels, large
-    ones the prefill path.
+    chunk_size 1 is token-by-token decoding. On quantized weights over an fp32 cache every chunk
+    runs the C step (the same bits at any chunk size); elsewhere chunks run the torch path.
     """
     cache = cache_factory(len(ids))
     rows: list[torch.Tensor] = []

@@ -1,15 +1,14 @@
-"""Greedy output on the default weights depends neither on the decode batch nor on speculation: 24
-requests of mixed lengths, each arriving while the others decode, produce exactly the tokens they
-produce alone, and so does every speculative method, in the engine and for one sequence.
+"""Greedy output on the default weights depends neither on the batch, nor on how prompts are
+chunked, nor on speculation: 24 requests of mixed lengths, each arriving while the others decode, or
+all at once under a small step budget (prompts cut into chunks, several prompts' chunks in one
+forward), produce exactly the tokens they produce alone, and so does every speculative method, in
+the engine and for one sequence.
 
-Why it holds: decodes and speculative verifies always run the C step over every layer
-(kernels/decode.c), a kernel row per token, alone or batched, and its one-row GEMV sums in the order
-of the tiled GEMM, so a row's logits are the same bits in a batch of one or of 24, and a verified
-position gets the logits a decode would give it; the engine runs decodes and verifies in their own
-forward, apart from prompt chunks (engine/runner.py). What stays variant: prompts prefilled in one
-forward together (a padded batch, another GEMM shape) round differently from a prompt alone
-(docs/engine.md, "Batch invariance"), and so does a prompt cut in chunks, so here each step
-admits one new prompt and the step budget holds every prompt whole."""
+Why it holds: every token, prompt or decoded, runs the C step over every layer (kernels/decode.c),
+a kernel row per token, alone or batched, whose linears sum in one order at every row count and
+whose attention computes each query as a lone decode does; so a row's logits and its cache entries
+are the same bits in a batch of one or of 24, in a prompt prefilled whole or in any chunks, and a
+verified position gets the logits a decode would give it."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine, RequestStatus
+from kvgen.kv import CacheSpec, ContiguousCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
 from tests.support.shakespeare import play_text
@@ -109,3 +109,64 @@ def test_speculative_generate_gives_the_greedy_tokens_of_plain_decoding(name: st
         different = [i for i, r in enumerate(results) if r.token_ids != alone[i]]
         assert not different, f"{speculative.method}: prompts {different} differ from plain decoding"
         assert sum(r.speculative.verify_steps for r in results) > 0, f"{speculative.method}: nothing was verified"
+
+
+
+def prefill_in_chunks(model, prompt: list[int], chunks: list[int]) -> tuple[torch.Tensor, ContiguousCache]:
+    """`prompt` prefilled `chunks[i]` tokens at a time into a fresh cache -> the last logits [V] and the cache."""
+    cache = ContiguousCache(CacheSpec.for_model(model.config), len(prompt))
+    start = 0
+    with torch.inference_mode():
+        for n in chunks:
+            logits = model(torch.tensor([prompt[start : start + n]]), cache)[0, -1]
+            start += n
+    assert start == len(prompt) == cache.seq_len
+    return logits, cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_a_prompt_in_chunks_gives_the_bits_of_the_whole_prompt(name: str) -> None:
+    """Logits and every layer's keys and values of a prompt prefilled whole equal, bit for bit, those
+    of the same prompt in chunks (56 + 8, 17 + 30 + 17, one token at a time: each a decode step);
+    Gemma 3's second prompt runs past its 512-token sliding window, cut around it."""
+    model = default_weights(name)[0].model
+    ids = default_weights(name)[0].tokenizer.encode(play_text("hamlet"))
+    cases = [(64, [[56, 8], [17, 30, 17], [1] * 64])]
+    window = model.config.sliding_window
+    if window is not None:
+        cases.append((window + 30, [[window - 2, 32], [window + 29, 1]]))
+    for length, splits in cases:
+        whole, whole_cache = prefill_in_chunks(model, ids[:length], [length])
+        expected = whole_cache.kernel_layout(length)
+        for chunks in splits:
+            logits, cache = prefill_in_chunks(model, ids[:length], chunks)
+            assert torch.equal(logits, whole), (chunks[:4], (logits - whole).abs().max().item())
+            layout = cache.kernel_layout(length)
+            assert torch.equal(layout.keys[..., :length, :], expected.keys[..., :length, :]), chunks[:4]
+            assert torch.equal(layout.values[..., :length, :], expected.values[..., :length, :]), chunks[:4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_all_24_at_once_under_a_small_step_budget_equal_each_request_alone(name: str) -> None:
+    """Chunked prefill: a 40-token step budget cuts the longer prompts into chunks (the last one
+    often a token or two), and several requests' chunks share a forward."""
+    llm, prompts, alone = default_weights(name)
+    engine = LLMEngine(llm, EngineConfig(kv_budget_mb=256, max_tokens_per_step=40, max_num_seqs=24))
+    requests = [engine.add_request(f"r{i}", prompt, PARAMS) for i, prompt in enumerate(prompts)]
+    most_chunk_rows = 0
+    original = engine.runner._run_group
+
+    def run_group(rows):
+        nonlocal most_chunk_rows
+        most_chunk_rows = max(most_chunk_rows, sum(not row.request.is_decoding for row in rows))
+        return original(rows)
+
+    engine.runner._run_group = run_group
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+    assert most_chunk_rows > 1  # prompt chunks of several requests in one forward
+    different = [i for i, (r, a) in enumerate(zip(requests, alone)) if r.output_ids != a]
+    assert not different, f"requests {different} differ from their run alone"

@@ -1,6 +1,7 @@
 """LoRA deltas inside the C decode steps (kernels/lora_delta.c): the kernel's delta against the torch
 path's on every stacked linear, and on 4-bit SmolLM2 the C steps' adapter decodes against the torch
-path, each row alone against the batch, and base rows beside adapter rows against a base-only batch."""
+path, each row alone against the batch, base rows beside adapter rows against a base-only batch,
+and adapter prompts whole against chunked and batched."""
 
 from __future__ import annotations
 
@@ -143,3 +144,36 @@ def test_a_base_prompt_prefilled_beside_adapter_prompts_gets_the_base_only_bits(
     for row in (0, 2):
         assert torch.equal(mixed[row], base[row]), f"base row {row} changes beside adapter rows"
     assert not torch.equal(mixed[1], base[1])  # the adapters do apply
+
+
+@torch.inference_mode()
+def test_an_adapter_prompt_gets_the_same_bits_whole_chunked_and_beside_other_prompts(smollm2_q4_adapters) -> None:
+    """Prompts run the C rows step with each row's deltas (kernels/lora_delta.c, one sum order per
+    row): an adapter's prompt prefilled whole, in chunks, or in one forward beside other adapters'
+    and base prompts gives the same logits."""
+    llm, _ = smollm2_q4_adapters
+    ids = llm.tokenizer.encode(PROMPT)
+    storage = PagedStorage(CacheSpec.for_model(llm.config), BlockPool(64, 16))
+
+    def prefill(chunks: list[int], name: str) -> torch.Tensor:
+        cache, start = PagedCache(storage), 0
+        try:
+            for n in chunks:
+                logits = llm.model.forward_batch([ids[start : start + n]], [cache], adapters=[name])[0]
+                start += n
+            return logits
+        finally:
+            cache.release()
+
+    whole = prefill([len(ids)], "all-r8-rs")
+    for chunks in ([len(ids) - 3, 3], [2, 5, len(ids) - 7], [1] * len(ids)):
+        assert torch.equal(prefill(chunks, "all-r8-rs"), whole), chunks
+    names = [None, "mlp-o-r16", "all-r8-rs", "k-r2"]
+    caches = [PagedCache(storage) for _ in names]
+    try:
+        beside = llm.model.forward_batch([ids[:-2], ids[1:], ids, ids[:5]], caches, adapters=names)
+    finally:
+        for cache in caches:
+            cache.release()
+    assert torch.equal(beside[2], whole)
+    assert not torch.equal(prefill([len(ids)], "mlp-o-r16"), whole)  # the adapters do differ

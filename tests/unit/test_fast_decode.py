@@ -76,13 +76,16 @@ def test_fast_path_is_used_for_quantized_weights_only(quantized: dict, smollm2) 
 
 @pytest.mark.slow
 def test_token_by_token_perplexity_matches_the_torch_path(quantized: dict) -> None:
-    """Whole model: decoding one token at a time in C scores Hamlet like the torch path. They
+    """Whole model: decoding one token at a time in C scores Hamlet like the torch path (SDPA). They
     differ in float summation order, which int8 activation rounding amplifies: measured KLD 0.0032
     (top-1 97%) over 512 tokens, perplexity +0.6-1.2% at 128-512 tokens with either the per-position
-    or the tiled attention, so the bounds are set above that; a wrong attention moves both far more."""
+    or the tiled attention, so the bounds are set above that; a wrong attention moves both far more.
+    The same 128 tokens as one prompt-sized chunk run the C rows step and give the same bits."""
     llm = get(quantized, "smollm2")
     ids = llm.tokenizer.encode(play_text("hamlet"))[:129]
     fast = score(llm.model, llm.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
+    whole = score(llm.model, llm.generator.new_cache, ids, chunk_size=128, keep_distributions=True)
+    assert torch.equal(whole.distributions, fast.distributions)
     llm.model.use_fast_decode = False
     try:
         reference = score(llm.model, llm.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
@@ -153,3 +156,36 @@ def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gem
         assert (ours.attn.qkv.kind, ours.mlp.gate_up.kind) == (qkv_kind, "q5")
         assert torch.equal(ours.attn.qkv.dequantized(), exact.attn.qkv.weight)
         assert torch.equal(ours.mlp.gate_up.dequantized(), exact.mlp.gate_up.weight)
+
+
+def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -> None:
+    """Prompt rows and decodes over fp32 K/V attend through one per-query procedure (decode.c
+    attend_head): its sums run in one order, so the AVX-512, AVX2 and scalar builds agree bit for
+    bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA)."""
+    from tests.unit.test_quantized_kv_attention import instruction_sets
+    from kvgen.kernels.build import build, open_library
+
+    torch.manual_seed(5)
+    heads, kv_heads, d, length = 6, 2, 64, 301
+    keys, values = torch.randn(1, kv_heads, length, d) * 2, torch.randn(1, kv_heads, length, d)
+    starts, ends = torch.tensor([0, 0, 37, 180]), torch.tensor([1, 301, 290, 250])
+    q = torch.randn(len(starts), heads, d)
+    table = torch.zeros(len(starts), dtype=torch.int64)
+
+    def attend(library) -> torch.Tensor:
+        out = torch.empty_like(q)
+        library.kvgen_paged_decode_attention(
+            q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), len(starts), heads, kv_heads, d, 0.125,
+            keys.stride(1), keys.stride(2), keys.stride(0), length, table.data_ptr(), 1, starts.data_ptr(), ends.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    native = attend(load())
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], keys.expand(len(starts), -1, -1, -1), values.expand(len(starts), -1, -1, -1), scale=0.125,
+        enable_gqa=True, attn_mask=((torch.arange(length) >= starts[:, None]) & (torch.arange(length) < ends[:, None]))[:, None, None],
+    )[:, :, 0]  # fmt: skip
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+    for name, flags in instruction_sets().items():
+        build(tmp_path / f"{name}.so", flags)
+        assert torch.equal(attend(open_library(tmp_path / f"{name}.so")), native), name

@@ -1,6 +1,8 @@
 // Softmax attention of one query head over tiles of positions: scores for a whole tile, one
 // rescale of the running sums per tile, a vectorised exp, and a weighted sum of the tile's values
 // kept in registers. Used by decode.c's attention over fp32 storage and by quantized_attention.c.
+// Every sum runs in one order with AVX-512, AVX2 or none (key dots as decode.c's dot, exp sums in
+// 8 lanes reduced as hsum8, one fma per value), so the builds give the same bits.
 // This file is #included by decode.c.
 #define MAX_TILE 64  // positions per tile
 
@@ -45,8 +47,8 @@ static void weighted_sum(const float* p, const float* const* values, int64_t n, 
         _mm256_storeu_ps(out + j0 + 16, a2), _mm256_storeu_ps(out + j0 + 24, a3);
     }
 #endif
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = j0; j < d; j++) out[j] += p[i] * values[i][j];
+    for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
+        for (int64_t j = j0; j < d; j++) out[j] = fmaf(p[i], values[i][j], out[j]);
 }
 
 // p[i] = exp(s[i] - max) for n scores; returns their sum.
@@ -62,6 +64,11 @@ static float exp_shifted(float* s, int64_t n, float max) {
         total = _mm256_add_ps(total, e);
     }
     sum = hsum8(total);
+#else
+    float lanes[8] = {0.0f};  // exp8's lanes and hsum8's order: the AVX2 build's bits
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[i + l] = exp_lane(s[i + l] - max), lanes[l] += s[i + l];
+    sum = sum_lanes(lanes);
 #endif
     for (; i < n; i++) s[i] = expf(s[i] - max), sum += s[i];
     return sum;

@@ -5,6 +5,10 @@
 //   kvgen_block_post: attention of q over the keys/values update() returned; o-proj; residual;
 //                     (Gemma: norms around each sublayer); gated MLP; residual.
 //
+// kvgen_decode_layers runs every block for one token in one call over fp32 storage; kvgen_decode_rows
+// runs rows of tokens (decodes of many sequences, or several tokens of one: a verify, a prompt), each
+// row computed as a lone token would be, so prompts get the bits of decodes however they are chunked.
+//
 // This file is #included by qgemm.c so the matmul kernels inline into one library.
 #include <math.h>
 
@@ -35,8 +39,34 @@ typedef struct {
     void* xq;       // activation blocks for the widest input
 } block_t;
 
+// hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+static inline float sum_lanes(const float* l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// e^x as exp8 (attention_tiles.c) computes each lane: the same operations, one lane at a time.
+static inline float exp_lane(float x) {
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693145751953125f, x);
+    r = fmaf(-n, 1.428606765330187045e-06f, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
 // q . k over one head. gcc keeps a float reduction serial without -ffast-math (one FMA chain per
-// key), so the AVX2 version uses four independent 8-wide accumulators.
+// key), so a length that is a multiple of 32 runs four independent 8-lane accumulators, added
+// pairwise and then as hsum8, in that order with AVX2 or without (the same bits either way).
 static inline float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX2__
     if (n % 32 == 0) {
@@ -49,6 +79,15 @@ static inline float dot(const float* a, const float* b, int64_t n) {
             acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), acc3);
         }
         return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+    }
+#else
+    if (n % 32 == 0) {
+        float acc[4][8] = {{0.0f}}, lanes[8];
+        for (int64_t j = 0; j < n; j += 32)
+            for (int r = 0; r < 4; r++)
+                for (int l = 0; l < 8; l++) acc[r][l] = fmaf(a[j + 8 * r + l], b[j + 8 * r + l], acc[r][l]);
+        for (int l = 0; l < 8; l++) lanes[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        return sum_lanes(lanes);
     }
 #endif
     float s = 0.0f;
@@ -207,6 +246,11 @@ static void gated_activation(const float* gate, const float* up, float* out, int
                               : _mm256_sub_ps(_mm256_setzero_ps(), g);
         const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, exp8(z)));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+    }
+#else
+    if (!gelu) {  // exp8's lanes one at a time: the AVX2 build's bits
+        for (; i + 8 <= n; i += 8)
+            for (int64_t l = i; l < i + 8; l++) out[l] = gate[l] / (1.0f + exp_lane(0.0f - gate[l])) * up[l];
     }
 #endif
     for (; i < n; i++) {

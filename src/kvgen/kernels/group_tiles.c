@@ -56,31 +56,6 @@ static void query_planes(const int16_t* codes, int64_t d, int8_t* planes, int32_
     *bias = 128 * sum;
 }
 
-// e^x as exp8 (attention_tiles.c) computes each lane: the same operations, one lane at a time.
-static inline float exp_lane(float x) {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    float r = fmaf(-n, 0.693145751953125f, x);
-    r = fmaf(-n, 1.428606765330187045e-06f, r);
-    float p = 1.0f / 5040.0f;
-    p = fmaf(p, r, 1.0f / 720.0f);
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
-// hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-static inline float sum_lanes(const float* l) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 // q . k over fp32 rows in 4 x 8 lanes (channel j in accumulator j / 8 % 4, lane j % 8), the
 // accumulators added pairwise, then the lanes as hsum8; d is a multiple of 32.
 static inline float dot_rows(const float* q, const float* k, int64_t d) {

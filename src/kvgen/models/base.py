@@ -143,26 +143,58 @@ class DecoderLM(nn.Module):
             return self.cuda_graphs().greedy(token, cache, steps)
 
     def _fast_hidden(
-        self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1, num_layers: int | None = None
-    ) -> torch.Tensor | None:
+        self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1, num_layers: int | None = None,
+        prompt: bool = False,
+    ) -> torch.Tensor | None:  # fmt: skip
         """input_ids [1, S] -> the last block's output [1, S, H] through the C step: one token by
-        the decode step, a few tokens (a speculative verify) as a kernel row each of the rows step,
-        so each gets what plain decoding would give it; slot: the LoRA adapter slot (-1: none).
-        None when the torch path must run (no C path, a biased cache, too many tokens, no fp32
-        layout for several)."""
+        the decode step, several (a speculative verify, or a prompt when `prompt` and the decoder
+        runs prompts) as kernel rows of the rows step, at most `max_rows` per call, so each token
+        gets what plain decoding would give it, however the tokens are split; slot: the LoRA
+        adapter slot (-1: none). None when the torch path must run (no C path, a biased cache, no
+        fp32 layout for several tokens, a prompt with KVGEN_PREFILL_GEMM=fp32|bf16)."""
         decoder = self.fast_decoder() if self.use_fast_decode else None
         seq = input_ids.shape[1]
-        if decoder is None or cache.key_bias() is not None or seq > decoder.max_rows:
+        if decoder is None or cache.key_bias() is not None or (prompt and seq > 1 and not decoder.runs_prompts):
             return None  # the C decode step knows no bias: a biased cache takes the torch path
-        positions = torch.arange(cache.seq_len, cache.seq_len + seq)
+        start = cache.seq_len
+        positions = torch.arange(start, start + seq)
         h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
         rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
         if seq == 1:
             if not decoder.step(h[0], rope[0], cache, slot, num_layers):
                 return None
-        elif num_layers not in (None, self.config.num_layers) or not decoder.step_tokens(h, rope, cache, positions, slot):
+            return h[None]
+        if num_layers not in (None, self.config.num_layers):
             return None
+        try:
+            for first in range(0, seq, decoder.max_rows):  # each call commits its rows
+                rows = slice(first, first + decoder.max_rows)
+                if not self._rows_of_one(decoder, h[rows], rope[rows], cache, positions[rows], slot):
+                    assert first == 0, "a cache offered the rows step, then did not"
+                    return None
+        except BaseException:
+            cache.truncate(start)  # all or nothing, as the torch forward commits
+            raise
         return h[None]
+
+    @staticmethod
+    def _rows_of_one(decoder, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor,
+                     slot: int) -> bool:  # fmt: skip
+        """Tokens of one sequence as kernel rows of the rows step, over the cache's fp32 layout or,
+        where it has none (a pool split into layer groups), its batch view of one row, as the
+        engine's batches run it; commits them. False (nothing done) when the cache offers neither."""
+        if decoder.step_tokens(h, rope, cache, positions, slot):
+            return True
+        if cache.batch_path_only:  # a pool of codes: forward_batch runs it (one-token rows only)
+            return False
+        rows = h.shape[0]
+        view = type(cache).batch_view([cache], [rows])
+        kernel = view.rows_kernel() if view is not None else None  # type: ignore[attr-defined]
+        if kernel is None:
+            return False
+        decoder.step_rows(h, rope, kernel, positions, [slot] * rows)
+        cache.commit(rows)
+        return True
 
     def _rows_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """cos/sin of each kernel row's position for every RoPE kind: [rows, kinds, 2, head_dim]."""
@@ -205,12 +237,13 @@ class DecoderLM(nn.Module):
             logits = self.cuda_graphs().step(input_ids, cache)
             if logits is not None:
                 return logits  # [1, 1, V]
-        # A decode, or a verify that wants every token's logits, takes the C step (with the LoRA
-        # slot's deltas, if any); prompts do not.
-        if batch == 1 and positions is None and (seq == 1 or logits_to_keep in (None, seq)):
-            fast = self._fast_hidden(input_ids, cache, slot)
+        # One sequence takes the C step (with the LoRA slot's deltas, if any): a decode, a verify
+        # and, where the decoder runs prompts, a prompt (logits of its last tokens only).
+        if batch == 1 and positions is None:
+            prompt = seq > 1 and logits_to_keep not in (None, seq)
+            fast = self._fast_hidden(input_ids, cache, slot, prompt=prompt)
             if fast is not None:
-                return self._logits(fast, row_invariant=True)  # [1, S, V]
+                return self._logits(fast[:, -logits_to_keep:] if logits_to_keep else fast, row_invariant=True)
         h = self._hidden_states(input_ids, cache, positions, self.config.num_layers)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -298,21 +331,22 @@ class DecoderLM(nn.Module):
                 if with_lora:
                     self.lora.deactivate()  # type: ignore[union-attr]
 
-    def _decode_rows_fast(
+    def _rows_fast(
         self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], slots: list[int] | None = None
     ) -> torch.Tensor | None:  # fmt: skip
-        """Decodes and speculative verifies (rows that want the logits of every token they run)
-        whose caches offer the C step over every layer (a paged store of fp32 blocks, or of codes for
-        one-token rows) and quantized weights: FastDecoder.step_rows -> logits
+        """Rows whose caches offer the C step over every layer (a paged store of fp32 blocks, or of
+        codes for one-token rows) and quantized weights: FastDecoder.step_rows -> logits
         [sum(num_logits), V]; None when the torch path must run. Every token is a kernel row
         computed as a lone decode would compute it, so a decode's logits do not depend on the batch,
-        and a speculative verify gives each position the logits plain decoding would. Rows run in
-        steps of at most `max_rows` tokens (past that the torch GEMM is faster, and rounds otherwise).
-        slots: each row's LoRA adapter slot (-1: none), its deltas added in the C step."""
+        a speculative verify gives each position the logits plain decoding would, and a prompt
+        chunk's rows (where the decoder runs prompts) get the bits of the prompt prefilled whole or
+        in any other chunks. Rows run in steps of at most `max_rows` tokens (a longer row takes the
+        torch path). slots: each row's LoRA adapter slot (-1: none), its deltas added in the C step."""
         decoder = self.fast_decoder() if self.use_fast_decode else None
         lengths = [len(ids) for ids in token_ids]
-        if decoder is None or max(lengths) > decoder.max_rows or num_logits != lengths:
-            return None  # prompt chunks (one logit for many tokens) take the prefill path
+        prompt = num_logits != lengths  # prompt chunks want the logits of their last token only
+        if decoder is None or max(lengths) > decoder.max_rows or (prompt and not decoder.runs_prompts):
+            return None
         steps: list[list[int]] = [[]]  # row indices per C step
         filled = 0  # tokens in the last step
         for i, n in enumerate(lengths):
@@ -345,7 +379,7 @@ class DecoderLM(nn.Module):
         self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], with_lora: bool = False,
         slots: list[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        fast = self._decode_rows_fast(token_ids, caches, num_logits, slots)
+        fast = self._rows_fast(token_ids, caches, num_logits, slots)
         if fast is not None:
             return fast
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]

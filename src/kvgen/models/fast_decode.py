@@ -10,7 +10,12 @@ the same way, all rows' matmuls in one tiled GEMM per weight (the engine's decod
 Both steps add LoRA deltas in C (kernels/lora_delta.c) for rows whose request runs an adapter:
 the model's LoraStacks, described once per restack as one table of [layers, 4] linears, and each
 row's slot (-1: the base model, whose rows keep the base-only bits).
-Everything else (prefill, fp32 weights) runs the torch path, which stays the reference.
+
+Prompts take the rows step too (`runs_prompts`): a prompt token is a kernel row computed as a lone
+decode computes it, so its hidden state, logits and cache entries have the same bits however the
+prompt is chunked, whatever rows share its step, and as if it had been decoded. Everything else
+(fp32 weights, caches without an fp32 layout or batch view, KVGEN_PREFILL_GEMM=fp32|bf16 prompts)
+runs the torch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
-from kvgen.models.quantized_linear import GEMM_ROWS_THRESHOLD, X8_BLOCK_BYTES, QuantizedLinear
+from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+# Kernel rows per rows-step call: the engine's default step budget (EngineConfig.max_tokens_per_step),
+# so one call takes a whole step; its scratch is ~26 KiB per row on SmolLM2, ~40 KiB on Gemma 3.
+MAX_ROWS = 512
 
 
 class _QLinear(ctypes.Structure):
@@ -99,10 +108,14 @@ class FastDecoder:
         self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
         self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
         self._rope_index = torch.tensor(model.rope_index)  # [layers] int64, for the C side
-        # step_rows takes decode batches and verifies of up to 47 rows: its attention runs per row
-        # (right for decodes), while long prompt chunks go to the torch forward's SDPA. Its linears
-        # are the same interleaved kernel as the torch forward's.
-        self.max_rows = GEMM_ROWS_THRESHOLD - 1
+        # Kernel rows per C call (its scratch holds that many rows); longer prompts run in several
+        # calls, each seeing the positions the earlier ones stored.
+        self.max_rows = MAX_ROWS
+        # Prompts run the rows step when the int8 kernel is the many-row path (the default); with
+        # KVGEN_PREFILL_GEMM=fp32|bf16 they keep the torch forward and its GEMM.
+        self.runs_prompts = all(
+            block.attn.qkv.prefill == "int8" for block in model.layers  # type: ignore[union-attr]
+        )
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
@@ -214,8 +227,9 @@ class FastDecoder:
         )  # fmt: skip
 
     def step_tokens(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor, slot: int = -1) -> bool:
-        """Several new tokens of one sequence (a speculative verify), each a kernel row of the rows
-        step at its position, on the cache's fp32 layout: h [S, hidden] updated in place, rope
+        """Several new tokens of one sequence (a speculative verify, or a piece of a prompt of at
+        most `max_rows` tokens), each a kernel row of the rows step at its position, on the cache's
+        fp32 layout: h [S, hidden] updated in place, rope
         [S, kinds, 2, head_dim]; commits S positions. Each layer stores every row's key and value
         before any row attends, so row i sees the rows before it, and each row is computed as
         `step` computes a lone token (slot: its LoRA adapter slot, -1: none). False (nothing done)

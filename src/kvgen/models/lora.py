@@ -12,8 +12,10 @@ its A and B in two GEMMs and the deltas are added to those rows only, so rows wi
 keep exactly the base output. The work grows with the adapter tokens, and there is no Python per
 row.
 
-Decodes on quantized weights add the same deltas inside the C steps instead (kernels/lora_delta.c,
-described by models/fast_decode.py from `stacks` and `ranks`), each row from its own slot.
+On quantized weights decodes, verifies and prompts add the same deltas inside the C steps instead
+(kernels/lora_delta.c, described by models/fast_decode.py from `stacks` and `ranks`), each row from
+its own slot in one sum order, so a prompt row's delta does not depend on its chunk; the GEMMs here
+(the torch path: fp32 weights, caches the C step does not take) round by the row count.
 """
 
 from __future__ import annotations
