@@ -81,7 +81,7 @@ def test_cancelling_a_speculative_request_frees_its_blocks_and_draft_cache(smoll
                                  speculative=SpeculativeConfig("self", draft_layers=8))  # fmt: skip
     for _ in range(4):
         engine.step()
-    drafter_cache = request.speculation.proposer.cache
+    drafter_cache = request.speculation.proposer.own.cache  # in the engine the self-draft keeps its own cache
     assert drafter_cache.seq_len > 0
     assert engine.cancel("c").finish_reason == "cancelled"
     assert drafter_cache.seq_len == 0  # the self-draft's own cache was released

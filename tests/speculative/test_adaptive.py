@@ -29,7 +29,7 @@ def test_shrinks_on_low_acceptance_then_pauses_and_resumes():
     assert c.rolling_acceptance == 1.0  # a fresh window after the pause
 
 
-def test_pauses_double_while_drafts_keep_failing_and_reset_when_one_pays():
+def test_pauses_double_while_drafts_keep_failing_and_halve_when_one_pays():
     c = DraftLengthController(initial=1, min_length=1, max_length=1, window=1, cooldown=2, max_cooldown=8)
 
     def pause_after_a_failed_draft() -> int:
@@ -40,7 +40,10 @@ def test_pauses_double_while_drafts_keep_failing_and_reset_when_one_pays():
         return plain
 
     assert [pause_after_a_failed_draft() for _ in range(5)] == [2, 4, 8, 8, 8]
-    c.record(1, 1)  # a draft that pays: the next pause is short again
+    c.record(1, 1)  # a draft that pays halves the next pause: one lucky draft keeps most of the back-off
+    assert pause_after_a_failed_draft() == 4
+    c.record(1, 1)  # the pause had doubled to 8 again; drafts that keep paying bring it down to the shortest
+    c.record(1, 1)
     assert pause_after_a_failed_draft() == 2
 
 

@@ -180,7 +180,7 @@ class FastDecoder:
 
         rope: [kinds, 2, head_dim] cos/sin of this position for each of model.ropes. slot: the
         token's LoRA adapter slot in model.lora (-1: the base model). num_layers: only the first
-        blocks (a layer-skip draft's cache holds just those), over an fp32 cache layout only;
+        blocks (a layer-skip draft, over its own cache or the target's), over an fp32 cache layout only;
         False (nothing run) where the cache offers none.
         """
         lora = self.lora([slot])

@@ -40,8 +40,8 @@ class DraftLengthController:
     a whole window, drafting pauses for `cooldown` tokens of plain decoding, then probes again at the
     minimum length. A probe that fails pauses again at once, for twice as long (up to
     `max_cooldown`): on text where drafts keep failing, probing verifies become rare and the cost
-    nears plain decoding's. One verify step at or above `shrink_below` resets the pause length and
-    ends probing.
+    nears plain decoding's. One verify step at or above `shrink_below` halves the next pause's length
+    (down to `cooldown`) and ends probing.
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
     if it also made its tokens faster than plain steps do (draft + verify time against accepted + 1
@@ -99,7 +99,10 @@ class DraftLengthController:
         if paid:
             if self._probing:
                 self.length = max(self.length, self._resume_length)
-            self._next_cooldown, self._probing = self.cooldown, False  # drafting paid since the last pause
+            # Halved, not reset: on text where drafts keep failing, one lucky acceptance would
+            # otherwise undo the whole back-off (a run of short pauses, each with a failing probe).
+            self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
+            self._probing = False
         elif self._probing:
             self._pause(overrun)  # the probe failed: pause again, longer
             return

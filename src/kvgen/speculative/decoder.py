@@ -31,6 +31,7 @@ class SpeculativeDecoder:
         self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
         self.max_context, self.constraint = max_context, sampler.constraint
         self.policy = DraftPolicy(sampler.params)
+        proposer.attach(cache)  # a layer-skip draft reads the target's first layers' keys and values
         self.controller = config.new_controller()
         self.controller.start_with_probe()  # the steps are timed: a proposer proves itself on one token first
         self.stats = SpeculativeStats()

@@ -3,13 +3,16 @@
 A proposer sees the whole committed sequence (prompt + generated, the last id not yet in the target's
 cache) and returns a `Draft`. Drafting must leave no trace the target can see: a proposer keeps its own
 state (a draft cache, an n-gram index) and re-synchronises it with the ids it is given on every call, so
-rejected drafts need no explicit rollback message.
+rejected drafts need no explicit rollback message. A proposer given the target's cache (`attach`) may
+write positions past the committed ones while it drafts, and must truncate them away before it returns.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from kvgen.kv.interface import KVCache
@@ -99,6 +102,11 @@ class Proposer(ABC):
     def observe_features(self, features: torch.Tensor) -> None:
         """features [H]: the target's last block output at the last position of its cache."""
 
+    def attach(self, cache: KVCache) -> None:
+        """The target's cache for this request, which holds every committed id but the last whenever
+        `propose` is called (the single-sequence decoder offers it; the engine does not). Proposers
+        that do not read the target's keys and values ignore it."""
+
     def release(self) -> None:
         """Free what the proposer holds (its draft cache); called when the request ends."""
 
@@ -124,20 +132,37 @@ class CachedDrafter(Proposer):
         self._cached_ids = self._cached_ids[:keep]
         logits = self.forward(torch.tensor([ids[keep:]]))
         self._cached_ids = list(ids)
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        with DraftedPath(constraint) as path:
-            while can_extend(constraint):
-                token, q = policy.pick(logits, constraint)
-                tokens.append(token)
-                if q is not None:
-                    probs.append(q)
-                if len(tokens) == num_tokens or not path.advance(token):
-                    break
-                logits = self.forward(torch.tensor([[token]]))
-                self._cached_ids.append(token)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return draft_tokens(logits, num_tokens, policy, constraint, self._extend)
+
+    def _extend(self, token: int) -> torch.Tensor:
+        logits = self.forward(torch.tensor([[token]]))
+        self._cached_ids.append(token)
+        return logits
 
     def release(self) -> None:
         self.cache.release()
         self._cached_ids = []
+
+
+def draft_tokens(
+    logits: torch.Tensor, num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None,
+    extend: Callable[[int], torch.Tensor | None],
+) -> Draft:  # fmt: skip
+    """An autoregressive drafting model's loop: pick from `logits` [V], then `extend(token)` gives the
+    logits after that token (None: no room to go on), until `num_tokens` are drafted or the grammar
+    ends. The draft model runs `num_tokens - 1` extensions: the last token's own logits are not needed."""
+    tokens: list[int] = []
+    probs: list[torch.Tensor] = []
+    with DraftedPath(constraint) as path:
+        while can_extend(constraint):
+            token, q = policy.pick(logits, constraint)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if len(tokens) == num_tokens or not path.advance(token):
+                break
+            next_logits = extend(token)
+            if next_logits is None:
+                break
+            logits = next_logits
+    return Draft(tokens, torch.stack(probs) if probs else None)
