@@ -28,6 +28,7 @@ class ContiguousCache(KVCache):
         self._seq_len = 0
         self._removed = 0  # positions dropped by remove_range since the cache was last empty
         self._keys, self._values = self._new_buffers(min(capacity, self.max_capacity))  # [L, B, H, C, D] each
+        self._tail_zeroed = self.device.type != "cpu" or batch_size > 1  # positions never written read as 0
 
     def _new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values for `capacity` positions. One sequence only reads positions it wrote, so
@@ -65,6 +66,7 @@ class ContiguousCache(KVCache):
         keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
         values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
         self._keys, self._values = keys, values
+        self._tail_zeroed = self.device.type != "cpu" or self.batch_size > 1
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._seq_len, self._seq_len + keys.shape[2]
@@ -91,6 +93,10 @@ class ContiguousCache(KVCache):
         if self.batch_size != 1 or num_tokens > self.max_capacity:
             return None
         self.reserve(num_tokens)
+        if not self._tail_zeroed:  # a graph attends over unwritten positions under a mask: 0 * NaN is NaN
+            self._keys[:, :, :, self._seq_len :].zero_()
+            self._values[:, :, :, self._seq_len :].zero_()
+            self._tail_zeroed = True
         return self._keys, self._values
 
     def commit(self, num_tokens: int) -> None:

@@ -183,7 +183,8 @@ class KVCache(ABC):
         """Optional: keys and values [L, 1, H, C, D] (C >= num_tokens, room made now) that stay where
         they are until the cache grows or is released and may be written in place at any position:
         what a decode step replayed from a CUDA graph needs (models/cuda_graphs.py), which then
-        commits what it wrote. None (the default): no such storage, or no room for num_tokens."""
+        commits what it wrote. Positions not yet written hold finite values (the graph attends over
+        them under a mask). None (the default): no such storage, or no room for num_tokens."""
         return None
 
     def codes_view(self, num_tokens: int) -> CodesView | None:
