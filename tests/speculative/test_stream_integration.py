@@ -52,13 +52,19 @@ def test_draft_model_sampling_is_reproducible_with_a_seed(tiny: LLM, tiny_draft:
     assert first.speculative.verify_steps > 0
 
 
-def test_abandoned_stream_frees_the_paged_blocks(tiny: LLM):
-    generator = Generator(tiny.model, tiny.tokenizer, cache=CacheConfig(kind="paged", block_size=4, budget_mb=4))
+def _self_draft_stream_read_partly(generator: Generator):
+    """A self-drafting stream whose consumer has read 6 chunks and stopped (not yet closed)."""
     stream = generator.stream(REPETITIVE, SamplingParams(max_new_tokens=40, ignore_eos=True),
                               speculative=SpeculativeConfig("self", draft_layers=1))  # fmt: skip
     for i, _ in enumerate(stream):
         if i == 5:
             break
+    return stream
+
+
+def test_abandoned_stream_frees_the_paged_blocks(tiny: LLM):
+    generator = Generator(tiny.model, tiny.tokenizer, cache=CacheConfig(kind="paged", block_size=4, budget_mb=4))
+    stream = _self_draft_stream_read_partly(generator)
     proposer = stream._proposer
     assert proposer.target is stream.cache and proposer.own is None  # fp32 paged blocks: the draft shares them
     stream._iterator.close()  # what a consumer that drops the stream triggers
@@ -68,11 +74,7 @@ def test_abandoned_stream_frees_the_paged_blocks(tiny: LLM):
 
 def test_abandoned_stream_frees_the_self_drafts_own_cache(tiny: LLM):
     generator = Generator(tiny.model, tiny.tokenizer, cache=CacheConfig(kind="window", window=16, extra=8))
-    stream = generator.stream(REPETITIVE, SamplingParams(max_new_tokens=40, ignore_eos=True),
-                              speculative=SpeculativeConfig("self", draft_layers=1))  # fmt: skip
-    for i, _ in enumerate(stream):
-        if i == 5:
-            break
+    stream = _self_draft_stream_read_partly(generator)
     proposer = stream._proposer
     assert proposer.target is None  # a window cache drops positions on write: the draft keeps its own cache
     assert proposer.own.cache.seq_len > 0

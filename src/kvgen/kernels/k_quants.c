@@ -74,6 +74,26 @@ static inline __m256 u8x8_to_f32(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
+// The 8-output kernel over up to 4 activation rows around a super-block loop TILE(R) that adds
+// into acc[0..R-1]; rows beyond out_count (a last, partial group) are not stored.
+#define KQUANT_ROWS(NAME, BLOCK, TILE)                                                               \
+    static inline void NAME(const BLOCK* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride, \
+                            float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {       \
+        (void)xsum;                                                                                  \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        switch (rows) {                                                                              \
+            case 4: TILE(4) break;                                                                   \
+            case 3: TILE(3) break;                                                                   \
+            case 2: TILE(2) break;                                                                   \
+            default: TILE(1) break;                                                                  \
+        }                                                                                            \
+        for (int t = 0; t < rows; t++) {                                                             \
+            float lanes[XROWS];                                                                      \
+            _mm256_storeu_ps(lanes, acc[t]);                                                         \
+            memcpy(y + t * y_stride, lanes, (size_t)out_count * sizeof(float));                      \
+        }                                                                                            \
+    }
+
 #define Q4K_TILE(R)                                                                                  \
     for (int64_t s = 0; s < nb / SUBS; s++) {                                                        \
         const block_q4kx8* sb = wg + s;                                                              \
@@ -93,22 +113,7 @@ static inline __m256 u8x8_to_f32(const uint8_t* p) {
         }                                                                                            \
     }
 
-static inline void q4kx8_rows(const block_q4kx8* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride,
-                              float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {
-    (void)xsum;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    switch (rows) {
-        case 4: Q4K_TILE(4) break;
-        case 3: Q4K_TILE(3) break;
-        case 2: Q4K_TILE(2) break;
-        default: Q4K_TILE(1) break;
-    }
-    for (int t = 0; t < rows; t++) {
-        float lanes[XROWS];
-        _mm256_storeu_ps(lanes, acc[t]);
-        memcpy(y + t * y_stride, lanes, (size_t)out_count * sizeof(float));
-    }
-}
+KQUANT_ROWS(q4kx8_rows, block_q4kx8, Q4K_TILE)
 #else
 // Portable path: the same sums in the same order, one lane at a time.
 static void q4kx8_rows(const block_q4kx8* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride,
@@ -257,22 +262,7 @@ static inline int q6kx8_value(const block_q6kx8* sb, int j, int r, int l) {  // 
         }                                                                                            \
     }
 
-static inline void q6kx8_rows(const block_q6kx8* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride,
-                              float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {
-    (void)xsum;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    switch (rows) {
-        case 4: Q6K_TILE(4) break;
-        case 3: Q6K_TILE(3) break;
-        case 2: Q6K_TILE(2) break;
-        default: Q6K_TILE(1) break;
-    }
-    for (int t = 0; t < rows; t++) {
-        float lanes[XROWS];
-        _mm256_storeu_ps(lanes, acc[t]);
-        memcpy(y + t * y_stride, lanes, (size_t)out_count * sizeof(float));
-    }
-}
+KQUANT_ROWS(q6kx8_rows, block_q6kx8, Q6K_TILE)
 #else
 static void q6kx8_rows(const block_q6kx8* wg, const block_x8* x, const int32_t* xsum, int64_t x_stride,
                        float* y, int64_t y_stride, int rows, int64_t nb, int out_count) {
