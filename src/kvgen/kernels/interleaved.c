@@ -22,8 +22,10 @@
 // sum(u * x) - 16 * sum(x), the signed integers' dot). Nothing depends on how many activation rows
 // are multiplied together or on the instruction set (VNNI or AVX2's multiply-add pair compute the
 // same integer, F16C's conversion is exact), so a row's logits are the same alone, batched,
-// verified or prefilled. Wider (512-bit) variants were not needed: one Zen 4 core runs these kernels
-// at 29-54 GB/s of blocks with the weights in cache, against 18-20 GB/s streamed from memory.
+// verified or prefilled. A decode step (one row) is bound by memory: one Zen 4 core runs these
+// kernels at 29-54 GB/s of blocks with the weights in cache, against 18-20 GB/s streamed from
+// memory. Many rows are bound by compute: there 512-bit tiles of 16 outputs (interleaved_pairs.c)
+// halve the activation broadcasts.
 
 #define XROWS 8
 
