@@ -107,6 +107,11 @@ class MambaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """The CPU: this family runs there only (models/device.py refuses to move it)."""
+        return self.embed_tokens.device
+
     def fast_decoder(self) -> None:
         return None
 

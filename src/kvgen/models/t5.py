@@ -162,6 +162,11 @@ class T5Model(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.shared.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """The CPU: this family runs there only (models/device.py refuses to move it)."""
+        return self.shared.device
+
     def fast_decoder(self) -> None:
         return None
 
