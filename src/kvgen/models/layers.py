@@ -16,6 +16,12 @@ from kvgen.models.rotary import apply_rotary
 from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd must see this op (the C row ops have no backward): KV-quant calibration
+    takes gradients through the torch path."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in fp32. Gemma's (1 + w) is folded into `weight` once at build time."""
 
@@ -26,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = load()
-        if library is not None and x.dtype == torch.float32:  # the C decode step's norm, one pass per row
+        if library is not None and x.dtype == torch.float32 and not needs_grad(x):  # the C decode step's norm, one pass per row
             rows = x.contiguous()
             out = torch.empty_like(rows)
             weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
@@ -201,7 +207,7 @@ class GatedMLP(nn.Module):
         if self.lora is not None:
             gate_up = self.lora.add_delta(self.layer, "gate_up", x, gate_up)
         library = load()
-        if self.act is F.silu and library is not None and gate_up.dtype == torch.float32:
+        if self.act is F.silu and library is not None and gate_up.dtype == torch.float32 and not needs_grad(gate_up):
             # the C decode step's SwiGLU, one pass per row (torch: silu, then the product)
             gate_up = gate_up.contiguous()
             hidden = torch.empty(*gate_up.shape[:-1], self.intermediate)

@@ -83,7 +83,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     turn only the first channels."""
     rotary = cos.shape[-1]
     library = load()
-    if library is not None and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1:
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin))  # C has no backward
+    if library is not None and not differentiable and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1:
         return _rope_in_c(library, x, cos, sin)
     if rotary < x.shape[-1]:
         turned, kept = x[..., :rotary], x[..., rotary:]
