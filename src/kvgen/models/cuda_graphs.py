@@ -105,11 +105,11 @@ class CudaGraphDecoder:
         """Whether graphs can run this cache's steps (else the eager path runs them)."""
         if not self.runs_graphs or cache.key_bias() is not None:
             return False
-        spans = [cache.attention_span(i, w) for i, w in enumerate(self.windows)]
-        if any(s.sinks or s.chunk is not None for s in spans):
-            return False
         buffers = cache.static_buffers(cache.seq_len)
-        return buffers is not None and buffers[0].device == self.model.device
+        if buffers is None or buffers[0].device != self.model.device:
+            return False
+        span = cache.attention_span(0, None)  # what the cache imposes on every layer (checked once a step)
+        return not span.sinks and span.chunk is None
 
     def _buffers(self, cache: KVCache, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cache's storage with room for num_tokens, where graphs can run its steps."""

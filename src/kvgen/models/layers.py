@@ -12,14 +12,8 @@ from kvgen.config import ModelConfig
 from kvgen.kernels import load
 from kvgen.kv.interface import KVCache
 from kvgen.models.lora import LoraStacks
-from kvgen.models.rotary import apply_rotary
+from kvgen.models.rotary import apply_rotary, needs_grad
 from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
-
-
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd must see this op (the C row ops have no backward): KV-quant calibration
-    takes gradients through the torch path."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class RMSNorm(nn.Module):

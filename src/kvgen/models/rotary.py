@@ -78,13 +78,18 @@ class LongRopeEmbedding(RotaryEmbedding):
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd must see this op (the C row ops have no backward): KV-quant calibration
+    takes gradients through the torch path."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, S, D] rotated by its positions' angles; cos/sin narrower than D (partial rotary)
     turn only the first channels."""
     rotary = cos.shape[-1]
     library = load()
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin))  # C has no backward
-    if library is not None and not differentiable and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1:
+    if library is not None and not needs_grad(x, cos, sin) and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1:
         return _rope_in_c(library, x, cos, sin)
     if rotary < x.shape[-1]:
         turned, kept = x[..., :rotary], x[..., rotary:]
