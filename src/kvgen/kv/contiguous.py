@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvgen.kv import huge_pages
 from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
 
 
@@ -37,15 +38,15 @@ class ContiguousCache(KVCache):
         uninitialised memory could hold NaN (0 * NaN = NaN). So is a GPU cache, whose CUDA graphs
         attend over a fixed bucket of positions under a mask (models/cuda_graphs.py); its keys and
         values are one allocation, so a later cache of the same size gets back the same address
-        (and the graphs captured over it)."""
+        (and the graphs captured over it). CPU buffers ask for huge pages (kv/huge_pages.py)."""
         spec = self.spec
         shape = (spec.num_layers, self.batch_size, spec.num_kv_heads, capacity, spec.head_dim)
         if self.device.type != "cpu":
             both = torch.zeros((2, *shape), dtype=spec.dtype, device=self.device)
             return both[0], both[1]
         if self.batch_size == 1:
-            return torch.empty(shape, dtype=spec.dtype), torch.empty(shape, dtype=spec.dtype)
-        return torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype)
+            return huge_pages.empty(shape, spec.dtype), huge_pages.empty(shape, spec.dtype)
+        return huge_pages.zeros(shape, spec.dtype), huge_pages.zeros(shape, spec.dtype)
 
     @property
     def seq_len(self) -> int:

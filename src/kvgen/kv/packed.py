@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvgen.kv import huge_pages
 from kvgen.kv.codecs import BLOCK_TOKENS, Codec, Parts
 
 
@@ -18,7 +19,7 @@ class PackedStore:
         self.codec, self.block_tokens, self.head_dim = codec, block_tokens, head_dim
         template = codec.encode(torch.zeros(num_heads, 1, block_tokens, head_dim), 0)  # shapes and dtypes
         self.parts: Parts = {
-            name: torch.zeros((num_layers, num_heads, max_blocks, *t.shape[2:]), dtype=t.dtype)
+            name: huge_pages.zeros((num_layers, num_heads, max_blocks, *t.shape[2:]), dtype=t.dtype)
             for name, t in template.items()
         }
 
@@ -32,7 +33,7 @@ class PackedStore:
             return
         new_max = max(num_blocks, 2 * self.max_blocks)
         for name, old in self.parts.items():
-            grown = torch.zeros((*old.shape[:2], new_max, *old.shape[3:]), dtype=old.dtype)
+            grown = huge_pages.zeros((*old.shape[:2], new_max, *old.shape[3:]), dtype=old.dtype)
             grown[:, :, :used_blocks] = old[:, :, :used_blocks]
             self.parts[name] = grown
 

@@ -1,0 +1,48 @@
+"""Large CPU K/V buffers ask for transparent huge pages (kv/huge_pages.py): the int8 codes of a
+QuantizedCache and a ContiguousCache's fp32 buffers land on 2 MB pages where the system offers them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgen.kv import huge_pages
+from kvgen.kv.contiguous import ContiguousCache
+from kvgen.kv.interface import CacheSpec
+from kvgen.kv.quantized import QuantizedCache
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="no transparent huge pages on this system",
+)
+
+
+def huge_kb(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds the tensor's first 2 MB-aligned byte (/proc/self/smaps;
+    advice splits a mapping at the aligned bounds)."""
+    address, inside = -(-tensor.data_ptr() // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_large_buffers_sit_on_huge_pages() -> None:
+    spec = CacheSpec(num_layers=4, num_kv_heads=3, head_dim=64)
+    quantized = QuantizedCache(spec, 8192, 8192, "int8", "int8")
+    contiguous = ContiguousCache(spec, 8192)
+    contiguous.update(0, torch.randn(1, 3, 8192, 64), torch.randn(1, 3, 8192, 64))  # first touch
+    codes = quantized.key_store.parts["codes"]
+    assert codes.dtype == torch.int8 and codes.numel() >= 4 * 3 * 8192 * 64
+    assert huge_kb(codes) >= 2048
+    assert huge_kb(contiguous._keys) >= 2048
+    small = huge_pages.zeros((1000,))  # under one huge page: nothing to ask for
+    assert not huge_pages.advise(small) and torch.count_nonzero(small) == 0
