@@ -12,13 +12,14 @@ draft vocabulary) trained by `scripts/train_eagle.py` on SmolLM2's own greedy ch
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgen.kernels.formats import requantize
+from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.base import DecoderLM
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
@@ -54,16 +55,40 @@ def draft_head_rows(model: DecoderLM, vocab: torch.Tensor) -> torch.Tensor:
     return weight[vocab].float().contiguous()
 
 
-def draft_projection(model: DecoderLM, vocab: torch.Tensor) -> nn.Module:
+def draft_projection_weight(model: DecoderLM, vocab: torch.Tensor) -> QuantizedWeight | torch.Tensor:
     """The LM head restricted to `vocab`: for a quantized target head its rows requantized to 8 bits
-    (exact for Q8_0 rows) and multiplied by the same C kernel, a twelfth of the full head's bytes at
-    4,096 rows; an fp32 head's rows as an fp32 linear."""
+    (exact for Q8_0 rows), for the same C kernel, a twelfth of the full head's bytes at 4,096 rows;
+    an fp32 head's rows as they are."""
     rows = draft_head_rows(model, vocab)
-    if isinstance(model.lm_head, QuantizedLinear):
-        return QuantizedLinear(requantize(rows, "q8s"))
-    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-    linear.weight.data = rows
+    return requantize(rows, "q8s") if isinstance(model.lm_head, QuantizedLinear) else rows
+
+
+def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedLinear(weight)  # its own scratch buffer: proposers may run in several threads
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
     return linear.requires_grad_(False)
+
+
+# Per model and weight file: the loaded head and its draft rows. Building them dequantizes the
+# whole output head (~0.1 s); a request must not pay that (shared read-only; keyed on the file's
+# modification time, so a retrained head is read again).
+_loaded: "weakref.WeakKeyDictionary[DecoderLM, dict[tuple[str, int], tuple[EagleHead, QuantizedWeight | torch.Tensor]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def eagle_proposer(model: DecoderLM, path: str | Path | None) -> "EagleProposer":
+    """A fresh proposer (its own feature state) over the head at `path` (None: the shipped one)."""
+    path = Path(path) if path is not None else SHIPPED_WEIGHTS
+    key = (str(path.resolve()), path.stat().st_mtime_ns if path.exists() else -1)
+    per_model = _loaded.setdefault(model, {})
+    if key not in per_model:
+        head = load_eagle_head(path, model)
+        per_model[key] = head, draft_projection_weight(model, head.draft_vocab)
+    head, weight = per_model[key]
+    return EagleProposer(model, head, weight)
 
 
 def save_eagle_head(head: EagleHead, path: Path, model_name: str) -> None:
@@ -104,10 +129,11 @@ def load_eagle_head(path: str | Path | None, model: DecoderLM) -> EagleHead:
 class EagleProposer(Proposer):
     needs_target_features = True
 
-    def __init__(self, model: DecoderLM, head: EagleHead):
+    def __init__(self, model: DecoderLM, head: EagleHead, projection: QuantizedWeight | torch.Tensor | None = None):
         self.model, self.head = model, head
         self.vocab = head.draft_vocab
-        self.project = draft_projection(model, self.vocab)  # [H] -> [N]
+        weight = projection if projection is not None else draft_projection_weight(model, self.vocab)
+        self.project = draft_projection(weight)  # [H] -> [N]
         self._features: torch.Tensor | None = None  # [H], target feature at the last cached position
 
     def observe_features(self, features: torch.Tensor) -> None:
