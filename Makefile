@@ -102,7 +102,7 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 	$(PY) benchmarks/window_pool.py --tokens 4096
 
 # The EAGLE draft head for SmolLM2, trained on its own greedy chat replies (self-distillation; about
-# 15 minutes of one CPU core). The shipped weights in src/kvgen/speculative/weights/ are these.
+# 15-25 minutes of one CPU core). The shipped weights in src/kvgen/speculative/weights/ are these.
 EAGLE_WEIGHTS := src/kvgen/speculative/weights/eagle_smollm2.safetensors
 EAGLE_REQUESTS ?= 400
 EAGLE_STEPS ?= 800
