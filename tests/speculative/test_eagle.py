@@ -12,7 +12,6 @@ import torch
 from kvgen import SamplingParams, SpeculativeConfig
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec
-from kvgen.sampling.params import SamplingParams as Params
 from kvgen.speculative.eagle import SHIPPED_WEIGHTS, EagleProposer, load_eagle_head, save_eagle_head
 from kvgen.speculative.proposer import DraftPolicy
 
@@ -37,7 +36,7 @@ def test_the_proposer_drafts_the_targets_next_token_on_a_chat_reply(smollm2_q4):
     cache = ContiguousCache(CacheSpec.for_model(model.config, model.dtype), len(ids))
     features = model.hidden_states(torch.tensor([ids]), cache)[0]  # the rows step, as verify runs it
     proposer = SpeculativeConfig("eagle").build_proposer(llm.generator)
-    policy = DraftPolicy(Params())
+    policy = DraftPolicy(SamplingParams())
     hits = []
     for t in range(len(prompt) - 1, len(ids) - 2):
         proposer.observe_features(features[t])
