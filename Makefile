@@ -101,13 +101,13 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 	$(PY) benchmarks/prefix_persistence.py --weights auto fp32
 	$(PY) benchmarks/window_pool.py --tokens 4096
 
-# The EAGLE draft head for SmolLM2, trained on its own features over Shakespeare (CPU, a few minutes).
-# A small trained copy ships in src/kvgen/speculative/weights/; this rebuilds it with more data.
+# The EAGLE draft head for SmolLM2, trained on its own greedy chat replies (self-distillation; about
+# 15-25 minutes of one CPU core). The shipped weights in src/kvgen/speculative/weights/ are these.
 EAGLE_WEIGHTS := src/kvgen/speculative/weights/eagle_smollm2.safetensors
-EAGLE_TOKENS ?= 24000
-EAGLE_STEPS ?= 600
-eagle: $(VENV)/.models $(SHAKESPEARE)/.done
-	KVGEN_SHAKESPEARE=$(SHAKESPEARE) $(PY) scripts/train_eagle.py --tokens $(EAGLE_TOKENS) --steps $(EAGLE_STEPS) --out $(EAGLE_WEIGHTS)
+EAGLE_REQUESTS ?= 400
+EAGLE_STEPS ?= 800
+eagle: $(VENV)/.models
+	nice -n 10 $(PY) scripts/train_eagle.py --requests $(EAGLE_REQUESTS) --new-tokens 128 --steps $(EAGLE_STEPS) --out $(EAGLE_WEIGHTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -98,6 +98,6 @@ class SpeculativeConfig:
             if hasattr(self.draft_model, "tokenizer"):
                 check_same_vocabulary(generator.tokenizer, self.draft_model.tokenizer)
             return DraftModelProposer(draft, max_context)
-        from kvgen.speculative.eagle import EagleProposer, load_eagle_head
+        from kvgen.speculative.eagle import eagle_proposer
 
-        return EagleProposer(model, load_eagle_head(self.eagle_weights, model))
+        return eagle_proposer(model, self.eagle_weights)

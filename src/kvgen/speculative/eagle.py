@@ -1,22 +1,29 @@
 """EAGLE-style draft head: predicts the target's next last-layer feature from its current one.
 
 Input: the target's last block output f_t at the last cached position and the embedding of the token
-x_{t+1} chosen after it. Output: f_{t+1}, which the target's own final norm and LM head turn into draft
-logits; drafting k tokens chains the head on its own predicted features (EAGLE, Li et al. 2024).
-This head is a residual two-layer MLP (no attention, ~1.8M parameters, shipped in fp16) trained by
-`scripts/train_eagle.py` on SmolLM2's features over Shakespeare.
+x_{t+1} chosen after it. Output: f_{t+1}, which the target's own final norm and the rows of its LM
+head for a **draft vocabulary** (the few thousand tokens the target emits most often, as in EAGLE-3)
+turn into draft logits; drafting k tokens chains the head on its own predicted features (EAGLE, Li et
+al. 2024). A draft token costs the head's MLP and a small matrix product instead of the full output
+head; verification still scores the full vocabulary, so output is exact whatever the head drafts.
+This head is a residual two-layer MLP (no attention, ~1.8M parameters, shipped in fp16 with its
+draft vocabulary) trained by `scripts/train_eagle.py` on SmolLM2's own greedy chat replies.
 """
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.base import DecoderLM
+from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
-from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend
+from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend, mask_logits
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors"
 
@@ -26,24 +33,69 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, hidden_size: int, inner_size: int):
+    def __init__(self, hidden_size: int, inner_size: int, draft_vocab: torch.Tensor):
         super().__init__()
         self.hidden_size, self.inner_size = hidden_size, inner_size
         self.feature_scale = nn.Parameter(torch.ones(hidden_size))
         self.token_scale = nn.Parameter(torch.ones(hidden_size))
         self.fc1 = nn.Linear(2 * hidden_size, inner_size)
         self.fc2 = nn.Linear(inner_size, hidden_size)
+        self.register_buffer("draft_vocab", draft_vocab.long())  # [N] target token ids the head drafts from
 
     def forward(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
         """features, token_embeddings [N, H] -> predicted next features [N, H]."""
         x = torch.cat([rms(features) * self.feature_scale, rms(token_embeddings) * self.token_scale], dim=-1)
-        return features + self.fc2(nn.functional.silu(self.fc1(x)))
+        return features + self.fc2(F.silu(self.fc1(x)))
+
+
+def draft_head_rows(model: DecoderLM, vocab: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows for `vocab`, [N, H] fp32 (a quantized head dequantized once)."""
+    head = model.lm_head
+    weight = head.dequantized() if isinstance(head, QuantizedLinear) else head.weight
+    return weight[vocab].float().contiguous()
+
+
+def draft_projection_weight(model: DecoderLM, vocab: torch.Tensor) -> QuantizedWeight | torch.Tensor:
+    """The LM head restricted to `vocab`: for a quantized target head its rows requantized to 8 bits
+    (exact for Q8_0 rows), for the same C kernel, a twelfth of the full head's bytes at 4,096 rows;
+    an fp32 head's rows as they are."""
+    rows = draft_head_rows(model, vocab)
+    return requantize(rows, "q8s") if isinstance(model.lm_head, QuantizedLinear) else rows
+
+
+def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedLinear(weight)  # its own scratch buffer: proposers may run in several threads
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    return linear.requires_grad_(False)
+
+
+# Per model and weight file: the loaded head and its draft rows. Building them dequantizes the
+# whole output head (~0.3 s on 2 cores); a request must not pay that (shared read-only; keyed on the file's
+# modification time, so a retrained head is read again).
+_loaded: "weakref.WeakKeyDictionary[DecoderLM, dict[tuple[str, int], tuple[EagleHead, QuantizedWeight | torch.Tensor]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def eagle_proposer(model: DecoderLM, path: str | Path | None) -> "EagleProposer":
+    """A fresh proposer (its own feature state) over the head at `path` (None: the shipped one)."""
+    path = Path(path) if path is not None else SHIPPED_WEIGHTS
+    key = (str(path.resolve()), path.stat().st_mtime_ns if path.exists() else -1)
+    per_model = _loaded.setdefault(model, {})
+    if key not in per_model:
+        head = load_eagle_head(path, model)
+        per_model[key] = head, draft_projection_weight(model, head.draft_vocab)
+    head, weight = per_model[key]
+    return EagleProposer(model, head, weight)
 
 
 def save_eagle_head(head: EagleHead, path: Path, model_name: str) -> None:
     from safetensors.torch import save_file
 
-    tensors = {name: t.detach().half().contiguous() for name, t in head.state_dict().items()}
+    tensors = {name: t.detach().half().contiguous() for name, t in head.state_dict().items() if name != "draft_vocab"}
+    tensors["draft_vocab"] = head.draft_vocab.int().contiguous()
     metadata = {"hidden_size": str(head.hidden_size), "inner_size": str(head.inner_size), "model": model_name}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=metadata)
@@ -57,27 +109,55 @@ def load_eagle_head(path: str | Path | None, model: DecoderLM) -> EagleHead:
         raise ValueError(f"no EAGLE head at {path}: train one with `make eagle` (scripts/train_eagle.py)")
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
-        tensors = {name: f.get_tensor(name).float() for name in f.keys()}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
     hidden = int(meta.get("hidden_size", 0))
     if hidden != model.config.hidden_size:
         raise ValueError(
             f"the EAGLE head at {path} was trained for hidden size {hidden} ({meta.get('model', '?')}), but the "
             f"target's is {model.config.hidden_size}: train a head for this model with scripts/train_eagle.py"
         )
-    head = EagleHead(hidden, int(meta["inner_size"]))
-    head.load_state_dict(tensors)
+    if "draft_vocab" not in tensors:
+        raise ValueError(f"the EAGLE head at {path} has no draft vocabulary: retrain it with scripts/train_eagle.py")
+    vocab = tensors.pop("draft_vocab").long()
+    if len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.config.vocab_size:
+        raise ValueError(f"the EAGLE head at {path} drafts token ids outside the target's vocabulary")
+    head = EagleHead(hidden, int(meta["inner_size"]), vocab)
+    head.load_state_dict({name: t.float() for name, t in tensors.items()} | {"draft_vocab": vocab})
     return head.eval().requires_grad_(False)
 
 
 class EagleProposer(Proposer):
     needs_target_features = True
 
-    def __init__(self, model: DecoderLM, head: EagleHead):
+    def __init__(self, model: DecoderLM, head: EagleHead, projection: QuantizedWeight | torch.Tensor | None = None):
         self.model, self.head = model, head
+        self.vocab = head.draft_vocab
+        weight = projection if projection is not None else draft_projection_weight(model, self.vocab)
+        self.project = draft_projection(weight)  # [H] -> [N]
         self._features: torch.Tensor | None = None  # [H], target feature at the last cached position
 
     def observe_features(self, features: torch.Tensor) -> None:
-        self._features = features
+        self._features = features  # a reference: a paused proposer costs nothing per step
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Predicted features [1, H] -> logits over the draft vocabulary [N]."""
+        logits = self.project(self.model.norm(features))[0]
+        cap = self.model.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _pick(
+        self, features: torch.Tensor, policy: DraftPolicy, constraint: TokenConstraint | None
+    ) -> tuple[int, torch.Tensor | None] | None:
+        logits = self.draft_logits(features)
+        if policy.greedy and constraint is None:
+            return int(self.vocab[int(torch.argmax(logits))]), None
+        # Sampling or a grammar: the full vocabulary's logits, -inf outside the draft vocabulary, so
+        # q (the draft's distribution) is exactly what the token was drawn from.
+        full = torch.full((self.model.config.vocab_size,), float("-inf"))
+        full[self.vocab] = logits
+        if not torch.isfinite(mask_logits(full, constraint)).any():
+            return None  # the grammar allows no draft-vocabulary token here
+        return policy.pick(full, constraint)
 
     @torch.inference_mode()
     def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
@@ -89,8 +169,10 @@ class EagleProposer(Proposer):
             while len(tokens) < num_tokens and can_extend(constraint):
                 embedding = self.model.embed_tokens[token][None]  # [1, H]
                 features = self.head(features, embedding)
-                logits = self.model.logits_from_hidden(features)[0]  # [V]
-                token, q = policy.pick(logits, constraint)
+                picked = self._pick(features, policy, constraint)
+                if picked is None:
+                    break
+                token, q = picked
                 tokens.append(token)
                 if q is not None:
                     probs.append(q)

@@ -1,0 +1,53 @@
+"""Chat requests for training the EAGLE head on the target's own replies (self-distillation).
+
+No chat data set ships offline, so the requests are built from instruction patterns and topics; the
+target's greedy replies to them (through its chat template) are the training text. The benchmark's
+chat request (a lighthouse keeper's story) is deliberately not among them.
+"""
+
+from __future__ import annotations
+
+import random
+
+PATTERNS = (
+    "Write a short story about {}.",
+    "Explain {} in simple terms.",
+    "What are the main benefits of {}?",
+    "Give me three tips about {}.",
+    "Describe {} to a child.",
+    "Write a poem about {}.",
+    "How does {} work?",
+    "Summarize the history of {}.",
+    "What should a beginner know about {}?",
+    "Write a friendly email to a colleague about {}.",
+    "What are common mistakes people make with {}?",
+    "Compare {} with something similar and explain the differences.",
+    "Tell me an interesting fact about {}.",
+    "Write a short dialogue between two friends talking about {}.",
+    "Why is {} important?",
+    "Give a step-by-step guide to {}.",
+)
+
+TOPICS = (
+    "a cat who learns to swim", "photosynthesis", "learning a new language", "the moon landing", "gardening",
+    "a robot who wants to be a chef", "climate change", "saving money", "the water cycle", "ancient Rome",
+    "a dragon afraid of the dark", "healthy sleep", "volcanoes", "writing a resume", "the internet",
+    "a lost dog finding its way home", "electric cars", "meditation", "the solar system", "baking bread",
+    "friendship", "recycling", "the French Revolution", "a young wizard's first spell", "exercise",
+    "machine learning", "the human heart", "public speaking", "rainforests", "a detective in a small town",
+    "time management", "the printing press", "honey bees", "a journey across the desert", "chess",
+    "vaccines", "starting a small business", "the ocean", "a girl who can talk to birds", "music",
+    "earthquakes", "cooking pasta", "the Great Wall of China", "a space station", "kindness",
+    "renewable energy", "studying for exams", "dinosaurs", "a king who lost his crown", "coffee",
+    "the immune system", "painting", "a haunted house", "mountains", "teamwork", "rain", "libraries",
+    "a knight and a talking horse", "the stock market", "winter", "bicycles", "a village festival",
+)
+
+
+def chat_requests(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct requests, a fixed shuffle of every pattern with every topic."""
+    pairs = [p.format(t) for p in PATTERNS for t in TOPICS]
+    random.Random(seed).shuffle(pairs)
+    if count > len(pairs):
+        raise ValueError(f"at most {len(pairs)} requests, asked for {count}")
+    return pairs[:count]
