@@ -69,6 +69,17 @@ def test_gemma_block_matches_torch_past_the_window(quantized: dict, layer: int) 
     assert max(errors) < 1e-3 and sorted(errors)[2] < 1e-5, errors
 
 
+def test_decode_steps_read_the_cos_sin_of_their_position(quantized: dict) -> None:
+    """A decode step's RoPE (FastDecoder.rope_at, from tables of 64 positions) is, bit for bit,
+    what the rows step computes for a lone row there, for both of Gemma's RoPE kinds, at and
+    across the tables' edges and after older tables were dropped."""
+    llm = get(quantized, "gemma3-270m")
+    model, decoder = llm.model, llm.model.fast_decoder()
+    for position in (0, 63, 64, 65, 700, 4095, 9000, 130, 1):
+        alone = model._rows_rope(torch.tensor([position]), torch.float32)[0]  # [kinds, 2, D]
+        assert alone.shape[0] == 2 and torch.equal(decoder.rope_at(position), alone), position
+
+
 def test_fast_path_is_used_for_quantized_weights_only(quantized: dict, smollm2) -> None:
     assert get(quantized, "smollm2").model.fast_decoder() is not None
     assert smollm2.model.fast_decoder() is None  # fp32 weights: torch path
