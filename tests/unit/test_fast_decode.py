@@ -69,6 +69,17 @@ def test_gemma_block_matches_torch_past_the_window(quantized: dict, layer: int) 
     assert max(errors) < 1e-3 and sorted(errors)[2] < 1e-5, errors
 
 
+def test_decode_steps_read_the_cos_sin_of_their_position(quantized: dict) -> None:
+    """A decode step's RoPE (FastDecoder.rope_at, from tables of 64 positions) is, bit for bit,
+    what the rows step computes for a lone row there, for both of Gemma's RoPE kinds, at and
+    across the tables' edges and after older tables were dropped."""
+    llm = get(quantized, "gemma3-270m")
+    model, decoder = llm.model, llm.model.fast_decoder()
+    for position in (0, 63, 64, 65, 700, 4095, 9000, 130, 1):
+        alone = model._rows_rope(torch.tensor([position]), torch.float32)[0]  # [kinds, 2, D]
+        assert alone.shape[0] == 2 and torch.equal(decoder.rope_at(position), alone), position
+
+
 def test_fast_path_is_used_for_quantized_weights_only(quantized: dict, smollm2) -> None:
     assert get(quantized, "smollm2").model.fast_decoder() is not None
     assert smollm2.model.fast_decoder() is None  # fp32 weights: torch path
@@ -160,8 +171,9 @@ def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gem
 
 def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -> None:
     """Prompt rows and decodes over fp32 K/V attend through one per-query procedure (decode.c
-    attend_head): its sums run in one order, so the AVX-512, AVX2 and scalar builds agree bit for
-    bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA)."""
+    attend_heads): its sums run in one order, so the AVX-512, AVX2 and scalar builds agree bit for
+    bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA), and a row's
+    heads give the same bits whichever run of heads of its kv head they are computed in."""
     from tests.unit.test_quantized_kv_attention import instruction_sets
     from kvgen.kernels.build import build, open_library
 
@@ -172,15 +184,18 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -
     q = torch.randn(len(starts), heads, d)
     table = torch.zeros(len(starts), dtype=torch.int64)
 
-    def attend(library) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def attend(library, rows: slice = slice(None)) -> torch.Tensor:
+        query, first, last = q[rows].contiguous(), starts[rows].contiguous(), ends[rows].contiguous()
+        out = torch.empty_like(query)
         library.kvgen_paged_decode_attention(
-            q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), len(starts), heads, kv_heads, d, 0.125,
-            keys.stride(1), keys.stride(2), keys.stride(0), length, table.data_ptr(), 1, starts.data_ptr(), ends.data_ptr(),
+            query.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), len(first), heads, kv_heads, d, 0.125,
+            keys.stride(1), keys.stride(2), keys.stride(0), length, table.data_ptr(), 1, first.data_ptr(), last.data_ptr(),
         )  # fmt: skip
         return out
 
     native = attend(load())
+    # A lone row splits each kv head's 3 query heads into runs of 2 and 1 (4 rows: runs of 3).
+    assert all(torch.equal(attend(load(), slice(r, r + 1))[0], native[r]) for r in range(len(starts)))
     reference = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], keys.expand(len(starts), -1, -1, -1), values.expand(len(starts), -1, -1, -1), scale=0.125,
         enable_gqa=True, attn_mask=((torch.arange(length) >= starts[:, None]) & (torch.arange(length) < ends[:, None]))[:, None, None],

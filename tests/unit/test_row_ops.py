@@ -47,3 +47,26 @@ def test_swiglu_matches_torch_and_ignores_the_row_count() -> None:
     hidden = swiglu_in_c(gate_up)
     torch.testing.assert_close(hidden, F.silu(gate_up[:, :100]) * gate_up[:, 100:], rtol=1e-5, atol=1e-6)
     assert torch.equal(swiglu_in_c(gate_up[7:8].clone()), hidden[7:8])
+
+
+def test_argmax_is_torchs_with_any_instruction_set(tmp_path) -> None:
+    """Greedy decoding's argmax in C: the first maximum (ties, -0.0 against 0.0), the first NaN,
+    all -inf, lengths off the 8-lane loop; the AVX2 and scalar builds choose the same."""
+    from tests.unit.test_quantized_kv_attention import instruction_sets
+    from kvgen.kernels.build import build, open_library
+    from kvgen.sampling.sampler import argmax
+
+    torch.manual_seed(2)
+    cases = [torch.randn(n) for n in (1, 7, 8, 13, 262144)]
+    tied = torch.randn(1000)
+    tied[[17, 400, 999]] = tied.max() + 1
+    with_nan = torch.randn(301)
+    with_nan[[250, 299]] = float("nan")
+    cases += [tied, with_nan, torch.full((20,), float("-inf")), torch.tensor([-0.0, 0.0, -1.0]),
+              torch.tensor([1.0, float("inf"), float("nan"), float("inf")])]  # fmt: skip
+    expected = [int(torch.argmax(x)) for x in cases]
+    assert [argmax(x) for x in cases] == expected
+    for name, flags in instruction_sets().items():
+        build(tmp_path / f"{name}.so", flags)
+        library = open_library(tmp_path / f"{name}.so")
+        assert [library.kvgen_argmax_f32(x.data_ptr(), x.numel()) for x in cases] == expected, name

@@ -5,6 +5,7 @@
 // 8 lanes reduced as hsum8, one fma per value), so the builds give the same bits.
 // This file is #included by decode.c.
 #define MAX_TILE 64  // positions per tile
+#define MAX_HEAD_TILE 8  // query heads per attend_tile_heads call
 
 // exp of 8 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
 // series to r^7 (relative error ~2e-8 before rounding); x is clamped to [-87, 88] (no inf/denormals).
@@ -28,27 +29,35 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// out[j] += sum_i p[i] * values[i][j], the sums kept in registers over the tile's positions.
-static void weighted_sum(const float* p, const float* const* values, int64_t n, int64_t d, float* out) {
+// out[h][j] += sum_i p[h][i] * values[i][j] for `count` heads (p, out: [count][..]), the sums kept
+// in registers over the tile's positions. Columns outside, heads inside: a 32-column slice of the
+// tile's values comes from L2 once and from L1 for the other heads.
+static void weighted_sums(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
+                          float* out, int64_t count) {
     int64_t j0 = 0;
 #ifdef __AVX2__
     for (; j0 + 32 <= d; j0 += 32) {
-        __m256 a0 = _mm256_loadu_ps(out + j0), a1 = _mm256_loadu_ps(out + j0 + 8);
-        __m256 a2 = _mm256_loadu_ps(out + j0 + 16), a3 = _mm256_loadu_ps(out + j0 + 24);
-        for (int64_t i = 0; i < n; i++) {
-            const __m256 w = _mm256_set1_ps(p[i]);
-            const float* v = values[i] + j0;
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        for (int64_t h = 0; h < count; h++) {
+            float* o = out + h * d + j0;
+            const float* ph = p + h * p_stride;
+            __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
+            __m256 a2 = _mm256_loadu_ps(o + 16), a3 = _mm256_loadu_ps(o + 24);
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 w = _mm256_set1_ps(ph[i]);
+                const float* v = values[i] + j0;
+                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1);
+            _mm256_storeu_ps(o + 16, a2), _mm256_storeu_ps(o + 24, a3);
         }
-        _mm256_storeu_ps(out + j0, a0), _mm256_storeu_ps(out + j0 + 8, a1);
-        _mm256_storeu_ps(out + j0 + 16, a2), _mm256_storeu_ps(out + j0 + 24, a3);
     }
 #endif
-    for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
-        for (int64_t j = j0; j < d; j++) out[j] = fmaf(p[i], values[i][j], out[j]);
+    for (int64_t h = 0; h < count; h++)
+        for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
+            for (int64_t j = j0; j < d; j++) out[h * d + j] = fmaf(p[h * p_stride + i], values[i][j], out[h * d + j]);
 }
 
 // p[i] = exp(s[i] - max) for n scores; returns their sum.
@@ -77,22 +86,31 @@ static float exp_shifted(float* s, int64_t n, float max) {
 // Softmax-weighted sums of one query head over some tiles: out = sum p_i v_i, with max m and sum l.
 typedef struct { float max, sum; } softmax_state;
 
-// One query head over a tile of n <= MAX_TILE positions (a row pointer per position), folded into
-// the running softmax `st` and the unnormalised sum `out`.
+// `count` query heads (q, out: [count, d]; st: [count]) over a tile of n <= MAX_TILE positions (a row
+// pointer per position), each folded into its running softmax and unnormalised sum. Each head's
+// operations are a lone head's; positions outside, heads inside, so a key comes from L2 once.
+static void attend_tile_heads(const float* q, int64_t count, const float* const* keys, const float* const* values,
+                              int64_t n, int64_t d, float scale, softmax_state* st, float* out) {
+    float scores[MAX_HEAD_TILE][MAX_TILE];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < count; h++) scores[h][i] = dot(q + h * d, keys[i], d) * scale;
+    for (int64_t h = 0; h < count; h++) {
+        float tile_max = -INFINITY;
+        for (int64_t i = 0; i < n; i++)
+            if (scores[h][i] > tile_max) tile_max = scores[h][i];
+        if (tile_max > st[h].max) {  // rescale what was accumulated under the old maximum
+            const float correction = expf(st[h].max - tile_max);
+            st[h].sum *= correction;
+            for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;
+            st[h].max = tile_max;
+        }
+        st[h].sum += exp_shifted(scores[h], n, st[h].max);
+    }
+    weighted_sums(scores[0], MAX_TILE, values, n, d, out, count);
+}
+
+// One query head over a tile: attend_tile_heads for a single head.
 static void attend_tile(const float* q, const float* const* keys, const float* const* values, int64_t n, int64_t d,
                         float scale, softmax_state* st, float* out) {
-    float scores[MAX_TILE];
-    float tile_max = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        scores[i] = dot(q, keys[i], d) * scale;
-        if (scores[i] > tile_max) tile_max = scores[i];
-    }
-    if (tile_max > st->max) {  // rescale what was accumulated under the old maximum
-        const float correction = expf(st->max - tile_max);
-        st->sum *= correction;
-        for (int64_t j = 0; j < d; j++) out[j] *= correction;
-        st->max = tile_max;
-    }
-    st->sum += exp_shifted(scores, n, st->max);
-    weighted_sum(scores, values, n, d, out);
+    attend_tile_heads(q, 1, keys, values, n, d, scale, st, out);
 }

@@ -87,6 +87,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, name).argtypes = [pointer, pointer, count, count]
     library.kvgen_rms_norm_rows.argtypes = [pointer, pointer, ctypes.c_float, count, count, pointer]
     library.kvgen_swiglu_rows.argtypes = [pointer, count, count, pointer]
+    library.kvgen_argmax_f32.argtypes = [pointer, count]
+    library.kvgen_argmax_f32.restype = count
     library.kvgen_rope.argtypes = [pointer] + [count] * 7 + [pointer, pointer, count, pointer]
     library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
     library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]

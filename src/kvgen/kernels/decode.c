@@ -177,30 +177,65 @@ static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) 
 
 #include "attention_tiles.c"
 
-// One query head over keys[start, end) of one kv head, in tiles of 32 positions: out [d].
-static void attend_head(const float* q, float* out, const kv_layout* keys, const kv_layout* values, int64_t kv_head,
-                        int64_t start, int64_t end, float scale, int64_t d) {
-    softmax_state st = {-INFINITY, 0.0f};
+// Query heads that share one kv head (q, out: [count, d], count <= MAX_HEAD_RUN) over keys[start,
+// end), in tiles of 32 positions. The tile loop runs outside the head loop, so a tile's keys and
+// values come from memory once for all the heads (Gemma 3 270M: 4 query heads per kv head) where
+// one head at a time read them once per head; each head's sums are the lone head's, op for op.
+#define MAX_HEAD_RUN MAX_HEAD_TILE
+static void attend_heads(const float* q, float* out, int64_t count, const kv_layout* keys, const kv_layout* values,
+                         int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d) {
+    softmax_state st[MAX_HEAD_RUN];
     const float *key_rows[32], *value_rows[32];
-    for (int64_t j = 0; j < d; j++) out[j] = 0.0f;
+    for (int64_t h = 0; h < count; h++) {
+        st[h] = (softmax_state){-INFINITY, 0.0f};
+        for (int64_t j = 0; j < d; j++) out[h * d + j] = 0.0f;
+    }
     for (int64_t first = start; first < end; first += 32) {
         const int64_t n = end - first < 32 ? end - first : 32;
         for (int64_t i = 0; i < n; i++) {
             key_rows[i] = kv_at(keys, kv_head, first + i);
             value_rows[i] = kv_at(values, kv_head, first + i);
         }
-        attend_tile(q, key_rows, value_rows, n, d, scale, &st, out);
+        attend_tile_heads(q, count, key_rows, value_rows, n, d, scale, st, out);
     }
-    const float inv = 1.0f / st.sum;
-    for (int64_t j = 0; j < d; j++) out[j] *= inv;
+    for (int64_t h = 0; h < count; h++) {
+        const float inv = 1.0f / st[h].sum;
+        for (int64_t j = 0; j < d; j++) out[h * d + j] *= inv;
+    }
+}
+
+// Attention's work units for `rows` one-token rows: unit u is a run of query heads of one kv head
+// of one row. A whole group per unit where rows and kv heads give the threads enough units, else
+// half groups (one row of Gemma 3: 2 units of 2 heads, one per thread; a unit of all 4 heads left
+// a thread idle: Gemma 3 at 4,096 tokens decoded 52 tok/s against 59).
+typedef struct { int64_t group, per, parts, kv_heads; } head_units;
+
+static head_units attention_units(int64_t rows, int64_t heads, int64_t kv_heads) {
+    const int64_t group = heads / kv_heads;
+    int64_t per = rows * kv_heads >= 4 ? group : (group + 1) / 2;
+    per = per < MAX_HEAD_RUN ? per : MAX_HEAD_RUN;
+    return (head_units){group, per, (group + per - 1) / per, kv_heads};
+}
+
+// Unit u -> its row, its first head (within the row) and its head count.
+static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, int64_t* first) {
+    const int64_t part = u % h->parts, kv = (u / h->parts) % h->kv_heads;
+    *row = u / (h->parts * h->kv_heads);
+    *first = kv * h->group + part * h->per;
+    return h->group - part * h->per < h->per ? h->group - part * h->per : h->per;
 }
 
 // Attention of one query per head over keys[start, end).
 static void attend(const block_t* b, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end) {
-    const int64_t d = b->head_dim, group = b->num_heads / b->num_kv_heads;
-#pragma omp parallel for schedule(static)
-    for (int64_t head = 0; head < b->num_heads; head++)
-        attend_head(b->qkv_out + head * d, b->attn + head * d, keys, values, head / group, start, end, b->scale, d);
+    const int64_t d = b->head_dim;
+    const head_units units = attention_units(1, b->num_heads, b->num_kv_heads);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units.parts * units.kv_heads; u++) {
+        int64_t row, head;
+        const int64_t count = unit_heads(&units, u, &row, &head);
+        attend_heads(b->qkv_out + head * d, b->attn + head * d, count, keys, values, head / units.group, start, end,
+                     b->scale, d);
+    }
 }
 
 // A batch of one-token rows, each over its own blocks of one paged store, read in place (no
@@ -210,16 +245,15 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
                                   int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float scale,
                                   int64_t head_stride, int64_t pos_stride, int64_t block_stride, int64_t block_size,
                                   const int64_t* tables, int64_t table_width, const int64_t* starts, const int64_t* ends) {
-    const int64_t group = heads / kv_heads;
-    // Heads one at a time for a few rows (a lone row's 4 heads would all go to one thread in chunks
-    // of 4: Gemma 3 at 4,096 tokens decoded 52 -> 59 tok/s), four at a time for many (-3% at 32 rows).
-    const int64_t chunk = rows < 4 ? 1 : 4;
-#pragma omp parallel for schedule(dynamic, chunk)
-    for (int64_t i = 0; i < rows * heads; i++) {
-        const int64_t r = i / heads, head = i % heads;
+    const head_units units = attention_units(rows, heads, kv_heads);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t u = 0; u < rows * units.kv_heads * units.parts; u++) {
+        int64_t r, head;
+        const int64_t count = unit_heads(&units, u, &r, &head);
         const kv_layout k = {k_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
         const kv_layout v = {v_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
-        attend_head(q + i * d, out + i * d, &k, &v, head / group, starts[r], ends[r], scale, d);
+        attend_heads(q + (r * heads + head) * d, out + (r * heads + head) * d, count, &k, &v, head / units.group,
+                     starts[r], ends[r], scale, d);
     }
 }
 
@@ -388,7 +422,6 @@ static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, in
 static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const rows_kv* kv, const int64_t* positions,
                         int64_t window, const rows_scratch* s) {
     const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d;
-    const int64_t group = b->num_heads / b->num_kv_heads;
     float* k_layer = layer_store(kv, kv->k_base, layer);
     float* v_layer = layer_store(kv, kv->v_base, layer);
     if (kv->key_codes != NULL) {
@@ -411,17 +444,16 @@ static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const row
         free(plan);
         return;
     }
-    // Heads one at a time for a few rows (a lone row's 4 heads would all go to one thread in chunks
-    // of 4: Gemma 3 at 4,096 tokens decoded 52 -> 59 tok/s), four at a time for many (-3% at 32 rows).
-    const int64_t chunk = rows < 4 ? 1 : 4;
-#pragma omp parallel for schedule(dynamic, chunk)
-    for (int64_t i = 0; i < rows * b->num_heads; i++) {
-        const int64_t r = i / b->num_heads, head = i % b->num_heads, end = positions[r] + 1;
+    const head_units units = attention_units(rows, b->num_heads, b->num_kv_heads);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t u = 0; u < rows * units.kv_heads * units.parts; u++) {
+        int64_t r, head;
+        const int64_t count = unit_heads(&units, u, &r, &head), end = positions[r] + 1;
         const int64_t start = window > 0 && end > window ? end - window : 0;
         const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
         const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
-        attend_head(s->qkv_out + r * qkv_width + head * d, s->attn + r * nq + head * d, &kl, &vl, head / group,
-                    start, end, b->scale, d);
+        attend_heads(s->qkv_out + r * qkv_width + head * d, s->attn + r * nq + head * d, count, &kl, &vl,
+                     head / units.group, start, end, b->scale, d);
     }
 }
 

@@ -37,3 +37,32 @@ void kvgen_rope(const float* x, int64_t batch, int64_t heads, int64_t seq, int64
         }
     }
 }
+
+// torch.argmax of x [n]: the first NaN if any, else the first maximum (-0.0 and 0.0 tie). Greedy
+// decoding's choice over a vocabulary of logits, in two vector passes where torch's argmax takes
+// one scalar pass (0.2 ms over Gemma 3's 262,144 logits, 2% of a decode step).
+int64_t kvgen_argmax_f32(const float* x, int64_t n) {
+    float best = -INFINITY;
+    int64_t i = 0;
+    int nan = 0;
+#ifdef __AVX2__
+    __m256 lanes = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        lanes = _mm256_max_ps(lanes, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float l[8];
+    _mm256_storeu_ps(l, lanes);
+    for (int j = 0; j < 8; j++) best = l[j] > best ? l[j] : best;
+    nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) nan = 1;
+        else if (x[i] > best) best = x[i];
+    }
+    for (i = 0; i < n; i++) {
+        if (nan ? x[i] != x[i] : x[i] == best) return i;
+    }
+    return 0;  // n == 0
+}

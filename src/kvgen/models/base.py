@@ -159,11 +159,11 @@ class DecoderLM(nn.Module):
         start = cache.seq_len
         positions = torch.arange(start, start + seq)
         h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
-        rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
         if seq == 1:
-            if not decoder.step(h[0], rope[0], cache, slot, num_layers):
+            if not decoder.step(h[0], decoder.rope_at(start), cache, slot, num_layers):
                 return None
             return h[None]
+        rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
         if num_layers not in (None, self.config.num_layers):
             return None
         try:

@@ -32,12 +32,14 @@ from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
+from kvgen.models.rotary import LongRopeEmbedding
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 # Kernel rows per rows-step call: the engine's default step budget (EngineConfig.max_tokens_per_step),
 # so one call takes a whole step; its scratch is ~26 KiB per row on SmolLM2, ~40 KiB on Gemma 3.
 MAX_ROWS = 512
+ROPE_CHUNK, ROPE_TABLES = 64, 4  # decode steps' cos/sin tables: positions per table, tables kept
 
 
 class _QLinear(ctypes.Structure):
@@ -122,6 +124,11 @@ class FastDecoder:
         self._lora_stacks: LoraStacks | None = None  # the stacks (and generation) _lora_table describes
         self._lora_generation = -1
         self._lora_table: ctypes.Array | None = None
+        # Decode steps read cos/sin from tables of ROPE_CHUNK positions (the most recent few kept):
+        # computing them per step cost ~0.15 ms of torch calls. LongRoPE picks its factors from
+        # the largest position of a call, so its steps compute their own position alone.
+        self._rope_tables: dict[int, torch.Tensor] = {}
+        self._rope_tabled = not any(isinstance(rope, LongRopeEmbedding) for rope in model.ropes)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -173,6 +180,21 @@ class FastDecoder:
             self._lora_table = lora_table(stacks, len(self.blocks))
             self._lora_stacks, self._lora_generation = stacks, stacks.generation
         return self._lora_table
+
+    def rope_at(self, position: int) -> torch.Tensor:
+        """cos/sin of every RoPE kind at `position`: [kinds, 2, head_dim], the bits a prompt row at
+        that position gets (the table is computed as a prompt's rows are, by model._rows_rope)."""
+        if not self._rope_tabled:
+            return self.model._rows_rope(torch.tensor([position]), torch.float32)[0]
+        chunk = position // ROPE_CHUNK
+        table = self._rope_tables.get(chunk)
+        if table is None:
+            if len(self._rope_tables) >= ROPE_TABLES:
+                del self._rope_tables[next(iter(self._rope_tables))]  # the oldest
+            first = chunk * ROPE_CHUNK
+            table = self.model._rows_rope(torch.arange(first, first + ROPE_CHUNK), torch.float32)
+            self._rope_tables[chunk] = table
+        return table[position - chunk * ROPE_CHUNK]
 
     def step(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, slot: int = -1,
              num_layers: int | None = None) -> bool:  # fmt: skip
