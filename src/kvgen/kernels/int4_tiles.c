@@ -316,6 +316,18 @@ static void int4_key_scores(const uint8_t* prepared, int64_t group, const packed
 static float int4_weights(const float* w, const float* step, int64_t n, int16_t* w15) {
     float scaled[MAX_TILE], largest = 0.0f;
     int64_t i = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (n == 32) {  // a whole block in two vectors (the same products, maximum and rounding)
+        const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(step));
+        const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(w + 16), _mm512_loadu_ps(step + 16));
+        largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_setzero_ps()));
+        const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? (float)W15_MAX / largest : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inverse)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inverse));
+        _mm256_storeu_si256((__m256i*)w15, _mm512_cvtsepi32_epi16(q0));  // saturates at W15_MAX as packs does
+        _mm256_storeu_si256((__m256i*)(w15 + 16), _mm512_cvtsepi32_epi16(q1));
+        return largest / (float)W15_MAX;
+    }
+#endif
 #ifdef __AVX2__
     __m256 top = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
