@@ -25,7 +25,8 @@ from common import cpu_class, print_table, prompt_ids, write_results  # noqa: E4
 from kvgen import LLM, CacheConfig, SamplingParams  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
 
-KV_MODES = {"fp32": CacheConfig(), "int8": CacheConfig(kind="quantized", k_dtype="int8", v_dtype="int8")}
+KV_MODES = {"fp32": CacheConfig(), "int8": CacheConfig(kind="quantized", k_dtype="int8", v_dtype="int8"),
+            "int4": CacheConfig(kind="quantized", k_dtype="int4", v_dtype="int4")}
 LLAMA_KV = {"f16": 1, "q8_0": 8}  # ggml types of llama.cpp's K and V cache
 
 

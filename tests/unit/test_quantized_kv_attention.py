@@ -61,8 +61,12 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
 
 # int8 keys are scored against the query rounded to int16 codes (step max|q| / 32512), and int8
 # values summed with each tile's weights rounded to 15 bits: on these inputs (keys up to ~14,
-# values ~N(0, 1)) that moves the output by up to 1e-4; every other codec is read as floats.
+# values ~N(0, 1)) that moves the output by up to 1e-4. 4-bit keys are scored against q x the
+# block's steps rounded the same way, but their codes run 0..15 over the whole range (int8's
+# -127..127 span it twice as finely about zero), so the rounding weighs about twice as much; 4-bit
+# values get 15-bit weights per 32-channel group. Every other codec is read as floats.
 INT8_TOLERANCE = 2e-4
+INT4_TOLERANCE = 4e-4
 
 
 def filled_cache(k_dtype, v_dtype, length: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[QuantizedCache, QuantizedDecodeView]:
@@ -100,7 +104,8 @@ def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype,
     decoded_keys, decoded_values = cache._assemble(1, length)  # what the torch path reads
     expected = reference(q, decoded_keys[0], decoded_values[0], start)
     assert cache.num_packed_blocks == max(0, (length - 1 - cache.sink_tokens - 32) // 32)
-    tolerance = INT8_TOLERANCE if "int8" in (k_dtype, v_dtype) or isinstance(k_dtype, SinkInt8) else 1e-5
+    integer = {k_dtype if isinstance(k_dtype, str) else "int8", v_dtype}
+    tolerance = INT4_TOLERANCE if "int4" in integer else INT8_TOLERANCE if "int8" in integer else 1e-5
     assert torch.allclose(out, expected, atol=tolerance, rtol=1e-5), (out - expected).abs().max()
 
 
@@ -129,6 +134,35 @@ def test_integer_key_scores_and_value_sums_are_exact(length: int, start: int, di
     assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length,start,dim,heads", [(100, 0, 64, 9), (333, 150, 64, 9), (1000, 0, 64, 9),
+                                                   (333, 150, 96, 15), (300, 0, 256, 12)])  # fmt: skip
+def test_4bit_key_scores_and_value_sums_are_exact(length: int, start: int, dim: int, heads: int) -> None:
+    """As for int8: where nothing rounds, the 4-bit integer paths equal the float reference to 1e-5.
+    Keys whose every block spans codes 0..15 in every channel (step 1, low -3: q x step is q, its
+    own int16 codes) check each nibble against its query channel and the block's q . low; values
+    whose every group spans 0..15 (step 1, low 0.5) under equal weights check each nibble of the
+    pairs of rows and the low term, for 2, 3 and 8 channel groups."""
+    torch.manual_seed(length)
+    codes = torch.randint(-32512, 32513, (heads, dim)).float()
+    codes[:, 0] = 32512
+    q = codes * 2.0**-12 / math.sqrt(dim)
+    keys = torch.randint(0, 16, (1, 3, length, dim)).float()
+    keys[:, :, 0::32], keys[:, :, 1::32] = 0.0, 15.0  # every block's min and max in every channel
+    cache, attention = filled_cache("int4", "fp32", length, keys - 3, torch.randn(1, 3, length, dim))
+    decoded_keys, decoded_values = cache._assemble(1, length)
+    assert torch.equal(decoded_keys[0, :, : 32 * cache.num_packed_blocks], (keys - 3)[0, :, : 32 * cache.num_packed_blocks])
+    expected = reference(q, decoded_keys[0], decoded_values[0], start)
+    assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
+
+    values = torch.randint(0, 16, (1, 3, length, dim)).float()
+    values[..., 0::32], values[..., 1::32] = 0.0, 15.0  # every group's min and max at every position
+    cache, attention = filled_cache("fp32", "int4", length, torch.zeros(1, 3, length, dim), values + 0.5)
+    decoded_keys, decoded_values = cache._assemble(1, length)
+    assert torch.equal(decoded_values[0, :, : 32 * cache.num_packed_blocks], (values + 0.5)[0, :, : 32 * cache.num_packed_blocks])
+    expected = reference(q, decoded_keys[0], decoded_values[0], start)  # the mean of the values
+    assert torch.allclose(attend(cache, attention, q, start), expected, atol=1e-5, rtol=1e-5)
+
+
 def instruction_sets() -> dict[str, list[str]]:
     """Builds of the kernels this machine can run besides its native one: AVX2 (no AVX-512) and
     none (plain x86-64), each with its own vector paths."""
@@ -143,24 +177,31 @@ def instruction_sets() -> dict[str, list[str]]:
 
 def test_same_bits_for_any_thread_count_and_instruction_set(tmp_path: Path) -> None:
     """Work is split at fixed positions and every sum runs in one order, so 1 or 2 threads and the
-    AVX-512 / AVX2 / scalar builds give the same bits (int8 K/V, a sink, fp32 tail, a window)."""
+    AVX-512 / AVX2 / scalar builds give the same bits (int8 K/V with a sink; 4-bit K/V at head sizes
+    64 and 96; fp32 tails; windows that start inside a block)."""
     torch.manual_seed(3)
     length = 1000
-    keys, values = torch.randn(1, 3, length, 64) * 2, torch.randn(1, 3, length, 64)
-    cache, attention = filled_cache(SinkInt8(), "int8", length, keys, values)
-    q = torch.randn(9, 64)
+    cases = []
+    for k_dtype, v_dtype, dim, heads in ((SinkInt8(), "int8", 64, 9), ("int4", "int4", 64, 9), ("int4", "int4", 96, 15)):
+        keys, values = torch.randn(1, 3, length, dim) * 2, torch.randn(1, 3, length, dim)
+        cases.append((*filled_cache(k_dtype, v_dtype, length, keys, values), torch.randn(heads, dim)))
+
+    def run() -> list[torch.Tensor]:
+        return [attend(cache, attention, q, start) for cache, attention, q in cases for start in (0, 300)]
+
     threads = torch.get_num_threads()
     try:
         outputs = {}
         for count in (1, 2):
             torch.set_num_threads(count)
-            outputs[f"{count} threads"] = (attend(cache, attention, q, 0), attend(cache, attention, q, 300))
+            outputs[f"{count} threads"] = run()
     finally:
         torch.set_num_threads(threads)
     for name, flags in instruction_sets().items():
         build(tmp_path / f"{name}.so", flags)
-        attention.library = open_library(tmp_path / f"{name}.so")
-        outputs[name] = (attend(cache, attention, q, 0), attend(cache, attention, q, 300))
+        for _, attention, _ in cases:
+            attention.library = open_library(tmp_path / f"{name}.so")
+        outputs[name] = run()
     first = next(iter(outputs.values()))
     for name, out in outputs.items():
         assert all(torch.equal(a, b) for a, b in zip(out, first)), name

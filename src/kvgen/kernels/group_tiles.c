@@ -26,6 +26,7 @@ typedef struct {
     float* factor;    // [group] q's step x the softmax scale: score = dot(codes, key codes) x factor x key scale
     int8_t* planes;   // [group, 2, padded d] the codes as 256 x high + low bytes, zero past d (vpdpbusd)
     int32_t* bias;    // [group] 128 x sum of the codes (vpdpbusd reads keys as unsigned: code + 128)
+    const float* q4;  // [group, d] q in 4-bit keys' code order (int4_tiles.c), when the keys are 4-bit
 } group_query;
 
 // d rounded up to whole 64-byte rows of key codes.

@@ -229,6 +229,7 @@ static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int6
 }
 
 #include "group_tiles.c"
+#include "int4_tiles.c"
 
 // Positions each work item covers: fixed ranges of absolute positions, so the split (and with it
 // the merge, and every bit of the result) is the same for any number of threads.
@@ -259,12 +260,24 @@ static codes_part codes_at(const packed_codes* c, int64_t head, int64_t block, i
     return (codes_part){codes + offset * d * bytes, step};
 }
 
-// Asks for the next block's int8 codes and scales ahead of use: streams restart at every work
-// item, and the hardware prefetcher only learns a stream after a few misses.
-static void prefetch_block(const packed_codes* kc, const packed_codes* vc, int64_t head, int64_t block, int64_t bytes) {
-    const codes_part k = codes_at(kc, head, block, 0, 0), v = codes_at(vc, head, block, 0, 0);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(k.codes + b), __builtin_prefetch(v.codes + b);
-    __builtin_prefetch(k.step), __builtin_prefetch(v.step);
+// Asks for the next block's int8 or 4-bit codes and their scales ahead of use: streams restart at
+// every work item, and the hardware prefetcher only learns a stream after a few misses.
+static void prefetch_codes(const packed_codes* c, int64_t head, int64_t block, int64_t d, int64_t positions) {
+    const codes_part p = codes_at(c, head, block, 0, 0);
+    int64_t bytes = positions * d, scale_bytes = 2 * positions;  // int8: a fp16 scale per position
+    if (c->kind == CODES_INT4_CHANNEL) bytes /= 2, scale_bytes = 2 * d;  // fp16 step and low per channel
+    else if (c->kind == CODES_INT4_TOKEN) bytes /= 2, scale_bytes = 2 * positions * (d / TOKEN_GROUP);
+    else if (c->kind != CODES_INT8) return;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p.codes + b);
+    for (int64_t b = 0; b < scale_bytes; b += 64) {
+        __builtin_prefetch((const uint8_t*)p.step + b);
+        if (c->low) __builtin_prefetch((const uint8_t*)(c->low + (p.step - c->step)) + b);
+    }
+}
+
+static void prefetch_block(const packed_codes* kc, const packed_codes* vc, int64_t head, int64_t block, int64_t d,
+                           int64_t positions) {
+    prefetch_codes(kc, head, block, d, positions), prefetch_codes(vc, head, block, d, positions);
 }
 
 // fp32 rows of positions [pos, pos + n) of one kv head's sink or tail (n inside the segment).
@@ -282,10 +295,16 @@ static void segment_rows(const codes_attention* a, int64_t kv_head, int64_t pos,
 // One kv head's query group over positions [first, end): the partial softmax of each query head
 // into acc (per head: max, sum, out[d]). scores: [group, MAX_TILE]; decoded: [2, MAX_TILE, d].
 static void attend_codes_range(const codes_attention* a, const group_query* gq, int64_t kv_head, int64_t first,
-                               int64_t end, float* scores, float* decoded, float* acc) {
+                               int64_t end, float* scores, float* decoded, uint8_t* prepared, float* acc) {
     const int64_t d = a->d, group = a->heads / a->kv_heads, stride = d + 2;
     const int64_t packed_end = a->sink_len + a->num_blocks * a->block_size;
     const packed_codes *kc = a->key_codes, *vc = a->value_codes;
+    // 4-bit keys: the query group of every block the range touches, prepared up front.
+    const int64_t first_block = first > a->sink_len ? (first - a->sink_len) / a->block_size : 0;
+    const int64_t prepared_bytes = int4_prepared_bytes(group, d);
+    if (kc->kind == CODES_INT4_CHANNEL)
+        for (int64_t b = first_block; b < a->num_blocks && a->sink_len + b * a->block_size < end; b++)
+            int4_prepare_block(gq->q4, group, kc, kv_head, b, d, a->scale, prepared + (b - first_block) * prepared_bytes);
     for (int64_t g = 0; g < group; g++) {
         acc[g * stride] = -INFINITY, acc[g * stride + 1] = 0.0f;
         for (int64_t j = 0; j < d; j++) acc[g * stride + 2 + j] = 0.0f;
@@ -305,15 +324,18 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
         if (n > MAX_TILE) n = MAX_TILE;
         const float *key_rows[MAX_TILE], *value_rows[MAX_TILE];
         const int8_t *key_codes = NULL, *value_codes = NULL;
+        int scored = 0, int4_values = 0;  // keys scored / values summed from 4-bit codes as integers
         const uint16_t *key_scales = NULL, *value_scales = NULL;
         if (block < 0) {
             segment_rows(a, kv_head, pos, n, key_rows, value_rows);
         } else {
             const codes_part k = codes_at(kc, kv_head, block, offset, d), v = codes_at(vc, kv_head, block, offset, d);
-            if (kc->kind == CODES_INT8 && vc->kind == CODES_INT8 && pos + n < end && block + 1 < a->num_blocks)
-                prefetch_block(kc, vc, kv_head, block + 1, d * a->block_size);
+            if (pos + n < end && block + 1 < a->num_blocks) prefetch_block(kc, vc, kv_head, block + 1, d, a->block_size);
             if (kc->kind == CODES_INT8) {
                 key_codes = (const int8_t*)k.codes, key_scales = k.step;
+            } else if (kc->kind == CODES_INT4_CHANNEL) {
+                int4_key_scores(prepared + (block - first_block) * prepared_bytes, group, kc, kv_head, block, offset, n,
+                                d, scores), scored = 1;
             } else {
                 const float* keys = (const float*)k.codes;
                 if (kc->kind != CODES_FP32) decode_tile(kc, kv_head, block, offset, n, d, pos, decoded), keys = decoded;
@@ -321,6 +343,8 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
             }
             if (vc->kind == CODES_INT8) {
                 value_codes = (const int8_t*)v.codes, value_scales = v.step;
+            } else if (vc->kind == CODES_INT4_TOKEN) {
+                int4_values = 1;
             } else {
                 const float* values = (const float*)v.codes;
                 if (vc->kind != CODES_FP32) {
@@ -330,16 +354,19 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
                 for (int64_t i = 0; i < n; i++) value_rows[i] = values + i * d;
             }
         }
-        if (key_codes) int8_key_scores(gq, group, key_codes, key_scales, n, d, scores);
+        if (key_codes) int8_key_scores(gq, group, key_codes, key_scales, n, d, scores), scored = 1;
         for (int64_t g = 0; g < group; g++) {
             float* s = scores + g * MAX_TILE;
-            if (!key_codes)
+            if (!scored)
                 for (int64_t i = 0; i < n; i++) s[i] = dot_rows(gq->q + g * d, key_rows[i], d) * a->scale;
             softmax_state st = {acc[g * stride], acc[g * stride + 1]};
             softmax_fold(s, n, &st, acc + g * stride + 2, d);
             acc[g * stride] = st.max, acc[g * stride + 1] = st.sum;
         }
-        group_weighted_sums(scores, value_codes, value_scales, value_rows, n, d, group, acc + 2, stride);
+        if (int4_values)
+            int4_value_sums(scores, vc, kv_head, block, offset, n, d, group, acc + 2, stride);
+        else
+            group_weighted_sums(scores, value_codes, value_scales, value_rows, n, d, group, acc + 2, stride);
         pos += n;
     }
 }
@@ -364,23 +391,31 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
     int8_t* planes = malloc((size_t)(heads * 2 * padded));
     float* factor = malloc(sizeof(float) * (size_t)heads);
     int32_t* bias = malloc(sizeof(int32_t) * (size_t)heads);
+    float* ordered = malloc(sizeof(float) * (size_t)(heads * d));  // 4-bit keys: q in their code order
     for (int64_t head = 0; head < heads; head++) {
         quantize_query(q + head * d, d, scale, codes + head * d, factor + head);
         query_planes(codes + head * d, d, planes + head * 2 * padded, bias + head);
+        if (key_codes->kind == CODES_INT4_CHANNEL) int4_order_query(q + head * d, d, ordered + head * d);
     }
 #pragma omp parallel
     {
         float* scores = malloc(sizeof(float) * (size_t)((group + 2 * d) * MAX_TILE));
         float* decoded = scores + group * MAX_TILE;
+        // 4-bit keys' prepared query groups: every block one work item touches
+        uint8_t* prepared = key_codes->kind == CODES_INT4_CHANNEL
+                                ? malloc((size_t)((SPLIT_POSITIONS / block_size + 2) * int4_prepared_bytes(group, d)))
+                                : NULL;
 #pragma omp for schedule(dynamic, 1) nowait  // the region's end is the one barrier
         for (int64_t item = 0; item < items; item++) {
             const int64_t kv_head = item / splits, split = first_split + item % splits;
             const int64_t lo = split * SPLIT_POSITIONS, hi = lo + SPLIT_POSITIONS;
             const int64_t h0 = kv_head * group;
-            const group_query gq = {q + h0 * d, codes + h0 * d, factor + h0, planes + h0 * 2 * padded, bias + h0};
+            const group_query gq = {q + h0 * d, codes + h0 * d, factor + h0, planes + h0 * 2 * padded, bias + h0,
+                                    ordered + h0 * d};
             attend_codes_range(&a, &gq, kv_head, lo > start ? lo : start, hi < end ? hi : end, scores, decoded,
-                               partial + item * group * stride);
+                               prepared, partial + item * group * stride);
         }
+        free(prepared);
         free(scores);
     }
     // Merge each query head's partial softmaxes, in position order.
@@ -402,6 +437,7 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
         const float inv = 1.0f / sum;
         for (int64_t j = 0; j < d; j++) o[j] *= inv;
     }
+    free(ordered);
     free(bias);
     free(factor);
     free(planes);
