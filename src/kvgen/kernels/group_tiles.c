@@ -281,6 +281,25 @@ static inline __attribute__((always_inline)) void weighted_rows(const int G, con
                     out[h * out_stride + c] = fmaf(w[h * MAX_TILE + i], rows[i][c], out[h * out_stride + c]);
 }
 
+// scaled[0..n) (all >= 0, the largest given) as 15-bit integers of the largest: w15[i] =
+// round(scaled[i] x W15_MAX / largest), 0 from n up to the next even count. Returns the unit.
+static float weights_to_w15(const float* scaled, int64_t n, float largest, int16_t* w15) {
+    int64_t i = 0;
+    const float inverse = largest > 0.0f ? (float)W15_MAX / largest : 0.0f;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {  // cvtps rounds to nearest even as lrintf does; packs clamps to W15_MAX
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(scaled + i), _mm256_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i*)(w15 + i), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+    }
+#endif
+    for (; i < n; i++) {
+        const long q = lrintf(scaled[i] * inverse);
+        w15[i] = (int16_t)(q > W15_MAX ? W15_MAX : q);
+    }
+    if (n % 2) w15[n] = 0;
+    return largest / (float)W15_MAX;
+}
+
 // A head's weights over a tile of int8 values, w[i] x the fp16 scale of position i, as 15-bit
 // integers: w15[i] = round(w[i] x scale_i / step) with step = the largest / W15_MAX, 0 from n up to
 // the next even count (rows go in pairs). Returns the step. (Relative to the tile's largest
@@ -303,20 +322,7 @@ static float integer_weights(const float* w, const uint16_t* scales, int64_t n, 
         scaled[i] = w[i] * half_to_float(scales[i]);
         largest = scaled[i] > largest ? scaled[i] : largest;
     }
-    const float inverse = largest > 0.0f ? (float)W15_MAX / largest : 0.0f;
-    i = 0;
-#ifdef __AVX2__
-    for (; i + 8 <= n; i += 8) {  // cvtps rounds to nearest even as lrintf does; packs clamps to W15_MAX
-        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(scaled + i), _mm256_set1_ps(inverse)));
-        _mm_storeu_si128((__m128i*)(w15 + i), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
-    }
-#endif
-    for (; i < n; i++) {
-        const long q = lrintf(scaled[i] * inverse);
-        w15[i] = (int16_t)(q > W15_MAX ? W15_MAX : q);
-    }
-    if (n % 2) w15[n] = 0;
-    return largest / (float)W15_MAX;
+    return weights_to_w15(scaled, n, largest, w15);
 }
 
 // out[h][j] += step[h] x sum_i w15[h][i] * codes[i][j] for G <= GROUP_BLOCK heads (w15 rows

@@ -343,20 +343,7 @@ static float int4_weights(const float* w, const float* step, int64_t n, int16_t*
         scaled[i] = w[i] * step[i];
         largest = scaled[i] > largest ? scaled[i] : largest;
     }
-    const float inverse = largest > 0.0f ? (float)W15_MAX / largest : 0.0f;
-    i = 0;
-#ifdef __AVX2__
-    for (; i + 8 <= n; i += 8) {
-        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(scaled + i), _mm256_set1_ps(inverse)));
-        _mm_storeu_si128((__m128i*)(w15 + i), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
-    }
-#endif
-    for (; i < n; i++) {
-        const long q = lrintf(scaled[i] * inverse);
-        w15[i] = (int16_t)(q > W15_MAX ? W15_MAX : q);
-    }
-    if (n % 2) w15[n] = 0;
-    return largest / (float)W15_MAX;
+    return weights_to_w15(scaled, n, largest, w15);
 }
 
 // sum_i w[i] x low[i] over a tile padded to 8 (both zero past n) in 8 lanes, reduced as hsum8.
