@@ -23,6 +23,7 @@ from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.base import DecoderLM
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
+from kvgen.sampling.sampler import argmax
 from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend, mask_logits
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors"
@@ -150,7 +151,7 @@ class EagleProposer(Proposer):
     ) -> tuple[int, torch.Tensor | None] | None:
         logits = self.draft_logits(features)
         if policy.greedy and constraint is None:
-            return int(self.vocab[int(torch.argmax(logits))]), None
+            return int(self.vocab[argmax(logits)]), None
         # Sampling or a grammar: the full vocabulary's logits, -inf outside the draft vocabulary, so
         # q (the draft's distribution) is exactly what the token was drawn from.
         full = torch.full((self.model.config.vocab_size,), float("-inf"))
