@@ -204,6 +204,16 @@ static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* 
     }
 }
 
+#ifdef __AVX2__
+// The largest of 8 lanes, by shuffles (a maximum is the same in any order).
+static inline float max8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+    x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, 0x4E));
+    x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, 0xB1));
+    return _mm256_cvtss_f32(x);
+}
+#endif
+
 // Folds a tile's n scores into one head's running softmax: s becomes p = e^(s - max) (0 past n,
 // up to a multiple of 8), and the head's sum and unnormalised output `out` [d] are rescaled when
 // the maximum grows.
@@ -214,9 +224,7 @@ static void softmax_fold(float* s, int64_t n, softmax_state* st, float* out, int
     if (n >= 8) {
         __m256 m8 = _mm256_loadu_ps(s);
         for (k = 8; k + 8 <= n; k += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + k));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m8);
-        for (int l = 0; l < 8; l++) tile_max = lanes[l] > tile_max ? lanes[l] : tile_max;
+        tile_max = max8(m8);
     }
 #endif
     for (; k < n; k++) tile_max = s[k] > tile_max ? s[k] : tile_max;
@@ -314,9 +322,7 @@ static float integer_weights(const float* w, const uint16_t* scales, int64_t n, 
         _mm256_storeu_ps(scaled + i, x);
         top = _mm256_max_ps(top, x);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, top);
-    for (int l = 0; l < 8; l++) largest = lanes[l] > largest ? lanes[l] : largest;
+    largest = max8(top);
 #endif
     for (; i < n; i++) {
         scaled[i] = w[i] * half_to_float(scales[i]);

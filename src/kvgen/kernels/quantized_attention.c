@@ -260,26 +260,6 @@ static codes_part codes_at(const packed_codes* c, int64_t head, int64_t block, i
     return (codes_part){codes + offset * d * bytes, step};
 }
 
-// Asks for the next block's int8 or 4-bit codes and their scales ahead of use: streams restart at
-// every work item, and the hardware prefetcher only learns a stream after a few misses.
-static void prefetch_codes(const packed_codes* c, int64_t head, int64_t block, int64_t d, int64_t positions) {
-    const codes_part p = codes_at(c, head, block, 0, 0);
-    int64_t bytes = positions * d, scale_bytes = 2 * positions;  // int8: a fp16 scale per position
-    if (c->kind == CODES_INT4_CHANNEL) bytes /= 2, scale_bytes = 2 * d;  // fp16 step and low per channel
-    else if (c->kind == CODES_INT4_TOKEN) bytes /= 2, scale_bytes = 2 * positions * (d / TOKEN_GROUP);
-    else if (c->kind != CODES_INT8) return;
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p.codes + b);
-    for (int64_t b = 0; b < scale_bytes; b += 64) {
-        __builtin_prefetch((const uint8_t*)p.step + b);
-        if (c->low) __builtin_prefetch((const uint8_t*)(c->low + (p.step - c->step)) + b);
-    }
-}
-
-static void prefetch_block(const packed_codes* kc, const packed_codes* vc, int64_t head, int64_t block, int64_t d,
-                           int64_t positions) {
-    prefetch_codes(kc, head, block, d, positions), prefetch_codes(vc, head, block, d, positions);
-}
-
 // fp32 rows of positions [pos, pos + n) of one kv head's sink or tail (n inside the segment).
 static void segment_rows(const codes_attention* a, int64_t kv_head, int64_t pos, int64_t n, const float** keys,
                          const float** values) {
@@ -330,7 +310,6 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
             segment_rows(a, kv_head, pos, n, key_rows, value_rows);
         } else {
             const codes_part k = codes_at(kc, kv_head, block, offset, d), v = codes_at(vc, kv_head, block, offset, d);
-            if (pos + n < end && block + 1 < a->num_blocks) prefetch_block(kc, vc, kv_head, block + 1, d, a->block_size);
             if (kc->kind == CODES_INT8) {
                 key_codes = (const int8_t*)k.codes, key_scales = k.step;
             } else if (kc->kind == CODES_INT4_CHANNEL) {
