@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) void weighted_rows(const int G, con
 
 // scaled[0..n) (all >= 0, the largest given) as 15-bit integers of the largest: w15[i] =
 // round(scaled[i] x W15_MAX / largest), 0 from n up to the next even count. Returns the unit.
-static float weights_to_w15(const float* scaled, int64_t n, float largest, int16_t* w15) {
+static inline __attribute__((always_inline)) float weights_to_w15(const float* scaled, int64_t n, float largest, int16_t* w15) {
     int64_t i = 0;
     const float inverse = largest > 0.0f ? (float)W15_MAX / largest : 0.0f;
 #ifdef __AVX2__
