@@ -300,6 +300,15 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
         } else {
             n = end - pos;
         }
+        // int8 keys and values of two blocks contiguous in memory: one tile of both (an even block
+        // and the next, whole), which halves the per-tile work (softmax bookkeeping, weight
+        // rounding, reductions). Pairs fall on even blocks, so the tiles of a position range do not
+        // depend on the thread count or on how the range was reached.
+        if (block >= 0 && offset == 0 && block % 2 == 0 && block + 1 < a->num_blocks && pos + 2 * a->block_size <= end &&
+            2 * a->block_size <= MAX_TILE && kc->kind == CODES_INT8 && vc->kind == CODES_INT8 &&
+            kc->code_block_stride == a->block_size * d && vc->code_block_stride == a->block_size * d &&
+            kc->step_block_stride == a->block_size && vc->step_block_stride == a->block_size)
+            n = 2 * a->block_size;
         if (n > end - pos) n = end - pos;
         if (n > MAX_TILE) n = MAX_TILE;
         const float *key_rows[MAX_TILE], *value_rows[MAX_TILE];
