@@ -39,7 +39,30 @@ static void weighted_sums_columns(const float* p, int64_t p_stride, const float*
     int64_t j0 = first;
 #ifdef __AVX2__
     for (; j0 + 32 <= last; j0 += 32) {
-        for (int64_t h = 0; h < count; h++) {
+        int64_t h = 0;
+        for (; h + 2 <= count; h += 2) {  // two heads share each value load: 8 independent fma chains
+            float* o = out + h * d + j0;
+            const float* ph = p + h * p_stride;
+            __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
+            __m256 a2 = _mm256_loadu_ps(o + 16), a3 = _mm256_loadu_ps(o + 24);
+            __m256 b0 = _mm256_loadu_ps(o + d), b1 = _mm256_loadu_ps(o + d + 8);
+            __m256 b2 = _mm256_loadu_ps(o + d + 16), b3 = _mm256_loadu_ps(o + d + 24);
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 w = _mm256_set1_ps(ph[i]), u = _mm256_set1_ps(ph[p_stride + i]);
+                const float* v = values[i] + j0;
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+                const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+                a0 = _mm256_fmadd_ps(w, v0, a0), b0 = _mm256_fmadd_ps(u, v0, b0);
+                a1 = _mm256_fmadd_ps(w, v1, a1), b1 = _mm256_fmadd_ps(u, v1, b1);
+                a2 = _mm256_fmadd_ps(w, v2, a2), b2 = _mm256_fmadd_ps(u, v2, b2);
+                a3 = _mm256_fmadd_ps(w, v3, a3), b3 = _mm256_fmadd_ps(u, v3, b3);
+            }
+            _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1);
+            _mm256_storeu_ps(o + 16, a2), _mm256_storeu_ps(o + 24, a3);
+            _mm256_storeu_ps(o + d, b0), _mm256_storeu_ps(o + d + 8, b1);
+            _mm256_storeu_ps(o + d + 16, b2), _mm256_storeu_ps(o + d + 24, b3);
+        }
+        for (; h < count; h++) {
             float* o = out + h * d + j0;
             const float* ph = p + h * p_stride;
             __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
