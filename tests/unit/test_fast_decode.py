@@ -173,7 +173,9 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -
     """Prompt rows and decodes over fp32 K/V attend through one per-query procedure (decode.c
     attend_heads): its sums run in one order, so the AVX-512, AVX2 and scalar builds agree bit for
     bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA), and a row's
-    heads give the same bits whichever run of heads of its kv head they are computed in."""
+    heads give the same bits whichever run of heads of its kv head they are computed in. The
+    batch-1 C step's attention (scores split by positions, sums by columns) gives those bits too,
+    with any thread count."""
     from tests.unit.test_quantized_kv_attention import instruction_sets
     from kvgen.kernels.build import build, open_library
 
@@ -193,9 +195,22 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -
         )  # fmt: skip
         return out
 
+    def attend_one(library, r: int) -> torch.Tensor:  # the batch-1 C step's attention: work split by positions and columns
+        out = torch.empty(heads, d)
+        library.kvgen_decode_attention(q[r].contiguous().data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                       heads, kv_heads, d, 0.125, keys.stride(1), keys.stride(2), starts[r], ends[r])  # fmt: skip
+        return out
+
     native = attend(load())
     # A lone row splits each kv head's 3 query heads into runs of 2 and 1 (4 rows: runs of 3).
     assert all(torch.equal(attend(load(), slice(r, r + 1))[0], native[r]) for r in range(len(starts)))
+    threads = torch.get_num_threads()
+    for count in (1, 2, 3):  # each thread's share of positions and columns depends on the count
+        torch.set_num_threads(count)
+        try:
+            assert all(torch.equal(attend_one(load(), r), native[r]) for r in range(len(starts))), count
+        finally:
+            torch.set_num_threads(threads)
     reference = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], keys.expand(len(starts), -1, -1, -1), values.expand(len(starts), -1, -1, -1), scale=0.125,
         enable_gqa=True, attn_mask=((torch.arange(length) >= starts[:, None]) & (torch.arange(length) < ends[:, None]))[:, None, None],
@@ -204,3 +219,4 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -
     for name, flags in instruction_sets().items():
         build(tmp_path / f"{name}.so", flags)
         assert torch.equal(attend(open_library(tmp_path / f"{name}.so")), native), name
+        assert all(torch.equal(attend_one(open_library(tmp_path / f"{name}.so"), r), native[r]) for r in range(len(starts)))

@@ -29,15 +29,40 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// out[h][j] += sum_i p[h][i] * values[i][j] for `count` heads (p, out: [count][..]), the sums kept
-// in registers over the tile's positions. Columns outside, heads inside: a 32-column slice of the
-// tile's values comes from L2 once and from L1 for the other heads.
-static void weighted_sums(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
-                          float* out, int64_t count) {
-    int64_t j0 = 0;
+// out[h][j] += sum_i p[h][i] * values[i][j] for `count` heads (p, out: [count][..]) and the columns
+// j in [first, last), the sums kept in registers over the tile's positions. Columns outside, heads
+// inside: a 32-column slice of the tile's values comes from L2 once and from L1 for the other heads.
+// Each column's sum is its own (slices of 32 from `first`, then one lane at a time), so a range that
+// starts at a multiple of 32 gives the columns the bits of the whole row's call.
+static void weighted_sums_columns(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
+                                  int64_t first, int64_t last, float* out, int64_t count) {
+    int64_t j0 = first;
 #ifdef __AVX2__
-    for (; j0 + 32 <= d; j0 += 32) {
-        for (int64_t h = 0; h < count; h++) {
+    for (; j0 + 32 <= last; j0 += 32) {
+        int64_t h = 0;
+        for (; h + 2 <= count; h += 2) {  // two heads share each value load: 8 independent fma chains
+            float* o = out + h * d + j0;
+            const float* ph = p + h * p_stride;
+            __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
+            __m256 a2 = _mm256_loadu_ps(o + 16), a3 = _mm256_loadu_ps(o + 24);
+            __m256 b0 = _mm256_loadu_ps(o + d), b1 = _mm256_loadu_ps(o + d + 8);
+            __m256 b2 = _mm256_loadu_ps(o + d + 16), b3 = _mm256_loadu_ps(o + d + 24);
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 w = _mm256_set1_ps(ph[i]), u = _mm256_set1_ps(ph[p_stride + i]);
+                const float* v = values[i] + j0;
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+                const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+                a0 = _mm256_fmadd_ps(w, v0, a0), b0 = _mm256_fmadd_ps(u, v0, b0);
+                a1 = _mm256_fmadd_ps(w, v1, a1), b1 = _mm256_fmadd_ps(u, v1, b1);
+                a2 = _mm256_fmadd_ps(w, v2, a2), b2 = _mm256_fmadd_ps(u, v2, b2);
+                a3 = _mm256_fmadd_ps(w, v3, a3), b3 = _mm256_fmadd_ps(u, v3, b3);
+            }
+            _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1);
+            _mm256_storeu_ps(o + 16, a2), _mm256_storeu_ps(o + 24, a3);
+            _mm256_storeu_ps(o + d, b0), _mm256_storeu_ps(o + d + 8, b1);
+            _mm256_storeu_ps(o + d + 16, b2), _mm256_storeu_ps(o + d + 24, b3);
+        }
+        for (; h < count; h++) {
             float* o = out + h * d + j0;
             const float* ph = p + h * p_stride;
             __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
@@ -57,7 +82,12 @@ static void weighted_sums(const float* p, int64_t p_stride, const float* const* 
 #endif
     for (int64_t h = 0; h < count; h++)
         for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
-            for (int64_t j = j0; j < d; j++) out[h * d + j] = fmaf(p[h * p_stride + i], values[i][j], out[h * d + j]);
+            for (int64_t j = j0; j < last; j++) out[h * d + j] = fmaf(p[h * p_stride + i], values[i][j], out[h * d + j]);
+}
+
+static void weighted_sums(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
+                          float* out, int64_t count) {
+    weighted_sums_columns(p, p_stride, values, n, d, 0, d, out, count);
 }
 
 // p[i] = exp(s[i] - max) for n scores; returns their sum.

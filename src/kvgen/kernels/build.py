@@ -93,6 +93,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
     library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]
     library.kvgen_paged_decode_attention.argtypes = [pointer] * 4 + [count] * 4 + [ctypes.c_float] + [count] * 4 + [pointer, count, pointer, pointer]
+    library.kvgen_decode_attention.argtypes = [pointer] * 4 + [count] * 3 + [ctypes.c_float] + [count] * 4
     library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count,
                                          pointer, count]  # fmt: skip
     library.kvgen_quantized_decode_attention.argtypes = [pointer, pointer, count, count, count, ctypes.c_float, pointer,
@@ -112,7 +113,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer, pointer,
                                                      pointer]  # fmt: skip
-    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
+    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
                  *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library
