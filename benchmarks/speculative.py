@@ -121,10 +121,13 @@ def main() -> None:
                     "identical": all(r.token_ids == plain[0].token_ids for r in results),
                     "acceptance": statistics.median(s.acceptance_rate for s in stats) if stats else None,
                     "tokens_per_verify": statistics.median(s.tokens_per_verify for s in stats) if stats else None,
+                    "verify_steps": statistics.median(s.verify_steps for s in stats) if stats else None,
+                    "probe_steps": statistics.median(s.probe_steps for s in stats) if stats else None,
                     "samples_tok_s": speeds,
                 })  # fmt: skip
                 print(f"{weights} {task} {method}: {rows[-1]['speedup']:.2f}x", file=sys.stderr)
-    print_table(rows, ["weights", "task", "method", "decode_tok_s", "speedup", "identical", "acceptance", "tokens_per_verify"])
+    print_table(rows, ["weights", "task", "method", "decode_tok_s", "speedup", "identical", "acceptance", "tokens_per_verify",
+                       "verify_steps", "probe_steps"])  # fmt: skip
     print("target forward ms by new tokens:", forwards)
     drafted = [r for r in rows if r["method"] != "plain"]
     best = max((r for r in drafted if r["identical"]), key=lambda r: r["speedup"], default=None)

@@ -112,3 +112,39 @@ def test_a_timed_caller_probes_one_token_first_and_a_slow_proposer_pauses_longer
     slow.record_plain(0.010)
     slow.record(1, 1, seconds=0.080)  # 2 tokens in 8 plain steps' time: 4x over, a 4 x 4 pause
     assert [slow.draft_length() for _ in range(17)] == [0] * 16 + [1]
+
+
+def test_a_probe_verified_by_plain_steps_fails_cheaply_and_pauses_longer():
+    c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    c.start_with_probe()
+    assert c.probing and c.draft_length() == 1
+    c.record_plain(0.010)
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # rejected: one plain step plus a 1 ms draft
+    assert not c.probing
+    assert [c.draft_length() for _ in range(5)] == [0, 0, 0, 0, 1]  # 4 plain tokens (1.1x over: still 4)
+    assert c.probing
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)
+    assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]  # twice as long
+
+
+def test_a_passed_probe_is_on_probation_until_a_batched_step_pays():
+    c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    c.start_with_probe()
+    c.record_plain(0.010)
+    c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # accepted, and drafting cost less than it saves
+    assert not c.probing and c.draft_length() == 4  # the next draft is verified batched, at full length
+    c.record(4, 0, seconds=0.020)  # it fails (2x a plain step's time): pause at once, 2 x 4 tokens
+    assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    c.record(1, 1, seconds=0.021, draft_seconds=0.001)
+    c.record(1, 1, seconds=0.012)  # a batched step pays: probation ends, the next pause is halved
+    assert not c.probing and c.draft_length() == 2
+    c.record(2, 0, seconds=0.015)  # off probation, a failed step shrinks the draft instead of pausing
+    assert c.draft_length() == 1
+
+
+def test_a_probe_whose_draft_costs_more_than_it_saves_fails_even_when_accepted():
+    c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    c.start_with_probe()
+    c.record_plain(0.010)
+    c.record(1, 1, seconds=0.035, draft_seconds=0.015)  # a draft token that costs 1.5 plain steps
+    assert c.draft_length() == 0  # paused

@@ -68,3 +68,34 @@ def test_self_draft_drafts_one_token_at_a_time_in_the_targets_cache(smollm2_q4: 
     assert stream._proposer.own is None  # no cache of its own, so no prefill and no catch-up
     assert calls and all(length == 1 and cache is stream.cache for length, cache in calls)
     assert len(calls) == stats.proposed_tokens  # one step in the target's cache per drafted token
+
+
+def test_a_draft_with_its_own_cache_prefills_and_catches_up_with_the_c_rows_step(smollm2_q4: LLM, monkeypatch):
+    """A quantized target cache cannot be shared: the draft keeps its own first-layers cache. Its
+    prompt prefill and catch-ups run the C rows step over those layers, not the torch forward."""
+    params = SamplingParams(max_new_tokens=24)
+    model, draft_layers = smollm2_q4.model, DRAFT_EVERY_STEP.draft_layers
+    decoder, rows, torch_path = model.fast_decoder(), [], []
+    step_tokens, hidden_states = decoder.step_tokens, model._hidden_states
+
+    def rows_step(h, rope, cache, positions, slot=-1, num_layers=None):
+        rows.append((h.shape[0], num_layers))
+        return step_tokens(h, rope, cache, positions, slot, num_layers)
+
+    def torch_forward(input_ids, cache, positions, num_layers):
+        torch_path.append(num_layers)
+        return hidden_states(input_ids, cache, positions, num_layers)
+
+    monkeypatch.setattr(decoder, "step_tokens", rows_step)
+    monkeypatch.setattr(model, "_hidden_states", torch_forward)
+    cache = CacheConfig(kind="quantized", k_dtype="fp16", v_dtype="fp16", residual=0)
+    generator = Generator(model, smollm2_q4.tokenizer, cache=cache)
+    plain = generator.generate(PROMPT, params)
+    rows.clear()
+    stream = generator.stream(PROMPT, params, speculative=DRAFT_EVERY_STEP)
+    assert [chunk.token_id for chunk in stream] == plain.token_ids
+    assert stream._proposer.own is not None and stream.result.speculative.accepted_tokens > 0
+    prompt_length = len(smollm2_q4.tokenizer.encode(PROMPT))
+    assert (prompt_length + 1, draft_layers) in rows  # the prefill (the prompt and the first token)
+    assert any(n == draft_layers and length < prompt_length for length, n in rows)  # catch-ups
+    assert draft_layers not in torch_path

@@ -164,12 +164,10 @@ class DecoderLM(nn.Module):
                 return None
             return h[None]
         rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
-        if num_layers not in (None, self.config.num_layers):
-            return None
         try:
             for first in range(0, seq, decoder.max_rows):  # each call commits its rows
                 rows = slice(first, first + decoder.max_rows)
-                if not self._rows_of_one(decoder, h[rows], rope[rows], cache, positions[rows], slot):
+                if not self._rows_of_one(decoder, h[rows], rope[rows], cache, positions[rows], slot, num_layers):
                     assert first == 0, "a cache offered the rows step, then did not"
                     return None
         except BaseException:
@@ -179,14 +177,15 @@ class DecoderLM(nn.Module):
 
     @staticmethod
     def _rows_of_one(decoder, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor,
-                     slot: int) -> bool:  # fmt: skip
+                     slot: int, num_layers: int | None = None) -> bool:  # fmt: skip
         """Tokens of one sequence as kernel rows of the rows step, over the cache's fp32 layout or,
         where it has none (a pool split into layer groups), its batch view of one row, as the
-        engine's batches run it; commits them. False (nothing done) when the cache offers neither."""
-        if decoder.step_tokens(h, rope, cache, positions, slot):
+        engine's batches run it; commits them. False (nothing done) when the cache offers neither.
+        num_layers: the first blocks only (a layer-skip draft's catch-up), over an fp32 layout only."""
+        if decoder.step_tokens(h, rope, cache, positions, slot, num_layers):
             return True
-        if cache.batch_path_only:  # a pool of codes: forward_batch runs it (one-token rows only)
-            return False
+        if cache.batch_path_only or num_layers not in (None, len(decoder.blocks)):
+            return False  # a pool of codes: forward_batch runs it (one-token rows only)
         rows = h.shape[0]
         view = type(cache).batch_view([cache], [rows])
         kernel = view.rows_kernel() if view is not None else None  # type: ignore[attr-defined]
@@ -253,13 +252,13 @@ class DecoderLM(nn.Module):
         """input_ids [B, S] -> the last block's output [B, S, H] (before the final norm), after the
         first `num_layers` blocks only if given (a layer-skip draft; `cache` then needs only those
         layers). `logits_from_hidden` turns them into logits. All layers of one sequence take the C
-        step where `forward` would (a decode or a verify); a layer-skip draft's one-token steps take
-        it too (over the first layers), its several-token catch-ups the torch path."""
+        step where `forward` would (a decode or a verify); a layer-skip draft's steps and catch-ups
+        take it too, over the first layers (where its cache has an fp32 layout; else the torch path)."""
         num_layers = self.config.num_layers if num_layers is None else num_layers
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
         with self._forward_lock:
-            if input_ids.shape[0] == 1 and (num_layers == self.config.num_layers or input_ids.shape[1] == 1):
+            if input_ids.shape[0] == 1:
                 fast = self._fast_hidden(input_ids, cache, num_layers=num_layers)
                 if fast is not None:
                     return fast

@@ -248,18 +248,21 @@ class FastDecoder:
             ctypes.byref(self._scratch_for_rows(rows)), lora, row_slots.data_ptr() if row_slots is not None else None,
         )  # fmt: skip
 
-    def step_tokens(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor, slot: int = -1) -> bool:
+    def step_tokens(self, h: torch.Tensor, rope: torch.Tensor, cache: KVCache, positions: torch.Tensor, slot: int = -1,
+                    num_layers: int | None = None) -> bool:  # fmt: skip
         """Several new tokens of one sequence (a speculative verify, or a piece of a prompt of at
         most `max_rows` tokens), each a kernel row of the rows step at its position, on the cache's
         fp32 layout: h [S, hidden] updated in place, rope
         [S, kinds, 2, head_dim]; commits S positions. Each layer stores every row's key and value
         before any row attends, so row i sees the rows before it, and each row is computed as
-        `step` computes a lone token (slot: its LoRA adapter slot, -1: none). False (nothing done)
-        when the cache offers no fp32 layout."""
+        `step` computes a lone token (slot: its LoRA adapter slot, -1: none). num_layers: the first
+        blocks only (a layer-skip draft catching up), as in `step`. False (nothing done) when the
+        cache offers no fp32 layout."""
         rows = h.shape[0]
         end = cache.seq_len + rows
         layout = cache.kernel_layout(end)
-        if layout is None:
+        num_layers = len(self.blocks) if num_layers is None else num_layers
+        if layout is None or not 1 <= num_layers <= len(self.blocks):
             return False
         keys, values = layout.keys, layout.values
         assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
@@ -271,7 +274,7 @@ class FastDecoder:
         lora = self.lora([slot])
         row_slots = torch.full((rows,), slot, dtype=torch.int64)
         self.library.kvgen_decode_rows(
-            self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
+            self._block_array, num_layers, rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
             self._rope_index.data_ptr(), self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(),
             layout.layer_stride, layout.head_stride, layout.pos_stride, layout.block_stride, block_size,
             tables.data_ptr(), table.numel(), None, None, positions.data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),

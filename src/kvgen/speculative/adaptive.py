@@ -12,15 +12,25 @@ from dataclasses import dataclass
 class SpeculativeStats:
     """What speculation did for one request (a metric: `acceptance_rate`)."""
 
-    verify_steps: int = 0  # target forwards over drafted tokens
+    verify_steps: int = 0  # batched target forwards over drafted tokens
     proposed_tokens: int = 0
     accepted_tokens: int = 0
-    plain_steps: int = 0  # one-token target forwards (no draft, or fallback)
+    plain_steps: int = 0  # one-token target forwards (no draft, a fallback, or a probe's)
+    probe_steps: int = 0  # drafts verified by one-token target forwards (counted in plain_steps)
+    probe_accepted_tokens: int = 0  # of accepted_tokens, those of probes
 
     def record_verify(self, proposed: int, accepted: int) -> None:
         self.verify_steps += 1
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
+
+    def record_probe(self, proposed: int, accepted: int, forwards: int) -> None:
+        """A draft verified by `forwards` one-token target forwards."""
+        self.probe_steps += 1
+        self.plain_steps += forwards
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        self.probe_accepted_tokens += accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -28,8 +38,9 @@ class SpeculativeStats:
 
     @property
     def tokens_per_verify(self) -> float:
-        """Tokens produced per verify forward (accepted drafts + the target's own token)."""
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+        """Tokens produced per batched verify forward (accepted drafts + the target's own token)."""
+        accepted = self.accepted_tokens - self.probe_accepted_tokens
+        return (accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
 
 class DraftLengthController:
@@ -39,15 +50,17 @@ class DraftLengthController:
     minimum in one step instead of one token at a time. Below `shrink_below` at the minimum length for
     a whole window, drafting pauses for `cooldown` tokens of plain decoding, then probes again at the
     minimum length. A probe that fails pauses again at once, for twice as long (up to
-    `max_cooldown`): on text where drafts keep failing, probing verifies become rare and the cost
-    nears plain decoding's. One verify step at or above `shrink_below` halves the next pause's length
-    (down to `cooldown`) and ends probing.
+    `max_cooldown`): on text where drafts keep failing, probes become rare and the cost nears plain
+    decoding's. Drafting stays on probation after a pause until a verify step pays: that step halves
+    the next pause's length (down to `cooldown`); one that fails before it pauses again at once.
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
     if it also made its tokens faster than plain steps do (draft + verify time against accepted + 1
     plain steps): a draft that is accepted but costs more than it saves (a slow proposer) counts as a
     failure, `patience` such steps at the minimum length pause drafting, and the pause is as many
-    times longer as the step overran."""
+    times longer as the step overran. Such a caller may verify each probe by plain one-token steps
+    (`probing`, `record(..., draft_seconds=)`), so that a failed probe costs only its draft; a probe
+    whose drafts are accepted lets the next draft be verified batched, which must then pay."""
 
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
@@ -63,6 +76,7 @@ class DraftLengthController:
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
         self._probing = False  # drafting again after a pause, no verify step has paid yet
+        self._probe_next = False  # the next draft is a probe (the first since the pause)
         self._resume_length = min_length  # the length a paying probe returns to
         self.patience = max(1, min(patience, window))  # failed steps at the minimum length before a pause
         self._plain_seconds: float | None = None  # moving average of one plain step's time
@@ -85,17 +99,45 @@ class DraftLengthController:
         previous = self._plain_seconds
         self._plain_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
 
-    def record(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+    @property
+    def probing(self) -> bool:
+        """Whether a draft now is a probe: the first after a pause (or of a request that
+        `start_with_probe`), asking whether the proposer agrees with the target again. A caller
+        may verify it by plain steps and record it with `draft_seconds`."""
+        return self._probe_next and not self._paused
+
+    def record(
+        self, proposed: int, accepted: int, seconds: float | None = None, draft_seconds: float | None = None
+    ) -> None:
         """One verify step: `proposed` drafted tokens, `accepted` of them kept; `seconds` the draft and
-        verify's time, where the caller measures it."""
+        verify's time, where the caller measures it. `draft_seconds`: a probe verified by plain
+        one-token steps, `draft_seconds` of it drafting; it passes if its drafts were accepted and
+        drafting cost less than the plain steps they save (the plain steps cost what plain decoding
+        does), and then the next draft is verified batched."""
         if not self.adaptive or proposed == 0:
             return
         self._recent.append((proposed, accepted))
-        in_time = seconds is None or self._plain_seconds is None or seconds <= (accepted + 1) * self._plain_seconds
+        plain = self._plain_seconds
+        if seconds is None or plain is None:
+            in_time = True
+        elif draft_seconds is not None:
+            in_time = draft_seconds <= accepted * plain
+        else:
+            in_time = seconds <= (accepted + 1) * plain
         paid = accepted >= self.shrink_below * proposed and in_time
         # How many times its tokens' plain time the step took (1 where untimed): a slow proposer's
         # failures pause it for that much longer.
-        overrun = 1.0 if in_time or seconds is None or self._plain_seconds is None else seconds / ((accepted + 1) * self._plain_seconds)
+        overrun = 1.0 if in_time or seconds is None or plain is None else seconds / ((accepted + 1) * plain)
+        if draft_seconds is not None and self._probing:
+            if not paid:
+                self._pause(overrun)  # the probe failed: pause again, longer
+                return
+            # Still on probation: only a batched step that pays shortens the next pause, so a slow
+            # proposer whose drafts are accepted keeps backing off.
+            self._probe_next = False
+            self.length = max(self.length, self._resume_length)
+            return
+        self._probe_next = False
         if paid:
             if self._probing:
                 self.length = max(self.length, self._resume_length)
@@ -104,7 +146,7 @@ class DraftLengthController:
             self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
             self._probing = False
         elif self._probing:
-            self._pause(overrun)  # the probe failed: pause again, longer
+            self._pause(overrun)  # the probe (or the first batched step after it) failed: pause again, longer
             return
         rate = self.rolling_acceptance
         if rate > self.grow_above and in_time:
@@ -120,13 +162,16 @@ class DraftLengthController:
 
     def start_with_probe(self) -> None:
         """Draft one minimum-length probe first and go to the full length only once one pays: a
-        caller that times its steps need not pay for a long draft from a proposer it has not timed."""
-        self._probing, self._resume_length = True, self.length
-        self.length = self.min_length
+        caller that times its steps need not pay for a long draft from a proposer it has not timed.
+        A fixed length (not adaptive) stays fixed."""
+        if not self.adaptive:
+            return
+        self._probing = self._probe_next = True
+        self._resume_length, self.length = self.length, self.min_length
 
     def _pause(self, overrun: float = 1.0) -> None:
         pause = min(int(self._next_cooldown * max(1.0, overrun)), self.max_cooldown)
-        self._paused, self._low_at_min, self._probing = pause, 0, True
+        self._paused, self._low_at_min, self._probing, self._probe_next = pause, 0, True, True
         self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
         self.length = self._resume_length = self.min_length
         self._recent.clear()

@@ -20,7 +20,7 @@ from kvgen.sampling.sampler import Sampler
 from kvgen.speculative.adaptive import SpeculativeStats
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import DraftPolicy, Proposer
-from kvgen.speculative.verify import verify
+from kvgen.speculative.verify import verify, verify_each
 
 
 class SpeculativeDecoder:
@@ -53,6 +53,8 @@ class SpeculativeDecoder:
         if draft is None or not draft.tokens:
             tokens = [self._plain_step()]
             self.controller.record_plain(time.perf_counter() - started)
+        elif self.controller.probing:
+            tokens = self._probe_step(draft, started)
         else:
             tokens = self._verify_step(draft, started)
         self.ids.extend(tokens)
@@ -76,6 +78,29 @@ class SpeculativeDecoder:
             self._has_features = True
         self.stats.plain_steps += 1
         return token
+
+    def _probe_step(self, draft, started: float) -> list[int]:
+        """A probe's draft, verified by plain one-token steps: the target runs over the last id,
+        then over each draft only once the one before it was accepted. A batched forward over two
+        tokens costs well over one plain step, so a probe that fails, as probes do where drafts
+        keep failing, would cost that much more than plain decoding; this way it costs its draft.
+        The logits are the same (the one-token C step is the verify rows' own computation)."""
+        drafted = time.perf_counter() - started
+        inputs = [self.ids[-1]] + draft.tokens
+        forwards = 0
+
+        def logits_at(i: int) -> torch.Tensor:
+            nonlocal forwards
+            forwards += 1
+            return self._target([inputs[i]])[-1]
+
+        tokens = verify_each(logits_at, draft, self.sampler)
+        accepted = len(tokens) - 1
+        if self.proposer.needs_target_features:
+            self.proposer.observe_features(self._features[-1])
+        self.controller.record(len(draft.tokens), accepted, time.perf_counter() - started, draft_seconds=drafted)
+        self.stats.record_probe(len(draft.tokens), accepted, forwards)
+        return tokens
 
     def _verify_step(self, draft, started: float) -> list[int]:
         start = self.cache.seq_len

@@ -13,7 +13,8 @@ That needs a cache where such writes and the truncate leave nothing behind: one 
 fp32 keys and values in place (it offers a kernel layout: contiguous, paged). Caches that round or
 drop positions on write (quantized, sliding window), and the engine (whose block pool drafts must
 not take), give the draft its own L-layer contiguous cache instead (`OwnCacheDraft`), kept in step
-with the committed ids: the prompt prefilled once, then catch-ups on the torch path.
+with the committed ids: the prompt prefilled once, then catch-ups, with the C rows step over
+the first L blocks.
 """
 
 from __future__ import annotations

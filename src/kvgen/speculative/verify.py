@@ -19,6 +19,8 @@ processors never see a token that is not emitted. A grammar that completes ends 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kvgen.sampling.sampler import Sampler
@@ -29,15 +31,24 @@ def verify(logits: torch.Tensor, draft: Draft, sampler: Sampler) -> list[int]:
     """logits [k+1, V] from the target for (last committed token, d_0, ..., d_{k-1}) -> new tokens."""
     k = len(draft.tokens)
     assert logits.shape[0] == k + 1, f"need logits for {k + 1} positions, got {logits.shape[0]}"
+    return verify_each(logits.__getitem__, draft, sampler)
+
+
+def verify_each(logits_at: Callable[[int], torch.Tensor], draft: Draft, sampler: Sampler) -> list[int]:
+    """`verify` with the target's logits asked for one position at a time: `logits_at(i)` [V] for
+    (last committed token, d_0, ..., d_{k-1})[i], called for i = 0, 1, ... only while every draft
+    before position i was accepted (a caller may run the target one token per call)."""
+    k = len(draft.tokens)
     out: list[int] = []
     for i in range(k + 1):
-        if i == k:  # every draft accepted: one more token from the target, for free
+        logits = logits_at(i)
+        if i == k:  # every draft accepted: one more token from the target
             pick = sampler.pick
         elif sampler.params.greedy:
             pick = _argmax
         else:
             pick = lambda scores, i=i: _accept_or_resample(sampler, scores, draft, i)  # noqa: E731
-        token = sampler.choose(logits[i], pick)
+        token = sampler.choose(logits, pick)
         out.append(token)
         if i == k or token != draft.tokens[i] or _grammar_complete(sampler):
             return out

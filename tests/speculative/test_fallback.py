@@ -1,0 +1,91 @@
+"""Where drafts fail, speculative decoding costs what plain decoding costs: every target forward is
+the one-token C step plain decoding runs (no batched verify forward, no torch path), probes are
+verified by that step too, and they back off. Counted, not timed, on the 4-bit SmolLM2."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvgen import LLM, SamplingParams, SpeculativeConfig
+from kvgen.speculative import decoder as decoder_module
+
+PASSAGE = (
+    "The lighthouse stood on a rock at the mouth of the harbour. Every evening the keeper climbed the "
+    "hundred and twelve steps, trimmed the wick, polished the great lens and lit the lamp, and every "
+    "morning he put it out again and wrote in his log the weather, the ships that had passed and the "
+    "oil he had burned. He did this for forty years, and in all that time the light never failed."
+)
+QUOTING = f"Passage: {PASSAGE}\n\nQuote the passage exactly.\nQuote: The lighthouse stood on a rock"
+STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+NEW_TOKENS = 128
+
+
+def count_forwards(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts of what runs the model: one-token C steps over every layer ('step') or the first few
+    ('draft step'), batched C rows ('rows'), and the torch path ('torch')."""
+    model, counts = llm.model, Counter()
+    decoder = model.fast_decoder()
+    assert decoder is not None, "the 4-bit SmolLM2 decodes with the C step"
+
+    def spy(name, fn, kind=None):
+        def wrapped(*args, **kwargs):
+            counts[kind(*args, **kwargs) if kind else name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def step_kind(h, rope, cache, slot=-1, num_layers=None):
+        return "step" if num_layers in (None, model.config.num_layers) else "draft step"
+
+    monkeypatch.setattr(decoder, "step", spy("step", decoder.step, step_kind))
+    monkeypatch.setattr(decoder, "step_tokens", spy("rows", decoder.step_tokens))
+    monkeypatch.setattr(decoder, "step_rows", spy("rows", decoder.step_rows))
+    monkeypatch.setattr(model, "_hidden_states", spy("torch", model._hidden_states))
+    return counts
+
+
+@pytest.mark.parametrize("method, prompt, drafts_fail", [("self", QUOTING, True), ("lookup", STORY, True),
+                                                         ("eagle", STORY, False)])  # fmt: skip
+def test_plain_steps_under_speculation_are_plain_decodings_and_failing_probes_back_off(
+    smollm2_q4, monkeypatch, method, prompt, drafts_fail
+):  # fmt: skip
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    # A still clock: every step takes no time, so the pauses are the controller's own schedule
+    # (16, 32, 64 tokens), not stretched by how long this machine's steps took.
+    monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: 0.0))
+    counts = count_forwards(smollm2_q4, monkeypatch)
+    plain = smollm2_q4.generate(prompt, params)
+    plain_counts = counts.copy()
+    counts.clear()
+    result = smollm2_q4.generate(prompt, params, speculative=SpeculativeConfig(method))
+    assert result.token_ids == plain.token_ids
+    stats = result.speculative
+    # Plain decoding: the prompt's rows, then one one-token C step over all layers per token.
+    assert plain_counts["step"] == NEW_TOKENS - 1 and plain_counts["torch"] == 0, plain_counts
+    # Under speculation every plain step (a probe's too) is that same C step, and the only other
+    # target forwards are the batched verifies; nothing runs on the torch path.
+    assert counts["step"] == stats.plain_steps and counts["torch"] == 0, (counts, stats)
+    assert counts["rows"] == plain_counts["rows"] + stats.verify_steps, (counts, plain_counts, stats)
+    if drafts_fail:
+        assert stats.accepted_tokens == 0, f"{method}: a draft was accepted; this case needs text where drafts fail"
+        assert stats.verify_steps == 0 and stats.plain_steps == NEW_TOKENS - 1, stats
+        # Probes back off: first at once, then after pauses of 16, 32, 64 plain tokens (tokens 1,
+        # 18, 51, 116; a fixed pause of 16 would probe 8 times). Each drafts one token.
+        assert stats.probe_steps == 4 and stats.proposed_tokens == 4, stats
+        assert counts["draft step"] == (4 if method == "self" else 0), counts
+
+
+@torch.inference_mode()
+def test_a_probe_verified_by_plain_steps_gives_the_batched_verify_tokens(smollm2_q4):
+    """Accepted probes too: lookup on quoted text, where the probe's draft is accepted, equals plain
+    greedy, and the drafts after the probe are verified batched."""
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    plain = smollm2_q4.generate(QUOTING, params)
+    result = smollm2_q4.generate(QUOTING, params, speculative=SpeculativeConfig("lookup"))
+    assert result.token_ids == plain.token_ids
+    stats = result.speculative
+    assert stats.probe_steps >= 1 and stats.probe_accepted_tokens >= 1 and stats.verify_steps > 0, stats
