@@ -116,6 +116,23 @@ static float exp_shifted(float* s, int64_t n, float max) {
 // Softmax-weighted sums of one query head over some tiles: out = sum p_i v_i, with max m and sum l.
 typedef struct { float max, sum; } softmax_state;
 
+// Folds a tile's n scores into one head's running softmax (s becomes e^(s - max)); returns the
+// factor for what was accumulated under the old maximum, or -1 when the maximum held (an exp is
+// never negative).
+static inline float softmax_tile(float* s, int64_t n, softmax_state* st) {
+    float tile_max = -INFINITY;
+    for (int64_t i = 0; i < n; i++)
+        if (s[i] > tile_max) tile_max = s[i];
+    float correction = -1.0f;
+    if (tile_max > st->max) {
+        correction = expf(st->max - tile_max);
+        st->sum *= correction;
+        st->max = tile_max;
+    }
+    st->sum += exp_shifted(s, n, st->max);
+    return correction;
+}
+
 // `count` query heads (q, out: [count, d]; st: [count]) over a tile of n <= MAX_TILE positions (a row
 // pointer per position), each folded into its running softmax and unnormalised sum. Each head's
 // operations are a lone head's; positions outside, heads inside, so a key comes from L2 once.
@@ -125,16 +142,9 @@ static void attend_tile_heads(const float* q, int64_t count, const float* const*
     for (int64_t i = 0; i < n; i++)
         for (int64_t h = 0; h < count; h++) scores[h][i] = dot(q + h * d, keys[i], d) * scale;
     for (int64_t h = 0; h < count; h++) {
-        float tile_max = -INFINITY;
-        for (int64_t i = 0; i < n; i++)
-            if (scores[h][i] > tile_max) tile_max = scores[h][i];
-        if (tile_max > st[h].max) {  // rescale what was accumulated under the old maximum
-            const float correction = expf(st[h].max - tile_max);
-            st[h].sum *= correction;
+        const float correction = softmax_tile(scores[h], n, &st[h]);
+        if (correction >= 0.0f)  // rescale what was accumulated under the old maximum
             for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;
-            st[h].max = tile_max;
-        }
-        st[h].sum += exp_shifted(scores[h], n, st[h].max);
     }
     weighted_sums(scores[0], MAX_TILE, values, n, d, out, count);
 }

@@ -11,6 +11,7 @@
 //
 // This file is #included by qgemm.c so the matmul kernels inline into one library.
 #include <math.h>
+#include <omp.h>
 
 typedef struct {
     int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks
@@ -233,7 +234,6 @@ static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, i
 // positions. Each value is computed as attend_heads computes it (the same tiles of 32 positions,
 // the same rescale before a tile's sums, each column's sum its own, weighted_sums_columns), so a
 // token's bits are those of the head units the rows step runs.
-#include <omp.h>
 static void attend_split(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
                          const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end) {
     const int64_t group = heads / kv_heads;
@@ -254,19 +254,8 @@ static void attend_split(const float* q, float* attn, int64_t heads, int64_t kv_
         for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
             softmax_state st = {-INFINITY, 0.0f};
             for (int64_t t = 0; t < tiles; t++) {
-                float* s = p + h * len + 32 * t;
                 const int64_t n = len - 32 * t < 32 ? len - 32 * t : 32;
-                float tile_max = -INFINITY;
-                for (int64_t i = 0; i < n; i++)
-                    if (s[i] > tile_max) tile_max = s[i];
-                rescale[h * tiles + t] = -1.0f;  // an exp is never negative
-                if (tile_max > st.max) {
-                    const float correction = expf(st.max - tile_max);
-                    st.sum *= correction;
-                    rescale[h * tiles + t] = correction;
-                    st.max = tile_max;
-                }
-                st.sum += exp_shifted(s, n, st.max);
+                rescale[h * tiles + t] = softmax_tile(p + h * len + 32 * t, n, &st);
             }
             sums[h] = st.sum;
         }
