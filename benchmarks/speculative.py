@@ -2,11 +2,11 @@
 
 For each target weight format, each task and each proposer: decode tokens/s with speculation vs plain
 greedy decoding of the same model, whether the tokens are identical, the draft acceptance rate and the
-tokens each verify forward yields. Within each round plain decoding and every proposer take turns on
-each task (a slow spell of the machine hits all of them); every sample is kept in the JSON, the
-table shows median speeds, and a speedup is the median over rounds of the proposer's speed over plain
-decoding's in the same round (paired: this machine's speed drifts 10-20% between rounds). Also the cost of one target forward over 1, 5 and 9 new tokens (a verify step vs
-a plain step). Where drafts fail (lookup and self on open-ended text), the adaptive draft length must
+tokens each verify forward yields. Within each round every proposer runs on each task between two
+plain runs (their order rotating from round to round), and its ratio is against the mean of those
+two: this machine's speed drifts 10-20% within a round. Every sample is kept in the JSON, the table
+shows median speeds, and a speedup is the median over rounds of those ratios. Also the cost of one
+target forward over 1, 5 and 9 new tokens (a verify step vs a plain step). Where drafts fail (lookup and self on open-ended text), the adaptive draft length must
 fall back to near plain speed: the summary prints the worst ratio.
 
     python benchmarks/speculative.py                 # fp32 and q4 targets, 128 new tokens, 3 rounds
@@ -103,21 +103,34 @@ def main() -> None:
         samples: dict[tuple[str, str], list[Any]] = {}
         for task, prompt in prompts.items():
             llm.generate(prompt, SamplingParams(max_new_tokens=8))  # warm-up (kernels, allocator)
-        for _ in range(args.repeats):
+        # Each proposer's run sits between two plain runs and its ratio is against their mean, so a
+        # drift of the machine's speed within a round cancels; the proposers' order rotates by round.
+        ratios: dict[tuple[str, str], list[float]] = {}
+        for round_index in range(args.repeats):
+            names = list(methods)
+            turn = round_index % len(names) if names else 0
+            order = names[turn:] + names[:turn]
             for task, prompt in prompts.items():
-                samples.setdefault((task, "plain"), []).append(llm.generate(prompt, params))
-                for method, config in methods.items():
-                    samples.setdefault((task, method), []).append(llm.generate(prompt, params, speculative=config))
+                before = llm.generate(prompt, params)
+                samples.setdefault((task, "plain"), []).append(before)
+                for method in order:
+                    result = llm.generate(prompt, params, speculative=methods[method])
+                    after = llm.generate(prompt, params)
+                    samples.setdefault((task, method), []).append(result)
+                    samples[(task, "plain")].append(after)
+                    plain_speed = (before.timings.decode_tokens_per_second + after.timings.decode_tokens_per_second) / 2
+                    ratios.setdefault((task, method), []).append(result.timings.decode_tokens_per_second / plain_speed)
+                    before = after
         for task in tasks:
             plain = samples[(task, "plain")]
-            plain_speeds = [r.timings.decode_tokens_per_second for r in plain]
             for method in ["plain", *methods]:
                 results = samples[(task, method)]
                 speeds = [r.timings.decode_tokens_per_second for r in results]
                 stats = [r.speculative for r in results if r.speculative is not None]
                 rows.append({
                     "weights": weights, "task": task, "method": method,
-                    "decode_tok_s": statistics.median(speeds), "speedup": statistics.median(s / p for s, p in zip(speeds, plain_speeds)),
+                    "decode_tok_s": statistics.median(speeds), "speedup": statistics.median(ratios.get((task, method), [1.0])),
+                    "speedup_samples": ratios.get((task, method), []),
                     "identical": all(r.token_ids == plain[0].token_ids for r in results),
                     "acceptance": statistics.median(s.acceptance_rate for s in stats) if stats else None,
                     "tokens_per_verify": statistics.median(s.tokens_per_verify for s in stats) if stats else None,
