@@ -112,38 +112,65 @@ static inline __attribute__((always_inline)) void key_dots_vnni(const int G, con
 }
 #endif
 
-// dots[i] = sum_j q[j] * key i's code j exactly (int32), for m int8 keys (a multiple of G) stored
-// in groups of G (quantized_attention.c key_byte). AVX2: 4 keys' quads widened to int16 and
-// pmaddwd'ed with the query's quad, pairs of partial sums added at the end.
-static void int8_key_dots(const int16_t* q, const int8_t* keys, int64_t m, int64_t d, int64_t G, int32_t* dots) {
-    for (int64_t i = 0; i < m; i += G) {
-        const int8_t* group = keys + i * d;
-        int64_t k = 0;
 #ifdef __AVX2__
-        if (G >= 4) {  // 4, 8 or 16 keys: G / 4 accumulators of 4 keys' pairs of partial sums
-            __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+// dots[h][i] (rows MAX_TILE apart) for H query heads (int16 codes, rows d apart) over m keys in
+// groups of G >= 4, 4 x C keys at a time: each key's quad widened to int16 once and pmaddwd'ed
+// with every head's quad, two partial sums per key added at the end.
+static inline __attribute__((always_inline)) void int8_key_dots_avx2(const int H, const int C, const int16_t* q,
+                                                                     const int8_t* keys, int64_t m, int64_t d,
+                                                                     int64_t G, int32_t* dots) {
+    for (int64_t i = 0; i < m; i += G)
+        for (int64_t k = 0; k < G; k += 4 * C) {
+            const int8_t* first = keys + i * d + k * 4;  // key k of the group, channel quad 0
+            __m256i acc[GROUP_BLOCK][2];
+            for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = _mm256_setzero_si256();
             for (int64_t w = 0; w < d / 4; w++) {
-                int64_t quad;
-                memcpy(&quad, q + 4 * w, sizeof quad);
-                const __m256i qw = _mm256_set1_epi64x(quad);
-                const int8_t* row = group + w * G * 4;
-                for (int c = 0; c < G / 4; c++)
-                    acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + 16 * c))), qw));
+                __m256i x[2];
+                for (int c = 0; c < C; c++) x[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(first + w * G * 4 + 16 * c)));
+                for (int h = 0; h < H; h++) {
+                    int64_t quad;
+                    memcpy(&quad, q + h * d + 4 * w, sizeof quad);
+                    const __m256i qw = _mm256_set1_epi64x(quad);
+                    for (int c = 0; c < C; c++) acc[h][c] = _mm256_add_epi32(acc[h][c], _mm256_madd_epi16(x[c], qw));
+                }
             }
-            for (int c = 0; c < G / 4; c++) {  // [k0 k0 k1 k1 | k2 k2 k3 k3] -> k0..k3
-                const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[c], acc[c]), 0x08);
-                _mm_storeu_si128((__m128i*)(dots + i + 4 * c), _mm256_castsi256_si128(sums));
-            }
-            k = G;
+            for (int h = 0; h < H; h++)
+                for (int c = 0; c < C; c++) {  // [k0 k0 k1 k1 | k2 k2 k3 k3] -> k0..k3
+                    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[h][c], acc[h][c]), 0x08);
+                    _mm_storeu_si128((__m128i*)(dots + h * MAX_TILE + i + k + 4 * c), _mm256_castsi256_si128(sums));
+                }
         }
+}
 #endif
-        for (; k < G; k++) {
-            int32_t sum = 0;
-            for (int64_t w = 0; w < d / 4; w++)
-                for (int e = 0; e < 4; e++) sum += (int32_t)q[4 * w + e] * group[w * G * 4 + k * 4 + e];
-            dots[i + k] = sum;
+
+// dots[h][i] = sum_j q[h][j] * key i's code j exactly (int32; rows MAX_TILE apart) for H <=
+// GROUP_BLOCK query heads (int16 codes, rows d apart) over m int8 keys (a multiple of G) stored in
+// groups of G (quantized_attention.c key_byte).
+static void int8_key_dots(int H, const int16_t* q, const int8_t* keys, int64_t m, int64_t d, int64_t G, int32_t* dots) {
+#ifdef __AVX2__
+    if (G >= 4) {
+        const int C = G >= 8 ? 2 : 1;
+        switch (H * 2 + C - 1) {  // heads and chunks known to the compiler: accumulators in registers
+            case 2: int8_key_dots_avx2(1, 1, q, keys, m, d, G, dots); return;
+            case 3: int8_key_dots_avx2(1, 2, q, keys, m, d, G, dots); return;
+            case 4: int8_key_dots_avx2(2, 1, q, keys, m, d, G, dots); return;
+            case 5: int8_key_dots_avx2(2, 2, q, keys, m, d, G, dots); return;
+            case 6: int8_key_dots_avx2(3, 1, q, keys, m, d, G, dots); return;
+            case 7: int8_key_dots_avx2(3, 2, q, keys, m, d, G, dots); return;
+            case 8: int8_key_dots_avx2(4, 1, q, keys, m, d, G, dots); return;
+            default: int8_key_dots_avx2(4, 2, q, keys, m, d, G, dots); return;
         }
     }
+#endif
+    for (int h = 0; h < H; h++)
+        for (int64_t i = 0; i < m; i += G)
+            for (int64_t k = 0; k < G; k++) {
+                const int8_t* key = keys + i * d + k * 4;
+                int32_t sum = 0;
+                for (int64_t w = 0; w < d / 4; w++)
+                    for (int e = 0; e < 4; e++) sum += (int32_t)q[h * d + 4 * w + e] * key[w * G * 4 + e];
+                dots[h * MAX_TILE + i + k] = sum;
+            }
 }
 
 // scores[h][i] = dot(q codes of head h, key codes first + i) x factor[h] x scale_i for the group's
@@ -168,7 +195,7 @@ static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* 
             }
         } else
 #endif
-            for (int64_t h = 0; h < G4; h++) int8_key_dots(gq->codes + (g0 + h) * d, keys, m, d, G, dots + h * MAX_TILE);
+            int8_key_dots((int)G4, gq->codes + g0 * d, keys, m, d, G, dots);
         for (int64_t h = 0; h < G4; h++) {
             float* s = scores + (g0 + h) * MAX_TILE;
             const int32_t* dot = dots + h * MAX_TILE + skip;
