@@ -51,7 +51,7 @@ def test_kvgen_serve_answers_on_localhost() -> None:
         reply = client.completions.create(model=path.stem, prompt="The three primary colors are", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4 and reply.choices[0].text
         metrics = requests.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer k"}, timeout=10).text
-        assert 'kvgen_kv_storage_info{format="int8/int4/bs16"} 1.0' in metrics
+        assert 'kvgen_kv_storage_info{format="int8t/int4/bs16"} 1.0' in metrics
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -15,7 +15,7 @@ import torch
 from kvgen import LLM
 from kvgen.kernels import load
 from kvgen.kernels.build import FLAGS, _cpu_flags, build, open_library
-from kvgen.kv.codecs import Int8Codec
+from kvgen.kv.codecs import Int8KeyCodec
 from kvgen.kv.interface import CacheSpec
 from kvgen.cache_factory import build_quantized_cache
 from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(load() is None, reason="the kernel needs a C com
 READABLE = [("int8", "int8"), ("int4", "int4"), ("fp16", "fp8"), ("bf16", "fp32"), ("fp32", "int4"), ("fp8", "fp16")]
 
 
-class SinkInt8(Int8Codec):
+class SinkInt8(Int8KeyCodec):
     """int8 that keeps the first position whole, as kvquant3 does (exercises the sink segment)."""
 
     sink_tokens = 1

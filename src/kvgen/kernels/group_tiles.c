@@ -2,7 +2,8 @@
 // scores, one online-softmax update per query head, and the weighted sum of the values.
 //
 // int8 keys are scored with integer dot products against the query, quantized once per step to
-// int16 codes (vpdpwssd on AVX-512 VNNI, pmaddwd on AVX2): the int32 sums are exact, and the
+// int16 codes (vpdpbusd over its byte planes on AVX-512 VNNI, pmaddwd on AVX2), reading the keys
+// in their stored groups of 16 (quantized_attention.c key_byte): the int32 sums are exact, and the
 // per-position fp16 scale multiplies the dot, so no key is ever decoded to floats. int8 values
 // are summed as codes times (softmax weight x position scale), all heads of the group per row.
 // Every other tile comes as fp32 rows (sink, tail, or a block decoded by decode_tile).
@@ -80,49 +81,28 @@ static inline float dot_rows(const float* q, const float* k, int64_t d) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// 16 rows of 16 int32 -> 16 columns: r[c] holds dword c of every row, row j in lane j.
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int k = 0; k < 8; k++)
-        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]), t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-    for (int k = 0; k < 4; k++) {  // u[4k + e], 128-bit lane L: dword 4L + e of rows 4k..4k+3
-        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]), u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]), u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-    }
-    for (int e = 0; e < 4; e++) {
-        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-        const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-        r[e] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
-        r[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
-    }
-}
-
-// dots[h][i] (rows MAX_TILE apart) for G query heads over n <= MAX_TILE int8 keys, 16 keys at a
-// time: each 64-byte row of 16 keys is transposed so that one vpdpbusd of a broadcast query dword
-// advances all 16 dots; keys are read as unsigned (xor 0x80, `bias` taken off), the query as its
-// two byte planes. Integer and exact: wrap-around on the way cancels (the true dot fits int32).
+// dots[h][i] (rows MAX_TILE apart) for G query heads over m int8 keys (a multiple of 16) stored in
+// groups of 16 (quantized_attention.c key_byte): each 64-byte row is 16 keys' dwords of one channel
+// quad, so one vpdpbusd of a broadcast query dword advances all 16 dots. Keys are read as unsigned
+// (xor 0x80, `bias` taken off), the query as its two byte planes. Integer and exact: wrap-around
+// on the way cancels (the true dot fits int32).
 static inline __attribute__((always_inline)) void key_dots_vnni(const int G, const int8_t* planes, const int32_t* bias,
-                                                                int64_t padded, const int8_t* keys, int64_t n,
+                                                                int64_t padded, const int8_t* keys, int64_t m,
                                                                 int64_t d, int32_t* dots) {
-    for (int64_t i = 0; i < n; i += 16) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t i = 0; i < m; i += 16) {
+        const int8_t* group = keys + i * d;
         __m512i high[GROUP_BLOCK], low[GROUP_BLOCK];
         for (int h = 0; h < G; h++) high[h] = _mm512_setzero_si512(), low[h] = _mm512_setzero_si512();
-        for (int64_t c = 0; c < d; c += 64) {
-            const __mmask64 mask = d - c >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (d - c)) - 1;
-            __m512i r[16];
-            for (int k = 0; k < 16; k++) {  // past n: the last key again (its dots are not used)
-                const int8_t* row = keys + (i + k < n ? i + k : n - 1) * d + c;
-                r[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row), _mm512_set1_epi8((char)0x80));
+        for (int64_t w = 0; w < d / 4; w++) {
+            const __m512i r = _mm512_xor_si512(_mm512_loadu_si512((const void*)(group + 64 * w)), flip);
+            for (int h = 0; h < G; h++) {
+                const int8_t* q = planes + 2 * h * padded + 4 * w;
+                int32_t qh, ql;
+                memcpy(&qh, q, 4), memcpy(&ql, q + padded, 4);
+                high[h] = _mm512_dpbusd_epi32(high[h], r, _mm512_set1_epi32(qh));
+                low[h] = _mm512_dpbusd_epi32(low[h], r, _mm512_set1_epi32(ql));
             }
-            transpose16_epi32(r);
-            for (int w = 0; w < 16; w++)
-                for (int h = 0; h < G; h++) {
-                    const int8_t* q = planes + 2 * h * padded + c + 4 * w;
-                    int32_t qh, ql;
-                    memcpy(&qh, q, 4), memcpy(&ql, q + padded, 4);
-                    high[h] = _mm512_dpbusd_epi32(high[h], r[w], _mm512_set1_epi32(qh));
-                    low[h] = _mm512_dpbusd_epi32(low[h], r[w], _mm512_set1_epi32(ql));
-                }
         }
         for (int h = 0; h < G; h++) {
             const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high[h], 8), low[h]), _mm512_set1_epi32(bias[h]));
@@ -130,66 +110,95 @@ static inline __attribute__((always_inline)) void key_dots_vnni(const int G, con
         }
     }
 }
-#else
-// The instruction sets without VNNI: int16 query codes times widened key codes.
+#endif
+
 #ifdef __AVX2__
-// 8 vectors of 8 int32 -> one vector of their 8 sums, in order.
-static inline __m256i sum8_epi32(const __m256i a[8]) {
-    __m256i t[4], u[2];
-    for (int k = 0; k < 4; k++)
-        t[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
-    for (int k = 0; k < 2; k++)
-        u[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm256_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
-}
-#endif
-
-// dots[i] = sum_j q[j] * keys[i][j] exactly (int32), for n <= MAX_TILE keys of d int8 codes.
-static void int8_key_dots(const int16_t* q, const int8_t* keys, int64_t n, int64_t d, int32_t* dots) {
-    int64_t i = 0;
-#if defined(__AVX2__)
-    for (; i < n; i += 8) {
-        __m256i acc[8];
-        const int8_t* row[8];
-        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256(), row[k] = keys + (i + k < n ? i + k : n - 1) * d;
-        for (int64_t c = 0; c < d; c += 16) {
-            const __m256i qc = _mm256_loadu_si256((const __m256i*)(q + c));
-            for (int k = 0; k < 8; k++)
-                acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row[k] + c))), qc));
+// dots[h][i] (rows MAX_TILE apart) for H query heads (int16 codes, rows d apart) over m keys in
+// groups of G >= 4, 4 x C keys at a time: each key's quad widened to int16 once and pmaddwd'ed
+// with every head's quad, two partial sums per key added at the end.
+static inline __attribute__((always_inline)) void int8_key_dots_avx2(const int H, const int C, const int16_t* q,
+                                                                     const int8_t* keys, int64_t m, int64_t d,
+                                                                     int64_t G, int32_t* dots) {
+    for (int64_t i = 0; i < m; i += G)
+        for (int64_t k = 0; k < G; k += 4 * C) {
+            const int8_t* first = keys + i * d + k * 4;  // key k of the group, channel quad 0
+            __m256i acc[GROUP_BLOCK][2];
+            for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = _mm256_setzero_si256();
+            for (int64_t w = 0; w < d / 4; w++) {
+                __m256i x[2];
+                for (int c = 0; c < C; c++) x[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(first + w * G * 4 + 16 * c)));
+                for (int h = 0; h < H; h++) {
+                    int64_t quad;
+                    memcpy(&quad, q + h * d + 4 * w, sizeof quad);
+                    const __m256i qw = _mm256_set1_epi64x(quad);
+                    for (int c = 0; c < C; c++) acc[h][c] = _mm256_add_epi32(acc[h][c], _mm256_madd_epi16(x[c], qw));
+                }
+            }
+            for (int h = 0; h < H; h++)
+                for (int c = 0; c < C; c++) {  // [k0 k0 k1 k1 | k2 k2 k3 k3] -> k0..k3
+                    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[h][c], acc[h][c]), 0x08);
+                    _mm_storeu_si128((__m128i*)(dots + h * MAX_TILE + i + k + 4 * c), _mm256_castsi256_si128(sums));
+                }
         }
-        _mm256_storeu_si256((__m256i*)(dots + i), sum8_epi32(acc));
-    }
-#endif
-    for (; i < n; i++) {
-        int32_t sum = 0;
-        for (int64_t j = 0; j < d; j++) sum += (int32_t)q[j] * keys[i * d + j];
-        dots[i] = sum;
-    }
 }
 #endif
 
-// scores[h][i] = dot(q codes of head h, key codes i) x factor[h] x scale_i for the group's heads
-// (rows MAX_TILE apart) over n <= MAX_TILE int8 keys.
-static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* keys, const uint16_t* scales,
-                            int64_t n, int64_t d, float* scores) {
+// dots[h][i] = sum_j q[h][j] * key i's code j exactly (int32; rows MAX_TILE apart) for H <=
+// GROUP_BLOCK query heads (int16 codes, rows d apart) over m int8 keys (a multiple of G) stored in
+// groups of G (quantized_attention.c key_byte).
+static void int8_key_dots(int H, const int16_t* q, const int8_t* keys, int64_t m, int64_t d, int64_t G, int32_t* dots) {
+#ifdef __AVX2__
+    if (G >= 4) {
+        const int C = G >= 8 ? 2 : 1;
+        switch (H * 2 + C - 1) {  // heads and chunks known to the compiler: accumulators in registers
+            case 2: int8_key_dots_avx2(1, 1, q, keys, m, d, G, dots); return;
+            case 3: int8_key_dots_avx2(1, 2, q, keys, m, d, G, dots); return;
+            case 4: int8_key_dots_avx2(2, 1, q, keys, m, d, G, dots); return;
+            case 5: int8_key_dots_avx2(2, 2, q, keys, m, d, G, dots); return;
+            case 6: int8_key_dots_avx2(3, 1, q, keys, m, d, G, dots); return;
+            case 7: int8_key_dots_avx2(3, 2, q, keys, m, d, G, dots); return;
+            case 8: int8_key_dots_avx2(4, 1, q, keys, m, d, G, dots); return;
+            default: int8_key_dots_avx2(4, 2, q, keys, m, d, G, dots); return;
+        }
+    }
+#endif
+    for (int h = 0; h < H; h++)
+        for (int64_t i = 0; i < m; i += G)
+            for (int64_t k = 0; k < G; k++) {
+                const int8_t* key = keys + i * d + k * 4;
+                int32_t sum = 0;
+                for (int64_t w = 0; w < d / 4; w++)
+                    for (int e = 0; e < 4; e++) sum += (int32_t)q[h * d + 4 * w + e] * key[w * G * 4 + e];
+                dots[h * MAX_TILE + i + k] = sum;
+            }
+}
+
+// scores[h][i] = dot(q codes of head h, key codes first + i) x factor[h] x scale_i for the group's
+// heads (rows MAX_TILE apart) over n int8 keys stored in groups of G from `keys` (a group's start,
+// first counted from there; scales given from first on). Dots are taken over whole groups.
+static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* keys, int64_t G, int64_t first,
+                            const uint16_t* scales, int64_t n, int64_t d, float* scores) {
     int32_t dots[GROUP_BLOCK * MAX_TILE];
+    const int64_t skip = first % G, m = (skip + n + G - 1) / G * G;  // whole groups: the dots of keys from first - skip
+    keys += (first - skip) * d;
     for (int64_t g0 = 0; g0 < group; g0 += GROUP_BLOCK) {
-        const int64_t G = group - g0 < GROUP_BLOCK ? group - g0 : GROUP_BLOCK;
+        const int64_t G4 = group - g0 < GROUP_BLOCK ? group - g0 : GROUP_BLOCK;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        const int64_t padded = padded_dim(d);
-        const int8_t* planes = gq->planes + 2 * g0 * padded;
-        switch (G) {
-            case 1: key_dots_vnni(1, planes, gq->bias + g0, padded, keys, n, d, dots); break;
-            case 2: key_dots_vnni(2, planes, gq->bias + g0, padded, keys, n, d, dots); break;
-            case 3: key_dots_vnni(3, planes, gq->bias + g0, padded, keys, n, d, dots); break;
-            default: key_dots_vnni(4, planes, gq->bias + g0, padded, keys, n, d, dots); break;
-        }
-#else
-        for (int64_t h = 0; h < G; h++) int8_key_dots(gq->codes + (g0 + h) * d, keys, n, d, dots + h * MAX_TILE);
+        if (G == 16) {
+            const int64_t padded = padded_dim(d);
+            const int8_t* planes = gq->planes + 2 * g0 * padded;
+            switch (G4) {
+                case 1: key_dots_vnni(1, planes, gq->bias + g0, padded, keys, m, d, dots); break;
+                case 2: key_dots_vnni(2, planes, gq->bias + g0, padded, keys, m, d, dots); break;
+                case 3: key_dots_vnni(3, planes, gq->bias + g0, padded, keys, m, d, dots); break;
+                default: key_dots_vnni(4, planes, gq->bias + g0, padded, keys, m, d, dots); break;
+            }
+        } else
 #endif
-        for (int64_t h = 0; h < G; h++) {
+            int8_key_dots((int)G4, gq->codes + g0 * d, keys, m, d, G, dots);
+        for (int64_t h = 0; h < G4; h++) {
             float* s = scores + (g0 + h) * MAX_TILE;
-            const int32_t* dot = dots + h * MAX_TILE;
+            const int32_t* dot = dots + h * MAX_TILE + skip;
             const float factor = gq->factor[g0 + h];
             int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)

@@ -210,6 +210,18 @@ static inline __attribute__((always_inline)) void int4_key_dots_vnni(const int G
     }
 }
 #else
+#ifdef __AVX2__
+// 8 vectors of 8 int32 -> one vector of their 8 sums, in order.
+static inline __m256i sum8_epi32(const __m256i a[8]) {
+    __m256i t[4], u[2];
+    for (int k = 0; k < 4; k++)
+        t[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 2; k++)
+        u[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm256_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
+}
+#endif
+
 // dots[i] = sum_j q[j] * keys[i][j] exactly (int32) for n <= MAX_TILE keys of d 4-bit codes, q the
 // int16 codes in code order.
 static void int4_key_dots(const int16_t* q, const uint8_t* keys, int64_t n, int64_t d, int32_t* dots) {

@@ -20,8 +20,22 @@ enum {
     CODES_KVQ3_KEY = 7,      // kvquant3 keys: 3-bit codebook codes, fp16 span/low per channel per block,
                              // exact outliers per position, stored before RoPE (rotated on reading)
     CODES_KVQ3_VALUE = 8,    // kvquant3 values: 3-bit codebook codes, fp16 span/low per position per 32 channels
+    CODES_INT8_KEYS = 9,     // int8 codes, one fp16 scale per position, in key groups (below)
 };
 #define TOKEN_GROUP 32  // channels sharing a step in CODES_INT4_TOKEN (codecs.py CHANNEL_GROUP)
+
+// CODES_INT8_KEYS (codecs.py Int8KeyCodec): a block of B positions is B / G groups of G keys, G =
+// key_group(B) (16 for 32-position blocks); a group is d / 4 rows of G x 4 bytes, row w holding
+// channels 4w..4w+3 of each key in turn, so 16 keys' dwords of one channel quad are one 64-byte row.
+static inline int64_t key_group(int64_t block_positions) {
+    const int64_t lowest = block_positions & -block_positions;
+    return lowest < 16 ? lowest : 16;
+}
+
+// The byte of key i (counted from a group boundary), channel j, in groups of G keys of d channels.
+static inline int64_t key_byte(int64_t i, int64_t j, int64_t d, int64_t G) {
+    return i / G * G * d + j / 4 * G * 4 + i % G * 4 + j % 4;
+}
 
 // One codec's stored tensors for one layer (PackedStore.parts[name][layer]: [H, max_blocks, ...]).
 typedef struct {
@@ -205,6 +219,15 @@ static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int6
                 for (int64_t j = 0; j < d; j++) out[p * d + j] = (float)row[j] * s;
             }
             break;
+        case CODES_INT8_KEYS: {
+            const int64_t G = key_group(c->code_block_stride / d);
+            for (int64_t p = 0; p < n; p++) {
+                const float s = half_to_float(step[first + p]);
+                const int8_t* key = (const int8_t*)codes + key_byte(first + p, 0, d, G);  // channel quad 0
+                for (int64_t j = 0; j < d; j++) out[p * d + j] = (float)key[j / 4 * G * 4 + j % 4] * s;
+            }
+            break;
+        }
         case CODES_INT4_CHANNEL: {
             float s[512], o[512];  // per channel of this block (d <= 512)
             for (int64_t j = 0; j < d; j++) s[j] = half_to_float(step[j]), o[j] = half_to_float(low[j]);
@@ -305,22 +328,23 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
         // rounding, reductions). Pairs fall on even blocks, so the tiles of a position range do not
         // depend on the thread count or on how the range was reached.
         if (block >= 0 && offset == 0 && block % 2 == 0 && block + 1 < a->num_blocks && pos + 2 * a->block_size <= end &&
-            2 * a->block_size <= MAX_TILE && kc->kind == CODES_INT8 && vc->kind == CODES_INT8 &&
+            2 * a->block_size <= MAX_TILE && kc->kind == CODES_INT8_KEYS && vc->kind == CODES_INT8 &&
             kc->code_block_stride == a->block_size * d && vc->code_block_stride == a->block_size * d &&
             kc->step_block_stride == a->block_size && vc->step_block_stride == a->block_size)
             n = 2 * a->block_size;
         if (n > end - pos) n = end - pos;
         if (n > MAX_TILE) n = MAX_TILE;
         const float *key_rows[MAX_TILE], *value_rows[MAX_TILE];
-        const int8_t *key_codes = NULL, *value_codes = NULL;
+        const int8_t *key_codes = NULL, *value_codes = NULL;  // int8 keys: the block's start (offset: key_first)
+        int64_t key_first = 0;
         int scored = 0, int4_values = 0;  // keys scored / values summed from 4-bit codes as integers
         const uint16_t *key_scales = NULL, *value_scales = NULL;
         if (block < 0) {
             segment_rows(a, kv_head, pos, n, key_rows, value_rows);
         } else {
             const codes_part k = codes_at(kc, kv_head, block, offset, d), v = codes_at(vc, kv_head, block, offset, d);
-            if (kc->kind == CODES_INT8) {
-                key_codes = (const int8_t*)k.codes, key_scales = k.step;
+            if (kc->kind == CODES_INT8_KEYS) {
+                key_codes = (const int8_t*)codes_at(kc, kv_head, block, 0, d).codes, key_first = offset, key_scales = k.step;
             } else if (kc->kind == CODES_INT4_CHANNEL) {
                 int4_key_scores(prepared + (block - first_block) * prepared_bytes, group, kc, kv_head, block, offset, n,
                                 d, scores), scored = 1;
@@ -342,7 +366,9 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
                 for (int64_t i = 0; i < n; i++) value_rows[i] = values + i * d;
             }
         }
-        if (key_codes) int8_key_scores(gq, group, key_codes, key_scales, n, d, scores), scored = 1;
+        if (key_codes)
+            int8_key_scores(gq, group, key_codes, key_group(kc->code_block_stride / d), key_first, key_scales, n, d, scores),
+                scored = 1;
         for (int64_t g = 0; g < group; g++) {
             float* s = scores + g * MAX_TILE;
             if (!scored)

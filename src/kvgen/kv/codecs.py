@@ -33,6 +33,11 @@ class Codec(ABC):
     # encode/decode ignore `layer` (kvquant3's codebooks are per layer): all layers can go at once.
     same_for_every_layer: bool = True
 
+    @property
+    def format_name(self) -> str:
+        """The stored format's name (a paged pool's format_key): the name, unless the layout differs."""
+        return self.name
+
     @abstractmethod
     def encode(self, x: torch.Tensor, layer: int) -> Parts:
         """x [H, N, B, D] fp32 -> stored tensors, each [H, N, ...]."""
@@ -40,6 +45,15 @@ class Codec(ABC):
     @abstractmethod
     def decode(self, parts: Parts, layer: int) -> torch.Tensor:
         """Stored tensors [H, N, ...] -> fp32 [H, N, B, D]."""
+
+    def to_rows(self, parts: Parts) -> Parts:
+        """Stored tensors [..., N, ...] -> the same with each block's positions as rows [..., N, B, ...]
+        (per-position codecs whose layout interleaves positions override this and from_rows)."""
+        return parts
+
+    def from_rows(self, parts: Parts) -> Parts:
+        """The inverse of to_rows."""
+        return parts
 
     def round(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """x [H, S, D] -> as stored and read back, in blocks of BLOCK_TOKENS (one block of S when S
@@ -94,6 +108,45 @@ class Int8Codec(Codec):
         return parts["codes"].float() * parts["scale"].float()
 
 
+def key_group(block_tokens: int) -> int:
+    """Keys per interleaved group of Int8KeyCodec: 16, or the largest power of two dividing a block."""
+    return min(block_tokens & -block_tokens, 16)
+
+
+class Int8KeyCodec(Int8Codec):
+    """int8 keys, as Int8Codec, stored so that the attention kernels score 16 keys per instruction
+    with no transpose: a block's codes are [B / G, D / 4, G, 4], groups of G = key_group(B) keys
+    (16 in 32-position blocks), within a group channel quad by channel quad, each key's 4 bytes of
+    that quad side by side (one 64-byte row per quad, the dwords a vpdpbusd reads). The layout is
+    the same on every machine (caches move between machines and to disk)."""
+
+    @property
+    def format_name(self) -> str:
+        return "int8t"  # not Int8Codec's row layout: blocks of one never import into the other
+
+    def encode(self, x: torch.Tensor, layer: int) -> Parts:
+        if x.shape[-1] % 4:
+            raise ValueError(f"int8 keys are stored in channel quads: head size {x.shape[-1]} is not a multiple of 4")
+        parts = super().encode(x, layer)
+        return self.from_rows(parts)
+
+    def decode(self, parts: Parts, layer: int) -> torch.Tensor:
+        return super().decode(self.to_rows(parts), layer)
+
+    def to_rows(self, parts: Parts) -> Parts:
+        codes = parts["codes"]  # [..., B / G, D / 4, G, 4]
+        groups, quads, group = codes.shape[-4:-1]
+        rows = codes.transpose(-3, -2).reshape(*codes.shape[:-4], groups * group, quads * 4)
+        return {**parts, "codes": rows}
+
+    def from_rows(self, parts: Parts) -> Parts:
+        rows = parts["codes"]  # [..., B, D]
+        tokens, dim = rows.shape[-2:]
+        group = key_group(tokens)
+        codes = rows.reshape(*rows.shape[:-2], tokens // group, group, dim // 4, 4).transpose(-3, -2).contiguous()
+        return {**parts, "codes": codes}
+
+
 def min_max_encode(x: torch.Tensor, bits: int) -> Parts:
     """Asymmetric rounding to 2**bits levels over the last dim of x [..., G]: codes, fp16 step and low."""
     low = x.amin(-1, keepdim=True).to(torch.float16)
@@ -146,6 +199,7 @@ CODECS: dict[str, Codec] = {
     "int8": Int8Codec(),
     "int4": PerTokenIntCodec("int4", 4),
     "int4-kivi-keys": KiviKeyCodec(),
+    "int8-keys": Int8KeyCodec(),
     "int3": PerTokenIntCodec("int3", 3),
 }
 # kvquant3 needs the model (calibrated codebooks, RoPE): kv/kvquant.py builds its codecs.
@@ -159,8 +213,10 @@ def check_dtype(name: str) -> None:
 
 
 def key_codec(name: str) -> Codec:
-    """int4 keys follow KIVI (per channel over a block); everything else is per position."""
-    return CODECS["int4-kivi-keys"] if name == "int4" else value_codec(name)
+    """int4 keys follow KIVI (per channel over a block); int8 keys are stored interleaved for the
+    kernels (Int8KeyCodec); everything else is per position, as values."""
+    special = {"int4": "int4-kivi-keys", "int8": "int8-keys"}
+    return CODECS[special[name]] if name in special else value_codec(name)
 
 
 def value_codec(name: str) -> Codec:

@@ -2,7 +2,7 @@
 kernels/paged_codes_attention.c): one `PackedCodes` per layer and codec, pointing into a
 PackedStore's tensors, so the kernels decode one tile of codes at a time and never a whole history.
 
-The kernels read fp32, fp16, bf16, fp8, int8, KIVI int4 keys, per-token int4 values and kvquant3
+The kernels read fp32, fp16, bf16, fp8, int8 (keys in Int8KeyCodec's groups), KIVI int4 keys, per-token int4 values and kvquant3
 keys and values (its pre-RoPE keys rotated back with RoPE tables); plain int3 keeps the torch path.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import torch
 
-from kvgen.kv.codecs import CHANNEL_GROUP, CastCodec, Codec, Fp8Codec, Int8Codec, KiviKeyCodec, PerTokenIntCodec
+from kvgen.kv.codecs import CHANNEL_GROUP, CastCodec, Codec, Fp8Codec, Int8Codec, Int8KeyCodec, KiviKeyCodec, PerTokenIntCodec
 from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec
 from kvgen.kv.packed import PackedStore
 
@@ -39,6 +39,8 @@ def codes_kind(codec: Codec) -> int | None:
         return _CAST_KINDS.get(codec.dtype)
     if isinstance(codec, Fp8Codec):
         return 3
+    if isinstance(codec, Int8KeyCodec):  # before its base class: another layout
+        return 9
     if isinstance(codec, Int8Codec):
         return 4
     if isinstance(codec, KiviKeyCodec):

@@ -80,11 +80,20 @@ class PackedStore:
     def move_positions(self, source: Parts, sources: torch.Tensor, first: int) -> None:
         """Stored position first + i (counted over the blocks, every layer) takes the codes of
         position sources[i] of `source` (from `blocks`): the values move as stored, not re-rounded.
-        Only for codecs that encode each position on its own."""
+        Only for codecs that encode each position on its own (seen as rows: Codec.to_rows)."""
         assert self.codec.per_position, f"codec {self.codec.name!r} shares scales across positions"
-        for name, tensor in self.parts.items():
-            flat = tensor.view(*tensor.shape[:2], -1, *tensor.shape[4:])  # [L, H, blocks * B, ...], in place
-            flat[:, :, first : first + len(sources)] = source[name].flatten(2, 3)[:, :, sources]
+        if len(sources) == 0:
+            return
+        size = self.block_tokens
+        lo, hi = first // size, (first + len(sources) + size - 1) // size  # the blocks written
+        given = self.codec.to_rows(source)
+        region = self.codec.to_rows({name: tensor[:, :, lo:hi] for name, tensor in self.parts.items()})
+        for name, rows in region.items():
+            flat = rows.view(*rows.shape[:2], -1, *rows.shape[4:])  # [L, H, blocks * B, ...]
+            flat[:, :, first - lo * size : first - lo * size + len(sources)] = given[name].flatten(2, 3)[:, :, sources]
+        for name, tensor in self.codec.from_rows(region).items():
+            if tensor.data_ptr() != self.parts[name][:, :, lo:hi].data_ptr():  # rows were a copy: store back
+                self.parts[name][:, :, lo:hi] = tensor
 
     def copy(self) -> "PackedStore":
         twin = PackedStore.__new__(PackedStore)

@@ -87,7 +87,7 @@ class QuantizedPagedStorage:
 
     @property
     def format_key(self) -> str:
-        return f"{self.key_codec.name}/{self.value_codec.name}/bs{self.block_size}"
+        return f"{self.key_codec.format_name}/{self.value_codec.format_name}/bs{self.block_size}"
 
     def bytes_per_block(self) -> int:
         return self.key_store.nbytes() // self.pool.num_blocks + self.value_store.nbytes() // self.pool.num_blocks
