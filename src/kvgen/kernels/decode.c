@@ -33,11 +33,10 @@ typedef struct {
     const float* q_norm;         // Gemma's per-head QK-norm; NULL for Llama
     const float* k_norm;
     qlinear qkv, o, gate_up, down;
-    float* x;       // [max(hidden, heads * head_dim)] scratch
+    float* x;       // [hidden]: the o-proj's and down's outputs
     float* qkv_out; // [(heads + 2 kv_heads) * head_dim]
     float* attn;    // [heads * head_dim]
     float* mlp;     // [2 * intermediate]
-    void* xq;       // activation blocks for the widest input
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
