@@ -154,6 +154,32 @@ def test_rows_of_a_batch_decode_in_c_as_each_row_alone(quantized: dict, name: st
         assert batched[row].seq_len == alone[row].seq_len == len(histories[row])
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_decode_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dict, name: str) -> None:
+    """The batch-1 step runs all its layers in one parallel region: each matmul split by output
+    groups, attention by positions, heads and columns, barriers where a phase reads the last one's
+    outputs, each thread with its own copy of h. Whatever the team (3 threads on this machine's 2
+    cores split work differently from 2), each decoded token's logits are those of the same tokens
+    prefilled as one prompt (the rows step, another split of the same sums)."""
+    from tests.support.models import PROMPTS
+
+    llm = get(quantized, name)
+    ids = llm.tokenizer.encode(" ".join(PROMPTS))[:40]
+    with torch.inference_mode():
+        whole = llm.model(torch.tensor([ids]), llm.generator.new_cache(len(ids)), logits_to_keep=len(ids))[0]
+    threads = torch.get_num_threads()
+    for count in (1, 2, 3):
+        torch.set_num_threads(count)
+        try:
+            with torch.inference_mode():
+                cache = llm.generator.new_cache(len(ids))
+                llm.model(torch.tensor([ids[:8]]), cache)
+                steps = torch.stack([llm.model(torch.tensor([[token]]), cache)[0, -1] for token in ids[8:]])
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(steps, whole[8:]), (count, (steps - whole[8:]).abs().max().item())
+
+
 def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gemma3) -> None:
     """The head (Q8_0) stays in q8s blocks (f16 scale, no offset: 34 bytes per 32 weights, as in the
     file), the Q5_0 projections in q5 (22 bytes), a QKV with a Q8_0 part in q8s; every value is the

@@ -33,11 +33,10 @@ typedef struct {
     const float* q_norm;         // Gemma's per-head QK-norm; NULL for Llama
     const float* k_norm;
     qlinear qkv, o, gate_up, down;
-    float* x;       // [max(hidden, heads * head_dim)] scratch
+    float* x;       // [hidden]: the o-proj's and down's outputs
     float* qkv_out; // [(heads + 2 kv_heads) * head_dim]
     float* attn;    // [heads * head_dim]
     float* mlp;     // [2 * intermediate]
-    void* xq;       // activation blocks for the widest input
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -102,22 +101,22 @@ static void rms_norm(const float* x, const float* w, float eps, int64_t n, float
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-static void apply_linear(const qlinear* l, const float* x, void* xq, float* y) {
+// One row through the linear l, by every thread of a team: each quantizes x into its own scratch
+// (xq, sums) and computes its share of y (bias added), the closing barrier making y whole.
+static void linear_team(const qlinear* l, const float* x, block_x8* xq, int32_t* sums, float* y) {
+    const float* bias = l->has_bias ? l->bias : NULL;
     if (l->kind == 0) {
-        kvgen_linear_q4x8((const block_q4x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+        kvgen_linear_q4x8_team((const block_q4x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else if (l->kind == 1) {
-        kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+        kvgen_linear_q8x8_team((const block_q8x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else if (l->kind == 2) {
-        kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+        kvgen_linear_q8sx8_team((const block_q8sx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else if (l->kind == 3) {
-        kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+        kvgen_linear_q5x8_team((const block_q5x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else if (l->kind == 4) {
-        kvgen_linear_q4kx8((const block_q4kx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
+        kvgen_linear_q4kx8_team((const block_q4kx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else {
-        kvgen_linear_q6kx8((const block_q6kx8*)l->blocks, x, (block_x8*)xq, y, 1, l->n, l->k);
-    }
-    if (l->has_bias) {
-        for (int64_t i = 0; i < l->n; i++) y[i] += l->bias[i];
+        kvgen_linear_q6kx8_team((const block_q6kx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     }
 }
 
@@ -132,26 +131,87 @@ static void rotate_half(float* x, const float* cos, const float* sin, int64_t d)
     }
 }
 
-// Writes the new key and value of each kv head to k_out/v_out + head * out_head_stride.
-// lora: this layer's LORA_LINEARS deltas, or NULL; slot: the token's adapter slot (-1: none).
-static void block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
-                      int64_t out_head_stride, const lora_linear* lora, const int64_t* slot) {
-    const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
-    rms_norm(h, b->input_norm, b->eps, b->hidden, b->x);
-    apply_linear(&b->qkv, b->x, b->xq, b->qkv_out);
-    if (lora) lora_rows(&lora[LORA_QKV], &b->qkv, b->x, b->qkv_out, 1, slot);
-    float* q = b->qkv_out;
-    float* k = b->qkv_out + nq;
-    const float* v = b->qkv_out + nq + nkv;
-    for (int64_t head = 0; head < b->num_heads; head++) {
-        if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
-        rotate_half(q + head * d, cos, sin, d);
+// The batch-1 step runs inside one OpenMP parallel region (a team) per call, not one per matmul and
+// attention: a fork and join cost ~1.2 us on two Zen 4 cores and a barrier ~0.45 us, and the step
+// had five forks per layer. Each thread keeps its own copy of the residual stream h and of each
+// linear's input (normed h, the MLP's activations), computed by every thread from the same shared
+// values in the same order, so the copies hold the same bits and a linear needs no barrier before
+// it: only its outputs (shared, each output computed by one thread) are waited for. Thread 0's copy
+// of h is the caller's h itself. Outside any region (one thread) the same code runs serially.
+typedef struct {
+    float* h;        // [hidden]: this thread's residual stream
+    float* x;        // [widest]: a linear's input
+    float* y;        // [hidden]: a normed sublayer output (Gemma)
+    block_x8* xq;    // [widest / 32]: x as activation blocks
+    int32_t* sums;   // [widest / 32]: their code sums
+    float* own;      // what this thread allocated
+} thread_scratch;
+
+static int64_t block_widest(const block_t* b) {
+    const int64_t attn = b->num_heads * b->head_dim, wide = b->hidden > attn ? b->hidden : attn;
+    return wide > b->intermediate ? wide : b->intermediate;
+}
+
+// This thread's scratch for `blocks`; h: the caller's residual stream (thread 0 works in it).
+static thread_scratch thread_scratch_new(const block_t* blocks, int64_t num_layers, float* h) {
+    int64_t hidden = 0, widest = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        hidden = blocks[l].hidden > hidden ? blocks[l].hidden : hidden;
+        widest = block_widest(&blocks[l]) > widest ? block_widest(&blocks[l]) : widest;
     }
-    for (int64_t head = 0; head < b->num_kv_heads; head++) {
-        if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
-        rotate_half(k + head * d, cos, sin, d);
-        memcpy(k_out + head * out_head_stride, k + head * d, (size_t)d * sizeof(float));
-        memcpy(v_out + head * out_head_stride, v + head * d, (size_t)d * sizeof(float));
+    const int64_t nb = widest / QK + 1;
+    float* own = malloc(sizeof(float) * (size_t)(2 * hidden + widest) + (sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
+    thread_scratch t = {own, own + hidden, own + hidden + widest, (block_x8*)(own + 2 * hidden + widest), NULL, own};
+    t.sums = (int32_t*)(t.xq + nb);
+    if (omp_get_thread_num() == 0) {
+        t.h = h;
+    } else {
+        memcpy(t.h, h, (size_t)blocks[0].hidden * sizeof(float));  // before thread 0's first write: behind a barrier
+    }
+    return t;
+}
+
+// The widest LoRA delta of `count` linears (A x's scratch per row), 0: none.
+static int64_t lora_width(const lora_linear* lora, int64_t count) {
+    int64_t width = 0;
+    for (int64_t i = 0; lora != NULL && i < count; i++)
+        if (lora[i].a != NULL && lora[i].width > width) width = lora[i].width;
+    return width;
+}
+
+// The delta of linear l for the step's row, by the team (x: the thread's copy of the input; xa:
+// the team's shared scratch, as wide as lora_width).
+static void lora_team(const lora_linear* lora, int which, const qlinear* l, const float* x, float* y,
+                      const int64_t* slot, float* xa) {
+    if (lora != NULL && lora_applies(&lora[which], 1, slot)) lora_delta_team(&lora[which], l->k, l->n, x, y, 1, slot, xa);
+}
+
+// norm(h) -> q, k, v; QK-norm and RoPE; the new key and value of each kv head written to k_out/v_out
+// + head * out_head_stride. By every thread of a team (t: its scratch); returns after a barrier,
+// with q in b->qkv_out for every thread. lora: this layer's LORA_LINEARS deltas, or NULL; slot: the
+// token's adapter slot (-1: none); xa: see lora_team.
+static void block_pre_team(const block_t* b, const thread_scratch* t, const float* cos, const float* sin, float* k_out,
+                           float* v_out, int64_t out_head_stride, const lora_linear* lora, const int64_t* slot,
+                           float* xa) {
+    const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
+    rms_norm(t->h, b->input_norm, b->eps, b->hidden, t->x);
+    linear_team(&b->qkv, t->x, t->xq, t->sums, b->qkv_out);
+    lora_team(lora, LORA_QKV, &b->qkv, t->x, b->qkv_out, slot, xa);
+#pragma omp single  // its closing barrier: q and the cache's new key/value ready for every thread
+    {
+        float* q = b->qkv_out;
+        float* k = b->qkv_out + nq;
+        const float* v = b->qkv_out + nq + nkv;
+        for (int64_t head = 0; head < b->num_heads; head++) {
+            if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
+            rotate_half(q + head * d, cos, sin, d);
+        }
+        for (int64_t head = 0; head < b->num_kv_heads; head++) {
+            if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
+            rotate_half(k + head * d, cos, sin, d);
+            memcpy(k_out + head * out_head_stride, k + head * d, (size_t)d * sizeof(float));
+            memcpy(v_out + head * out_head_stride, v + head * d, (size_t)d * sizeof(float));
+        }
     }
 }
 
@@ -159,7 +219,14 @@ static void block_pre(const block_t* b, const float* h, const float* cos, const 
 // layer's deltas or NULL, applied for adapter slot `slot` (-1: none).
 void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
                      const lora_linear* lora, int64_t slot) {
-    block_pre(b, h, cos, sin, k_out, v_out, b->head_dim, lora, &slot);
+    float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, LORA_LINEARS) + 1));
+#pragma omp parallel
+    {
+        const thread_scratch t = thread_scratch_new(b, 1, (float*)h);  // h is only read here
+        block_pre_team(b, &t, cos, sin, k_out, v_out, b->head_dim, lora, &slot, xa);
+        free(t.own);
+    }
+    free(xa);
 }
 
 // Where a cache keeps one layer's keys or values (see KVLayout in kv/interface.py): one strided
@@ -233,63 +300,60 @@ static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, i
 // other (Gemma 3: 4 query heads over 1 kv head), at one core's bandwidth: ~27 us of a layer at 200
 // positions. Each value is computed as attend_heads computes it (the same tiles of 32 positions,
 // the same rescale before a tile's sums, each column's sum its own, weighted_sums_columns), so a
-// token's bits are those of the head units the rows step runs.
-static void attend_split(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                         const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end) {
+// token's bits are those of the head units the rows step runs. By every thread of a team, which
+// shares `work` (attention_work floats); returns after a barrier, with out whole for every thread.
+static void attend_split_team(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+                              const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
     const int64_t group = heads / kv_heads;
     const int64_t len = end - start, tiles = (len + 31) / 32;
-    float* p = malloc(sizeof(float) * (size_t)(heads * (len + tiles + 1)));  // scores, then weights: [heads, len]
+    float* p = work;  // scores, then weights: [heads, len]
     float* rescale = p + heads * len;  // [heads, tiles]: the factor applied before tile t's sums, -1: none
     float* sums = rescale + heads * tiles;  // [heads]: the softmax denominators
-#pragma omp parallel
-    {
 #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t h = 0; h < heads; h++)
+                p[h * len + 32 * t + i] = dot(q + h * d, kv_at(keys, h / group, first + i), d) * scale;
+    }
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
+        softmax_state st = {-INFINITY, 0.0f};
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n = len - 32 * t < 32 ? len - 32 * t : 32;
+            rescale[h * tiles + t] = softmax_tile(p + h * len + 32 * t, n, &st);
+        }
+        sums[h] = st.sum;
+    }
+    // This thread's columns: whole 32-column slices, the last thread also the rest.
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), slices = d / 32;
+    const int64_t first_col = 32 * (slices * me / threads);
+    const int64_t last_col = me == threads - 1 ? d : 32 * (slices * (me + 1) / threads);
+    const float* value_rows[32];
+    for (int64_t h0 = 0; h0 < heads && first_col < last_col; h0 += group) {  // one kv head's query heads
+        float* out = attn + h0 * d;
+        for (int64_t h = 0; h < group; h++)
+            for (int64_t j = first_col; j < last_col; j++) out[h * d + j] = 0.0f;
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t h = 0; h < heads; h++)
-                    p[h * len + 32 * t + i] = dot(q + h * d, kv_at(keys, h / group, first + i), d) * scale;
-        }
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
-            softmax_state st = {-INFINITY, 0.0f};
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t n = len - 32 * t < 32 ? len - 32 * t : 32;
-                rescale[h * tiles + t] = softmax_tile(p + h * len + 32 * t, n, &st);
-            }
-            sums[h] = st.sum;
-        }
-        // This thread's columns: whole 32-column slices, the last thread also the rest.
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), slices = d / 32;
-        const int64_t first_col = 32 * (slices * me / threads);
-        const int64_t last_col = me == threads - 1 ? d : 32 * (slices * (me + 1) / threads);
-        const float* value_rows[32];
-        for (int64_t h0 = 0; h0 < heads && first_col < last_col; h0 += group) {  // one kv head's query heads
-            float* out = attn + h0 * d;
-            for (int64_t h = 0; h < group; h++)
-                for (int64_t j = first_col; j < last_col; j++) out[h * d + j] = 0.0f;
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
-                for (int64_t i = 0; i < n; i++) value_rows[i] = kv_at(values, h0 / group, first + i);
-                for (int64_t h = 0; h < group; h++) {
-                    const float correction = rescale[(h0 + h) * tiles + t];
-                    if (correction >= 0.0f)
-                        for (int64_t j = first_col; j < last_col; j++) out[h * d + j] *= correction;
-                }
-                weighted_sums_columns(p + h0 * len + 32 * t, len, value_rows, n, d, first_col, last_col, out, group);
-            }
+            for (int64_t i = 0; i < n; i++) value_rows[i] = kv_at(values, h0 / group, first + i);
             for (int64_t h = 0; h < group; h++) {
-                const float inv = 1.0f / sums[h0 + h];
-                for (int64_t j = first_col; j < last_col; j++) out[h * d + j] *= inv;
+                const float correction = rescale[(h0 + h) * tiles + t];
+                if (correction >= 0.0f)
+                    for (int64_t j = first_col; j < last_col; j++) out[h * d + j] *= correction;
             }
+            weighted_sums_columns(p + h0 * len + 32 * t, len, value_rows, n, d, first_col, last_col, out, group);
+        }
+        for (int64_t h = 0; h < group; h++) {
+            const float inv = 1.0f / sums[h0 + h];
+            for (int64_t j = first_col; j < last_col; j++) out[h * d + j] *= inv;
         }
     }
-    free(p);
+#pragma omp barrier
 }
 
-static void attend(const block_t* b, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end) {
-    attend_split(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, keys, values, start, end);
-}
+// attend_split_team's shared scratch for `heads` over at most `len` positions, in floats.
+static int64_t attention_work(int64_t heads, int64_t len) { return heads * (len + (len + 31) / 32 + 1); }
 
 // The one-token attention over one strided fp32 K/V buffer (k_base, v_base: [kv_heads, positions,
 // d] addressed by head_stride, pos_stride): q, out [heads, d]. For tests: the bits of the C step's.
@@ -298,7 +362,10 @@ void kvgen_decode_attention(const float* q, float* out, const float* k_base, con
                             int64_t start, int64_t end) {
     const kv_layout k = {k_base, head_stride, pos_stride, 0, 1, NULL};
     const kv_layout v = {v_base, head_stride, pos_stride, 0, 1, NULL};
-    attend_split(q, out, heads, kv_heads, d, scale, &k, &v, start, end);
+    float* work = malloc(sizeof(float) * (size_t)attention_work(heads, end - start));
+#pragma omp parallel
+    attend_split_team(q, out, heads, kv_heads, d, scale, &k, &v, start, end, work);
+    free(work);
 }
 
 // A batch of one-token rows, each over its own blocks of one paged store, read in place (no
@@ -362,26 +429,32 @@ static void add_residual(float* h, float* y, const float* norm, float eps, int64
     for (int64_t i = 0; i < hidden; i++) h[i] += y[i];
 }
 
-// Everything after attention (b->attn holds its output): o-proj, residual, MLP, residual.
-static void block_finish(const block_t* b, float* h, const lora_linear* lora, const int64_t* slot) {
-    apply_linear(&b->o, b->attn, b->xq, b->x);
-    if (lora) lora_rows(&lora[LORA_O], &b->o, b->attn, b->x, 1, slot);
-    add_residual(h, b->x, b->attn_out_norm, b->eps, b->hidden);
-
-    rms_norm(h, b->mlp_in_norm, b->eps, b->hidden, b->x);
-    apply_linear(&b->gate_up, b->x, b->xq, b->mlp);
-    if (lora) lora_rows(&lora[LORA_GATE_UP], &b->gate_up, b->x, b->mlp, 1, slot);
-    const int64_t n = b->intermediate;
-    gated_activation(b->mlp, b->mlp + n, b->mlp, n, b->gelu);  // in place: element i reads i, writes i
-    apply_linear(&b->down, b->mlp, b->xq, b->x);
-    if (lora) lora_rows(&lora[LORA_DOWN], &b->down, b->mlp, b->x, 1, slot);
-    add_residual(h, b->x, b->mlp_out_norm, b->eps, b->hidden);
+// add_residual into this thread's h from the team's shared y, norm(y) going to its own t->y.
+static void add_residual_team(const thread_scratch* t, const float* y, const float* norm, float eps, int64_t hidden) {
+    if (norm) {
+        rms_norm(y, norm, eps, hidden, t->y);
+        y = t->y;
+    }
+    for (int64_t i = 0; i < hidden; i++) t->h[i] += y[i];
 }
 
-static void block_post(const block_t* b, float* h, const kv_layout* keys, const kv_layout* values, int64_t start,
-                       int64_t end, const lora_linear* lora, const int64_t* slot) {
-    attend(b, keys, values, start, end);
-    block_finish(b, h, lora, slot);
+// Everything after attention (b->attn holds its output): o-proj, residual, MLP, residual, into each
+// thread's h. By every thread of a team; returns after a barrier (b->x, the sublayers' outputs, is
+// read by every thread before the next linear writes it: the barrier that closes gate_up).
+static void block_finish_team(const block_t* b, const thread_scratch* t, const lora_linear* lora, const int64_t* slot,
+                              float* xa) {
+    linear_team(&b->o, b->attn, t->xq, t->sums, b->x);
+    lora_team(lora, LORA_O, &b->o, b->attn, b->x, slot, xa);
+    add_residual_team(t, b->x, b->attn_out_norm, b->eps, b->hidden);
+
+    rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
+    linear_team(&b->gate_up, t->x, t->xq, t->sums, b->mlp);
+    lora_team(lora, LORA_GATE_UP, &b->gate_up, t->x, b->mlp, slot, xa);
+    const int64_t n = b->intermediate;
+    gated_activation(b->mlp, b->mlp + n, t->x, n, b->gelu);
+    linear_team(&b->down, t->x, t->xq, t->sums, b->x);
+    lora_team(lora, LORA_DOWN, &b->down, t->x, b->x, slot, xa);
+    add_residual_team(t, b->x, b->mlp_out_norm, b->eps, b->hidden);
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.
@@ -390,30 +463,52 @@ void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_h
                       const lora_linear* lora, int64_t slot) {
     const kv_layout k = {keys, k_head_stride, k_pos_stride, 0, 1, NULL};
     const kv_layout v = {values, v_head_stride, v_pos_stride, 0, 1, NULL};
-    block_post(b, h, &k, &v, start, end, lora, &slot);
+    float* work = malloc(sizeof(float) * (size_t)(attention_work(b->num_heads, end - start) + lora_width(lora, LORA_LINEARS)));
+#pragma omp parallel
+    {
+        const thread_scratch t = thread_scratch_new(b, 1, h);
+        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, &k, &v, start,
+                          end, work);
+        block_finish_team(b, &t, lora, &slot, work + attention_work(b->num_heads, end - start));
+        free(t.own);
+    }
+    free(work);
 }
 
 // Every block for one token, reading and appending K/V in the cache's own storage (KVLayout):
 // the new key/value is written at `position`, attention reads positions [start, position].
 // rope: [kinds, 2, head_dim] (cos, sin); rope_kind, window: per layer (window 0 = full attention).
 // lora: [num_layers, LORA_LINEARS] adapter deltas or NULL, applied for adapter slot `slot` (-1: none).
+// One parallel region for all the layers (see thread_scratch).
 void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, const float* rope,
                          const int64_t* rope_kind, const int64_t* window, float* k_base, float* v_base,
                          int64_t layer_stride, int64_t head_stride, int64_t pos_stride, int64_t block_stride,
                          int64_t block_size, const int64_t* table, int64_t position, const lora_linear* lora,
                          int64_t slot) {
-    for (int64_t layer = 0; layer < num_layers; layer++) {
-        const block_t* b = &blocks[layer];
-        const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
-        const int64_t d = b->head_dim;
-        const float* cos = rope + rope_kind[layer] * 2 * d;
-        const kv_layout k = {k_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
-        const kv_layout v = {v_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
-        block_pre(b, h, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position), head_stride,
-                  layer_lora, &slot);
-        const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-        block_post(b, h, &k, &v, start, position + 1, layer_lora, &slot);
+    int64_t heads = 0;
+    for (int64_t layer = 0; layer < num_layers; layer++) heads = blocks[layer].num_heads > heads ? blocks[layer].num_heads : heads;
+    const int64_t attention_floats = attention_work(heads, position + 1);
+    float* work = malloc(sizeof(float) * (size_t)(attention_floats + lora_width(lora, num_layers * LORA_LINEARS)));
+#pragma omp parallel
+    {
+        const thread_scratch t = thread_scratch_new(blocks, num_layers, h);
+        for (int64_t layer = 0; layer < num_layers; layer++) {
+            const block_t* b = &blocks[layer];
+            const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
+            const int64_t d = b->head_dim;
+            const float* cos = rope + rope_kind[layer] * 2 * d;
+            const kv_layout k = {k_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
+            const kv_layout v = {v_base + layer * layer_stride, head_stride, pos_stride, block_stride, block_size, table};
+            block_pre_team(b, &t, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position),
+                           head_stride, layer_lora, &slot, work + attention_floats);
+            const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
+            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, &k, &v, start,
+                              position + 1, work);
+            block_finish_team(b, &t, layer_lora, &slot, work + attention_floats);
+        }
+        free(t.own);
     }
+    free(work);
 }
 
 #include "quantized_attention.c"

@@ -280,13 +280,17 @@ ROWS_KERNEL_SCALAR(q5x8_rows, block_q5x8, q5x8_value, SCALAR_F16_SCALES)
 #endif
 
 // Integer sums of each activation block's codes (q5x8's offset), for the vector path only.
-static int32_t* x8_sums(const block_x8* x, int64_t count) {
-    int32_t* sums = malloc((size_t)(count > 0 ? count : 1) * sizeof(int32_t));
+static void x8_sums_into(const block_x8* x, int64_t count, int32_t* sums) {
     for (int64_t i = 0; i < count; i++) {
         int32_t s = 0;
         for (int j = 0; j < QK; j++) s += x[i].qs[j];
         sums[i] = s;
     }
+}
+
+static int32_t* x8_sums(const block_x8* x, int64_t count) {
+    int32_t* sums = malloc((size_t)(count > 0 ? count : 1) * sizeof(int32_t));
+    x8_sums_into(x, count, sums);
     return sums;
 }
 
@@ -300,11 +304,15 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 #define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS)                                   \
     GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, nb, TILE_ROWS, PAIR_ROWS)
 #define GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, GROUP_BLOCKS, ROWS, PAIR_ROWS_MAX) \
-    void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
+    /* Called by every thread of a team (or by one thread outside any): each takes its static    \
+       share of (row chunk, pair) items, adds `bias` (or nothing) to the outputs it computed, and \
+       the closing barrier of `omp for` makes y whole for all. xsum: the activation blocks' sums \
+       where NEEDS_SUMS, else NULL. */                                                           \
+    static void NAME##_team(const BLOCK* w, const block_x8* x, const int32_t* xsum, float* y, int64_t m_rows, \
+                            int64_t n, int64_t k, const float* bias) {                              \
         const int64_t nb = k / QK, groups = x8_groups(n), pairs = (groups + 1) / 2;                  \
-        int32_t* xsum = NEEDS_SUMS ? x8_sums(x, m_rows * nb) : NULL;                                 \
         const int64_t chunks = (m_rows + ROW_CHUNK - 1) / ROW_CHUNK;                                 \
-        _Pragma("omp parallel for collapse(2) schedule(static)")                                     \
+        _Pragma("omp for collapse(2) schedule(static)")                                              \
         for (int64_t c = 0; c < chunks; c++) {                                                       \
             for (int64_t p = 0; p < pairs; p++) {                                                    \
                 const int64_t m_end = (c + 1) * ROW_CHUNK < m_rows ? (c + 1) * ROW_CHUNK : m_rows;   \
@@ -315,24 +323,39 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
                         PAIR_FN(w + g * (GROUP_BLOCKS), w + (g + 1) * (GROUP_BLOCKS), x + m0 * nb,  \
                                 xsum != NULL ? xsum + m0 * nb : NULL, nb, y + m0 * n + g * XROWS, n, rows, nb); \
                     }                                                                                \
-                    continue;                                                                        \
-                }                                                                                    \
-                for (int64_t h = g; h < g + 2 && h < groups; h++) {                                  \
-                    const int out_count = (int)(n - h * XROWS < XROWS ? n - h * XROWS : XROWS);      \
-                    for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += (ROWS)) {                     \
-                        const int rows = (int)(m_end - m0 < (ROWS) ? m_end - m0 : (ROWS));           \
-                        ROWS_FN(w + h * (GROUP_BLOCKS), x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb, \
-                                y + m0 * n + h * XROWS, n, rows, nb, out_count);                     \
+                } else {                                                                             \
+                    for (int64_t h = g; h < g + 2 && h < groups; h++) {                              \
+                        const int out_count = (int)(n - h * XROWS < XROWS ? n - h * XROWS : XROWS);  \
+                        for (int64_t m0 = c * ROW_CHUNK; m0 < m_end; m0 += (ROWS)) {                 \
+                            const int rows = (int)(m_end - m0 < (ROWS) ? m_end - m0 : (ROWS));       \
+                            ROWS_FN(w + h * (GROUP_BLOCKS), x + m0 * nb, xsum != NULL ? xsum + m0 * nb : NULL, nb, \
+                                    y + m0 * n + h * XROWS, n, rows, nb, out_count);                 \
+                        }                                                                            \
                     }                                                                                \
                 }                                                                                    \
+                const int64_t o_end = (g + 2) * XROWS < n ? (g + 2) * XROWS : n;                     \
+                for (int64_t m = c * ROW_CHUNK; bias != NULL && m < m_end; m++)                      \
+                    for (int64_t o = g * XROWS; o < o_end; o++) y[m * n + o] += bias[o];             \
             }                                                                                        \
         }                                                                                            \
+    }                                                                                                \
+    void NAME(const BLOCK* w, const block_x8* x, float* y, int64_t m_rows, int64_t n, int64_t k) {   \
+        int32_t* xsum = NEEDS_SUMS ? x8_sums(x, m_rows * (k / QK)) : NULL;                           \
+        _Pragma("omp parallel") NAME##_team(w, x, xsum, y, m_rows, n, k, NULL);                      \
         free(xsum);                                                                                  \
     }                                                                                                \
     /* One call per linear layer: quantize the activation rows into `scratch`, then multiply. */    \
     void LINEAR(const BLOCK* w, const float* x, block_x8* scratch, float* y, int64_t m_rows, int64_t n, int64_t k) { \
         kvgen_quantize_x8(x, m_rows, k, scratch);                                                    \
         NAME(w, scratch, y, m_rows, n, k);                                                           \
+    }                                                                                                \
+    /* The team's one-row linear (the batch-1 decode step): each thread quantizes x into its own  \
+       scratch (and sums), the same codes in every thread, then takes its share of the outputs. */ \
+    static void LINEAR##_team(const BLOCK* w, const float* x, block_x8* scratch, int32_t* sums, float* y, \
+                              int64_t n, int64_t k, const float* bias) {                            \
+        quantize_x8_serial(x, 1, k, scratch);                                                        \
+        if (NEEDS_SUMS) x8_sums_into(scratch, k / QK, sums);                                         \
+        NAME##_team(w, scratch, NEEDS_SUMS ? sums : NULL, y, 1, n, k, bias);                         \
     }
 
 #ifdef __AVX2__

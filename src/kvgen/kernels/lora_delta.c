@@ -70,23 +70,19 @@ static int64_t lora_rank_total(const lora_linear* L, int64_t slot) {
 
 #define LORA_COLUMNS 128  // output columns per task of the expand step
 
-// The delta of every row with a slot, added to y [rows, out]; x [rows, in]. L == NULL or
-// L->a == NULL: nothing to add. Exported for the tests, which compare it with the torch path.
-void kvgen_lora_delta(const lora_linear* L, int64_t in, int64_t out, const float* x, float* y, int64_t rows,
-                      const int64_t* slots) {
-    if (L == NULL || L->a == NULL || slots == NULL) return;
-    int any = 0;
-    for (int64_t r = 0; r < rows; r++) any |= slots[r] >= 0;
-    if (!any) return;
+// The delta of every row with a slot, added to y [rows, out]; x [rows, in]. Called by every
+// thread of a team (or by one thread outside any); xa: [rows, L->width] scratch shared by the team.
+// The closing barriers of both `omp for` loops order A x before B (A x) and make y whole.
+static void lora_delta_team(const lora_linear* L, int64_t in, int64_t out, const float* x, float* y, int64_t rows,
+                            const int64_t* slots, float* xa) {
     const int64_t width = L->width;
-    float* xa = malloc(sizeof(float) * (size_t)(rows * width));  // [rows, width]: A x of each row
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t i = 0; i < rows * width; i++) {
         const int64_t r = i / width, j = i % width, s = slots[r];
         if (s >= 0 && j < lora_rank_total(L, s)) xa[i] = lora_dot(L->a + (s * width + j) * in, x + r * in, in);
     }
     const int64_t chunks = (out + LORA_COLUMNS - 1) / LORA_COLUMNS;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows * chunks; t++) {
         const int64_t r = t / chunks, s = slots[r];
         if (s < 0) continue;
@@ -101,6 +97,23 @@ void kvgen_lora_delta(const lora_linear* L, int64_t in, int64_t out, const float
             rank_at += rank;
         }
     }
+}
+
+// Whether any row has an adapter delta to add (L == NULL or L->a == NULL: none).
+static int lora_applies(const lora_linear* L, int64_t rows, const int64_t* slots) {
+    if (L == NULL || L->a == NULL || slots == NULL) return 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] >= 0) return 1;
+    return 0;
+}
+
+// lora_delta_team run by a team of its own. Exported for the tests, which compare it with the torch path.
+void kvgen_lora_delta(const lora_linear* L, int64_t in, int64_t out, const float* x, float* y, int64_t rows,
+                      const int64_t* slots) {
+    if (!lora_applies(L, rows, slots)) return;
+    float* xa = malloc(sizeof(float) * (size_t)(rows * L->width));  // [rows, width]: A x of each row
+#pragma omp parallel
+    lora_delta_team(L, in, out, x, y, rows, slots, xa);
     free(xa);
 }
 

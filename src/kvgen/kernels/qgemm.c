@@ -74,10 +74,9 @@ static inline void quantize_block_x8(const float* v, block_x8* out) {
 }
 #endif
 
-void kvgen_quantize_x8(const float* x, int64_t m_rows, int64_t k, block_x8* out) {
-    const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static) if (m_rows * k > 65536)
-    for (int64_t i = 0; i < m_rows * nb; i++) {
+// Blocks [first, last) of the activations (each block's codes depend on its 32 values alone).
+static inline void quantize_x8_range(const float* x, int64_t first, int64_t last, block_x8* out) {
+    for (int64_t i = first; i < last; i++) {
         const float* v = x + i * QK;
 #ifdef __AVX2__
         quantize_block_x8(v, out + i);
@@ -96,6 +95,21 @@ void kvgen_quantize_x8(const float* x, int64_t m_rows, int64_t k, block_x8* out)
         out[i].s = d * (float)sum;
 #endif
     }
+}
+
+// Rows of activations -> blocks, by the calling thread alone.
+static void quantize_x8_serial(const float* x, int64_t m_rows, int64_t k, block_x8* out) {
+    quantize_x8_range(x, 0, m_rows * (k / QK), out);
+}
+
+void kvgen_quantize_x8(const float* x, int64_t m_rows, int64_t k, block_x8* out) {
+    const int64_t blocks = m_rows * (k / QK);
+    if (m_rows * k <= 65536) {
+        quantize_x8_serial(x, m_rows, k, out);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < blocks; i++) quantize_x8_range(x, i, i + 1, out);
 }
 
 #ifdef __AVX2__

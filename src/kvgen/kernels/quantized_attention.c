@@ -479,6 +479,7 @@ void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, f
                                     const int64_t* rope_kind, const int64_t* window, const quantized_kv* kv,
                                     int64_t num_blocks, int64_t position, const lora_linear* lora, int64_t slot) {
     const int64_t packed_end = kv->sink_len + num_blocks * kv->block_size;
+    float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, num_layers * LORA_LINEARS) + 1));  // LoRA's A x
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const block_t* b = &blocks[layer];
         const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
@@ -486,18 +487,27 @@ void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, f
         const float* cos = rope + rope_kind[layer] * 2 * d;
         float* sink = kv->sink + layer * kv->sink_layer_stride;
         float* tail = kv->tail + layer * kv->tail_layer_stride;
-        if (position < kv->sink_len) {
-            block_pre(b, h, cos, cos + d, sink + position * d, sink + kv->sink_kv_stride + position * d,
-                      kv->sink_head_stride, layer_lora, &slot);
-        } else {
-            float* tail_slot = tail + (position - packed_end) * d;
-            block_pre(b, h, cos, cos + d, tail_slot, tail_slot + kv->tail_kv_stride, kv->tail_head_stride, layer_lora, &slot);
+        // The new key/value's fp32 slot: in the sink, or in the tail after the packed blocks.
+        float* k_out = position < kv->sink_len ? sink + position * d : tail + (position - packed_end) * d;
+        float* v_out = k_out + (position < kv->sink_len ? kv->sink_kv_stride : kv->tail_kv_stride);
+        const int64_t out_stride = position < kv->sink_len ? kv->sink_head_stride : kv->tail_head_stride;
+#pragma omp parallel
+        {
+            const thread_scratch t = thread_scratch_new(b, 1, h);
+            block_pre_team(b, &t, cos, cos + d, k_out, v_out, out_stride, layer_lora, &slot, xa);
+            free(t.own);
         }
         const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
         kvgen_quantized_decode_attention(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, sink,
                                          sink + kv->sink_kv_stride, kv->sink_head_stride, kv->sink_len,
                                          &kv->key_codes[layer], &kv->value_codes[layer], num_blocks, kv->block_size,
                                          tail, tail + kv->tail_kv_stride, kv->tail_head_stride, start, position + 1);
-        block_finish(b, h, layer_lora, &slot);
+#pragma omp parallel
+        {
+            const thread_scratch t = thread_scratch_new(b, 1, h);
+            block_finish_team(b, &t, layer_lora, &slot, xa);
+            free(t.own);
+        }
     }
+    free(xa);
 }

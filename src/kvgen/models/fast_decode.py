@@ -57,7 +57,7 @@ class _Block(ctypes.Structure):
         ("input_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
         ("q_norm", _ptr), ("k_norm", _ptr),
         ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
-        ("x", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr), ("xq", _ptr),
+        ("x", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr),
     ]  # fmt: skip
 
 
@@ -154,7 +154,6 @@ class FastDecoder:
     def _describe(self, block: nn.Module) -> _Block:
         config, attn, mlp = self.model.config, block.attn, block.mlp
         gemma = hasattr(block, "pre_mlp_norm")
-        widest = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         return _Block(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
@@ -165,9 +164,8 @@ class FastDecoder:
             _norm_ptr(block.post_mlp_norm) if gemma else None,
             _norm_ptr(attn.q_norm), _norm_ptr(attn.k_norm),
             _qlinear(attn.qkv), _qlinear(attn.o_proj), _qlinear(mlp.gate_up), _qlinear(mlp.down),
-            self._scratch(widest), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
+            self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
             self._scratch(2 * config.intermediate_size),
-            self._scratch(widest // QK * X8_BLOCK_BYTES, torch.uint8),
         )  # fmt: skip
 
     def lora(self, slots: list[int]) -> ctypes.Array | None:
