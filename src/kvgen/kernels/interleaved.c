@@ -296,9 +296,11 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 
 // Work is split over (row chunk, pair of weight groups); a pair whose groups are both full runs
 // the 16-output kernel, other groups the 8-output one: a row's outputs have the same bits either way.
-// One activation row (a decode step) keeps the 8-output kernel: on Zen 4 the 512-bit pair kernel
-// decoded SmolLM2 at 166 tok/s against 205-225 with it.
-#define PAIR_MIN_ROWS 2
+// Fewer than 16 activation rows (a decode step, a speculative verify, a small batch) keep the
+// 8-output kernel: on Zen 4 with two threads, SmolLM2's rows step over all 30 layers took 3.0 ms
+// for 2 rows with it against 5.9 with the pair kernel, 5.9 against 7.1 for 8, the same at 12-16,
+// and the pair kernel wins from 24 rows (18.7 against 19.8 ms for 32, 34.6 against 36.9 for 64).
+#define PAIR_MIN_ROWS 16
 // GROUP_BLOCKS: BLOCKs per group of 8 rows (nb 32-element blocks; q4kx8: nb / 8 super-blocks);
 // ROWS / PAIR_ROWS_MAX: the most activation rows ROWS_FN / PAIR_FN take at once.
 #define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS)                                   \
