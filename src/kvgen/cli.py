@@ -217,7 +217,7 @@ def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
     if args.speculative is None:
         return None
     from kvgen.llm import LLM
-    from kvgen.speculative import SpeculativeConfig
+    from kvgen.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
 
     draft = None
     if args.speculative == "draft":
@@ -225,7 +225,7 @@ def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
             raise ValueError("--speculative draft needs --draft-model (a model with the same tokenizer)")
         draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights)
     return SpeculativeConfig(
-        args.speculative, num_draft_tokens=args.draft_tokens, max_draft_tokens=max(8, args.draft_tokens),
+        args.speculative, num_draft_tokens=args.draft_tokens, max_draft_tokens=max(MAX_DRAFT_TOKENS, args.draft_tokens),
         draft_model=draft, draft_layers=args.draft_layers,
     )  # fmt: skip
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvgen import LLM, CacheConfig, SamplingParams, SpeculativeConfig
 from kvgen.generate import Generator
+from kvgen.speculative.config import MAX_DRAFT_TOKENS
 from tests.support.tiny_gguf import write_tiny_gguf
 
 REPETITIVE = "abcdabcdabcdabcdabcd"
@@ -93,7 +94,7 @@ def test_bad_speculative_setups_fail_before_any_work(tiny: LLM):
     with pytest.raises(ValueError, match="L must be in"):
         tiny.stream("hi", speculative=SpeculativeConfig("self", draft_layers=2))  # the tiny model has 2 layers
     narrow = Generator(tiny.model, tiny.tokenizer, cache=CacheConfig(kind="window", window=16, extra=2))
-    with pytest.raises(ValueError, match="set extra >= 8"):
+    with pytest.raises(ValueError, match=f"set extra >= {MAX_DRAFT_TOKENS}"):
         narrow.stream("hi", speculative=SpeculativeConfig("lookup"))
     session = tiny.session()
     with pytest.raises(ValueError, match="hidden size"):  # the shipped head is for SmolLM2 (576 wide)
