@@ -18,7 +18,7 @@ import torch
 from kvgen.kv.interface import KVCache
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.params import SamplingParams
-from kvgen.sampling.sampler import Sampler
+from kvgen.sampling.sampler import Sampler, argmax
 from kvgen.token_ids import common_prefix_length
 
 
@@ -84,7 +84,7 @@ class DraftPolicy:
         """logits [V] -> (token, the distribution it was drawn from or None when greedy)."""
         logits = mask_logits(logits, constraint)
         if self.greedy:
-            return int(torch.argmax(logits)), None
+            return argmax(logits), None
         probs = self.sampler.probabilities(logits)
         return int(torch.multinomial(probs, 1, generator=self.sampler.generator)), probs
 
