@@ -163,7 +163,7 @@ class DecoderLM(nn.Module):
             if not decoder.step(h[0], decoder.rope_at(start), cache, slot, num_layers):
                 return None
             return h[None]
-        rope = self._rows_rope(positions, h.dtype)  # [S, kinds, 2, D]
+        rope = decoder.rope_rows(start, seq)  # [S, kinds, 2, D]
         try:
             for first in range(0, seq, decoder.max_rows):  # each call commits its rows
                 rows = slice(first, first + decoder.max_rows)
