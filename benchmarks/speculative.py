@@ -106,8 +106,8 @@ def main() -> None:
         # Each proposer's run sits between two plain runs and its ratio is against their mean, so a
         # drift of the machine's speed within a round cancels; the proposers' order rotates by round.
         ratios: dict[tuple[str, str], list[float]] = {}
+        names = list(methods)
         for round_index in range(args.repeats):
-            names = list(methods)
             turn = round_index % len(names) if names else 0
             order = names[turn:] + names[:turn]
             for task, prompt in prompts.items():
