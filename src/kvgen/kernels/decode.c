@@ -179,11 +179,13 @@ static int64_t lora_width(const lora_linear* lora, int64_t count) {
     return width;
 }
 
-// The delta of linear l for the step's row, by the team (x: the thread's copy of the input; xa:
-// the team's shared scratch, as wide as lora_width).
-static void lora_team(const lora_linear* lora, int which, const qlinear* l, const float* x, float* y,
-                      const int64_t* slot, float* xa) {
-    if (lora != NULL && lora_applies(&lora[which], 1, slot)) lora_delta_team(&lora[which], l->k, l->n, x, y, 1, slot, xa);
+// The delta of linear l for `rows` rows of inputs x (the batch-1 step: one, the thread's copy of
+// its input), by the team; slots: each row's adapter slot; xa: the team's shared scratch, rows x
+// lora_width floats.
+static void lora_team(const lora_linear* lora, int which, const qlinear* l, const float* x, float* y, int64_t rows,
+                      const int64_t* slots, float* xa) {
+    if (lora != NULL && lora_applies(&lora[which], rows, slots))
+        lora_delta_team(&lora[which], l->k, l->n, x, y, rows, slots, xa);
 }
 
 // norm(h) -> q, k, v; QK-norm and RoPE; the new key and value of each kv head written to k_out/v_out
@@ -196,7 +198,7 @@ static void block_pre_team(const block_t* b, const thread_scratch* t, const floa
     const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
     rms_norm(t->h, b->input_norm, b->eps, b->hidden, t->x);
     linear_team(&b->qkv, t->x, t->xq, t->sums, b->qkv_out);
-    lora_team(lora, LORA_QKV, &b->qkv, t->x, b->qkv_out, slot, xa);
+    lora_team(lora, LORA_QKV, &b->qkv, t->x, b->qkv_out, 1, slot, xa);
 #pragma omp single  // its closing barrier: q and the cache's new key/value ready for every thread
     {
         float* q = b->qkv_out;
@@ -444,16 +446,16 @@ static void add_residual_team(const thread_scratch* t, const float* y, const flo
 static void block_finish_team(const block_t* b, const thread_scratch* t, const lora_linear* lora, const int64_t* slot,
                               float* xa) {
     linear_team(&b->o, b->attn, t->xq, t->sums, b->x);
-    lora_team(lora, LORA_O, &b->o, b->attn, b->x, slot, xa);
+    lora_team(lora, LORA_O, &b->o, b->attn, b->x, 1, slot, xa);
     add_residual_team(t, b->x, b->attn_out_norm, b->eps, b->hidden);
 
     rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
     linear_team(&b->gate_up, t->x, t->xq, t->sums, b->mlp);
-    lora_team(lora, LORA_GATE_UP, &b->gate_up, t->x, b->mlp, slot, xa);
+    lora_team(lora, LORA_GATE_UP, &b->gate_up, t->x, b->mlp, 1, slot, xa);
     const int64_t n = b->intermediate;
     gated_activation(b->mlp, b->mlp + n, t->x, n, b->gelu);
     linear_team(&b->down, t->x, t->xq, t->sums, b->x);
-    lora_team(lora, LORA_DOWN, &b->down, t->x, b->x, slot, xa);
+    lora_team(lora, LORA_DOWN, &b->down, t->x, b->x, 1, slot, xa);
     add_residual_team(t, b->x, b->mlp_out_norm, b->eps, b->hidden);
 }
 

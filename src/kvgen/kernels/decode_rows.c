@@ -45,62 +45,182 @@ static const int64_t* row_table(const rows_kv* kv, int64_t layer, int64_t rows, 
     return kv->tables + (group * rows + r) * kv->table_width;
 }
 
-static void linear_rows(const qlinear* l, const float* x, void* xq, float* y, int64_t rows) {
+// The rows step runs in one OpenMP parallel region for all its layers, as the batch-1 step does
+// (decode.c, thread_scratch): each matmul is the GEMM's team function over every row, the per-row
+// work (norms, RoPE, the new keys and values, residuals, the activation, quantizing the next
+// linear's input) is split over the team by rows, attention by head units, and a barrier closes
+// each phase. A fork and join per matmul, attention and activation cost ~1.2 us each on two Zen 4
+// cores, with the per-row work and a linear's bias run by one thread between them. Every output
+// is computed by one thread in the order it had before, so a row's bits do not depend on the team.
+
+// The codes branch's shared scratch (attention over a pool of K/V codes: paged_codes_attention_team).
+typedef struct {
+    float* q;             // [rows, widest heads * d]: each row's rotated queries, packed
+    int64_t* plan;        // [5 * rows]: query counts, first positions, recent K and V addresses, head strides
+    codes_work* items;    // [rows * most kv heads]: one per row and kv head
+    int64_t* q_offsets;   // [rows + 1]: row r's query is query r
+    int64_t d, group;     // the widest head and head group (each thread's codes_scratch)
+} rows_codes;
+
+// One rows step's arguments and shared scratch (see decode_rows).
+typedef struct {
+    const block_t* blocks;
+    int64_t num_layers, rows;
+    float* h;  // [rows, hidden]
+    const float* rope;
+    int64_t num_rope_kinds;
+    const int64_t *rope_kind, *window;
+    const rows_kv* kv;
+    const int64_t* positions;
+    const rows_scratch* s;
+    const lora_linear* lora;
+    const int64_t* lora_slots;
+    int32_t* sums;  // [rows, widest / 32]: activation blocks' code sums (the q5 kernel's offset)
+    float* xa;      // [rows, widest LoRA]: A x of each row
+    rows_codes codes;
+} rows_step;
+
+// Row r of x [rows, l->k] as the activation blocks linear l reads (s->xq [rows, l->k / 32]), with
+// their code sums where its kernel takes them: each block's codes depend on its 32 values alone.
+static void quantize_row(const rows_step* st, const qlinear* l, const float* x, int64_t r) {
+    const int64_t nb = l->k / QK;
+    block_x8* xq = (block_x8*)st->s->xq;
+    quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
+    if (l->kind == 3 && Q5_SUMS) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
+}
+
+// y [rows, l->n] = linear l of the quantized rows (s->xq) + its bias, by the team; returns after
+// the GEMM's barrier. Each output is summed as any other row count sums it (interleaved.c).
+static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
+    const block_x8* xq = (const block_x8*)st->s->xq;
+    const float* bias = l->has_bias ? l->bias : NULL;
+    const int64_t rows = st->rows;
     if (l->kind == 0) {
-        kvgen_linear_q4x8((const block_q4x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+        kvgen_gemm_q4x8_team((const block_q4x8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 1) {
-        kvgen_linear_q8x8((const block_q8x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+        kvgen_gemm_q8x8_team((const block_q8x8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 2) {
-        kvgen_linear_q8sx8((const block_q8sx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+        kvgen_gemm_q8sx8_team((const block_q8sx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 3) {
-        kvgen_linear_q5x8((const block_q5x8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+        kvgen_gemm_q5x8_team((const block_q5x8*)l->blocks, xq, Q5_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 4) {
-        kvgen_linear_q4kx8((const block_q4kx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
+        kvgen_gemm_q4kx8_team((const block_q4kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else {
-        kvgen_linear_q6kx8((const block_q6kx8*)l->blocks, x, (block_x8*)xq, y, rows, l->n, l->k);
-    }
-    if (l->has_bias) {
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
+        kvgen_gemm_q6kx8_team((const block_q6kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     }
 }
 
-// One layer's attention for every row, the new keys/values already stored.
-static void attend_rows(const block_t* b, int64_t layer, int64_t rows, const rows_kv* kv, const int64_t* positions,
-                        int64_t window, const rows_scratch* s) {
-    const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d;
-    float* k_layer = layer_store(kv, kv->k_base, layer);
-    float* v_layer = layer_store(kv, kv->v_base, layer);
+// A linear of the rows, then the LoRA delta of each row with an adapter (x: the linear's input).
+static void linear_lora_rows_team(const rows_step* st, int64_t layer, int which, const qlinear* l, const float* x,
+                                  float* y) {
+    linear_rows_team(st, l, y);
+    const lora_linear* lora = st->lora ? st->lora + layer * LORA_LINEARS : NULL;
+    lora_team(lora, which, l, x, y, st->rows, st->lora_slots, st->xa);
+}
+
+// Row r's input to `layer`: its normed h, quantized for the QKV linear.
+static void row_input(const rows_step* st, int64_t layer, int64_t r) {
+    const block_t* b = &st->blocks[layer];
+    float* x = st->s->x + r * b->hidden;
+    rms_norm(st->h + r * b->hidden, b->input_norm, b->eps, b->hidden, x);
+    quantize_row(st, &b->qkv, st->s->x, r);
+}
+
+// Row r's QK-norm and RoPE, its new key and value into its slot and, over codes, its query packed
+// and its attention work item for each kv head.
+static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
+    const block_t* b = &st->blocks[layer];
+    const rows_kv* kv = st->kv;
+    const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d, rows = st->rows;
+    const float* cos = st->rope + (r * st->num_rope_kinds + st->rope_kind[layer]) * 2 * d;
+    float* q = st->s->qkv_out + r * (nq + 2 * nkv);
+    float* k = q + nq;
+    const float* v = k + nkv;
+    const kv_layout kl = {layer_store(kv, kv->k_base, layer), kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+    const kv_layout vl = {layer_store(kv, kv->v_base, layer), kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+    for (int64_t head = 0; head < b->num_heads; head++) {
+        if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
+        rotate_half(q + head * d, cos, cos + d, d);
+    }
+    for (int64_t head = 0; head < b->num_kv_heads; head++) {
+        if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
+        rotate_half(k + head * d, cos, cos + d, d);
+        memcpy((float*)kv_at(&kl, head, kv->write_pos[r]), k + head * d, (size_t)d * sizeof(float));
+        memcpy((float*)kv_at(&vl, head, kv->write_pos[r]), v + head * d, (size_t)d * sizeof(float));
+    }
+    if (kv->key_codes != NULL) {  // the row's fp32 run starts at its staging slot's position 0
+        const rows_codes* c = &st->codes;
+        c->plan[r] = 1, c->plan[rows + r] = st->positions[r];
+        c->plan[2 * rows + r] = (int64_t)(intptr_t)kv_at(&kl, 0, 0);
+        c->plan[3 * rows + r] = (int64_t)(intptr_t)kv_at(&vl, 0, 0);
+        c->plan[4 * rows + r] = kv->head_stride;
+        memcpy(c->q + r * nq, q, (size_t)nq * sizeof(float));
+        for (int64_t head = 0; head < b->num_kv_heads; head++)
+            c->items[r * b->num_kv_heads + head] = (codes_work){r, head, 0, 1};
+    }
+}
+
+// One layer's attention for every row, the new keys/values already stored, by the team (t: this
+// thread's codes scratch); returns after a barrier.
+static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
+    const block_t* b = &st->blocks[layer];
+    const rows_kv* kv = st->kv;
+    const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d, rows = st->rows;
+    const int64_t window = st->window[layer];
     if (kv->key_codes != NULL) {
-        int64_t* plan = malloc(sizeof(int64_t) * (size_t)(5 * rows));  // counts, firsts, recent K, V, strides
-        float* q = malloc(sizeof(float) * (size_t)(rows * nq));
-        for (int64_t r = 0; r < rows; r++) {
-            const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, kv->tables + r * kv->table_width};
-            const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, kv->tables + r * kv->table_width};
-            plan[r] = 1, plan[rows + r] = positions[r];
-            plan[2 * rows + r] = (int64_t)(intptr_t)kv_at(&kl, 0, 0);
-            plan[3 * rows + r] = (int64_t)(intptr_t)kv_at(&vl, 0, 0);
-            plan[4 * rows + r] = kv->head_stride;
-            memcpy(q + r * nq, s->qkv_out + r * qkv_width, (size_t)nq * sizeof(float));
-        }
-        kvgen_paged_codes_attention(q, s->attn, rows, plan, plan + rows, b->num_heads, b->num_kv_heads, d, b->scale,
-                                    window, &kv->key_codes[layer], &kv->value_codes[layer], kv->code_block_size,
-                                    kv->code_tables, kv->code_table_width, kv->num_code_blocks, plan + 2 * rows,
-                                    plan + 3 * rows, plan + 4 * rows);
-        free(q);
-        free(plan);
+        const rows_codes* c = &st->codes;
+        paged_codes_attention_team(c->items, rows * b->num_kv_heads, c->q, st->s->attn, c->q_offsets, c->plan + rows,
+                                   b->num_heads, b->num_kv_heads, d, b->scale, window, &kv->key_codes[layer],
+                                   &kv->value_codes[layer], kv->code_block_size, kv->code_tables,
+                                   kv->code_table_width, kv->num_code_blocks, c->plan + 2 * rows, c->plan + 3 * rows,
+                                   c->plan + 4 * rows, t);
         return;
     }
+    float* k_layer = layer_store(kv, kv->k_base, layer);
+    float* v_layer = layer_store(kv, kv->v_base, layer);
     const head_units units = attention_units(rows, b->num_heads, b->num_kv_heads);
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < rows * units.kv_heads * units.parts; u++) {
         int64_t r, head;
-        const int64_t count = unit_heads(&units, u, &r, &head), end = positions[r] + 1;
+        const int64_t count = unit_heads(&units, u, &r, &head), end = st->positions[r] + 1;
         const int64_t start = window > 0 && end > window ? end - window : 0;
         const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
         const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
-        attend_heads(s->qkv_out + r * qkv_width + head * d, s->attn + r * nq + head * d, count, &kl, &vl,
+        attend_heads(st->s->qkv_out + r * qkv_width + head * d, st->s->attn + r * nq + head * d, count, &kl, &vl,
                      head / units.group, start, end, b->scale, d);
+    }
+}
+
+// One layer for every row, by the team, each row's input already quantized into s->xq; leaves the
+// next layer's quantized (after the last layer: only h).
+static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
+    const block_t* b = &st->blocks[layer];
+    const rows_scratch* s = st->s;
+    const int64_t hidden = b->hidden, inter = b->intermediate, rows = st->rows;
+    linear_lora_rows_team(st, layer, LORA_QKV, &b->qkv, s->x, s->qkv_out);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) row_rotate(st, layer, r);
+    attend_rows_team(st, layer, t);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) quantize_row(st, &b->o, s->attn, r);
+    linear_lora_rows_team(st, layer, LORA_O, &b->o, s->attn, s->y);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        add_residual(st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
+        rms_norm(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
+        quantize_row(st, &b->gate_up, s->x, r);
+    }
+    linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {  // act(gate) * up, packed [rows, inter] into x for down()
+        gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
+        quantize_row(st, &b->down, s->x, r);
+    }
+    linear_lora_rows_team(st, layer, LORA_DOWN, &b->down, s->x, s->y);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        add_residual(st->h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
+        if (layer + 1 < st->num_layers) row_input(st, layer + 1, r);
     }
 }
 
@@ -113,50 +233,40 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
                         int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, const rows_kv* kv,
                         const int64_t* positions, const rows_scratch* s, const lora_linear* lora,
                         const int64_t* lora_slots) {
-    for (int64_t layer = 0; layer < num_layers; layer++) {
-        const block_t* b = &blocks[layer];
-        const lora_linear* ll = lora ? lora + layer * LORA_LINEARS : NULL;
-        const int64_t hidden = b->hidden, d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
-        const int64_t qkv_width = nq + 2 * nkv, inter = b->intermediate;
-        float* k_layer = layer_store(kv, kv->k_base, layer);
-        float* v_layer = layer_store(kv, kv->v_base, layer);
-        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->input_norm, b->eps, hidden, s->x + r * hidden);
-        linear_rows(&b->qkv, s->x, s->xq, s->qkv_out, rows);
-        if (ll) lora_rows(&ll[LORA_QKV], &b->qkv, s->x, s->qkv_out, rows, lora_slots);
-        for (int64_t r = 0; r < rows; r++) {  // QK-norm, RoPE, and the new key/value into the row's slot
-            const float* cos = rope + (r * num_rope_kinds + rope_kind[layer]) * 2 * d;
-            float* q = s->qkv_out + r * qkv_width;
-            float* k = q + nq;
-            const float* v = k + nkv;
-            const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
-            const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
-            for (int64_t head = 0; head < b->num_heads; head++) {
-                if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
-                rotate_half(q + head * d, cos, cos + d, d);
-            }
-            for (int64_t head = 0; head < b->num_kv_heads; head++) {
-                if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
-                rotate_half(k + head * d, cos, cos + d, d);
-                memcpy((float*)kv_at(&kl, head, kv->write_pos[r]), k + head * d, (size_t)d * sizeof(float));
-                memcpy((float*)kv_at(&vl, head, kv->write_pos[r]), v + head * d, (size_t)d * sizeof(float));
-            }
-        }
-        attend_rows(b, layer, rows, kv, positions, window[layer], s);
-        linear_rows(&b->o, s->attn, s->xq, s->y, rows);
-        if (ll) lora_rows(&ll[LORA_O], &b->o, s->attn, s->y, rows, lora_slots);
-        for (int64_t r = 0; r < rows; r++) {
-            add_residual(h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
-            rms_norm(h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
-        }
-        linear_rows(&b->gate_up, s->x, s->xq, s->mlp, rows);
-        if (ll) lora_rows(&ll[LORA_GATE_UP], &b->gate_up, s->x, s->mlp, rows, lora_slots);
-#pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < rows; r++)  // act(gate) * up, packed [rows, inter] into x for down()
-            gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
-        linear_rows(&b->down, s->x, s->xq, s->y, rows);
-        if (ll) lora_rows(&ll[LORA_DOWN], &b->down, s->x, s->y, rows, lora_slots);
-        for (int64_t r = 0; r < rows; r++) add_residual(h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
+    int64_t widest = 0, nq = 0, kv_heads = 0, d = 0, group = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const block_t* b = &blocks[l];
+        widest = block_widest(b) > widest ? block_widest(b) : widest;
+        nq = b->num_heads * b->head_dim > nq ? b->num_heads * b->head_dim : nq;
+        kv_heads = b->num_kv_heads > kv_heads ? b->num_kv_heads : kv_heads;
+        d = b->head_dim > d ? b->head_dim : d;
+        group = b->num_heads / b->num_kv_heads > group ? b->num_heads / b->num_kv_heads : group;
     }
+    rows_step st = {blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, kv, positions, s, lora,
+                    lora_slots, malloc(sizeof(int32_t) * (size_t)(rows * (widest / QK) + 1)),
+                    malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1)),
+                    {NULL, NULL, NULL, NULL, d, group}};
+    if (kv->key_codes != NULL) {
+        st.codes.q = malloc(sizeof(float) * (size_t)(rows * nq));
+        st.codes.plan = malloc(sizeof(int64_t) * (size_t)(5 * rows));
+        st.codes.items = malloc(sizeof(codes_work) * (size_t)(rows * kv_heads));
+        st.codes.q_offsets = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+        for (int64_t r = 0; r <= rows; r++) st.codes.q_offsets[r] = r;
+    }
+#pragma omp parallel
+    {
+        const codes_scratch t = kv->key_codes != NULL ? codes_scratch_new(d, group) : (codes_scratch){NULL, NULL, NULL};
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) row_input(&st, 0, r);
+        for (int64_t layer = 0; layer < num_layers; layer++) layer_rows_team(&st, layer, &t);
+        codes_scratch_free(&t);
+    }
+    free(st.codes.q_offsets);
+    free(st.codes.items);
+    free(st.codes.plan);
+    free(st.codes.q);
+    free(st.xa);
+    free(st.sums);
 }
 
 // Every block for one-token rows over one fp32 paged store: row r reads its blocks through
