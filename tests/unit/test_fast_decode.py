@@ -155,18 +155,23 @@ def test_rows_of_a_batch_decode_in_c_as_each_row_alone(quantized: dict, name: st
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
-def test_decode_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dict, name: str) -> None:
-    """The batch-1 step runs all its layers in one parallel region: each matmul split by output
-    groups, attention by positions, heads and columns, barriers where a phase reads the last one's
-    outputs, each thread with its own copy of h. Whatever the team (3 threads on this machine's 2
-    cores split work differently from 2), each decoded token's logits are those of the same tokens
-    prefilled as one prompt (the rows step, another split of the same sums)."""
+def test_decode_and_rows_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dict, name: str) -> None:
+    """The batch-1 step and the rows step each run all their layers in one parallel region: each
+    matmul split by output groups, attention by positions, heads and columns (batch-1) or by head
+    units (rows), barriers where a phase reads the last one's outputs. Whatever the team (3 threads
+    on this machine's 2 cores split work differently from 2), each decoded token's logits, and
+    each row's of verify-sized forwards (5 tokens: the few-rows kernels) and of the whole prompt
+    (40 rows: the 16-output kernels), are those of the prompt run at the default thread count."""
     from tests.support.models import PROMPTS
 
     llm = get(quantized, name)
     ids = llm.tokenizer.encode(" ".join(PROMPTS))[:40]
+
+    def forward(tokens: list[int], cache) -> torch.Tensor:
+        return llm.model(torch.tensor([tokens]), cache, logits_to_keep=len(tokens))[0]
+
     with torch.inference_mode():
-        whole = llm.model(torch.tensor([ids]), llm.generator.new_cache(len(ids)), logits_to_keep=len(ids))[0]
+        whole = forward(ids, llm.generator.new_cache(len(ids)))
     threads = torch.get_num_threads()
     for count in (1, 2, 3):
         torch.set_num_threads(count)
@@ -175,9 +180,14 @@ def test_decode_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dic
                 cache = llm.generator.new_cache(len(ids))
                 llm.model(torch.tensor([ids[:8]]), cache)
                 steps = torch.stack([llm.model(torch.tensor([[token]]), cache)[0, -1] for token in ids[8:]])
+                cache = llm.generator.new_cache(len(ids))
+                verified = torch.cat([forward(ids[:8], cache)] + [forward(ids[i : i + 5], cache) for i in range(8, 40, 5)])
+                prompt = forward(ids, llm.generator.new_cache(len(ids)))
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(steps, whole[8:]), (count, (steps - whole[8:]).abs().max().item())
+        assert torch.equal(verified, whole), (count, (verified - whole).abs().max().item())
+        assert torch.equal(prompt, whole), (count, (prompt - whole).abs().max().item())
 
 
 def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gemma3) -> None:
