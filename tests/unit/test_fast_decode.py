@@ -205,13 +205,14 @@ def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gem
         assert torch.equal(ours.mlp.gate_up.dequantized(), exact.mlp.gate_up.weight)
 
 
-def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -> None:
+def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(quantized: dict, tmp_path) -> None:
     """Prompt rows and decodes over fp32 K/V attend through one per-query procedure (decode.c
     attend_heads): its sums run in one order, so the AVX-512, AVX2 and scalar builds agree bit for
     bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA), and a row's
     heads give the same bits whichever run of heads of its kv head they are computed in. The
     batch-1 C step's attention (scores split by positions, sums by columns) gives those bits too,
-    with any thread count."""
+    with any thread count. So does a whole rows step of Gemma 3 (a 5-token verify: its GeGLU,
+    q5 and q8 linears, QK-norms)."""
     from tests.unit.test_quantized_kv_attention import instruction_sets
     from kvgen.kernels.build import build, open_library
 
@@ -252,7 +253,22 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -
         enable_gqa=True, attn_mask=((torch.arange(length) >= starts[:, None]) & (torch.arange(length) < ends[:, None]))[:, None, None],
     )[:, :, 0]  # fmt: skip
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+    llm = get(quantized, "gemma3-270m")
+    decoder, ids = llm.model.fast_decoder(), torch.randint(100, 5000, (55,), generator=torch.Generator().manual_seed(1))
+
+    def verify(library) -> torch.Tensor:
+        decoder.library, cache = library, llm.generator.new_cache(len(ids))
+        try:
+            with torch.inference_mode():
+                llm.model(ids[None, :50], cache)
+                return llm.model(ids[None, 50:], cache, logits_to_keep=None)[0]
+        finally:
+            decoder.library = load()
+
+    verified = verify(load())
     for name, flags in instruction_sets().items():
         build(tmp_path / f"{name}.so", flags)
-        assert torch.equal(attend(open_library(tmp_path / f"{name}.so")), native), name
-        assert all(torch.equal(attend_one(open_library(tmp_path / f"{name}.so"), r), native[r]) for r in range(len(starts)))
+        library = open_library(tmp_path / f"{name}.so")
+        assert torch.equal(attend(library), native), name
+        assert all(torch.equal(attend_one(library, r), native[r]) for r in range(len(starts)))
+        assert torch.equal(verify(library), verified), name

@@ -414,10 +414,12 @@ static void gated_activation(const float* gate, const float* up, float* out, int
         _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
     }
 #else
-    if (!gelu) {  // exp8's lanes one at a time: the AVX2 build's bits
-        for (; i + 8 <= n; i += 8)
-            for (int64_t l = i; l < i + 8; l++) out[l] = gate[l] / (1.0f + exp_lane(0.0f - gate[l])) * up[l];
-    }
+    for (; i + 8 <= n; i += 8)  // exp8's lanes one at a time, z as above: the AVX2 build's bits
+        for (int64_t l = i; l < i + 8; l++) {
+            const float g = gate[l];
+            const float z = gelu ? (-1.5957691216057308f * g) * fmaf(g * g, 0.044715f, 1.0f) : 0.0f - g;
+            out[l] = g / (1.0f + exp_lane(z)) * up[l];
+        }
 #endif
     for (; i < n; i++) {
         const float g = gate[i];
