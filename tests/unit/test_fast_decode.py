@@ -155,18 +155,23 @@ def test_rows_of_a_batch_decode_in_c_as_each_row_alone(quantized: dict, name: st
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
-def test_decode_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dict, name: str) -> None:
-    """The batch-1 step runs all its layers in one parallel region: each matmul split by output
-    groups, attention by positions, heads and columns, barriers where a phase reads the last one's
-    outputs, each thread with its own copy of h. Whatever the team (3 threads on this machine's 2
-    cores split work differently from 2), each decoded token's logits are those of the same tokens
-    prefilled as one prompt (the rows step, another split of the same sums)."""
+def test_decode_and_rows_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dict, name: str) -> None:
+    """The batch-1 step and the rows step each run all their layers in one parallel region: each
+    matmul split by output groups, attention by positions, heads and columns (batch-1) or by head
+    units (rows), barriers where a phase reads the last one's outputs. Whatever the team (3 threads
+    on this machine's 2 cores split work differently from 2), each decoded token's logits, and
+    each row's of verify-sized forwards (5 tokens: the few-rows kernels) and of the whole prompt
+    (40 rows: the 16-output kernels), are those of the prompt run at the default thread count."""
     from tests.support.models import PROMPTS
 
     llm = get(quantized, name)
     ids = llm.tokenizer.encode(" ".join(PROMPTS))[:40]
+
+    def forward(tokens: list[int], cache) -> torch.Tensor:
+        return llm.model(torch.tensor([tokens]), cache, logits_to_keep=len(tokens))[0]
+
     with torch.inference_mode():
-        whole = llm.model(torch.tensor([ids]), llm.generator.new_cache(len(ids)), logits_to_keep=len(ids))[0]
+        whole = forward(ids, llm.generator.new_cache(len(ids)))
     threads = torch.get_num_threads()
     for count in (1, 2, 3):
         torch.set_num_threads(count)
@@ -175,9 +180,14 @@ def test_decode_steps_give_the_prompts_bits_with_1_2_or_3_threads(quantized: dic
                 cache = llm.generator.new_cache(len(ids))
                 llm.model(torch.tensor([ids[:8]]), cache)
                 steps = torch.stack([llm.model(torch.tensor([[token]]), cache)[0, -1] for token in ids[8:]])
+                cache = llm.generator.new_cache(len(ids))
+                verified = torch.cat([forward(ids[:8], cache)] + [forward(ids[i : i + 5], cache) for i in range(8, 40, 5)])
+                prompt = forward(ids, llm.generator.new_cache(len(ids)))
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(steps, whole[8:]), (count, (steps - whole[8:]).abs().max().item())
+        assert torch.equal(verified, whole), (count, (verified - whole).abs().max().item())
+        assert torch.equal(prompt, whole), (count, (prompt - whole).abs().max().item())
 
 
 def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gemma3) -> None:
@@ -195,13 +205,14 @@ def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gem
         assert torch.equal(ours.mlp.gate_up.dequantized(), exact.mlp.gate_up.weight)
 
 
-def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -> None:
+def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(quantized: dict, tmp_path) -> None:
     """Prompt rows and decodes over fp32 K/V attend through one per-query procedure (decode.c
     attend_heads): its sums run in one order, so the AVX-512, AVX2 and scalar builds agree bit for
     bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA), and a row's
     heads give the same bits whichever run of heads of its kv head they are computed in. The
     batch-1 C step's attention (scores split by positions, sums by columns) gives those bits too,
-    with any thread count."""
+    with any thread count. So does a whole rows step of Gemma 3 (a 5-token verify: its GeGLU,
+    q5 and q8 linears, QK-norms)."""
     from tests.unit.test_quantized_kv_attention import instruction_sets
     from kvgen.kernels.build import build, open_library
 
@@ -242,7 +253,22 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(tmp_path) -
         enable_gqa=True, attn_mask=((torch.arange(length) >= starts[:, None]) & (torch.arange(length) < ends[:, None]))[:, None, None],
     )[:, :, 0]  # fmt: skip
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+    llm = get(quantized, "gemma3-270m")
+    decoder, ids = llm.model.fast_decoder(), torch.randint(100, 5000, (55,), generator=torch.Generator().manual_seed(1))
+
+    def verify(library) -> torch.Tensor:
+        decoder.library, cache = library, llm.generator.new_cache(len(ids))
+        try:
+            with torch.inference_mode():
+                llm.model(ids[None, :50], cache)
+                return llm.model(ids[None, 50:], cache, logits_to_keep=None)[0]
+        finally:
+            decoder.library = load()
+
+    verified = verify(load())
     for name, flags in instruction_sets().items():
         build(tmp_path / f"{name}.so", flags)
-        assert torch.equal(attend(open_library(tmp_path / f"{name}.so")), native), name
-        assert all(torch.equal(attend_one(open_library(tmp_path / f"{name}.so"), r), native[r]) for r in range(len(starts)))
+        library = open_library(tmp_path / f"{name}.so")
+        assert torch.equal(attend(library), native), name
+        assert all(torch.equal(attend_one(library, r), native[r]) for r in range(len(starts)))
+        assert torch.equal(verify(library), verified), name

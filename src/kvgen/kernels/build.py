@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 last_error: str | None = None

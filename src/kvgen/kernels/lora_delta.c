@@ -117,8 +117,3 @@ void kvgen_lora_delta(const lora_linear* L, int64_t in, int64_t out, const float
     free(xa);
 }
 
-// The delta for the linear l's rows (its in/out sizes).
-static void lora_rows(const lora_linear* L, const qlinear* l, const float* x, float* y, int64_t rows,
-                      const int64_t* slots) {
-    kvgen_lora_delta(L, l->k, l->n, x, y, rows, slots);
-}

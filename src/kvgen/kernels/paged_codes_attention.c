@@ -74,6 +74,46 @@ static void attend_codes_item(const codes_work* w, const float* q, float* out, c
         }
 }
 
+// One thread's scratch for attend_codes_item: a decoded key and value tile, and the running
+// softmax and sums of a chunk of queries of a head group, for heads up to `d` wide.
+typedef struct {
+    float* tiles;
+    float* acc;
+    softmax_state* states;
+} codes_scratch;
+
+static codes_scratch codes_scratch_new(int64_t d, int64_t group) {
+    return (codes_scratch){malloc(sizeof(float) * (size_t)(2 * MAX_TILE * d)),
+                           malloc(sizeof(float) * (size_t)(QUERY_CHUNK * group * d)),
+                           malloc(sizeof(softmax_state) * (size_t)(QUERY_CHUNK * group))};
+}
+
+static void codes_scratch_free(const codes_scratch* t) {
+    free(t->states);
+    free(t->acc);
+    free(t->tiles);
+}
+
+// The items, spread over every thread of a team (t: this thread's scratch); returns after a
+// barrier. Arguments as kvgen_paged_codes_attention's; q_offsets: [rows + 1] each row's first query.
+static void paged_codes_attention_team(const codes_work* items, int64_t num_items, const float* q, float* out,
+                                       const int64_t* q_offsets, const int64_t* q_first, int64_t heads,
+                                       int64_t kv_heads, int64_t d, float scale, int64_t window,
+                                       const packed_codes* key_codes, const packed_codes* value_codes,
+                                       int64_t block_size, const int64_t* tables, int64_t table_width,
+                                       const int64_t* num_code_blocks, const int64_t* recent_k,
+                                       const int64_t* recent_v, const int64_t* recent_head_stride,
+                                       const codes_scratch* t) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; i++) {
+        const int64_t r = items[i].row;
+        attend_codes_item(&items[i], q, out, q_offsets, q_first, heads, kv_heads, d, scale, window, key_codes,
+                          value_codes, block_size, tables + r * table_width, num_code_blocks[r],
+                          (const float*)(intptr_t)recent_k[r], (const float*)(intptr_t)recent_v[r],
+                          recent_head_stride[r], t->tiles, t->states, t->acc);
+    }
+}
+
 // q, out: [sum(q_counts), heads, d]. tables: [rows, table_width] pool block ids. recent_k/v: per row
 // the address of its fp32 run, with recent_head_stride[r] floats between kv heads.
 void kvgen_paged_codes_attention(const float* q, float* out, int64_t rows, const int64_t* q_counts,
@@ -96,23 +136,13 @@ void kvgen_paged_codes_attention(const float* q, float* out, int64_t rows, const
                 items[n++] = (codes_work){r, h, c, count};
             }
     }
-    const int64_t group = heads / kv_heads;
 #pragma omp parallel
     {
-        float* tiles = malloc(sizeof(float) * (size_t)(2 * MAX_TILE * d));
-        float* acc = malloc(sizeof(float) * (size_t)(QUERY_CHUNK * group * d));
-        softmax_state* states = malloc(sizeof(softmax_state) * (size_t)(QUERY_CHUNK * group));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; i++) {
-            const int64_t r = items[i].row;
-            attend_codes_item(&items[i], q, out, q_offsets, q_first, heads, kv_heads, d, scale, window, key_codes,
-                              value_codes, block_size, tables + r * table_width, num_code_blocks[r],
-                              (const float*)(intptr_t)recent_k[r], (const float*)(intptr_t)recent_v[r],
-                              recent_head_stride[r], tiles, states, acc);
-        }
-        free(states);
-        free(acc);
-        free(tiles);
+        const codes_scratch t = codes_scratch_new(d, heads / kv_heads);
+        paged_codes_attention_team(items, num_items, q, out, q_offsets, q_first, heads, kv_heads, d, scale, window,
+                                   key_codes, value_codes, block_size, tables, table_width, num_code_blocks,
+                                   recent_k, recent_v, recent_head_stride, &t);
+        codes_scratch_free(&t);
     }
     free(q_offsets);
     free(items);

@@ -385,6 +385,98 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
     }
 }
 
+// The attention's scratch shared by a team, for at most `heads` heads of at most d over at most
+// `splits` position ranges: the partial softmaxes, and the query of every head as int16 codes
+// (and their byte planes), prepared once per step.
+typedef struct {
+    float* partial;  // [kv_heads * splits, group, d + 2]
+    int16_t* codes;  // [heads, d]
+    int8_t* planes;  // [heads, 2 * padded_dim(d)]
+    float* factor;   // [heads]
+    int32_t* bias;   // [heads]
+    float* ordered;  // [heads, d]: 4-bit keys: q in their code order
+} codes_shared;
+
+static codes_shared codes_shared_new(int64_t heads, int64_t d, int64_t splits) {
+    return (codes_shared){malloc(sizeof(float) * (size_t)(heads * splits * (d + 2))),
+                          malloc(sizeof(int16_t) * (size_t)(heads * d)), malloc((size_t)(heads * 2 * padded_dim(d))),
+                          malloc(sizeof(float) * (size_t)heads), malloc(sizeof(int32_t) * (size_t)heads),
+                          malloc(sizeof(float) * (size_t)(heads * d))};
+}
+
+static void codes_shared_free(const codes_shared* c) {
+    free(c->ordered), free(c->bias), free(c->factor), free(c->planes), free(c->codes), free(c->partial);
+}
+
+// One thread's scratch: a tile's scores and decoded keys/values, and (4-bit keys) the prepared
+// query groups of every block one work item touches; for query groups up to `group`, heads up to d.
+typedef struct {
+    float* scores;  // [group + 2 d, MAX_TILE]
+    uint8_t* prepared;
+} codes_thread;
+
+static codes_thread codes_thread_new(int64_t group, int64_t d, int64_t block_size, int int4_keys) {
+    return (codes_thread){malloc(sizeof(float) * (size_t)((group + 2 * d) * MAX_TILE)),
+                          int4_keys ? malloc((size_t)((SPLIT_POSITIONS / block_size + 2) * int4_prepared_bytes(group, d)))
+                                    : NULL};
+}
+
+static void codes_thread_free(const codes_thread* t) {
+    free(t->prepared);
+    free(t->scores);
+}
+
+// The splits (SPLIT_POSITIONS ranges) that positions [start, end) touch, and the first.
+static int64_t codes_splits(int64_t start, int64_t end, int64_t* first_split) {
+    *first_split = start / SPLIT_POSITIONS;
+    return (end - 1) / SPLIT_POSITIONS + 1 - *first_split;
+}
+
+// The attention of kvgen_quantized_decode_attention by every thread of a team (c: the team's
+// shared scratch, t: this thread's); returns after a barrier, with out whole. Each query head is
+// prepared, each work item computed and each head's partials merged as one thread alone does.
+static void quantized_attention_team(const float* q, float* out, const codes_attention* a, int64_t start, int64_t end,
+                                     const codes_shared* c, const codes_thread* t) {
+    const int64_t heads = a->heads, d = a->d, group = heads / a->kv_heads, stride = d + 2, padded = padded_dim(d);
+    int64_t first_split;
+    const int64_t splits = codes_splits(start, end, &first_split), items = a->kv_heads * splits;
+#pragma omp for schedule(static)
+    for (int64_t head = 0; head < heads; head++) {
+        quantize_query(q + head * d, d, a->scale, c->codes + head * d, c->factor + head);
+        query_planes(c->codes + head * d, d, c->planes + head * 2 * padded, c->bias + head);
+        if (a->key_codes->kind == CODES_INT4_CHANNEL) int4_order_query(q + head * d, d, c->ordered + head * d);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t kv_head = item / splits, split = first_split + item % splits;
+        const int64_t lo = split * SPLIT_POSITIONS, hi = lo + SPLIT_POSITIONS;
+        const int64_t h0 = kv_head * group;
+        const group_query gq = {q + h0 * d, c->codes + h0 * d, c->factor + h0, c->planes + h0 * 2 * padded,
+                                c->bias + h0, c->ordered + h0 * d};
+        attend_codes_range(a, &gq, kv_head, lo > start ? lo : start, hi < end ? hi : end, t->scores,
+                           t->scores + group * MAX_TILE, t->prepared, c->partial + item * group * stride);
+    }
+#pragma omp for schedule(static)
+    for (int64_t head = 0; head < heads; head++) {  // its partial softmaxes merged in position order
+        const int64_t kv_head = head / group, g = head % group;
+        float max = -INFINITY, sum = 0.0f;
+        float* o = out + head * d;
+        for (int64_t split = 0; split < splits; split++) {
+            const float m = c->partial[((kv_head * splits + split) * group + g) * stride];
+            if (m > max) max = m;
+        }
+        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+        for (int64_t split = 0; split < splits; split++) {
+            const float* p = c->partial + ((kv_head * splits + split) * group + g) * stride;
+            const float w = exp_lane(p[0] - max);
+            sum = fmaf(p[1], w, sum);
+            for (int64_t j = 0; j < d; j++) o[j] = fmaf(w, p[2 + j], o[j]);
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
+    }
+}
+
 // q, out [heads, d]; sink_* and tail_* are [kv_heads, *, d] fp32 with the given head strides.
 // Work items: kv heads x fixed ranges of SPLIT_POSITIONS positions (flash-decoding), each a
 // partial softmax; the partials are merged in position order.
@@ -395,68 +487,15 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
                                       int64_t tail_head_stride, int64_t start, int64_t end) {
     const codes_attention a = {heads, kv_heads, d, scale, sink_k, sink_v, sink_head_stride, sink_len, key_codes,
                                value_codes, num_blocks, block_size, tail_k, tail_v, tail_head_stride};
-    const int64_t group = heads / kv_heads, stride = d + 2;
-    const int64_t first_split = start / SPLIT_POSITIONS, splits = (end - 1) / SPLIT_POSITIONS + 1 - first_split;
-    const int64_t items = kv_heads * splits;
-    float* partial = malloc(sizeof(float) * (size_t)(items * group * stride));
-    // The query of every head as int16 codes (and their byte planes), once per step.
-    const int64_t padded = padded_dim(d);
-    int16_t* codes = malloc(sizeof(int16_t) * (size_t)(heads * d));
-    int8_t* planes = malloc((size_t)(heads * 2 * padded));
-    float* factor = malloc(sizeof(float) * (size_t)heads);
-    int32_t* bias = malloc(sizeof(int32_t) * (size_t)heads);
-    float* ordered = malloc(sizeof(float) * (size_t)(heads * d));  // 4-bit keys: q in their code order
-    for (int64_t head = 0; head < heads; head++) {
-        quantize_query(q + head * d, d, scale, codes + head * d, factor + head);
-        query_planes(codes + head * d, d, planes + head * 2 * padded, bias + head);
-        if (key_codes->kind == CODES_INT4_CHANNEL) int4_order_query(q + head * d, d, ordered + head * d);
-    }
+    int64_t first_split;
+    const codes_shared c = codes_shared_new(heads, d, codes_splits(start, end, &first_split));
 #pragma omp parallel
     {
-        float* scores = malloc(sizeof(float) * (size_t)((group + 2 * d) * MAX_TILE));
-        float* decoded = scores + group * MAX_TILE;
-        // 4-bit keys' prepared query groups: every block one work item touches
-        uint8_t* prepared = key_codes->kind == CODES_INT4_CHANNEL
-                                ? malloc((size_t)((SPLIT_POSITIONS / block_size + 2) * int4_prepared_bytes(group, d)))
-                                : NULL;
-#pragma omp for schedule(dynamic, 1) nowait  // the region's end is the one barrier
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t kv_head = item / splits, split = first_split + item % splits;
-            const int64_t lo = split * SPLIT_POSITIONS, hi = lo + SPLIT_POSITIONS;
-            const int64_t h0 = kv_head * group;
-            const group_query gq = {q + h0 * d, codes + h0 * d, factor + h0, planes + h0 * 2 * padded, bias + h0,
-                                    ordered + h0 * d};
-            attend_codes_range(&a, &gq, kv_head, lo > start ? lo : start, hi < end ? hi : end, scores, decoded,
-                               prepared, partial + item * group * stride);
-        }
-        free(prepared);
-        free(scores);
+        const codes_thread t = codes_thread_new(heads / kv_heads, d, block_size, key_codes->kind == CODES_INT4_CHANNEL);
+        quantized_attention_team(q, out, &a, start, end, &c, &t);
+        codes_thread_free(&t);
     }
-    // Merge each query head's partial softmaxes, in position order.
-    for (int64_t head = 0; head < heads; head++) {
-        const int64_t kv_head = head / group, g = head % group;
-        float max = -INFINITY, sum = 0.0f;
-        float* o = out + head * d;
-        for (int64_t split = 0; split < splits; split++) {
-            const float m = partial[((kv_head * splits + split) * group + g) * stride];
-            if (m > max) max = m;
-        }
-        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
-        for (int64_t split = 0; split < splits; split++) {
-            const float* p = partial + ((kv_head * splits + split) * group + g) * stride;
-            const float w = exp_lane(p[0] - max);
-            sum = fmaf(p[1], w, sum);
-            for (int64_t j = 0; j < d; j++) o[j] = fmaf(w, p[2 + j], o[j]);
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < d; j++) o[j] *= inv;
-    }
-    free(ordered);
-    free(bias);
-    free(factor);
-    free(planes);
-    free(codes);
-    free(partial);
+    codes_shared_free(&c);
 }
 
 // Where one QuantizedCache keeps its fp32 rows (kv/quantized.py `sink_store` / `tail_store`, each
@@ -479,35 +518,44 @@ void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, f
                                     const int64_t* rope_kind, const int64_t* window, const quantized_kv* kv,
                                     int64_t num_blocks, int64_t position, const lora_linear* lora, int64_t slot) {
     const int64_t packed_end = kv->sink_len + num_blocks * kv->block_size;
-    float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, num_layers * LORA_LINEARS) + 1));  // LoRA's A x
+    int64_t heads = 0, widest_d = 0, group = 0, first_split;
+    int int4_keys = 0;
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const block_t* b = &blocks[layer];
-        const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
-        const int64_t d = b->head_dim;
-        const float* cos = rope + rope_kind[layer] * 2 * d;
-        float* sink = kv->sink + layer * kv->sink_layer_stride;
-        float* tail = kv->tail + layer * kv->tail_layer_stride;
-        // The new key/value's fp32 slot: in the sink, or in the tail after the packed blocks.
-        float* k_out = position < kv->sink_len ? sink + position * d : tail + (position - packed_end) * d;
-        float* v_out = k_out + (position < kv->sink_len ? kv->sink_kv_stride : kv->tail_kv_stride);
-        const int64_t out_stride = position < kv->sink_len ? kv->sink_head_stride : kv->tail_head_stride;
-#pragma omp parallel
-        {
-            const thread_scratch t = thread_scratch_new(b, 1, h);
+        heads = b->num_heads > heads ? b->num_heads : heads;
+        widest_d = b->head_dim > widest_d ? b->head_dim : widest_d;
+        group = b->num_heads / b->num_kv_heads > group ? b->num_heads / b->num_kv_heads : group;
+        int4_keys |= kv->key_codes[layer].kind == CODES_INT4_CHANNEL;
+    }
+    const codes_shared c = codes_shared_new(heads, widest_d, codes_splits(0, position + 1, &first_split));
+    float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, num_layers * LORA_LINEARS) + 1));  // LoRA's A x
+#pragma omp parallel  // one region for every layer, as kvgen_decode_layers (see thread_scratch)
+    {
+        const thread_scratch t = thread_scratch_new(blocks, num_layers, h);
+        const codes_thread ct = codes_thread_new(group, widest_d, kv->block_size, int4_keys);
+        for (int64_t layer = 0; layer < num_layers; layer++) {
+            const block_t* b = &blocks[layer];
+            const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
+            const int64_t d = b->head_dim;
+            const float* cos = rope + rope_kind[layer] * 2 * d;
+            float* sink = kv->sink + layer * kv->sink_layer_stride;
+            float* tail = kv->tail + layer * kv->tail_layer_stride;
+            // The new key/value's fp32 slot: in the sink, or in the tail after the packed blocks.
+            float* k_out = position < kv->sink_len ? sink + position * d : tail + (position - packed_end) * d;
+            float* v_out = k_out + (position < kv->sink_len ? kv->sink_kv_stride : kv->tail_kv_stride);
+            const int64_t out_stride = position < kv->sink_len ? kv->sink_head_stride : kv->tail_head_stride;
             block_pre_team(b, &t, cos, cos + d, k_out, v_out, out_stride, layer_lora, &slot, xa);
-            free(t.own);
-        }
-        const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-        kvgen_quantized_decode_attention(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, sink,
-                                         sink + kv->sink_kv_stride, kv->sink_head_stride, kv->sink_len,
-                                         &kv->key_codes[layer], &kv->value_codes[layer], num_blocks, kv->block_size,
-                                         tail, tail + kv->tail_kv_stride, kv->tail_head_stride, start, position + 1);
-#pragma omp parallel
-        {
-            const thread_scratch t = thread_scratch_new(b, 1, h);
+            const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
+            const codes_attention a = {b->num_heads, b->num_kv_heads, d, b->scale, sink, sink + kv->sink_kv_stride,
+                                       kv->sink_head_stride, kv->sink_len, &kv->key_codes[layer],
+                                       &kv->value_codes[layer], num_blocks, kv->block_size, tail,
+                                       tail + kv->tail_kv_stride, kv->tail_head_stride};
+            quantized_attention_team(b->qkv_out, b->attn, &a, start, position + 1, &c, &ct);
             block_finish_team(b, &t, layer_lora, &slot, xa);
-            free(t.own);
         }
+        codes_thread_free(&ct);
+        free(t.own);
     }
     free(xa);
+    codes_shared_free(&c);
 }

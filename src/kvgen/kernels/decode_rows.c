@@ -1,0 +1,300 @@
+// The rows step: every block for rows of one-token rows (decodes of many sequences, or several
+// tokens of one: a verify, a prompt), each row computed as the batch-1 step computes a lone token.
+//
+// This file is #included by decode.c (after paged_codes_attention.c).
+
+// Scratch for a step of `rows` one-token rows (decode_rows): each buffer holds every row.
+typedef struct {
+    float* x;        // [rows, widest]: normed inputs, then the MLP's activations
+    float* y;        // [rows, hidden]: sublayer outputs before the residual add
+    float* qkv_out;  // [rows, (heads + 2 kv_heads) * head_dim]
+    float* attn;     // [rows, heads * head_dim]
+    float* mlp;      // [rows, 2 * intermediate]
+    void* xq;        // activation blocks for [rows, widest]
+} rows_scratch;
+
+// Where a step of one-token rows keeps keys and values. Each row's new key/value go to
+// (base, tables + r * table_width, write_pos[r]) as kv_layout addresses them. A pool split into
+// layer groups (kv/layer_groups.py) keeps layer l in slot layer_slot[l] of each block and reads it
+// through its group's tables, tables + layer_group[l] * rows * table_width; NULL: slot l, one table. Attention reads the same
+// fp32 store (codes == NULL), or, over a pool of K/V codes, the row's code blocks plus the fp32 run
+// that starts at its staging slot (kv/paged_codes.py): then tables hold each row's slot and
+// write_pos its offset in the block.
+typedef struct {
+    float *k_base, *v_base;
+    int64_t layer_stride, head_stride, pos_stride, block_stride, block_size;
+    const int64_t* tables;
+    int64_t table_width;
+    const int64_t* write_pos;
+    const packed_codes* key_codes;    // [layers], or NULL
+    const packed_codes* value_codes;  // [layers]
+    const int64_t* code_tables;       // [rows, code_table_width] pool block ids
+    int64_t code_table_width, code_block_size;
+    const int64_t* num_code_blocks;   // [rows]
+    const int64_t* layer_slot;        // [layers], or NULL
+    const int64_t* layer_group;       // [layers], or NULL
+} rows_kv;
+
+static float* layer_store(const rows_kv* kv, float* base, int64_t layer) {
+    return base + (kv->layer_slot != NULL ? kv->layer_slot[layer] : layer) * kv->layer_stride;
+}
+
+// Row r's block table for `layer` (its layer group's).
+static const int64_t* row_table(const rows_kv* kv, int64_t layer, int64_t rows, int64_t r) {
+    const int64_t group = kv->layer_group != NULL ? kv->layer_group[layer] : 0;
+    return kv->tables + (group * rows + r) * kv->table_width;
+}
+
+// The rows step runs in one OpenMP parallel region for all its layers, as the batch-1 step does
+// (decode.c, thread_scratch): each matmul is the GEMM's team function over every row, the per-row
+// work (norms, RoPE, the new keys and values, residuals, the activation, quantizing the next
+// linear's input) is split over the team by rows, attention by head units, and a barrier closes
+// each phase. A fork and join per matmul, attention and activation cost ~1.2 us each on two Zen 4
+// cores, with the per-row work and a linear's bias run by one thread between them. Every output
+// is computed by one thread in the order it had before, so a row's bits do not depend on the team.
+
+// The codes branch's shared scratch (attention over a pool of K/V codes: paged_codes_attention_team).
+typedef struct {
+    float* q;             // [rows, widest heads * d]: each row's rotated queries, packed
+    int64_t* plan;        // [5 * rows]: query counts, first positions, recent K and V addresses, head strides
+    codes_work* items;    // [rows * most kv heads]: one per row and kv head
+    int64_t* q_offsets;   // [rows + 1]: row r's query is query r
+    int64_t d, group;     // the widest head and head group (each thread's codes_scratch)
+} rows_codes;
+
+// One rows step's arguments and shared scratch (see decode_rows).
+typedef struct {
+    const block_t* blocks;
+    int64_t num_layers, rows;
+    float* h;  // [rows, hidden]
+    const float* rope;
+    int64_t num_rope_kinds;
+    const int64_t *rope_kind, *window;
+    const rows_kv* kv;
+    const int64_t* positions;
+    const rows_scratch* s;
+    const lora_linear* lora;
+    const int64_t* lora_slots;
+    int32_t* sums;  // [rows, widest / 32]: activation blocks' code sums (the q5 kernel's offset)
+    float* xa;      // [rows, widest LoRA]: A x of each row
+    rows_codes codes;
+} rows_step;
+
+// Row r of x [rows, l->k] as the activation blocks linear l reads (s->xq [rows, l->k / 32]), with
+// their code sums where its kernel takes them: each block's codes depend on its 32 values alone.
+static void quantize_row(const rows_step* st, const qlinear* l, const float* x, int64_t r) {
+    const int64_t nb = l->k / QK;
+    block_x8* xq = (block_x8*)st->s->xq;
+    quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
+    if (l->kind == 3 && Q5_SUMS) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
+}
+
+// y [rows, l->n] = linear l of the quantized rows (s->xq) + its bias, by the team; returns after
+// the GEMM's barrier. Each output is summed as any other row count sums it (interleaved.c).
+static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
+    const block_x8* xq = (const block_x8*)st->s->xq;
+    const float* bias = l->has_bias ? l->bias : NULL;
+    const int64_t rows = st->rows;
+    if (l->kind == 0) {
+        kvgen_gemm_q4x8_team((const block_q4x8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 1) {
+        kvgen_gemm_q8x8_team((const block_q8x8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 2) {
+        kvgen_gemm_q8sx8_team((const block_q8sx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 3) {
+        kvgen_gemm_q5x8_team((const block_q5x8*)l->blocks, xq, Q5_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 4) {
+        kvgen_gemm_q4kx8_team((const block_q4kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    } else {
+        kvgen_gemm_q6kx8_team((const block_q6kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    }
+}
+
+// A linear of the rows, then the LoRA delta of each row with an adapter (x: the linear's input).
+static void linear_lora_rows_team(const rows_step* st, int64_t layer, int which, const qlinear* l, const float* x,
+                                  float* y) {
+    linear_rows_team(st, l, y);
+    const lora_linear* lora = st->lora ? st->lora + layer * LORA_LINEARS : NULL;
+    lora_team(lora, which, l, x, y, st->rows, st->lora_slots, st->xa);
+}
+
+// Row r's input to `layer`: its normed h, quantized for the QKV linear.
+static void row_input(const rows_step* st, int64_t layer, int64_t r) {
+    const block_t* b = &st->blocks[layer];
+    float* x = st->s->x + r * b->hidden;
+    rms_norm(st->h + r * b->hidden, b->input_norm, b->eps, b->hidden, x);
+    quantize_row(st, &b->qkv, st->s->x, r);
+}
+
+// Row r's QK-norm and RoPE, its new key and value into its slot and, over codes, its query packed
+// and its attention work item for each kv head.
+static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
+    const block_t* b = &st->blocks[layer];
+    const rows_kv* kv = st->kv;
+    const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d, rows = st->rows;
+    const float* cos = st->rope + (r * st->num_rope_kinds + st->rope_kind[layer]) * 2 * d;
+    float* q = st->s->qkv_out + r * (nq + 2 * nkv);
+    float* k = q + nq;
+    const float* v = k + nkv;
+    const kv_layout kl = {layer_store(kv, kv->k_base, layer), kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+    const kv_layout vl = {layer_store(kv, kv->v_base, layer), kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+    for (int64_t head = 0; head < b->num_heads; head++) {
+        if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
+        rotate_half(q + head * d, cos, cos + d, d);
+    }
+    for (int64_t head = 0; head < b->num_kv_heads; head++) {
+        if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
+        rotate_half(k + head * d, cos, cos + d, d);
+        memcpy((float*)kv_at(&kl, head, kv->write_pos[r]), k + head * d, (size_t)d * sizeof(float));
+        memcpy((float*)kv_at(&vl, head, kv->write_pos[r]), v + head * d, (size_t)d * sizeof(float));
+    }
+    if (kv->key_codes != NULL) {  // the row's fp32 run starts at its staging slot's position 0
+        const rows_codes* c = &st->codes;
+        c->plan[r] = 1, c->plan[rows + r] = st->positions[r];
+        c->plan[2 * rows + r] = (int64_t)(intptr_t)kv_at(&kl, 0, 0);
+        c->plan[3 * rows + r] = (int64_t)(intptr_t)kv_at(&vl, 0, 0);
+        c->plan[4 * rows + r] = kv->head_stride;
+        memcpy(c->q + r * nq, q, (size_t)nq * sizeof(float));
+        for (int64_t head = 0; head < b->num_kv_heads; head++)
+            c->items[r * b->num_kv_heads + head] = (codes_work){r, head, 0, 1};
+    }
+}
+
+// One layer's attention for every row, the new keys/values already stored, by the team (t: this
+// thread's codes scratch); returns after a barrier.
+static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
+    const block_t* b = &st->blocks[layer];
+    const rows_kv* kv = st->kv;
+    const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d, rows = st->rows;
+    const int64_t window = st->window[layer];
+    if (kv->key_codes != NULL) {
+        const rows_codes* c = &st->codes;
+        paged_codes_attention_team(c->items, rows * b->num_kv_heads, c->q, st->s->attn, c->q_offsets, c->plan + rows,
+                                   b->num_heads, b->num_kv_heads, d, b->scale, window, &kv->key_codes[layer],
+                                   &kv->value_codes[layer], kv->code_block_size, kv->code_tables,
+                                   kv->code_table_width, kv->num_code_blocks, c->plan + 2 * rows, c->plan + 3 * rows,
+                                   c->plan + 4 * rows, t);
+        return;
+    }
+    float* k_layer = layer_store(kv, kv->k_base, layer);
+    float* v_layer = layer_store(kv, kv->v_base, layer);
+    const head_units units = attention_units(rows, b->num_heads, b->num_kv_heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < rows * units.kv_heads * units.parts; u++) {
+        int64_t r, head;
+        const int64_t count = unit_heads(&units, u, &r, &head), end = st->positions[r] + 1;
+        const int64_t start = window > 0 && end > window ? end - window : 0;
+        const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+        const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+        attend_heads(st->s->qkv_out + r * qkv_width + head * d, st->s->attn + r * nq + head * d, count, &kl, &vl,
+                     head / units.group, start, end, b->scale, d);
+    }
+}
+
+// One layer for every row, by the team, each row's input already quantized into s->xq; leaves the
+// next layer's quantized (after the last layer: only h).
+static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
+    const block_t* b = &st->blocks[layer];
+    const rows_scratch* s = st->s;
+    const int64_t hidden = b->hidden, inter = b->intermediate, rows = st->rows;
+    linear_lora_rows_team(st, layer, LORA_QKV, &b->qkv, s->x, s->qkv_out);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) row_rotate(st, layer, r);
+    attend_rows_team(st, layer, t);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) quantize_row(st, &b->o, s->attn, r);
+    linear_lora_rows_team(st, layer, LORA_O, &b->o, s->attn, s->y);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        add_residual(st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
+        rms_norm(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
+        quantize_row(st, &b->gate_up, s->x, r);
+    }
+    linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {  // act(gate) * up, packed [rows, inter] into x for down()
+        gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
+        quantize_row(st, &b->down, s->x, r);
+    }
+    linear_lora_rows_team(st, layer, LORA_DOWN, &b->down, s->x, s->y);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        add_residual(st->h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
+        if (layer + 1 < st->num_layers) row_input(st, layer + 1, r);
+    }
+}
+
+// Every block for a batch of one-token rows: as kvgen_decode_layers does for one row, with the
+// matmuls of all rows in one tiled GEMM per weight. Row r is at positions[r] and has its own RoPE:
+// rope [rows, kinds, 2, d]. Keys and values: see rows_kv. lora: [num_layers, LORA_LINEARS] adapter
+// deltas or NULL; lora_slots[r]: row r's adapter slot (-1: none; rows without one get the bits of
+// the base-only step).
+static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
+                        int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, const rows_kv* kv,
+                        const int64_t* positions, const rows_scratch* s, const lora_linear* lora,
+                        const int64_t* lora_slots) {
+    int64_t widest = 0, nq = 0, kv_heads = 0, d = 0, group = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const block_t* b = &blocks[l];
+        widest = block_widest(b) > widest ? block_widest(b) : widest;
+        nq = b->num_heads * b->head_dim > nq ? b->num_heads * b->head_dim : nq;
+        kv_heads = b->num_kv_heads > kv_heads ? b->num_kv_heads : kv_heads;
+        d = b->head_dim > d ? b->head_dim : d;
+        group = b->num_heads / b->num_kv_heads > group ? b->num_heads / b->num_kv_heads : group;
+    }
+    rows_step st = {blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, kv, positions, s, lora,
+                    lora_slots, malloc(sizeof(int32_t) * (size_t)(rows * (widest / QK) + 1)),
+                    malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1)),
+                    {NULL, NULL, NULL, NULL, d, group}};
+    if (kv->key_codes != NULL) {
+        st.codes.q = malloc(sizeof(float) * (size_t)(rows * nq));
+        st.codes.plan = malloc(sizeof(int64_t) * (size_t)(5 * rows));
+        st.codes.items = malloc(sizeof(codes_work) * (size_t)(rows * kv_heads));
+        st.codes.q_offsets = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+        for (int64_t r = 0; r <= rows; r++) st.codes.q_offsets[r] = r;
+    }
+#pragma omp parallel
+    {
+        const codes_scratch t = kv->key_codes != NULL ? codes_scratch_new(d, group) : (codes_scratch){NULL, NULL, NULL};
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) row_input(&st, 0, r);
+        for (int64_t layer = 0; layer < num_layers; layer++) layer_rows_team(&st, layer, &t);
+        codes_scratch_free(&t);
+    }
+    free(st.codes.q_offsets);
+    free(st.codes.items);
+    free(st.codes.plan);
+    free(st.codes.q);
+    free(st.xa);
+    free(st.sums);
+}
+
+// Every block for one-token rows over one fp32 paged store: row r reads its blocks through
+// tables[r * table_width ..] (per layer group, with layer_slot / layer_group: see rows_kv).
+void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
+                       int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, float* k_base,
+                       float* v_base, int64_t layer_stride, int64_t head_stride, int64_t pos_stride,
+                       int64_t block_stride, int64_t block_size, const int64_t* tables, int64_t table_width,
+                       const int64_t* layer_slot, const int64_t* layer_group, const int64_t* positions,
+                       const rows_scratch* s, const lora_linear* lora, const int64_t* lora_slots) {
+    const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride, block_size, tables,
+                        table_width, positions, NULL, NULL, NULL, 0, 0, NULL, layer_slot, layer_group};
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
+}
+
+// Every block for one-token rows over a pool of K/V codes (kv/paged_codes.py): the new key/value go
+// to the row's staging slot (stage_* [layers, slots, kv_heads, block_size, d], slots[r], at
+// positions[r] % block_size); attention reads the row's code blocks and the slot.
+void kvgen_decode_rows_over_codes(const block_t* blocks, int64_t num_layers, int64_t rows, float* h,
+                                  const float* rope, int64_t num_rope_kinds, const int64_t* rope_kind,
+                                  const int64_t* window, float* stage_k, float* stage_v, int64_t layer_stride,
+                                  int64_t head_stride, int64_t slot_stride, int64_t block_size, const int64_t* slots,
+                                  const int64_t* offsets, const packed_codes* key_codes,
+                                  const packed_codes* value_codes, const int64_t* code_tables,
+                                  int64_t code_table_width, const int64_t* num_code_blocks, const int64_t* positions,
+                                  const rows_scratch* s, const lora_linear* lora, const int64_t* lora_slots) {
+    const int64_t d = blocks[0].head_dim;
+    const rows_kv kv = {stage_k, stage_v, layer_stride, head_stride, d, slot_stride, block_size, slots, 1, offsets,
+                        key_codes, value_codes, code_tables, code_table_width, block_size, num_code_blocks, NULL, NULL};
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
+}
