@@ -60,8 +60,8 @@ def repack_x8(weight: QuantizedWeight) -> torch.Tensor:
     """Row-major blocks -> the kernels' layout of 8 interleaved rows (rows padded to a multiple of 8),
     on transparent huge pages where the system gives them: a decode step streams every weight once
     from DRAM, and on 4 KB pages each page is a TLB miss and a fresh start for the hardware
-    prefetchers (batch-1 decode of Gemma 3 270M on Zen 4: 1.03-1.17x with two threads, as fast as the
-    machine's memory is at the time, 1.25x with one; benchmarks/weight_pages_ab.py)."""
+    prefetchers (batch-1 decode of Gemma 3 270M on Zen 4: 1.03-1.17x with two threads, with the
+    machine's memory bandwidth of the time, 1.25x with one; benchmarks/weight_pages_ab.py)."""
     library = load()
     assert library is not None
     groups = -(-weight.out_features // INTERLEAVED_ROWS)
