@@ -5,7 +5,8 @@ One model, two copies of every repacked weight; each turn points the quantized l
 decode step built over that copy at one side, alternating, so a slow spell of the machine hits
 both. Each round times generate(N) - generate(1) per side and counts only if other processes kept
 the CPUs under --quiet busy meanwhile (this machine is shared); medians, the median paired ratio
-and how much of each copy the kernel put on huge pages are printed; both sides' tokens must agree.
+and how much of each copy the kernel put on huge pages are printed, and written with every sample
+to benchmarks/results/weight_pages-<model>-<cpu class>.json; both sides' tokens must agree.
 
     python benchmarks/weight_pages_ab.py --model gemma3-270m --rounds 9
 """
@@ -15,14 +16,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kvgen import LLM, SamplingParams
-from kvgen.models.fast_decode import FastDecoder
-from kvgen.models.quantized_linear import QuantizedLinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_class, write_results  # noqa: E402
+
+from kvgen import LLM, SamplingParams  # noqa: E402
+from kvgen.models.fast_decode import FastDecoder  # noqa: E402
+from kvgen.models.quantized_linear import QuantizedLinear  # noqa: E402
 
 
 def huge_bytes(tensors: list[torch.Tensor]) -> int:
@@ -46,10 +53,6 @@ def busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def own_seconds() -> float:
-    return time.process_time()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma3-270m")
@@ -62,18 +65,21 @@ def main() -> None:
     model = llm.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     copies = {"huge": [m.blocks for m in linears], "4k": [m.blocks.clone() for m in linears]}
-    decoders = {}
-    for side, blocks in copies.items():
-        for module, tensor in zip(linears, blocks):
+
+    def point_at(side: str) -> None:
+        for module, tensor in zip(linears, copies[side]):
             module.blocks, module._blocks_ptr = tensor, tensor.data_ptr()
+
+    decoders = {}
+    for side in copies:
+        point_at(side)
         decoders[side] = FastDecoder(model)  # its C structs point at this copy
     size = sum(t.numel() for t in copies["huge"])
     for side, blocks in copies.items():
         print(f"{side}: {huge_bytes(blocks) / 1e6:.1f} of {size / 1e6:.1f} MB on huge pages")
 
     def use(side: str) -> None:
-        for module, tensor in zip(linears, copies[side]):
-            module.blocks, module._blocks_ptr = tensor, tensor.data_ptr()
+        point_at(side)
         model._fast_decoder = decoders[side]
 
     ids = llm.tokenizer.encode("The history of the printing press begins")
@@ -85,7 +91,7 @@ def main() -> None:
     tokens: dict[str, list[int]] = {}
     tried = 0
     while len(rates["huge"]) < args.rounds and tried < 20 * args.rounds:
-        busy, own, wall = busy_seconds(), own_seconds(), time.perf_counter()
+        busy, own, wall = busy_seconds(), time.process_time(), time.perf_counter()
         sample = {}
         for side in list(copies) if tried % 2 == 0 else list(copies)[::-1]:
             use(side)
@@ -95,7 +101,7 @@ def main() -> None:
             start = time.perf_counter()
             tokens[side] = generate(args.new_tokens)
             sample[side] = (args.new_tokens - 1) / (time.perf_counter() - start - first)
-        share = ((busy_seconds() - busy) - (own_seconds() - own)) / ((time.perf_counter() - wall) * (os.cpu_count() or 1))
+        share = ((busy_seconds() - busy) - (time.process_time() - own)) / ((time.perf_counter() - wall) * (os.cpu_count() or 1))
         counted = tried > 0 and share < args.quiet  # try 0 warms up
         if counted:
             for side, rate in sample.items():
@@ -111,6 +117,12 @@ def main() -> None:
     ratios = [h / p for h, p in zip(rates["huge"], rates["4k"])]
     print(f"{args.model} huge / 4k: median paired ratio {statistics.median(ratios):.3f}  "
           f"[{', '.join(f'{r:.3f}' for r in ratios)}]")  # fmt: skip
+    path = write_results(f"weight_pages-{args.model}-{cpu_class()}", {
+        "model": args.model, "new_tokens": args.new_tokens, "quiet": args.quiet, "tries": tried,
+        "threads": torch.get_num_threads(), "huge_page_bytes": {side: huge_bytes(b) for side, b in copies.items()},
+        "decode_tok_s": rates, "median_paired_ratio": statistics.median(ratios), "ratios": ratios,
+    })  # fmt: skip
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

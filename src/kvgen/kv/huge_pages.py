@@ -69,7 +69,7 @@ def _fresh(nbytes: int) -> torch.Tensor:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty on the CPU, its memory advised onto huge pages before anything touches it (a
     buffer of a huge page or more: a fresh mapping, starting on a 2 MB boundary)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < HUGE_PAGE or _madvise() is None:
         return torch.empty(shape, dtype=dtype)
     return _fresh(nbytes).view(dtype).view(shape)
