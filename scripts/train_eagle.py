@@ -1,4 +1,4 @@
-"""Train the EAGLE draft head on the target's own greedy chat replies (self-distillation, CPU, minutes).
+"""Train the EAGLE draft head on the target's own greedy chat replies (self-distillation, CPU).
 
     python scripts/train_eagle.py --model smollm2 --out src/kvgen/speculative/weights/eagle_smollm2.safetensors
 
@@ -8,11 +8,12 @@
    last block's output before the final norm, from the same C rows step that verifies drafts) and
    the target's greedy next token at every position.
 3. The draft vocabulary: the `--draft-vocab` tokens the target emits most often in its replies.
-4. Train the head to map (f_t, embedding of x_{t+1}) to f_{t+1}, unrolled over `--unroll` steps so it
-   learns from its own predictions as drafting does, with a cross-entropy on the target's greedy
-   token over the draft vocabulary plus a feature loss (on the normalised features the LM head
-   reads). Positions are those of the replies (where drafting happens); a few requests are held out
-   and report the head's top-1 agreement with the target over the full draft step.
+4. Train the head (one decoder layer, kvgen/speculative/eagle_head.py) over whole replies, teacher-
+   forced: at reply position j it reads (f_j, embedding of x_{j+1}) and the earlier positions, and
+   predicts f_{j+1}; the loss is a cross-entropy on the target's greedy token over the draft
+   vocabulary plus a feature loss (on the normalised features the LM head reads). A few requests
+   are held out: they report the head's top-1 agreement with the target, and at the end chains of
+   drafts as the proposer runs them (on its own predictions after the first).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from eagle_prompts import chat_requests  # noqa: E402
 from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
 from kvgen.kv.interface import CacheSpec  # noqa: E402
-from kvgen.speculative.eagle import SHIPPED_WEIGHTS, EagleHead, draft_head_rows, save_eagle_head  # noqa: E402
+from kvgen.speculative.eagle import SHIPPED_WEIGHTS, draft_head_rows, save_eagle_head  # noqa: E402
+from kvgen.speculative.eagle_head import EagleHead, HeadCache  # noqa: E402
 
 
 def replies(llm: LLM, requests: list[str], new_tokens: int, batch: int) -> list[tuple[list[int], list[int]]]:
@@ -55,38 +57,85 @@ def replies(llm: LLM, requests: list[str], new_tokens: int, batch: int) -> list[
 
 
 @torch.inference_mode()
-def extract(llm: LLM, pairs: list[tuple[list[int], list[int]]], unroll: int):
-    """-> features [N, H], input ids [N], greedy next ids [N], the positions t a training example
-    starts at (a reply position with t+unroll in the same sequence), and each position's sequence."""
+def extract(llm: LLM, pairs: list[tuple[list[int], list[int]]]):
+    """-> features [N, H], ids [N], the target's greedy next ids [N] over every prompt + reply, and
+    each reply's span (its first token's index, the sequence's end) in those rows."""
     model = llm.model
-    feats, tokens, greedy, starts, seqs = [], [], [], [], []
+    feats, tokens, greedy, spans = [], [], [], []
     offset = 0
-    for i, (prompt, reply) in enumerate(pairs):
+    for prompt, reply in pairs:
         ids = prompt + reply
         cache = ContiguousCache(CacheSpec.for_model(model.config, model.dtype), len(ids))
         h = model.hidden_states(torch.tensor([ids]), cache)[0]  # [S, H]
         feats.append(h.clone())
         tokens.append(torch.tensor(ids))
         greedy.append(model.logits_from_hidden(h).argmax(-1))
-        starts.append(torch.arange(len(prompt) - 1, len(ids) - unroll) + offset)
-        seqs.append(torch.full((len(ids),), i))
+        spans.append((offset + len(prompt), offset + len(ids)))
         offset += len(ids)
-    return torch.cat(feats), torch.cat(tokens), torch.cat(greedy), torch.cat(starts), torch.cat(seqs)
+    return torch.cat(feats), torch.cat(tokens), torch.cat(greedy), spans
+
+
+class Replies:
+    """Reply spans as padded training batches: at reply index j the head reads (f_j, x_{j+1}) and
+    learns f_{j+1} and the target's greedy token after it."""
+
+    def __init__(self, feats: torch.Tensor, tokens: torch.Tensor, greedy: torch.Tensor, embeddings: torch.Tensor,
+                 to_draft: torch.Tensor):  # fmt: skip
+        self.feats, self.tokens, self.greedy, self.embeddings, self.to_draft = feats, tokens, greedy, embeddings, to_draft
+
+    def batch(self, spans: list[tuple[int, int]]):
+        """-> features, next-token embeddings, next features [B, S, H]; draft-vocabulary labels and
+        target ids [B, S] (-100 and -1 on padding)."""
+        length = max(end - first - 1 for first, end in spans)
+        hidden = self.feats.shape[1]
+        f, x, f_next = (torch.zeros(len(spans), length, hidden) for _ in range(3))
+        labels = torch.full((len(spans), length), -100, dtype=torch.long)
+        target = torch.full((len(spans), length), -1, dtype=torch.long)
+        for b, (first, end) in enumerate(spans):
+            j = torch.arange(first, end - 1)
+            n = len(j)
+            f[b, :n], x[b, :n], f_next[b, :n] = self.feats[j], self.embeddings[self.tokens[j + 1]], self.feats[j + 1]
+            labels[b, :n], target[b, :n] = self.to_draft[self.greedy[j + 1]], self.greedy[j + 1]
+        return f, x, f_next, labels, target
+
+
+@torch.inference_mode()
+def chain_agreement(head: EagleHead, data: Replies, spans: list[tuple[int, int]], rows: torch.Tensor, norm,
+                    length: int = 4, every: int = 3) -> list[float]:  # fmt: skip
+    """Drafting as the proposer does it, every `every` reply positions: the head's cache holds the
+    target's features before the position, the chain runs on its own predictions; the share of
+    chains whose first 1..length drafts all equal the target's greedy tokens."""
+    hits, chains = [0] * length, 0
+    for first, end in spans:
+        cache = HeadCache(head)
+        for j in range(first, end - length - 1, every):
+            cache.truncate(j - first)
+            if cache.length < j - first:  # the target's features up to j
+                known = torch.arange(first + cache.length, j)
+                cache.run(data.feats[known], data.embeddings[data.tokens[known + 1]])
+            features, token, alive = data.feats[j][None], int(data.tokens[j + 1]), True
+            for step in range(length):
+                features = cache.run(features, data.embeddings[token][None])
+                token = int(head.draft_vocab[F.linear(norm(features), rows)[0].argmax()])
+                alive = alive and token == int(data.greedy[j + 1 + step])
+                hits[step] += alive
+            chains += 1
+    return [h / max(chains, 1) for h in hits]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", default="q4", help="the target weights whose features the head learns")
-    parser.add_argument("--requests", type=int, default=400, help="chat requests the target answers")
-    parser.add_argument("--holdout", type=int, default=16, help="of those, held out for the report")
-    parser.add_argument("--new-tokens", type=int, default=128, help="reply length per request")
+    parser.add_argument("--requests", type=int, default=2592, help="chat requests the target answers")
+    parser.add_argument("--holdout", type=int, default=32, help="of those, held out for the report")
+    parser.add_argument("--new-tokens", type=int, default=160, help="reply length per request")
     parser.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head drafts from")
     parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--unroll", type=int, default=3, help="chained steps per example")
-    parser.add_argument("--inner", type=int, default=1024, help="the head's inner width")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=24, help="replies per step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--inner", type=int, default=1536, help="the head's MLP width")
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=SHIPPED_WEIGHTS)
     parser.add_argument("--data", type=Path, default=None, help="cache the replies and features in this file")
     args = parser.parse_args()
@@ -95,65 +144,62 @@ def main() -> None:
 
     started = time.perf_counter()
     llm = LLM.load(args.model, progress=False, weights=args.weights)
-    model = llm.model
+    model, config = llm.model, llm.model.config
     if args.data is not None and args.data.exists():
-        feats, tokens, greedy, starts, seqs = torch.load(args.data)
+        feats, tokens, greedy, spans = torch.load(args.data)
     else:
         pairs = replies(llm, chat_requests(args.requests), args.new_tokens, batch=16)
         print(f"replies: {sum(len(r) for _, r in pairs)} tokens in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-        feats, tokens, greedy, starts, seqs = extract(llm, pairs, args.unroll)
+        feats, tokens, greedy, spans = extract(llm, pairs)
         if args.data is not None:
-            torch.save((feats, tokens, greedy, starts, seqs), args.data)
-    print(f"{len(starts)} training positions, {time.perf_counter() - started:.0f}s", file=sys.stderr)
+            torch.save((feats, tokens, greedy, spans), args.data)
+    train, holdout = spans[: -args.holdout], spans[-args.holdout :]
+    labelled = torch.cat([torch.arange(first + 1, end) for first, end in train])  # positions whose next id is learnt
+    print(f"{len(labelled)} training positions in {len(train)} replies, {time.perf_counter() - started:.0f}s", file=sys.stderr)
 
-    # The draft vocabulary: the target's most frequent tokens in its replies (the labels of the
-    # training positions and the steps after them).
-    reply_labels = greedy[torch.cat([starts + s for s in range(1, args.unroll + 1)]).unique()]
-    counts = torch.bincount(reply_labels, minlength=model.config.vocab_size)
+    # The draft vocabulary: the target's most frequent next tokens over the training replies.
+    counts = torch.bincount(greedy[labelled], minlength=config.vocab_size)
     vocab = counts.argsort(descending=True)[: min(args.draft_vocab, int((counts > 0).sum()))].sort().values
     coverage = counts[vocab].sum().item() / counts.sum().item()
     print(f"draft vocabulary {len(vocab)} tokens, {coverage:.3f} of the reply tokens", file=sys.stderr)
-    to_sub = torch.full((model.config.vocab_size,), -100, dtype=torch.long)  # -100: ignored by the loss
-    to_sub[vocab] = torch.arange(len(vocab))
+    to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)  # -100: ignored by the loss
+    to_draft[vocab] = torch.arange(len(vocab))
     rows = draft_head_rows(model, vocab)
-    embeddings = model.embed_tokens.float()
     norm = model.norm
+    data = Replies(feats, tokens, greedy, model.embed_tokens.float(), to_draft)
 
-    head = EagleHead(model.config.hidden_size, args.inner, vocab)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=2e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=args.steps, pct_start=0.05)
-    num_seqs = int(seqs.max()) + 1
-    held = seqs[starts] >= num_seqs - args.holdout
-    holdout, train = starts[held], starts[~held]
+    head = EagleHead(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, args.inner, vocab)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
 
-    def loss_on(t: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-        f = feats[t]
-        loss, agree = torch.zeros(()), []
-        alive = torch.ones(len(t), dtype=torch.bool)  # every earlier step agreed (what a chain accepts)
-        for step in range(1, args.unroll + 1):  # later steps read the head's own predictions
-            f = head(f, embeddings[tokens[t + step]])
-            target = F.normalize(feats[t + step], dim=-1) * f.shape[-1] ** 0.5
-            loss = loss + F.smooth_l1_loss(F.normalize(f, dim=-1) * f.shape[-1] ** 0.5, target)
-            logits = F.linear(norm(f), rows)
-            labels = to_sub[greedy[t + step]]
-            loss = loss + F.cross_entropy(logits, labels, ignore_index=-100)
-            alive = alive & (vocab[logits.argmax(-1)] == greedy[t + step])
-            agree.append(alive.float().mean().item())
+    def loss_on(batch: list[tuple[int, int]]) -> tuple[torch.Tensor, float]:
+        f, x, f_next, labels, target = data.batch(batch)
+        predicted = head.forward_sequences(f, x)
+        scale = predicted.shape[-1] ** 0.5
+        real = labels != -100
+        loss = F.smooth_l1_loss(F.normalize(predicted, dim=-1)[real] * scale, F.normalize(f_next, dim=-1)[real] * scale)
+        logits = F.linear(norm(predicted), rows)
+        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        agree = (vocab[logits.argmax(-1)] == target)[target >= 0].float().mean().item()
         return loss, agree
 
     for step in range(args.steps):
-        batch = train[torch.randint(len(train), (args.batch,))]
-        loss, _ = loss_on(batch)
+        head.train()
+        loss, _ = loss_on([train[i] for i in torch.randint(len(train), (args.batch,)).tolist()])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         if step % 100 == 0 or step == args.steps - 1:
+            head.eval()
             with torch.no_grad():
                 held_loss, held_agree = loss_on(holdout)
-            print(f"step {step}: loss {loss.item():.3f}, held-out loss {held_loss.item():.3f}, held-out chains "
-                  f"agreeing with the target for 1..{args.unroll} tokens {' '.join(f'{a:.3f}' for a in held_agree)} "
-                  f"({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
+            print(f"step {step}: loss {loss.item():.3f}, held-out loss {held_loss.item():.3f}, held-out top-1 "
+                  f"agreement with the target {held_agree:.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
+    head.eval()
+    chains = chain_agreement(head, data, holdout, rows, norm)
+    print(f"held-out chains whose first 1..{len(chains)} drafts all agree: {' '.join(f'{c:.3f}' for c in chains)}",
+          file=sys.stderr)  # fmt: skip
     save_eagle_head(head, args.out, args.model)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - started:.0f}s")
 

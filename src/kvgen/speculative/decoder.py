@@ -74,7 +74,7 @@ class SpeculativeDecoder:
         logits = self._target([self.ids[-1]])[-1]
         token = self.sampler(logits)
         if self.proposer.needs_target_features:
-            self.proposer.observe_features(self._features[-1])
+            self.proposer.observe_features(self._features)
             self._has_features = True
         self.stats.plain_steps += 1
         return token
@@ -92,12 +92,13 @@ class SpeculativeDecoder:
         def logits_at(i: int) -> torch.Tensor:
             nonlocal forwards
             forwards += 1
-            return self._target([inputs[i]])[-1]
+            logits = self._target([inputs[i]])[-1]
+            if self.proposer.needs_target_features:  # every input run here is committed
+                self.proposer.observe_features(self._features)
+            return logits
 
         tokens = verify_each(logits_at, draft, self.sampler)
         accepted = len(tokens) - 1
-        if self.proposer.needs_target_features:
-            self.proposer.observe_features(self._features[-1])
         self.controller.record(len(draft.tokens), accepted, time.perf_counter() - started, draft_seconds=drafted)
         self.stats.record_probe(len(draft.tokens), accepted, forwards)
         return tokens
@@ -109,7 +110,7 @@ class SpeculativeDecoder:
         accepted = len(tokens) - 1
         self.cache.truncate(start + 1 + accepted)  # the rejected drafts' keys and values go
         if self.proposer.needs_target_features:
-            self.proposer.observe_features(self._features[accepted])
+            self.proposer.observe_features(self._features[: accepted + 1])
         self.controller.record(len(draft.tokens), accepted, seconds=time.perf_counter() - started)
         self.stats.record_verify(len(draft.tokens), accepted)
         return tokens

@@ -1,22 +1,22 @@
-"""EAGLE-style draft head: predicts the target's next last-layer feature from its current one.
+"""EAGLE-style drafting: a head predicts the target's next last-layer feature, the target's own
+norm and output rows turn it into a draft token.
 
-Input: the target's last block output f_t at the last cached position and the embedding of the token
-x_{t+1} chosen after it. Output: f_{t+1}, which the target's own final norm and the rows of its LM
-head for a **draft vocabulary** (the few thousand tokens the target emits most often, as in EAGLE-3)
-turn into draft logits; drafting k tokens chains the head on its own predicted features (EAGLE, Li et
-al. 2024). A draft token costs the head's MLP and a small matrix product instead of the full output
-head; verification still scores the full vocabulary, so output is exact whatever the head drafts.
-This head is a residual two-layer MLP (no attention, ~1.8M parameters, shipped in fp16 with its
-draft vocabulary) trained by `scripts/train_eagle.py` on SmolLM2's own greedy chat replies.
+The head (eagle_head.py: one decoder layer over the reply's features) maps the target's last block
+output f_t and the embedding of the token x_{t+1} chosen after it to f_{t+1}; the target's final norm
+and the rows of its LM head for a **draft vocabulary** (the few thousand tokens the target emits most
+often, as in EAGLE-3) turn that into draft logits; drafting k tokens chains the head on its own
+predicted features (EAGLE, Li et al. 2024). A draft token costs the head's layer and a small matrix
+product instead of the target; verification still scores the full vocabulary, so output is exact
+whatever the head drafts. `scripts/train_eagle.py` trains it on SmolLM2's own greedy chat replies.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels.formats import QuantizedWeight, requantize
@@ -24,29 +24,10 @@ from kvgen.models.base import DecoderLM
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.sampler import argmax
+from kvgen.speculative.eagle_head import EagleHead, HeadCache
 from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend, mask_logits
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors"
-
-
-def rms(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-class EagleHead(nn.Module):
-    def __init__(self, hidden_size: int, inner_size: int, draft_vocab: torch.Tensor):
-        super().__init__()
-        self.hidden_size, self.inner_size = hidden_size, inner_size
-        self.feature_scale = nn.Parameter(torch.ones(hidden_size))
-        self.token_scale = nn.Parameter(torch.ones(hidden_size))
-        self.fc1 = nn.Linear(2 * hidden_size, inner_size)
-        self.fc2 = nn.Linear(inner_size, hidden_size)
-        self.register_buffer("draft_vocab", draft_vocab.long())  # [N] target token ids the head drafts from
-
-    def forward(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
-        """features, token_embeddings [N, H] -> predicted next features [N, H]."""
-        x = torch.cat([rms(features) * self.feature_scale, rms(token_embeddings) * self.token_scale], dim=-1)
-        return features + self.fc2(F.silu(self.fc1(x)))
 
 
 def draft_head_rows(model: DecoderLM, vocab: torch.Tensor) -> torch.Tensor:
@@ -72,12 +53,28 @@ def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
     return linear.requires_grad_(False)
 
 
+HEAD_LINEARS = ("fc", "q", "k", "v", "o", "gate", "up", "down")
+
+
+def quantized_linears(head: EagleHead) -> dict[str, QuantizedWeight]:
+    """The head's linears requantized to 8 bits for the C kernel, for a quantized target: a draft
+    token then reads ~4 MB of head weights instead of ~17 MB in fp32."""
+    return {name: requantize(getattr(head, name).weight, "q8s") for name in HEAD_LINEARS}
+
+
+def head_over(head: EagleHead, linears: dict[str, QuantizedWeight]) -> EagleHead:
+    """`head` with its linears running the C kernel over `linears`, each with its own scratch
+    buffer (proposers may run in several threads); the norms and scales are shared."""
+    view = copy.copy(head)
+    view._modules = dict(head._modules) | {name: QuantizedLinear(weight) for name, weight in linears.items()}
+    return view
+
+
 # Per model and weight file: the loaded head and its draft rows. Building them dequantizes the
 # whole output head (~0.3 s on 2 cores); a request must not pay that (shared read-only; keyed on the file's
 # modification time, so a retrained head is read again).
-_loaded: "weakref.WeakKeyDictionary[DecoderLM, dict[tuple[str, int], tuple[EagleHead, QuantizedWeight | torch.Tensor]]]" = (
-    weakref.WeakKeyDictionary()
-)
+_Loaded = tuple[EagleHead, QuantizedWeight | torch.Tensor, dict[str, QuantizedWeight] | None]
+_loaded: "weakref.WeakKeyDictionary[DecoderLM, dict[tuple[str, int], _Loaded]]" = weakref.WeakKeyDictionary()
 
 
 def eagle_proposer(model: DecoderLM, path: str | Path | None) -> "EagleProposer":
@@ -87,9 +84,10 @@ def eagle_proposer(model: DecoderLM, path: str | Path | None) -> "EagleProposer"
     per_model = _loaded.setdefault(model, {})
     if key not in per_model:
         head = load_eagle_head(path, model)
-        per_model[key] = head, draft_projection_weight(model, head.draft_vocab)
-    head, weight = per_model[key]
-    return EagleProposer(model, head, weight)
+        linears = quantized_linears(head) if isinstance(model.lm_head, QuantizedLinear) else None
+        per_model[key] = head, draft_projection_weight(model, head.draft_vocab), linears
+    head, weight, linears = per_model[key]
+    return EagleProposer(model, head_over(head, linears) if linears is not None else head, weight)
 
 
 def save_eagle_head(head: EagleHead, path: Path, model_name: str) -> None:
@@ -97,7 +95,7 @@ def save_eagle_head(head: EagleHead, path: Path, model_name: str) -> None:
 
     tensors = {name: t.detach().half().contiguous() for name, t in head.state_dict().items() if name != "draft_vocab"}
     tensors["draft_vocab"] = head.draft_vocab.int().contiguous()
-    metadata = {"hidden_size": str(head.hidden_size), "inner_size": str(head.inner_size), "model": model_name}
+    metadata = {name: str(value) for name, value in head.shape().items()} | {"model": model_name}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=metadata)
 
@@ -122,12 +120,19 @@ def load_eagle_head(path: str | Path | None, model: DecoderLM) -> EagleHead:
     vocab = tensors.pop("draft_vocab").long()
     if len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.config.vocab_size:
         raise ValueError(f"the EAGLE head at {path} drafts token ids outside the target's vocabulary")
-    head = EagleHead(hidden, int(meta["inner_size"]), vocab)
+    if "fc.weight" not in tensors:
+        raise ValueError(f"the EAGLE head at {path} is not a one-layer head: retrain it with scripts/train_eagle.py")
+    shape = {name: int(meta[name]) for name in ("heads", "kv_heads", "head_dim", "inner_size")}
+    head = EagleHead(hidden, shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inner_size"], vocab)
     head.load_state_dict({name: t.float() for name, t in tensors.items()} | {"draft_vocab": vocab})
     return head.eval().requires_grad_(False)
 
 
 class EagleProposer(Proposer):
+    """Drafts by chaining the head. It keeps the head's keys and values for the reply so far: the
+    positions the target has committed enter with the target's own features (handed over after each
+    target forward), the drafted ones with the head's predictions, dropped at the next draft."""
+
     needs_target_features = True
 
     def __init__(self, model: DecoderLM, head: EagleHead, projection: QuantizedWeight | torch.Tensor | None = None):
@@ -135,10 +140,12 @@ class EagleProposer(Proposer):
         self.vocab = head.draft_vocab
         weight = projection if projection is not None else draft_projection_weight(model, self.vocab)
         self.project = draft_projection(weight)  # [H] -> [N]
-        self._features: torch.Tensor | None = None  # [H], target feature at the last cached position
+        self.cache = HeadCache(head)  # committed reply positions, then this draft's
+        self._committed = 0  # positions of `cache` that hold the target's features
+        self._pending: list[torch.Tensor] = []  # [n, H] committed features not run through the head yet
 
     def observe_features(self, features: torch.Tensor) -> None:
-        self._features = features  # a reference: a paused proposer costs nothing per step
+        self._pending.append(features)  # a reference: a paused proposer costs nothing per step
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Predicted features [1, H] -> logits over the draft vocabulary [N]."""
@@ -160,16 +167,28 @@ class EagleProposer(Proposer):
             return None  # the grammar allows no draft-vocabulary token here
         return policy.pick(full, constraint)
 
-    @torch.inference_mode()
     def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
-        assert self._features is not None, "EAGLE drafts from the target's features: observe_features first"
-        features, token = self._features[None], ids[-1]
+        assert self._pending, "EAGLE drafts from the target's features: observe_features first"
+        with torch.inference_mode():
+            return self._propose(ids, num_tokens, policy, constraint)
+
+    def _propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
+        # The positions committed since the last draft enter the head with the target's features
+        # (the last draft's positions go); the token after each is the id committed after it, the
+        # last len(new) ids. The head's output at the last one is the first draft's feature.
+        new = torch.cat(self._pending)
+        self._pending = []
+        self.cache.truncate(self._committed)
+        after = self.model.embed_tokens[torch.tensor(ids[len(ids) - len(new) :])].float()
+        features = self.cache.run(new, after)[-1:]
+        self._committed = self.cache.length
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         with DraftedPath(constraint) as path:
             while len(tokens) < num_tokens and can_extend(constraint):
-                embedding = self.model.embed_tokens[token][None]  # [1, H]
-                features = self.head(features, embedding)
+                if tokens:  # chain on the head's own prediction
+                    embedding = self.model.embed_tokens[tokens[-1]][None].float()
+                    features = self.cache.run(features, embedding)
                 picked = self._pick(features, policy, constraint)
                 if picked is None:
                     break

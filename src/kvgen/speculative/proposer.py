@@ -100,7 +100,8 @@ class Proposer(ABC):
         must be left in the state it was found in."""
 
     def observe_features(self, features: torch.Tensor) -> None:
-        """features [H]: the target's last block output at the last position of its cache."""
+        """features [n, H]: the target's last block output at the positions its cache gained since
+        the last call, in order (every committed position is handed over once)."""
 
     def attach(self, cache: KVCache) -> None:
         """The target's cache for this request, which holds every committed id but the last whenever
