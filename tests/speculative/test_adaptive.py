@@ -100,6 +100,20 @@ def test_a_draft_that_costs_more_than_it_saves_counts_as_failed():
     assert c.draft_length() == 0
 
 
+def test_a_step_that_only_breaks_even_counts_as_failed():
+    c = DraftLengthController(initial=2, min_length=1, max_length=4, cooldown=4)
+    c.record_plain(0.010)
+    c.record(2, 2, seconds=0.0285)  # 3 tokens in 0.95 of their plain time: not worth drafting
+    assert c.length == 1
+    c.record(1, 1, seconds=0.0175)  # 2 tokens in 0.875 of their plain time: pays, and grows
+    assert c.length == 2
+    c.record(2, 2, seconds=0.0285)
+    c.record(1, 1, seconds=0.019)  # 0.95 at the minimum length: the second such step pauses
+    assert c.draft_length() == 1
+    c.record(1, 1, seconds=0.019)
+    assert c.draft_length() == 0
+
+
 def test_a_timed_caller_probes_one_token_first_and_a_slow_proposer_pauses_longer():
     c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
     c.start_with_probe()
