@@ -106,6 +106,9 @@ def test_bad_head_files_are_refused(smollm2_q4, tmp_path: Path):
     save_file(no_layer, str(tmp_path / "c.safetensors"), metadata=meta)
     with pytest.raises(ValueError, match="not a one-layer head"):
         load_eagle_head(tmp_path / "c.safetensors", model)
+    save_file(tensors, str(tmp_path / "e.safetensors"), metadata={k: v for k, v in meta.items() if k != "kv_heads"})
+    with pytest.raises(ValueError, match="does not record its kv_heads"):
+        load_eagle_head(tmp_path / "e.safetensors", model)
     save_file(tensors, str(tmp_path / "d.safetensors"), metadata=meta | {"hidden_size": "960"})
     with pytest.raises(ValueError, match="hidden size 960"):
         load_eagle_head(tmp_path / "d.safetensors", model)

@@ -122,6 +122,10 @@ def load_eagle_head(path: str | Path | None, model: DecoderLM) -> EagleHead:
         raise ValueError(f"the EAGLE head at {path} drafts token ids outside the target's vocabulary")
     if "fc.weight" not in tensors:
         raise ValueError(f"the EAGLE head at {path} is not a one-layer head: retrain it with scripts/train_eagle.py")
+    missing = [name for name in ("heads", "kv_heads", "head_dim", "inner_size") if name not in meta]
+    if missing:
+        raise ValueError(f"the EAGLE head at {path} does not record its {', '.join(missing)}: retrain it with "
+                         "scripts/train_eagle.py")  # fmt: skip
     shape = {name: int(meta[name]) for name in ("heads", "kv_heads", "head_dim", "inner_size")}
     head = EagleHead(hidden, shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inner_size"], vocab)
     head.load_state_dict({name: t.float() for name, t in tensors.items()} | {"draft_vocab": vocab})
