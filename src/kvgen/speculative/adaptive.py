@@ -63,18 +63,10 @@ class DraftLengthController:
     (`probing`, `record(..., draft_seconds=)`), so that a failed probe costs only its draft; a probe
     whose drafts are accepted lets the next draft be verified batched, which must then pay."""
 
-    # A timed step that only breaks even is not worth drafting: the draft's side costs fall outside
-    # its time (a drafting head's weights evict the target's from the caches for the plain steps
-    # after it), and drafting near break-even only adds variance. In-process turns (10 rounds,
-    # quiet) at 0.9 against 1.0: EAGLE on chat 0.985x against 0.966x of plain decoding, on
-    # open-ended text 0.971x against 0.955x, the layer-skip draft there 0.964x against 0.952x;
-    # prompt lookup unchanged (1.02x open-ended, 2.23x against 2.21x on quoting).
-    pay_ratio = 0.9
-
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
         window: int = 8, grow_above: float = 0.8, shrink_below: float = 0.4, cooldown: int = 16,
-        max_cooldown: int = 256, patience: int = 2,
+        max_cooldown: int = 256, patience: int = 2, pay_ratio: float = 0.9,
     ):  # fmt: skip
         if not 1 <= min_length <= initial <= max_length:
             raise ValueError(f"need 1 <= min_length <= initial <= max_length, got {min_length}, {initial}, {max_length}")
@@ -90,6 +82,13 @@ class DraftLengthController:
         self.patience = max(1, min(patience, window))  # failed steps at the minimum length before a pause
         self._plain_seconds: float | None = None  # moving average of one plain step's time
         self.max_cooldown = max(max_cooldown, cooldown)
+        # A timed step that only breaks even is not worth drafting: the draft's side costs fall
+        # outside its time (a drafting head's weights evict the target's from the caches for the
+        # plain steps after it), and drafting near break-even only adds variance. In-process turns
+        # (10 rounds, quiet) at 0.9 against 1.0: EAGLE on chat 0.985x against 0.966x of plain
+        # decoding, on open-ended text 0.971x against 0.955x, the layer-skip draft there 0.964x
+        # against 0.952x; prompt lookup unchanged (1.02x open-ended, 2.23x against 2.21x on quoting).
+        self.pay_ratio = pay_ratio
 
     @property
     def rolling_acceptance(self) -> float:
@@ -121,8 +120,8 @@ class DraftLengthController:
         """One verify step: `proposed` drafted tokens, `accepted` of them kept; `seconds` the draft and
         verify's time, where the caller measures it. `draft_seconds`: a probe verified by plain
         one-token steps, `draft_seconds` of it drafting; it passes if its drafts were accepted and
-        drafting cost less than the plain steps they save (the plain steps cost what plain decoding
-        does), and then the next draft is verified batched."""
+        drafting cost at most `pay_ratio` of the plain steps they save (the plain steps cost what
+        plain decoding does), and then the next draft is verified batched."""
         if not self.adaptive or proposed == 0:
             return
         self._recent.append((proposed, accepted))

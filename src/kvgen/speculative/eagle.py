@@ -24,7 +24,7 @@ from kvgen.models.base import DecoderLM
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.sampler import argmax
-from kvgen.speculative.eagle_head import EagleHead, HeadCache
+from kvgen.speculative.eagle_head import SHAPE, EagleHead, HeadCache
 from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend, mask_logits
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors"
@@ -53,13 +53,10 @@ def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
     return linear.requires_grad_(False)
 
 
-HEAD_LINEARS = ("fc", "q", "k", "v", "o", "gate", "up", "down")
-
-
 def quantized_linears(head: EagleHead) -> dict[str, QuantizedWeight]:
     """The head's linears requantized to 8 bits for the C kernel, for a quantized target: a draft
     token then reads ~4 MB of head weights instead of ~17 MB in fp32."""
-    return {name: requantize(getattr(head, name).weight, "q8s") for name in HEAD_LINEARS}
+    return {name: requantize(m.weight, "q8s") for name, m in head.named_children() if isinstance(m, nn.Linear)}
 
 
 def head_over(head: EagleHead, linears: dict[str, QuantizedWeight]) -> EagleHead:
@@ -122,12 +119,11 @@ def load_eagle_head(path: str | Path | None, model: DecoderLM) -> EagleHead:
         raise ValueError(f"the EAGLE head at {path} drafts token ids outside the target's vocabulary")
     if "fc.weight" not in tensors:
         raise ValueError(f"the EAGLE head at {path} is not a one-layer head: retrain it with scripts/train_eagle.py")
-    missing = [name for name in ("heads", "kv_heads", "head_dim", "inner_size") if name not in meta]
+    missing = [name for name in SHAPE if name not in meta]
     if missing:
         raise ValueError(f"the EAGLE head at {path} does not record its {', '.join(missing)}: retrain it with "
                          "scripts/train_eagle.py")  # fmt: skip
-    shape = {name: int(meta[name]) for name in ("heads", "kv_heads", "head_dim", "inner_size")}
-    head = EagleHead(hidden, shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inner_size"], vocab)
+    head = EagleHead(**{name: int(meta[name]) for name in SHAPE}, draft_vocab=vocab)
     head.load_state_dict({name: t.float() for name, t in tensors.items()} | {"draft_vocab": vocab})
     return head.eval().requires_grad_(False)
 

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgen.kv.rotation import turn
+from kvgen.models.rotary import inverse_frequencies
+
 
 def rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -25,15 +28,13 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 def rope_tables(count: int, dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [count, dim] for positions 0..count-1 (the rotate-half layout)."""
-    inverse = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.arange(count, dtype=torch.float32)[:, None] * inverse[None]
+    angles = torch.arange(count, dtype=torch.float32)[:, None] * inverse_frequencies(dim, theta, None)[None]
     angles = torch.cat([angles, angles], -1)
     return angles.cos(), angles.sin()
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+# What a saved head records to be rebuilt: EagleHead's size arguments.
+SHAPE = ("hidden_size", "heads", "kv_heads", "head_dim", "inner_size")
 
 
 class EagleHead(nn.Module):
@@ -57,9 +58,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", draft_vocab.long())  # [N] target token ids the head drafts from
 
     def shape(self) -> dict[str, int]:
-        """What a saved head records to be rebuilt."""
-        return {"hidden_size": self.hidden_size, "heads": self.heads, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "inner_size": self.inner_size}  # fmt: skip
+        return {name: getattr(self, name) for name in SHAPE}
 
     def stream(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
         x = torch.cat([rms(features) * self.feature_scale, rms(token_embeddings) * self.token_scale], dim=-1)
@@ -72,7 +71,7 @@ class EagleHead(nn.Module):
         q = self.q(n).view(*split, self.heads, self.head_dim).transpose(-2, -3)
         k = self.k(n).view(*split, self.kv_heads, self.head_dim).transpose(-2, -3)
         v = self.v(n).view(*split, self.kv_heads, self.head_dim).transpose(-2, -3)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return turn(q, cos, sin), turn(k, cos, sin), v
 
     def finish(self, features: torch.Tensor, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """attended [..., heads, S, D] -> predicted next features [..., S, H]."""
