@@ -35,8 +35,9 @@ from eagle_prompts import chat_requests  # noqa: E402
 from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
 from kvgen.kv.interface import CacheSpec  # noqa: E402
-from kvgen.speculative.eagle import SHIPPED_WEIGHTS, draft_head_rows, save_eagle_head  # noqa: E402
-from kvgen.speculative.eagle_head import EagleHead, HeadCache  # noqa: E402
+from kvgen.speculative.eagle import SHIPPED_WEIGHTS, EagleProposer, draft_head_rows, save_eagle_head  # noqa: E402
+from kvgen.speculative.eagle_head import EagleHead  # noqa: E402
+from kvgen.speculative.proposer import DraftPolicy  # noqa: E402
 
 
 def replies(llm: LLM, requests: list[str], new_tokens: int, batch: int) -> list[tuple[list[int], list[int]]]:
@@ -99,24 +100,21 @@ class Replies:
         return f, x, f_next, labels, target
 
 
-@torch.inference_mode()
-def chain_agreement(head: EagleHead, data: Replies, spans: list[tuple[int, int]], rows: torch.Tensor, norm,
+def chain_agreement(model, head: EagleHead, data: Replies, spans: list[tuple[int, int]], rows: torch.Tensor,
                     length: int = 4, every: int = 3) -> list[float]:  # fmt: skip
-    """Drafting as the proposer does it, every `every` reply positions: the head's cache holds the
-    target's features before the position, the chain runs on its own predictions; the share of
-    chains whose first 1..length drafts all equal the target's greedy tokens."""
+    """The proposer drafting `length` tokens every `every` reply positions, handed the target's
+    features up to there as the decoder hands them over: the share of chains whose first 1..length
+    drafts all equal the target's greedy tokens."""
+    policy = DraftPolicy(SamplingParams())
     hits, chains = [0] * length, 0
     for first, end in spans:
-        cache = HeadCache(head)
+        proposer, seen = EagleProposer(model, head, rows), first
         for j in range(first, end - length - 1, every):
-            cache.truncate(j - first)
-            if cache.length < j - first:  # the target's features up to j
-                known = torch.arange(first + cache.length, j)
-                cache.run(data.feats[known], data.embeddings[data.tokens[known + 1]])
-            features, token, alive = data.feats[j][None], int(data.tokens[j + 1]), True
-            for step in range(length):
-                features = cache.run(features, data.embeddings[token][None])
-                token = int(head.draft_vocab[F.linear(norm(features), rows)[0].argmax()])
+            proposer.observe_features(data.feats[seen : j + 1])
+            seen = j + 1
+            drafted = proposer.propose(data.tokens[first : j + 2].tolist(), length, policy, None).tokens
+            alive = True
+            for step, token in enumerate(drafted):
                 alive = alive and token == int(data.greedy[j + 1 + step])
                 hits[step] += alive
             chains += 1
@@ -131,7 +129,7 @@ def main() -> None:
     parser.add_argument("--holdout", type=int, default=32, help="of those, held out for the report")
     parser.add_argument("--new-tokens", type=int, default=160, help="reply length per request")
     parser.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head drafts from")
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=24, help="replies per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--inner", type=int, default=1536, help="the head's MLP width")
@@ -184,20 +182,17 @@ def main() -> None:
         return loss, agree
 
     for step in range(args.steps):
-        head.train()
         loss, _ = loss_on([train[i] for i in torch.randint(len(train), (args.batch,)).tolist()])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         if step % 100 == 0 or step == args.steps - 1:
-            head.eval()
             with torch.no_grad():
                 held_loss, held_agree = loss_on(holdout)
             print(f"step {step}: loss {loss.item():.3f}, held-out loss {held_loss.item():.3f}, held-out top-1 "
                   f"agreement with the target {held_agree:.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
-    head.eval()
-    chains = chain_agreement(head, data, holdout, rows, norm)
+    chains = chain_agreement(model, head, data, holdout, rows)
     print(f"held-out chains whose first 1..{len(chains)} drafts all agree: {' '.join(f'{c:.3f}' for c in chains)}",
           file=sys.stderr)  # fmt: skip
     save_eagle_head(head, args.out, args.model)
