@@ -211,8 +211,8 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(quantized: 
     bit (ranges that start and end off the 8- and 32-position tiles, a window, GQA), and a row's
     heads give the same bits whichever run of heads of its kv head they are computed in. The
     batch-1 C step's attention (scores split by positions, sums by columns) gives those bits too,
-    with any thread count. So does a whole rows step of Gemma 3 (a 5-token verify: its GeGLU,
-    q5 and q8 linears, QK-norms)."""
+    with any thread count. So do whole rows steps of Gemma 3 and SmolLM2 (a 50-token prompt, whose
+    rows share their key tiles, then a 5-token verify: Gemma's GeGLU, q5 and q8 linears, QK-norms)."""
     from tests.unit.test_quantized_kv_attention import instruction_sets
     from kvgen.kernels.build import build, open_library
 
@@ -253,22 +253,23 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(quantized: 
         enable_gqa=True, attn_mask=((torch.arange(length) >= starts[:, None]) & (torch.arange(length) < ends[:, None]))[:, None, None],
     )[:, :, 0]  # fmt: skip
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
-    llm = get(quantized, "gemma3-270m")
-    decoder, ids = llm.model.fast_decoder(), torch.randint(100, 5000, (55,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(100, 5000, (55,), generator=torch.Generator().manual_seed(1))
+    models = [get(quantized, name) for name in ("gemma3-270m", "smollm2")]  # 256- and 64-channel heads
 
-    def verify(library) -> torch.Tensor:
-        decoder.library, cache = library, llm.generator.new_cache(len(ids))
+    def verify(library, llm) -> torch.Tensor:  # a 50-row prompt (its key tiles shared: the cached order), then 5 rows
+        decoder, cache = llm.model.fast_decoder(), llm.generator.new_cache(len(ids))
+        decoder.library = library
         try:
             with torch.inference_mode():
-                llm.model(ids[None, :50], cache)
-                return llm.model(ids[None, 50:], cache, logits_to_keep=None)[0]
+                prompt = llm.model(ids[None, :50], cache, logits_to_keep=50)[0]
+                return torch.cat([prompt, llm.model(ids[None, 50:], cache, logits_to_keep=None)[0]])
         finally:
             decoder.library = load()
 
-    verified = verify(load())
+    verified = [verify(load(), llm) for llm in models]
     for name, flags in instruction_sets().items():
         build(tmp_path / f"{name}.so", flags)
         library = open_library(tmp_path / f"{name}.so")
         assert torch.equal(attend(library), native), name
         assert all(torch.equal(attend_one(library, r), native[r]) for r in range(len(starts)))
-        assert torch.equal(verify(library), verified), name
+        assert all(torch.equal(verify(library, llm), reference) for llm, reference in zip(models, verified)), name

@@ -67,19 +67,24 @@ static inline float exp_lane(float x) {
 // q . k over one head. gcc keeps a float reduction serial without -ffast-math (one FMA chain per
 // key), so a length that is a multiple of 32 runs four independent 8-lane accumulators, added
 // pairwise and then as hsum8, in that order with AVX2 or without (the same bits either way).
+#ifdef __AVX2__
+// dot's 8 lane sums before hsum8: the four accumulators added pairwise (n a multiple of 32).
+static inline __m256 dot_lanes(const float* a, const float* b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 32) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), acc3);
+    }
+    return _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
+}
+#endif
+
 static inline float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX2__
-    if (n % 32 == 0) {
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j += 32) {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-            acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), acc2);
-            acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), acc3);
-        }
-        return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
-    }
+    if (n % 32 == 0) return hsum8(dot_lanes(a, b, n));
 #else
     if (n % 32 == 0) {
         float acc[4][8] = {{0.0f}}, lanes[8];
@@ -245,6 +250,22 @@ static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) 
            (pos % l->block_size) * l->pos_stride;
 }
 
+// rows[i] = kv_at(l, head, first + i) for i < n, one division for the run instead of two per
+// position (the divisions were a fifth of a prompt's attention time).
+static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int64_t n, const float** rows) {
+    if (l->table == NULL) {
+        const float* p = l->base + head * l->head_stride + first * l->pos_stride;
+        for (int64_t i = 0; i < n; i++) rows[i] = p + i * l->pos_stride;
+        return;
+    }
+    int64_t block = first / l->block_size, offset = first % l->block_size;
+    for (int64_t i = 0; i < n;) {
+        const float* p = l->base + l->table[block] * l->block_stride + head * l->head_stride;
+        for (; offset < l->block_size && i < n; offset++, i++) rows[i] = p + offset * l->pos_stride;
+        block++, offset = 0;
+    }
+}
+
 #include "attention_tiles.c"
 
 // Query heads that share one kv head (q, out: [count, d], count <= MAX_HEAD_RUN) over keys[start,
@@ -253,7 +274,7 @@ static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) 
 // one head at a time read them once per head; each head's sums are the lone head's, op for op.
 #define MAX_HEAD_RUN MAX_HEAD_TILE
 static void attend_heads(const float* q, float* out, int64_t count, const kv_layout* keys, const kv_layout* values,
-                         int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d) {
+                         int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d, int cached) {
     softmax_state st[MAX_HEAD_RUN];
     const float *key_rows[32], *value_rows[32];
     for (int64_t h = 0; h < count; h++) {
@@ -262,11 +283,9 @@ static void attend_heads(const float* q, float* out, int64_t count, const kv_lay
     }
     for (int64_t first = start; first < end; first += 32) {
         const int64_t n = end - first < 32 ? end - first : 32;
-        for (int64_t i = 0; i < n; i++) {
-            key_rows[i] = kv_at(keys, kv_head, first + i);
-            value_rows[i] = kv_at(values, kv_head, first + i);
-        }
-        attend_tile_heads(q, count, key_rows, value_rows, n, d, scale, st, out);
+        kv_rows(keys, kv_head, first, n, key_rows);
+        kv_rows(values, kv_head, first, n, value_rows);
+        attend_tile_heads(q, count, key_rows, value_rows, n, d, scale, st, out, cached);
     }
     for (int64_t h = 0; h < count; h++) {
         const float inv = 1.0f / st[h].sum;
@@ -314,9 +333,11 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
-        for (int64_t i = 0; i < n; i++)
+        const float* key_rows[32];  // kv head 0's; kv head g's are g head strides on
+        kv_rows(keys, 0, first, n, key_rows);
+        for (int64_t i = 0; i < n; i++)  // position by position, every head: the kv heads stream together
             for (int64_t h = 0; h < heads; h++)
-                p[h * len + 32 * t + i] = dot(q + h * d, kv_at(keys, h / group, first + i), d) * scale;
+                p[h * len + 32 * t + i] = dot(q + h * d, key_rows[i] + h / group * keys->head_stride, d) * scale;
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
@@ -338,7 +359,7 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
             for (int64_t j = first_col; j < last_col; j++) out[h * d + j] = 0.0f;
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
-            for (int64_t i = 0; i < n; i++) value_rows[i] = kv_at(values, h0 / group, first + i);
+            kv_rows(values, h0 / group, first, n, value_rows);
             for (int64_t h = 0; h < group; h++) {
                 const float correction = rescale[(h0 + h) * tiles + t];
                 if (correction >= 0.0f)
@@ -385,7 +406,7 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
         const kv_layout k = {k_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
         const kv_layout v = {v_base, head_stride, pos_stride, block_stride, block_size, tables + r * table_width};
         attend_heads(q + (r * heads + head) * d, out + (r * heads + head) * d, count, &k, &v, head / units.group,
-                     starts[r], ends[r], scale, d);
+                     starts[r], ends[r], scale, d, 0);
     }
 }
 

@@ -160,6 +160,16 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
     }
 }
 
+// Whether row r's newest keys are read by its neighbour row too (rows of one prompt share their
+// block table) in a step of many rows: then its key tiles stay in cache from row to row, and
+// attention takes tile_scores' `cached` order. Only the speed depends on it, never the bits.
+#define CACHED_ROWS 16
+static int row_keys_cached(const rows_kv* kv, int64_t layer, int64_t rows, int64_t r, int64_t end) {
+    if (rows < CACHED_ROWS) return 0;
+    const int64_t neighbour = r + 1 < rows ? r + 1 : r - 1, block = (end - 1) / kv->block_size;
+    return row_table(kv, layer, rows, r)[block] == row_table(kv, layer, rows, neighbour)[block];
+}
+
 // One layer's attention for every row, the new keys/values already stored, by the team (t: this
 // thread's codes scratch); returns after a barrier.
 static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
@@ -187,7 +197,7 @@ static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scr
         const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
         const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
         attend_heads(st->s->qkv_out + r * qkv_width + head * d, st->s->attn + r * nq + head * d, count, &kl, &vl,
-                     head / units.group, start, end, b->scale, d);
+                     head / units.group, start, end, b->scale, d, row_keys_cached(kv, layer, rows, r, end));
     }
 }
 

@@ -213,16 +213,6 @@ static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* 
     }
 }
 
-#ifdef __AVX2__
-// The largest of 8 lanes, by shuffles (a maximum is the same in any order).
-static inline float max8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
-    x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, 0x4E));
-    x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, 0xB1));
-    return _mm256_cvtss_f32(x);
-}
-#endif
-
 // Folds a tile's n scores into one head's running softmax: s becomes p = e^(s - max) (0 past n,
 // up to a multiple of 8), and the head's sum and unnormalised output `out` [d] are rescaled when
 // the maximum grows.
