@@ -219,10 +219,8 @@ static float exp_shifted(float* s, int64_t n, float max) {
 // Softmax-weighted sums of one query head over some tiles: out = sum p_i v_i, with max m and sum l.
 typedef struct { float max, sum; } softmax_state;
 
-// Folds a tile's n scores into one head's running softmax (s becomes e^(s - max)); returns the
-// factor for what was accumulated under the old maximum, or -1 when the maximum held (an exp is
-// never negative).
-static inline float softmax_tile(float* s, int64_t n, softmax_state* st) {
+// The largest of n scores (-inf for none): a maximum is the same in any order.
+static inline float tile_maximum(const float* s, int64_t n) {
     float tile_max = -INFINITY;
     int64_t i = 0;
 #ifdef __AVX2__
@@ -232,8 +230,15 @@ static inline float softmax_tile(float* s, int64_t n, softmax_state* st) {
         tile_max = max8(m8);
     }
 #endif
-    for (; i < n; i++)
-        if (s[i] > tile_max) tile_max = s[i];
+    for (; i < n; i++) tile_max = s[i] > tile_max ? s[i] : tile_max;
+    return tile_max;
+}
+
+// Folds a tile's n scores into one head's running softmax (s becomes e^(s - max)); returns the
+// factor for what was accumulated under the old maximum, or -1 when the maximum held (an exp is
+// never negative).
+static inline float softmax_tile(float* s, int64_t n, softmax_state* st) {
+    const float tile_max = tile_maximum(s, n);
     float correction = -1.0f;
     if (tile_max > st->max) {
         correction = expf(st->max - tile_max);

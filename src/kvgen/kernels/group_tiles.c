@@ -217,16 +217,7 @@ static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* 
 // up to a multiple of 8), and the head's sum and unnormalised output `out` [d] are rescaled when
 // the maximum grows.
 static void softmax_fold(float* s, int64_t n, softmax_state* st, float* out, int64_t d) {
-    float tile_max = -INFINITY;  // a maximum: the same in any order
-    int64_t k = 0;
-#ifdef __AVX2__
-    if (n >= 8) {
-        __m256 m8 = _mm256_loadu_ps(s);
-        for (k = 8; k + 8 <= n; k += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + k));
-        tile_max = max8(m8);
-    }
-#endif
-    for (; k < n; k++) tile_max = s[k] > tile_max ? s[k] : tile_max;
+    const float tile_max = tile_maximum(s, n);
     if (tile_max > st->max) {
         const float correction = exp_lane(st->max - tile_max);
         st->sum *= correction;
