@@ -55,39 +55,30 @@ static inline float max8(__m256 x) {
     return _mm256_cvtss_f32(x);
 }
 
-// dot_lanes for 64-channel heads with the query in registers: one load per fma (the key's), where
-// reloading the query too made two, more than the load ports feed two fmas a cycle.
+// dot()'s 8 lane sums before hsum8 (its four accumulators added pairwise) for a 64-channel head,
+// the query in registers: one load per fma (the key's), where reloading the query too made two,
+// more than the load ports feed two fmas a cycle.
 static inline __m256 dot_lanes64(const __m256 q[8], const float* k) {
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k + 8 * r), _mm256_setzero_ps());
     for (int r = 0; r < 4; r++) acc[r] = _mm256_fmadd_ps(q[4 + r], _mm256_loadu_ps(k + 32 + 8 * r), acc[r]);
     return _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
 }
-
-// Stores a tile's eight scores x, or its first m.
-static inline void store_scores(float* scores, __m256 x, int64_t m) {
-    if (m == 8) {
-        _mm256_storeu_ps(scores, x);
-    } else {
-        float out[8];
-        _mm256_storeu_ps(out, x);
-        memcpy(scores, out, (size_t)m * sizeof(float));
-    }
-}
 #endif
 
 // scores[h * stride + i] = dot(q + h * d, keys[i], d) * scale for `count` heads over n keys, each
 // the bits of dot(). `cached`: the keys are read by many rows (a prompt's), so they sit in cache:
-// then eight keys at a time, their lane sums reduced together (hsum8_each), one head after another
-// (a 512-token prompt's attention 0.67x the time, SmolLM2's heads). Keys streamed from memory for
+// then, for 64-channel heads, eight keys at a time, their lane sums reduced together (hsum8_each),
+// one head after another (a 512-token prompt's attention 0.67x the time, SmolLM2's heads; reloading
+// a wider head's query per key gained nothing on Gemma 3's 256 channels). Keys streamed from memory for
 // a few rows (a verify, a decode batch) go one at a time through every head instead: a head's pass
 // over keys that the next heads read from L1 left memory idle for two thirds of the time (30
 // layers of a 3-row verify at 1,024 positions took 1.11x as long that way).
 static void tile_scores(const float* q, int64_t count, const float* const* keys, int64_t n, int64_t d, float scale,
                         float* scores, int64_t stride, int cached) {
 #ifdef __AVX2__
-    const __m256 factor = _mm256_set1_ps(scale);
     if (cached && d == 64) {
+        const __m256 factor = _mm256_set1_ps(scale);
         for (int64_t h = 0; h < count; h++) {
             __m256 qh[8];
             for (int c = 0; c < 8; c++) qh[c] = _mm256_loadu_ps(q + h * d + 8 * c);
@@ -99,19 +90,14 @@ static void tile_scores(const float* q, int64_t count, const float* const* keys,
                     dot_lanes64(qh, k[m > 5 ? 5 : 0]), dot_lanes64(qh, k[m > 2 ? 2 : 0]), dot_lanes64(qh, k[m > 6 ? 6 : 0]),
                     dot_lanes64(qh, k[m > 3 ? 3 : 0]), dot_lanes64(qh, k[m > 7 ? 7 : 0]),
                 };
-                store_scores(scores + h * stride + i0, _mm256_mul_ps(hsum8_each(lanes), factor), m);
-            }
-        }
-        return;
-    }
-    if (cached && d % 32 == 0) {
-        for (int64_t i0 = 0; i0 < n; i0 += 8) {
-            const int64_t m = n - i0 < 8 ? n - i0 : 8;
-            for (int64_t h = 0; h < count; h++) {
-                __m256 lanes[8];
-                for (int k = 0; k < 8; k++)  // keys past n repeat the first; their lanes are dropped
-                    lanes[k < 4 ? 2 * k : 2 * k - 7] = dot_lanes(q + h * d, keys[i0 + (k < m ? k : 0)], d);
-                store_scores(scores + h * stride + i0, _mm256_mul_ps(hsum8_each(lanes), factor), m);
+                const __m256 x = _mm256_mul_ps(hsum8_each(lanes), factor);
+                if (m == 8) {
+                    _mm256_storeu_ps(scores + h * stride + i0, x);
+                } else {
+                    float out[8];
+                    _mm256_storeu_ps(out, x);
+                    memcpy(scores + h * stride + i0, out, (size_t)m * sizeof(float));
+                }
             }
         }
         return;

@@ -67,24 +67,19 @@ static inline float exp_lane(float x) {
 // q . k over one head. gcc keeps a float reduction serial without -ffast-math (one FMA chain per
 // key), so a length that is a multiple of 32 runs four independent 8-lane accumulators, added
 // pairwise and then as hsum8, in that order with AVX2 or without (the same bits either way).
-#ifdef __AVX2__
-// dot's 8 lane sums before hsum8: the four accumulators added pairwise (n a multiple of 32).
-static inline __m256 dot_lanes(const float* a, const float* b, int64_t n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 32) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), acc3);
-    }
-    return _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
-}
-#endif
-
 static inline float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX2__
-    if (n % 32 == 0) return hsum8(dot_lanes(a, b, n));
+    if (n % 32 == 0) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 32) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), acc3);
+        }
+        return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+    }
 #else
     if (n % 32 == 0) {
         float acc[4][8] = {{0.0f}}, lanes[8];
