@@ -6,8 +6,8 @@ the storage format costs in decode speed, for fp32 blocks and blocks of K/V code
    completion together are computed from its blocks; that many plus one are submitted at once and
    `admitted` is the most that ran at the same time, with no preemption.
 2. Decode throughput at `--concurrency` requests (a pool large enough for all of them, the same for
-   every format): generated tokens / wall time of the decode steps, best of `--repeats`, the formats
-   taking turns within each repeat.
+   every format): generated tokens / wall time of the decode steps, the median of `--repeats`
+   rounds, the formats taking turns within each round (every sample in the JSON).
 3. Agreement: the engine's greedy tokens against the single-sequence QuantizedCache of the same
    format (no residual window, the same block size), one request at a time.
 
@@ -17,6 +17,7 @@ the storage format costs in decode speed, for fp32 blocks and blocks of K/V code
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_results  # noqa: E402
+from common import cpu_class, print_table, write_results  # noqa: E402
 from serving import distinct_prompts  # noqa: E402
 
 from kvgen import LLM, CacheConfig, SamplingParams  # noqa: E402
@@ -110,7 +111,7 @@ def main() -> None:
             _, speed = run(LLMEngine(llm, big_pool, cache), short, args.throughput_new_tokens)
             rows[name].setdefault("decode_samples", []).append(round(speed, 1))
     for name, cache in FORMATS.items():
-        rows[name]["decode_tok_s"] = max(rows[name]["decode_samples"])
+        rows[name]["decode_tok_s"] = statistics.median(rows[name]["decode_samples"])
         rows[name]["agreement"] = agreement(llm, cache, short[: args.agreement_prompts], 32)
     base = rows["fp32/fp32"]
     for row in rows.values():
@@ -119,7 +120,7 @@ def main() -> None:
     table = list(rows.values())
     print_table(table, ["format", "blocks", "bytes_per_block", "fit_by_blocks", "admitted", "admitted_vs_fp32", "preemptions",
                         "decode_tok_s", "decode_vs_fp32", "agreement"])  # fmt: skip
-    path = write_results(f"serving_memory-{args.model}", {"args": vars(args), "staging_spare": STAGING_SPARE, "rows": table})
+    path = write_results(f"serving_memory-{args.model}-{cpu_class()}", {"args": vars(args), "staging_spare": STAGING_SPARE, "rows": table})
     print(f"results: {path}")
 
 
