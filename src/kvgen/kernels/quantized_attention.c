@@ -166,6 +166,13 @@ static void decode_kvquant3(const packed_codes* c, const uint8_t* codes, const u
     }
 }
 
+#ifdef __AVX2__
+// The low 8 signed bytes of `bytes`, each times s: (float)byte * s, as the scalar loop computes it.
+static inline __m256 scaled_bytes8(__m128i bytes, float s) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_set1_ps(s));
+}
+#endif
+
 // Positions first..first+n-1 of block `block`, kv head `head`, decoded into out [n, d].
 static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int64_t first, int64_t n, int64_t d,
                         int64_t position, float* out) {
@@ -187,12 +194,20 @@ static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int6
             for (; i < n * d; i++) out[i] = half_to_float(x[i]);
         }
             break;
-        case CODES_BF16:
-            for (int64_t i = 0; i < n * d; i++) {
+        case CODES_BF16: {
+            int64_t i = 0;
+#ifdef __AVX2__
+            for (; i + 8 <= n * d; i += 8) {  // a bf16's bits are the top half of its fp32's
+                const __m128i x = _mm_loadu_si128((const __m128i*)((const uint16_t*)codes + first * d + i));
+                _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
+            }
+#endif
+            for (; i < n * d; i++) {
                 const uint32_t bits = (uint32_t)((const uint16_t*)codes)[first * d + i] << 16;
                 memcpy(out + i, &bits, sizeof bits);
             }
             break;
+        }
         case CODES_FP8:
             for (int64_t p = 0; p < n; p++) {
                 const float s = half_to_float(step[first + p]);
@@ -216,15 +231,28 @@ static void decode_tile(const packed_codes* c, int64_t head, int64_t block, int6
             for (int64_t p = 0; p < n; p++) {
                 const float s = half_to_float(step[first + p]);
                 const int8_t* row = (const int8_t*)codes + (first + p) * d;
-                for (int64_t j = 0; j < d; j++) out[p * d + j] = (float)row[j] * s;
+                int64_t j = 0;
+#ifdef __AVX2__
+                for (; j + 8 <= d; j += 8) _mm256_storeu_ps(out + p * d + j, scaled_bytes8(_mm_loadl_epi64((const __m128i*)(row + j)), s));
+#endif
+                for (; j < d; j++) out[p * d + j] = (float)row[j] * s;
             }
             break;
-        case CODES_INT8_KEYS: {
+        case CODES_INT8_KEYS: {  // a key's channel quads lie 4 G bytes apart
             const int64_t G = key_group(c->code_block_stride / d);
             for (int64_t p = 0; p < n; p++) {
                 const float s = half_to_float(step[first + p]);
                 const int8_t* key = (const int8_t*)codes + key_byte(first + p, 0, d, G);  // channel quad 0
-                for (int64_t j = 0; j < d; j++) out[p * d + j] = (float)key[j / 4 * G * 4 + j % 4] * s;
+                int64_t j = 0;
+#ifdef __AVX2__
+                for (; j + 8 <= d; j += 8) {
+                    int32_t low, high;
+                    memcpy(&low, key + j / 4 * G * 4, sizeof low);
+                    memcpy(&high, key + (j / 4 + 1) * G * 4, sizeof high);
+                    _mm256_storeu_ps(out + p * d + j, scaled_bytes8(_mm_setr_epi32(low, high, 0, 0), s));
+                }
+#endif
+                for (; j < d; j++) out[p * d + j] = (float)key[j / 4 * G * 4 + j % 4] * s;
             }
             break;
         }
