@@ -66,11 +66,12 @@ static inline __m256 dot_lanes64(const __m256 q[8], const float* k) {
 }
 #endif
 
-// Asks for keys k[0 .. min(m, 8)) of d channels: a block table's keys lie in blocks of a few
-// positions each, which the hardware prefetchers do not follow from one to the next.
-static inline void prefetch_keys(const float* const* k, int64_t m, int64_t d) {
+// Asks for rows k[0 .. min(m, 8)) of keys or values, d floats each from `offset` on: a block
+// table's positions lie in blocks of a few each, which the hardware prefetchers do not follow from
+// one to the next.
+static inline void prefetch_rows(const float* const* k, int64_t m, int64_t d, int64_t offset) {
     for (int64_t i = 0; i < (m < 8 ? m : 8); i++)
-        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(k[i] + c);
+        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(k[i] + offset + c);
 }
 
 // scores[h * stride + i] = dot(q + h * d, keys[i], d) * scale for `count` heads over n keys, each
@@ -113,7 +114,7 @@ static void tile_scores(const float* q, int64_t count, const float* const* keys,
     }
 #endif
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
-        if (!cached) prefetch_keys(keys + i0 + 8, n - i0 - 8, d);
+        if (!cached) prefetch_rows(keys + i0 + 8, n - i0 - 8, d, 0);
         for (int64_t i = i0; i < n && i < i0 + 8; i++)
             for (int64_t h = 0; h < count; h++) scores[h * stride + i] = dot(q + h * d, keys[i], d) * scale;
     }
