@@ -138,3 +138,26 @@ def test_the_c_step_reads_each_layer_through_its_group(long_ids, monkeypatch) ->
         outputs[grouped] = [r.output_ids for r in requests]
         assert steps.count("kvgen_decode_rows") >= PARAMS.max_new_tokens - 1  # the decodes ran in C
     assert outputs[True] == outputs[False]
+
+
+@torch.inference_mode()
+def test_a_request_the_grouped_pool_cannot_hold_is_refused_and_one_it_can_runs(gemma3, long_ids) -> None:
+    """Admission counts every layer group's pages: a request whose global layers alone fit the
+    pool, but not with its local groups' windows, is refused at once (it would wait forever), and
+    a pool of exactly the bound runs one to the end, never holding more."""
+    config = EngineConfig(num_blocks=100, max_tokens_per_step=64)
+    engine = LLMEngine(gemma3, config)
+    assert engine.storage.pool.blocks_for(len(long_ids) + PARAMS.max_new_tokens) <= 100  # the global layers fit
+    with pytest.raises(ValueError, match="more KV blocks than the whole pool"):
+        engine.add_request("too big", long_ids, PARAMS)
+    assert not engine.requests and engine.storage.pool.num_free == 100
+    bound = engine.storage.groups.most_blocks(len(long_ids) + PARAMS.max_new_tokens, 64, engine.storage.block_size)
+    assert bound < engine.storage.groups.num_groups * engine.storage.pool.blocks_for(len(long_ids) + PARAMS.max_new_tokens)
+    engine = LLMEngine(gemma3, EngineConfig(num_blocks=bound, max_tokens_per_step=64, prefix_cache=False))
+    request = engine.add_request("fits", long_ids, PARAMS)
+    most_held = 0
+    while request.status is not RequestStatus.FINISHED:
+        engine.step()
+        most_held = max(most_held, bound - engine.storage.pool.num_free)
+    assert request.output_ids == window_cache_tokens(gemma3, long_ids)
+    assert 0 < most_held <= bound

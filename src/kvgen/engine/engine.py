@@ -122,10 +122,11 @@ class LLMEngine:
             if speculative is not None:
                 raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture} models: leave it off")
             self.scheduler.check_fits(len(ids), longest - len(ids))
-        elif (pool := self.storage.pool).blocks_for(longest) > pool.num_blocks:
+        elif (needed := self._most_blocks(longest)) > (pool := self.storage.pool).num_blocks:
             raise ValueError(
-                f"prompt + max_new_tokens ({longest} tokens) needs more KV blocks than the whole pool has "
-                f"({pool.num_blocks} blocks of {pool.block_size}): lower max_new_tokens or raise the KV budget"
+                f"prompt + max_new_tokens ({longest} tokens) needs up to {needed} KV blocks at once, more KV blocks than the "
+                f"whole pool has ({pool.num_blocks} blocks of {pool.block_size}): lower max_new_tokens or raise "
+                f"the KV budget"
             )
         # Built on the caller's thread: a grammar that cannot be enforced fails before queueing.
         state = RequestState(params, self.tokenizer, ids, vocab, self.max_context)
@@ -135,6 +136,14 @@ class LLMEngine:
             proposer = speculative.build_proposer(self)  # needs model, tokenizer, max_context, cache_config
             request.speculation = RequestSpeculation(speculative, proposer, request.sampler, self.speculative_totals)
         return request
+
+    def _most_blocks(self, num_tokens: int) -> int:
+        """The most pool blocks a request of `num_tokens` positions holds at once (a step's tokens,
+        drafts included, stay within max_tokens_per_step): on a pool split into layer groups (Gemma
+        3's sliding-window layers) each window group holds the pages of its window and of the step's
+        tokens, beside every page of the full-attention layers. A request that cannot fit an empty
+        pool would wait forever."""
+        return self.storage.groups.most_blocks(num_tokens, self.config.max_tokens_per_step, self.storage.pool.block_size)
 
     def _adapter_key(self, name: str, speculative: SpeculativeConfig | None) -> str:
         if self.adapters is None:

@@ -67,6 +67,14 @@ class LayerGroups:
         window = self.windows[group]
         return 0 if window is None else max(0, position - window + 1) // block_size
 
+    def most_blocks(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """The most pool blocks one sequence of `num_tokens` positions holds at once when forwards
+        take at most `chunk` tokens: every page of the full-attention group, and of each window
+        group the pages that its window and one forward span (a forward over [start, end) holds a
+        window group's pages from before start - window + 1 to end), never more than all of them."""
+        every = -(-num_tokens // block_size)
+        return sum(every if w is None else min(every, (chunk + w - 1) // block_size + 2) for w in self.windows)
+
     def describe(self) -> str:
         """"g1" for one group; "g6w3" for six groups of three layer slots (a format_key part)."""
         return f"g{self.num_groups}" if self.is_single else f"g{self.num_groups}w{self.width}"
