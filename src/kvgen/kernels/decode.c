@@ -318,7 +318,7 @@ static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, i
 // the same rescale before a tile's sums, each column's sum its own, weighted_sums_columns), so a
 // token's bits are those of the head units the rows step runs. Over a block table (the engine's
 // pool) the next keys and the next tile's values are asked for ahead (prefetch_rows): one decode
-// at 4,000 positions ran 1.23-1.31x as fast. By every thread of a team, which shares `work`
+// at 4,000 positions ran 1.20-1.31x as fast. By every thread of a team, which shares `work`
 // (attention_work floats); returns after a barrier, with out whole for every thread.
 static void attend_split_team(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
                               const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
