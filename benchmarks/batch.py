@@ -23,28 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_class, print_table, prompt_ids, timed, write_results  # noqa: E402
+from serving import transformers_batch_runner  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
-
-
-def transformers_padded_batch(path: Path, prompts: list[list[int]], pad_id: int) -> Callable[[int], Any]:
-    """transformers `generate()` over every prompt at once, left-padded with an attention mask."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    longest = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-
-    def generate(n: int) -> Any:
-        with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=pad_id)  # fmt: skip
-        assert out.shape == (len(prompts), longest + n)
-        return out
-
-    return generate
 
 
 def main() -> None:
@@ -77,8 +59,7 @@ def main() -> None:
         modes[(llm.weights, f"kvgen generate_batch x{args.prompts}")] = batched
         modes[(llm.weights, "kvgen one by one")] = lambda llm=llm: [llm.generate(p, params) for p in prompts]
     if args.peers:
-        pad_id = 0
-        peer = transformers_padded_batch(resolve_model_path(args.model), prompts, pad_id)
+        peer = transformers_batch_runner(resolve_model_path(args.model), prompts)  # left-padded
         peer(2)  # warm up
         modes[("fp32 (dequantized)", f"transformers padded batch x{args.prompts}")] = lambda: peer(args.new_tokens)
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in modes}

@@ -59,18 +59,21 @@ def engine_throughput(llm: LLM, concurrency: int, prompt_tokens: int, new_tokens
             "tokens_per_s": generated / seconds, "median_ttft_s": ttfts[len(ttfts) // 2]}  # fmt: skip
 
 
-def transformers_batch_runner(path: Path, prompts: list[list[int]]) -> Callable[[int], Any]:
-    """transformers `generate()` over every prompt at once (fp32, the GGUF dequantized)."""
+def transformers_batch_runner(path: Path, prompts: list[list[int]], pad_id: int = 0) -> Callable[[int], Any]:
+    """transformers `generate()` over every prompt at once (fp32, the GGUF dequantized), shorter
+    prompts left-padded to the longest with an attention mask (equal lengths: no padding)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    input_ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
 
     def generate(n: int) -> Any:
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
-        assert out.shape == (len(prompts), len(prompts[0]) + n)
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad_id)  # fmt: skip
+        assert out.shape == (len(prompts), longest + n)
         return out
 
     return generate

@@ -138,11 +138,9 @@ class LLMEngine:
         return request
 
     def _most_blocks(self, num_tokens: int) -> int:
-        """The most pool blocks a request of `num_tokens` positions holds at once (a step's tokens,
-        drafts included, stay within max_tokens_per_step): on a pool split into layer groups (Gemma
-        3's sliding-window layers) each window group holds the pages of its window and of the step's
-        tokens, beside every page of the full-attention layers. A request that cannot fit an empty
-        pool would wait forever."""
+        """The most pool blocks a request of `num_tokens` positions holds at once (LayerGroups.most_blocks;
+        a step's tokens, drafts included, stay within max_tokens_per_step): one that cannot fit an
+        empty pool would wait forever."""
         return self.storage.groups.most_blocks(num_tokens, self.config.max_tokens_per_step, self.storage.pool.block_size)
 
     def _adapter_key(self, name: str, speculative: SpeculativeConfig | None) -> str:

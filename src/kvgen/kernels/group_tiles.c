@@ -58,28 +58,6 @@ static void query_planes(const int16_t* codes, int64_t d, int8_t* planes, int32_
     *bias = 128 * sum;
 }
 
-// q . k over fp32 rows in 4 x 8 lanes (channel j in accumulator j / 8 % 4, lane j % 8), the
-// accumulators added pairwise, then the lanes as hsum8; d is a multiple of 32.
-static inline float dot_rows(const float* q, const float* k, int64_t d) {
-#ifdef __AVX2__
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < d; j += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 16), _mm256_loadu_ps(k + j + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 24), _mm256_loadu_ps(k + j + 24), a3);
-    }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#else
-    float a[4][8] = {{0.0f}}, lanes[8];
-    for (int64_t j = 0; j < d; j += 32)
-        for (int r = 0; r < 4; r++)
-            for (int l = 0; l < 8; l++) a[r][l] = fmaf(q[j + 8 * r + l], k[j + 8 * r + l], a[r][l]);
-    for (int l = 0; l < 8; l++) lanes[l] = (a[0][l] + a[1][l]) + (a[2][l] + a[3][l]);
-    return sum_lanes(lanes);
-#endif
-}
-
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // dots[h][i] (rows MAX_TILE apart) for G query heads over m int8 keys (a multiple of 16) stored in
 // groups of 16 (quantized_attention.c key_byte): each 64-byte row is 16 keys' dwords of one channel

@@ -14,7 +14,7 @@
 //
 // Within every 8 channels the query's codes are kept in the order 0,2,4,6,1,3,5,7: a dword of
 // packed codes (8 channels, low nibble first) splits by a mask and a shift into exactly those two
-// halves, so key codes are never reordered. Float sums run in one order in every build (dot_rows,
+// halves, so key codes are never reordered. Float sums run in one order in every build (dot(),
 // 8 lanes reduced as hsum8), integer sums are exact, so AVX-512, AVX2 and scalar give the same bits.
 //
 // This file is #included by quantized_attention.c (after group_tiles.c).
@@ -92,13 +92,13 @@ static inline void int4_block_query(const float* q, const float* step, const flo
         codes[p] = (int16_t)(c > Q16_MAX ? Q16_MAX : c < -Q16_MAX ? -Q16_MAX : c);
     }
     *factor = amax / (float)Q16_MAX * scale;
-    *offset = dot_rows(q, low, d) * scale;
+    *offset = dot(q, low, d) * scale;
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // int4_block_query in 16 lanes, its codes written as planes [2, padded d]: high and low signed
 // bytes (code = 256 x high + low), zero past d. The same values (every step is per element, the
-// maximum exact, the offset the same dot_rows).
+// maximum exact, the offset the same dot()).
 static void int4_block_planes(const float* q, const float* step, const float* low, int64_t d, int64_t padded,
                               float scale, int8_t* planes, float* factor, float* offset) {
     __m512 scaled[512 / 16], top = _mm512_setzero_ps();
@@ -118,7 +118,7 @@ static void int4_block_planes(const float* q, const float* step, const float* lo
     }
     for (int64_t p = d; p < padded; p++) planes[p] = planes[padded + p] = 0;
     *factor = amax / (float)Q16_MAX * scale;
-    *offset = dot_rows(q, low, d) * scale;
+    *offset = dot(q, low, d) * scale;
 }
 
 // The permutations of int4_transpose (16 keys x 8 dwords -> 8 vectors of one dword of 16 keys).

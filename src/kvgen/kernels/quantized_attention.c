@@ -400,7 +400,7 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
         for (int64_t g = 0; g < group; g++) {
             float* s = scores + g * MAX_TILE;
             if (!scored)
-                for (int64_t i = 0; i < n; i++) s[i] = dot_rows(gq->q + g * d, key_rows[i], d) * a->scale;
+                for (int64_t i = 0; i < n; i++) s[i] = dot(gq->q + g * d, key_rows[i], d) * a->scale;
             softmax_state st = {acc[g * stride], acc[g * stride + 1]};
             softmax_fold(s, n, &st, acc + g * stride + 2, d);
             acc[g * stride] = st.max, acc[g * stride + 1] = st.sum;
