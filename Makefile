@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench peers eagle clean
+.PHONY: install models data run test test-fast bench bench-avx2-emulated peers eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,17 @@ $(VENV)/.bench-deps: $(VENV)/.test-deps requirements-bench.txt
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-bench.txt
 	touch $@
 
+# llama.cpp built for AVX2 alone, which benchmarks/emulate_avx2.sh puts ahead of the venv's own build, so that
+# an AVX-512 machine measures an AVX2-only CPU's paths for every engine it can hold to them (benchmarks only;
+# --no-cache-dir: pip's wheel cache would hand back the native build).
+LLAMA_AVX2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+$(VENV)/llama-avx2: $(VENV)/.bench-deps
+	rm -rf $@.tmp
+	CMAKE_ARGS="$(LLAMA_AVX2)" $(PY) -m pip install --disable-pip-version-check -q --no-deps --no-cache-dir \
+		--target $@.tmp $$(grep '^llama-cpp-python' requirements-bench.txt)
+	mv $@.tmp $@
+
 # The other CPU engines decode.py compares with (benchmarks only, never CI): CTranslate2, OpenVINO GenAI
 # and ONNX Runtime GenAI into the venv, with constraints.txt so none brings another torch. OpenVINO's
 # exporter (optimum-intel) pins an older transformers, so it gets a venv of its own, used only to export;
@@ -100,6 +111,16 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/prefix_persistence.py --weights auto fp32
 	$(PY) benchmarks/window_pool.py --tokens 4096
+
+# The AVX2 tables' decode and prefill commands on an AVX-512 machine, every engine that can be held to AVX2
+# held to it (benchmarks/emulate_avx2.sh); results named <class>-on-<this CPU's class>.
+EMULATE_AVX2 := sh benchmarks/emulate_avx2.sh $(PY)
+EMULATED_PEERS := --peers transformers,transformers-compiled,llama.cpp,ctranslate2
+bench-avx2-emulated: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(VENV)/llama-avx2
+	$(EMULATE_AVX2) benchmarks/decode.py --prompt-tokens 128 --new-tokens 256 --repeats 3 $(EMULATED_PEERS)
+	$(EMULATE_AVX2) benchmarks/decode.py --model gemma3-270m --prompt-tokens 128 --new-tokens 128 --weights q4 --repeats 3 $(EMULATED_PEERS)
+	$(EMULATE_AVX2) benchmarks/decode.py --prompt-tokens 512 --new-tokens 1 --name prefill512 --weights q4,fp32 --repeats 5 $(EMULATED_PEERS)
+	$(EMULATE_AVX2) benchmarks/decode.py --prompt-tokens 128 --new-tokens 1 --name prefill128 --weights q4 --repeats 5 $(EMULATED_PEERS)
 
 # The EAGLE draft head for SmolLM2, trained on its own greedy chat replies (self-distillation; about
 # 40 minutes of a 2-core CPU: 20 for the replies and their features, 20 for training). The shipped

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvgen.kernels.build import kernel_arch, kernel_isa
+
 RESULTS_DIR = Path(__file__).parent / "results"
 # Plain English prose, repeated and cut to an exact token count so every engine sees the same ids.
 FILLER = (
@@ -52,20 +54,40 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_arch": kernel_arch() or "native",
         "python": platform.python_version(),
     }
 
 
+def isa_class(flags: set[str] | frozenset[str]) -> str:
+    """"avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names."""
+    if "avx512f" in flags:
+        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
+    return "avx2" if "avx2" in flags else "other"
+
+
 def cpu_class() -> str:
     """The CPU class a result belongs to ("avx512-vnni", "avx512", "avx2" or "other"): tables are
-    kept per class, since kvgen's kernels take different paths on each."""
+    kept per class, since kvgen's kernels take different paths on each. With KVGEN_KERNEL_ARCH
+    (an older instruction set emulated, benchmarks/emulate_avx2.sh) it is "<kernels' class>-on-<CPU's>"."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return "other"
-    if "avx512f" in flags:
-        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
-    return "avx2" if "avx2" in flags else "other"
+    native = isa_class(set(flags))
+    return native if kernel_arch() is None else f"{isa_class(kernel_isa())}-on-{native}"
+
+
+def llama_class() -> type:
+    """llama-cpp-python's Llama (ImportError where it is not installed); RuntimeError when an older
+    instruction set is emulated (KVGEN_KERNEL_ARCH) and this llama.cpp build uses AVX-512."""
+    import llama_cpp
+
+    if kernel_arch() is not None and "AVX512 = 1" in llama_cpp.llama_print_system_info().decode():
+        raise RuntimeError("KVGEN_KERNEL_ARCH emulates an older instruction set, and this llama.cpp build uses "
+                           "AVX-512: make .venv/llama-avx2 (benchmarks/emulate_avx2.sh puts it on PYTHONPATH)")  # fmt: skip
+    return llama_cpp.Llama
 
 
 def git_sha() -> str:

@@ -28,10 +28,11 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, cpu_class, print_table, prompt_ids, timed, write_results  # noqa: E402
+from common import best_of, cpu_class, llama_class, print_table, prompt_ids, timed, write_results  # noqa: E402
 from peers.runners import PEER_RUNNERS, PeerUnavailable  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
+from kvgen.kernels.build import kernel_arch  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
 
 
@@ -86,7 +87,9 @@ def kvgen_runner(llm: LLM, ids: list[int]) -> Generate:
 
 def llama_cpp_runner(path: Path, ids: list[int], threads: int) -> Generate:
     try:
-        from llama_cpp import Llama
+        Llama = llama_class()
+    except RuntimeError as error:
+        raise PeerUnavailable(str(error)) from error
     except ImportError as error:
         raise PeerUnavailable(f"llama-cpp-python is not installed (make .venv/.bench-deps): {error}") from error
 
@@ -152,7 +155,13 @@ def transformers_runner(path: Path, ids: list[int], dtype: torch.dtype, compiled
     return generate
 
 
+# Peers that pick their instruction set at run time with no way to cap it (emulate_avx2.sh).
+UNCAPPED_PEERS = ("openvino", "onnxruntime-genai")
+
+
 def load_peer(name: str, model: str, path: Path, ids: list[int], new_tokens: int, threads: int) -> Generate:
+    if kernel_arch() is not None and name in UNCAPPED_PEERS:
+        raise PeerUnavailable(f"KVGEN_KERNEL_ARCH emulates an older instruction set, and {name} cannot be held to it")
     if name == "transformers":
         return transformers_runner(path, ids, torch.float32)
     if name == "transformers-compiled":

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_class, print_table, prompt_ids, write_results  # noqa: E402
+from common import cpu_class, llama_class, print_table, prompt_ids, write_results  # noqa: E402
 
 from kvgen import LLM, CacheConfig, SamplingParams  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
@@ -38,8 +38,7 @@ def kvgen_decode(llm: LLM, ids: list[int], new_tokens: int) -> float:
 
 
 def llama_cpp_decoder(path: Path, context: int, threads: int, kv: str) -> Callable[[list[int], int], float]:
-    from llama_cpp import Llama
-
+    Llama = llama_class()
     # A quantized V cache needs flash attention in llama.cpp; turn it on for both for a fair pair.
     model = Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
                   type_k=LLAMA_KV[kv], type_v=LLAMA_KV[kv], flash_attn=True, verbose=False)  # fmt: skip

@@ -3,6 +3,10 @@
 The library is cached under ~/.cache/kvgen/kernels keyed by the source, the flags and the CPU's
 feature flags, so a second run loads it in milliseconds and a different CPU gets its own build.
 No compiler -> `load()` returns None and kvgen keeps fp32 weights (with the reason in `last_error`).
+
+KVGEN_KERNEL_ARCH=<gcc -march target> builds for an older instruction set than the machine's own,
+e.g. `znver3` or `x86-64-v3` on an AVX-512 machine runs the AVX2 paths an AVX2-only CPU takes (to
+measure or debug them); a target that needs instructions this CPU lacks is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ SOURCE = Path(__file__).with_name("qgemm.c")
 INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ARCH_VARIABLE = "KVGEN_KERNEL_ARCH"
+# The x86 instruction sets the kernels test for, as gcc's macros and /proc/cpuinfo's flags.
+ISA_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
+              "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512VNNI__": "avx512_vnni",
+              "__AVX512BF16__": "avx512_bf16", "__AVXVNNI__": "avx_vnni", "__AVX512FP16__": "avx512_fp16",
+              "__AMX_TILE__": "amx_tile"}  # fmt: skip
 last_error: str | None = None
 
 
@@ -34,18 +44,63 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path() -> Path:
-    root = Path(os.environ.get("KVGEN_CACHE", Path.home() / ".cache" / "kvgen")) / "kernels"
-    sources = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    return root / f"qgemm-{key}.so"
-
-
-def build(target: Path, flags: list[str] = FLAGS) -> None:
-    """Compile the kernels into `target` (flags: another instruction set, for tests that compare them)."""
+def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc) found")
+    return compiler
+
+
+def kernel_arch() -> str | None:
+    """KVGEN_KERNEL_ARCH's target, or None for the machine's own (-march=native)."""
+    arch = os.environ.get(ARCH_VARIABLE, "").strip()
+    return None if arch in ("", "native") else arch
+
+
+@cache
+def _target_isa(arch: str) -> frozenset[str]:
+    """The /proc/cpuinfo flags of the instruction sets gcc's `arch` target enables (ISA_MACROS);
+    ValueError if gcc does not know the target or it needs one this CPU lacks."""
+    result = subprocess.run([_compiler(), f"-march={arch}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ValueError(f"{ARCH_VARIABLE}={arch!r} is not a target the C compiler knows "
+                         f"({result.stderr.strip()[:200]}); unset it or name a gcc -march target such as x86-64-v3")  # fmt: skip
+    defined = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define ")}
+    isa = frozenset(flag for macro, flag in ISA_MACROS.items() if macro in defined)
+    missing = sorted(isa - set(_cpu_flags().split()))
+    if missing:
+        raise ValueError(f"{ARCH_VARIABLE}={arch!r} needs {', '.join(missing)}, which this CPU lacks (the kernels "
+                         f"would stop on an illegal instruction); unset it or name an older target such as x86-64-v3")  # fmt: skip
+    return isa
+
+
+def kernel_isa() -> frozenset[str]:
+    """The instruction-set flags (as /proc/cpuinfo names them) the kernels are built for."""
+    arch = kernel_arch()
+    return frozenset(_cpu_flags().split()) if arch is None else _target_isa(arch)
+
+
+def kernel_flags() -> tuple[str, ...]:
+    """FLAGS, with KVGEN_KERNEL_ARCH's target in place of -march=native when it is set."""
+    arch = kernel_arch()
+    if arch is None:
+        return tuple(FLAGS)
+    _target_isa(arch)  # refuses a target gcc does not know or this CPU cannot run
+    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
+
+
+def library_path() -> Path:
+    root = Path(os.environ.get("KVGEN_CACHE", Path.home() / ".cache" / "kvgen")) / "kernels"
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(sources + " ".join(kernel_flags()).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return root / f"qgemm-{key}.so"
+
+
+def build(target: Path, flags: list[str] | tuple[str, ...] | None = None) -> None:
+    """Compile the kernels into `target` (flags: another instruction set, for tests that compare
+    them; by default kernel_flags())."""
+    compiler = _compiler()
+    flags = kernel_flags() if flags is None else flags
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
@@ -60,8 +115,8 @@ def load() -> ctypes.CDLL | None:
     global last_error
     import torch  # noqa: F401  load torch's libgomp first so the kernels share its thread pool
 
-    target = library_path()
     try:
+        target = library_path()  # ValueError (a KVGEN_KERNEL_ARCH this CPU cannot run) is raised
         if not target.exists():
             build(target)
         return open_library(target)
