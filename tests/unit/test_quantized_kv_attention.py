@@ -15,8 +15,13 @@ import torch
 from kvgen import LLM
 from kvgen.kernels import load
 from kvgen.kernels.build import FLAGS, _cpu_flags, build, open_library
-from kvgen.kv.codecs import Int8KeyCodec
-from kvgen.kv.interface import CacheSpec
+from kvgen.kv import paged_codes_batch
+from kvgen.kv.block_pool import BlockPool
+from kvgen.kv.codecs import Int8KeyCodec, key_codec, value_codec
+from kvgen.kv.interface import AttentionSpan, CacheSpec
+from kvgen.kv.paged_codes import QuantizedPagedStorage
+from kvgen.kv.paged_codes_batch import QuantizedPagedBatchView
+from kvgen.kv.paged_codes_cache import QuantizedPagedCache
 from kvgen.cache_factory import build_quantized_cache
 from kvgen.kv.kvquant import KVQuantKeyCodec, KVQuantValueCodec
 from kvgen.kv.quantized import QuantizedCache
@@ -175,10 +180,31 @@ def instruction_sets() -> dict[str, list[str]]:
     return sets
 
 
-def test_same_bits_for_any_thread_count_and_instruction_set(tmp_path: Path) -> None:
+def engine_pool_attention(window: int) -> torch.Tensor:
+    """The engine's pool of int8 K/V codes read in place through block tables (16-position blocks,
+    as the engine keeps them): a decode at 700 positions, a 5-token chunk after 300 (inside a
+    block), a 20-token chunk after 33, all under `window` (0: none) -> their outputs, concatenated."""
+    spec = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=64)
+    store = QuantizedPagedStorage(spec, BlockPool(128, 16), key_codec("int8"), value_codec("int8"), 8)
+    generator = torch.Generator().manual_seed(7)
+    caches = [QuantizedPagedCache(store) for _ in range(3)]
+    for cache, history in zip(caches, (700, 300, 33)):
+        for layer in range(2):
+            keys = torch.randn(1, 3, history, 64, generator=generator) * 2
+            cache.update(layer, keys, torch.randn(1, 3, history, 64, generator=generator))
+        cache.commit(history)
+    lengths = [1, 5, 20]
+    q = torch.randn(3, 9, 20, 64, generator=generator)
+    keys, values = torch.randn(3, 3, 20, 64, generator=generator) * 2, torch.randn(3, 3, 20, 64, generator=generator)
+    view = QuantizedPagedBatchView(caches, lengths)
+    out = view.attend_in_place(1, q, keys, values, 0.125, view.in_place_starts(lengths, (AttentionSpan(window or None),) * 3))
+    return torch.cat([out[row, :, :n].flatten() for row, n in enumerate(lengths)])
+
+
+def test_same_bits_for_any_thread_count_and_instruction_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Work is split at fixed positions and every sum runs in one order, so 1 or 2 threads and the
     AVX-512 / AVX2 / scalar builds give the same bits (int8 K/V with a sink; 4-bit K/V at head sizes
-    64 and 96; fp32 tails; windows that start inside a block)."""
+    64 and 96; fp32 tails; windows that start inside a block; the engine's pool of int8 codes)."""
     torch.manual_seed(3)
     length = 1000
     cases = []
@@ -187,7 +213,8 @@ def test_same_bits_for_any_thread_count_and_instruction_set(tmp_path: Path) -> N
         cases.append((*filled_cache(k_dtype, v_dtype, length, keys, values), torch.randn(heads, dim)))
 
     def run() -> list[torch.Tensor]:
-        return [attend(cache, attention, q, start) for cache, attention, q in cases for start in (0, 300)]
+        pool = [engine_pool_attention(window) for window in (0, 250)]
+        return [attend(cache, attention, q, start) for cache, attention, q in cases for start in (0, 300)] + pool
 
     threads = torch.get_num_threads()
     try:
@@ -199,8 +226,10 @@ def test_same_bits_for_any_thread_count_and_instruction_set(tmp_path: Path) -> N
         torch.set_num_threads(threads)
     for name, flags in instruction_sets().items():
         build(tmp_path / f"{name}.so", flags)
+        library = open_library(tmp_path / f"{name}.so")
         for _, attention, _ in cases:
-            attention.library = open_library(tmp_path / f"{name}.so")
+            attention.library = library
+        monkeypatch.setattr(paged_codes_batch, "load", lambda: library)
         outputs[name] = run()
     first = next(iter(outputs.values()))
     for name, out in outputs.items():

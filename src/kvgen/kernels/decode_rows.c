@@ -265,7 +265,7 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
     }
 #pragma omp parallel
     {
-        const codes_scratch t = kv->key_codes != NULL ? codes_scratch_new(d, group) : (codes_scratch){NULL, NULL, NULL};
+        const codes_scratch t = kv->key_codes != NULL ? codes_scratch_new(d, group) : (codes_scratch){0};
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) row_input(&st, 0, r);
         for (int64_t layer = 0; layer < num_layers; layer++) layer_rows_team(&st, layer, &t);
