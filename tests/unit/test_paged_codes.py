@@ -146,16 +146,17 @@ TestPagedCodesVersusSingleSequence.settings = settings(max_examples=40, stateful
 @pytest.mark.parametrize("k,v", PAIRS)
 @pytest.mark.parametrize("window", [None, 6])
 def test_kernel_attends_over_codes_as_softmax_over_the_decoded_history(k: str, v: str, window: int | None) -> None:
-    """Ragged rows (a decode, a chunk inside a block, a chunk across blocks, a fresh prompt): the
-    in-place kernel equals SDPA over what `update` returns, causal and windowed (a key or value
-    row read from the wrong place would move the output by ~0.1-1)."""
+    """Ragged rows (a decode at 613 positions, a 5-token verify inside a block, a chunk across
+    blocks, a fresh prompt, a 20-token chunk: two chunks of queries): the in-place kernel equals
+    SDPA over what `update` returns, causal and windowed (a key or value row read from the wrong
+    place would move the output by ~0.1-1)."""
     torch.manual_seed(0)
-    store = storage(k, v, num_blocks=60, block_size=4)
-    caches = [QuantizedPagedCache(store) for _ in range(4)]
-    for cache, history in zip(caches, [13, 6, 9, 0]):
+    store = storage(k, v, num_blocks=400, block_size=4)
+    caches = [QuantizedPagedCache(store) for _ in range(5)]
+    for cache, history in zip(caches, [613, 254, 9, 0, 300]):
         if history:
             append([cache], history, seed=history)
-    lengths = [1, 1, 7, 5]
+    lengths = [1, 5, 7, 5, 20]
     heads, dim, rows = 4, SPEC.head_dim, len(caches)
     q = torch.randn(rows, heads, max(lengths), dim)
     new_k = torch.randn(rows, SPEC.num_kv_heads, max(lengths), dim) * 2
