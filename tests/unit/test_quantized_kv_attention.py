@@ -119,7 +119,7 @@ def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype,
 def test_integer_key_scores_and_value_sums_are_exact(length: int, start: int, dim: int, heads: int) -> None:
     """Where no rounding happens (a query that is its own int16 codes; value rows of one scale under
     equal weights) the integer paths equal the float reference to 1e-5: every dot and every pair
-    of value rows lands where it belongs, odd tiles, the 256-position splits, a head size that is
+    of value rows lands where it belongs, odd tiles, the position splits, a head size that is
     not a multiple of 64 and groups of 4 and 5 query heads included."""
     torch.manual_seed(length)
     codes = torch.randint(-32512, 32513, (heads, dim)).float()
