@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_missing_model_path() -> None:
     assert_one_line_error(kvgen("generate", "hi", "--model", "/no/such.gguf", "--no-progress"), "no model at")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the kernel target is checked with gcc")
+def test_a_kernel_target_gcc_does_not_know_is_one_line_error(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGEN_KERNEL_ARCH", "no-such-cpu")
+    assert_one_line_error(kvgen("generate", "hi", "--model", str(tiny), "--no-progress"),
+                          "KVGEN_KERNEL_ARCH='no-such-cpu' is not a target the C compiler knows")  # fmt: skip
 
 
 def test_truncated_model(tiny: Path, tmp_path: Path) -> None:

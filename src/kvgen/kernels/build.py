@@ -63,8 +63,9 @@ def _target_isa(arch: str) -> frozenset[str]:
     ValueError if gcc does not know the target or it needs one this CPU lacks."""
     result = subprocess.run([_compiler(), f"-march={arch}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
     if result.returncode != 0:
-        raise ValueError(f"{ARCH_VARIABLE}={arch!r} is not a target the C compiler knows "
-                         f"({result.stderr.strip()[:200]}); unset it or name a gcc -march target such as x86-64-v3")  # fmt: skip
+        said = (result.stderr.strip().splitlines() or [""])[0][:200]  # one line: gcc goes on to list every target
+        raise ValueError(f"{ARCH_VARIABLE}={arch!r} is not a target the C compiler knows ({said}); "
+                         "unset it or name a gcc -march target such as x86-64-v3")  # fmt: skip
     defined = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define ")}
     isa = frozenset(flag for macro, flag in ISA_MACROS.items() if macro in defined)
     missing = sorted(isa - set(_cpu_flags().split()))
