@@ -102,4 +102,7 @@ PAIR_OF_GROUPS(q8sx8_pair_rows, block_q8sx8, q8sx8_rows)
 PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
 #ifndef PAIR_ROWS
 #define PAIR_ROWS TILE_ROWS
+#define Q4_PAIR_ROWS Q4_TILE_ROWS  // q4's pairs of groups are two calls of its 8-output kernel
+#else
+#define Q4_PAIR_ROWS PAIR_ROWS
 #endif
