@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvgen.kernels.build import kernel_arch, kernel_isa
+from kvgen.kernels.build import cpu_flags, kernel_arch, kernel_isa
 
 RESULTS_DIR = Path(__file__).parent / "results"
 # Plain English prose, repeated and cut to an exact token count so every engine sees the same ids.
@@ -60,7 +60,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-def isa_class(flags: set[str] | frozenset[str]) -> str:
+def isa_class(flags: frozenset[str]) -> str:
     """"avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names."""
     if "avx512f" in flags:
         return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
@@ -71,11 +71,7 @@ def cpu_class() -> str:
     """The CPU class a result belongs to ("avx512-vnni", "avx512", "avx2" or "other"): tables are
     kept per class, since kvgen's kernels take different paths on each. With KVGEN_KERNEL_ARCH
     (an older instruction set emulated, benchmarks/emulate_avx2.sh) it is "<kernels' class>-on-<CPU's>"."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "other"
-    native = isa_class(set(flags))
+    native = isa_class(cpu_flags())
     return native if kernel_arch() is None else f"{isa_class(kernel_isa())}-on-{native}"
 
 

@@ -44,6 +44,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as /proc/cpuinfo names them."""
+    return frozenset(_cpu_flags().split())
+
+
 def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
@@ -68,7 +73,7 @@ def _target_isa(arch: str) -> frozenset[str]:
                          "unset it or name a gcc -march target such as x86-64-v3")  # fmt: skip
     defined = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define ")}
     isa = frozenset(flag for macro, flag in ISA_MACROS.items() if macro in defined)
-    missing = sorted(isa - set(_cpu_flags().split()))
+    missing = sorted(isa - cpu_flags())
     if missing:
         raise ValueError(f"{ARCH_VARIABLE}={arch!r} needs {', '.join(missing)}, which this CPU lacks (the kernels "
                          f"would stop on an illegal instruction); unset it or name an older target such as x86-64-v3")  # fmt: skip
@@ -78,7 +83,7 @@ def _target_isa(arch: str) -> frozenset[str]:
 def kernel_isa() -> frozenset[str]:
     """The instruction-set flags (as /proc/cpuinfo names them) the kernels are built for."""
     arch = kernel_arch()
-    return frozenset(_cpu_flags().split()) if arch is None else _target_isa(arch)
+    return cpu_flags() if arch is None else _target_isa(arch)
 
 
 def kernel_flags() -> tuple[str, ...]:

@@ -330,8 +330,8 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
-        const float* key_rows[40];  // kv head 0's and the next tile's first 8; kv head g's are g head strides on
-        const int64_t ahead = end - first < 40 ? end - first : 40;
+        const float* key_rows[40];  // kv head 0's (over a block table also the next tile's first 8); kv head g's are g head strides on
+        const int64_t reach = keys->table != NULL ? 40 : 32, ahead = end - first < reach ? end - first : reach;
         kv_rows(keys, 0, first, ahead, key_rows);
         for (int64_t i = 0; i < n; i++) {  // position by position, every head: the kv heads stream together
             if (keys->table != NULL && i % 8 == 0)  // a block table's: the next 8 positions asked for ahead
@@ -361,8 +361,8 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
             for (int64_t j = first_col; j < last_col; j++) out[h * d + j] = 0.0f;
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t first = start + 32 * t, n = end - first < 32 ? end - first : 32;
-            const int64_t ahead = end - first < 64 ? end - first : 64;
-            kv_rows(values, h0 / group, first, ahead, value_rows);
+            const int64_t reach = values->table != NULL ? 64 : 32, ahead = end - first < reach ? end - first : reach;
+            kv_rows(values, h0 / group, first, ahead, value_rows);  // over a block table also the next tile's
             if (values->table != NULL)  // a block table's: the next tile's columns asked for ahead
                 for (int64_t i = 32; i < ahead; i += 8)
                     prefetch_rows(value_rows + i, ahead - i, last_col - first_col, first_col);
