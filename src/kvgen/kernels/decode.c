@@ -378,7 +378,7 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
                 if (correction >= 0.0f)
                     for (int64_t j = first_col; j < last_col; j++) out[h * d + j] *= correction;
             }
-            weighted_sums_columns(p + h0 * len + 32 * t, len, value_rows, n, d, first_col, last_col, out, group);
+            weighted_sums_streamed(p + h0 * len + 32 * t, len, value_rows, n, d, first_col, last_col, out, group);
         }
         for (int64_t h = 0; h < group; h++) {
             const float inv = 1.0f / sums[h0 + h];
