@@ -273,3 +273,35 @@ def test_fp32_attention_gives_the_same_bits_with_any_instruction_set(quantized: 
         assert torch.equal(attend(library), native), name
         assert all(torch.equal(attend_one(library, r), native[r]) for r in range(len(starts)))
         assert all(torch.equal(verify(library, llm), reference) for llm, reference in zip(models, verified)), name
+
+
+@pytest.mark.parametrize("d", [16, 80, 96])
+def test_batch1_attention_splits_heads_off_32_column_slices_with_the_rows_bits(d: int) -> None:
+    """The batch-1 step's value sums go to threads by (kv head, 32-column slice) units; a head
+    narrower than a slice (16) or with columns past its last whole slice (80, 96: Phi-3) keeps
+    them with a thread, so every thread count gives the rows step's bits and SDPA's values."""
+    torch.manual_seed(d)
+    heads, kv_heads, length = 6, 3, 97
+    keys, values = torch.randn(1, kv_heads, length, d), torch.randn(1, kv_heads, length, d)
+    q = torch.randn(heads, d)
+    library = load()
+    rows = torch.empty(1, heads, d)
+    first, last, table = torch.tensor([0]), torch.tensor([length]), torch.zeros(1, dtype=torch.int64)
+    library.kvgen_paged_decode_attention(
+        q.data_ptr(), rows.data_ptr(), keys.data_ptr(), values.data_ptr(), 1, heads, kv_heads, d, 0.125,
+        keys.stride(1), keys.stride(2), keys.stride(0), length, table.data_ptr(), 1, first.data_ptr(), last.data_ptr(),
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    for count in (1, 2, 3, 4):
+        torch.set_num_threads(count)
+        try:
+            out = torch.empty(heads, d)
+            library.kvgen_decode_attention(q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), heads,
+                                           kv_heads, d, 0.125, keys.stride(1), keys.stride(2), 0, length)  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(out, rows[0]), (count, (out - rows[0]).abs().max().item())
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q[None, :, None], keys, values, scale=0.125, enable_gqa=True
+    )[0, :, 0]
+    torch.testing.assert_close(rows[0], reference, rtol=1e-5, atol=1e-5)
