@@ -271,16 +271,17 @@ static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int6
 static void attend_heads(const float* q, float* out, int64_t count, const kv_layout* keys, const kv_layout* values,
                          int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d, int cached) {
     softmax_state st[MAX_HEAD_RUN];
-    const float *key_rows[32], *value_rows[32];
+    const float *key_rows[64], *value_rows[32];  // keys: the tile's and, streamed, the next tile's
     for (int64_t h = 0; h < count; h++) {
         st[h] = (softmax_state){-INFINITY, 0.0f};
         for (int64_t j = 0; j < d; j++) out[h * d + j] = 0.0f;
     }
     for (int64_t first = start; first < end; first += 32) {
         const int64_t n = end - first < 32 ? end - first : 32;
-        kv_rows(keys, kv_head, first, n, key_rows);
+        const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
+        kv_rows(keys, kv_head, first, reach, key_rows);
         kv_rows(values, kv_head, first, n, value_rows);
-        attend_tile_heads(q, count, key_rows, value_rows, n, d, scale, st, out, cached);
+        attend_tile_heads(q, count, key_rows, value_rows, n, reach, d, scale, st, out, cached);
     }
     for (int64_t h = 0; h < count; h++) {
         const float inv = 1.0f / st[h].sum;
