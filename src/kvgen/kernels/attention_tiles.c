@@ -86,7 +86,7 @@ static inline void prefetch_rows(const float* const* k, int64_t m, int64_t d, in
 // the tile's eight values at the same positions (`values`, or NULL), which the sums read next: a
 // tile's first keys and its values had come from memory unasked, and the hardware prefetchers do
 // not follow a block table from one block to the next (16 decode rows over the engine's paged
-// blocks: attention 1.2x as fast with the keys asked for within a tile, 1.5x more with both).
+// blocks: attention 1.2x as fast with the keys asked for within a tile, 1.33-1.47x more with both).
 static void tile_scores(const float* q, int64_t count, const float* const* keys, const float* const* values, int64_t n,
                         int64_t reach, int64_t d, float scale, float* scores, int64_t stride, int cached) {
 #ifdef __AVX2__
