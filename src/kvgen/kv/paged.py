@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.errors import KvgenError
+from kvgen.kv import huge_pages
 from kvgen.kv.block_pool import Block, BlockPool
 from kvgen.kv.interface import CacheSpec, KVCache, KVLayout, Rerotate
 from kvgen.kv.layer_groups import LayerGroups
@@ -32,8 +33,10 @@ class PagedStorage:
         if len(self.groups.group_of) != spec.num_layers:
             raise ValueError(f"layer groups cover {len(self.groups.group_of)} layers, the cache has {spec.num_layers}")
         shape = (self.groups.width, pool.num_blocks, spec.num_kv_heads, pool.block_size, spec.head_dim)
-        self.keys = torch.zeros(shape, dtype=spec.dtype)  # [slots, N, H, bs, D]; slots = L for one group
-        self.values = torch.zeros(shape, dtype=spec.dtype)
+        # [slots, N, H, bs, D]; slots = L for one group. On huge pages (kv/huge_pages.py): a block's
+        # kv head is 4 KB at 16 positions, so on 4 KB pages every one a decode reads was a TLB miss.
+        self.keys = huge_pages.zeros(shape, spec.dtype)
+        self.values = huge_pages.zeros(shape, spec.dtype)
         # Per layer its slot and group, as int64 for the C decode step (made once, read every step).
         self.layer_slots_and_groups = (torch.tensor(self.groups.slot_of), torch.tensor(self.groups.group_of))
 
