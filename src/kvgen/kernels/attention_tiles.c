@@ -202,13 +202,19 @@ static void weighted_sums(const float* p, int64_t p_stride, const float* const* 
 // values at ~25 GB/s; in runs of 4 its attention over 8,192 positions took 0.85x the time (runs of
 // 2: 0.97x, 8: 0.92x, 16: 0.99x). Each column's sum is still one fma per position in order: the
 // same bits. (The rows step's head units over the engine's 16-position blocks ran 1.18x slower in
-// runs of 4: they keep whole tiles.)
+// runs of 4: they keep whole tiles.) next: rows[0 .. next_n) of the next tile (over a block table,
+// which the hardware prefetchers do not follow), asked for STREAM_RUN rows per run, in step with
+// the sums (columns [first, last)); NULL: none.
 #define STREAM_RUN 4
 static void weighted_sums_streamed(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
-                                   int64_t first, int64_t last, float* out, int64_t count) {
-    for (int64_t i = 0; i < n; i += STREAM_RUN)
+                                   int64_t first, int64_t last, float* out, int64_t count, const float* const* next,
+                                   int64_t next_n) {
+    for (int64_t i = 0; i < n; i += STREAM_RUN) {
+        if (next != NULL && i < next_n)
+            prefetch_rows(next + i, next_n - i < STREAM_RUN ? next_n - i : STREAM_RUN, last - first, first);
         weighted_sums_columns(p + i, p_stride, values + i, n - i < STREAM_RUN ? n - i : STREAM_RUN, d, first, last, out,
                               count);
+    }
 }
 
 // p[i] = exp(s[i] - max) for n scores; returns their sum.
