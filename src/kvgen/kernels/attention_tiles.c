@@ -66,11 +66,11 @@ static inline __m256 dot_lanes64(const __m256 q[8], const float* k) {
 }
 #endif
 
-// Asks for rows k[0 .. min(m, 8)) of keys or values, d floats each from `offset` on: a block
-// table's positions lie in blocks of a few each, which the hardware prefetchers do not follow from
-// one to the next.
-static inline void prefetch_rows(const float* const* k, int64_t m, int64_t d, int64_t offset) {
-    for (int64_t i = 0; i < (m < 8 ? m : 8); i++)
+// Asks for rows k[0 .. min(m, most)) of keys or values (m: the rows there are), d floats each from
+// `offset` on: a block table's positions lie in blocks of a few each, which the hardware
+// prefetchers do not follow from one to the next.
+static inline void prefetch_rows(const float* const* k, int64_t m, int64_t most, int64_t d, int64_t offset) {
+    for (int64_t i = 0; i < (m < most ? m : most); i++)
         for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(k[i] + offset + c);
 }
 
@@ -120,8 +120,8 @@ static void tile_scores(const float* q, int64_t count, const float* const* keys,
 #endif
     for (int64_t i0 = 0; i0 < n; i0 += 2) {
         if (!cached) {
-            prefetch_rows(keys + i0 + 8, reach - i0 - 8 < 2 ? reach - i0 - 8 : 2, d, 0);
-            if (values != NULL) prefetch_rows(values + i0, n - i0 < 2 ? n - i0 : 2, d, 0);
+            prefetch_rows(keys + i0 + 8, reach - i0 - 8, 2, d, 0);
+            if (values != NULL) prefetch_rows(values + i0, n - i0, 2, d, 0);
         }
         for (int64_t i = i0; i < n && i < i0 + 2; i++)
             for (int64_t h = 0; h < count; h++) scores[h * stride + i] = dot(q + h * d, keys[i], d) * scale;
@@ -213,7 +213,7 @@ static void weighted_sums_streamed(const float* p, int64_t p_stride, const float
                                    int64_t next_n) {
     for (int64_t i = 0; i < n; i += STREAM_RUN) {
         if (next != NULL && i < next_n)
-            prefetch_rows(next + i, next_n - i < STREAM_RUN ? next_n - i : STREAM_RUN, last - first, first);
+            prefetch_rows(next + i, next_n - i, STREAM_RUN, last - first, first);
         weighted_sums_columns(p + i, p_stride, values + i, n - i < STREAM_RUN ? n - i : STREAM_RUN, d, first, last, out,
                               count);
     }

@@ -340,7 +340,7 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
         for (int64_t i = 0; i < n; i++) {  // position by position, every head: the kv heads stream together
             if (keys->table != NULL && i % 2 == 0)  // a block table's: positions 8 on asked for, two at a time
                 for (int64_t g = 0; g < kv_heads; g++)
-                    prefetch_rows(key_rows + i + 8, ahead - i - 8 < 2 ? ahead - i - 8 : 2, d, g * keys->head_stride);
+                    prefetch_rows(key_rows + i + 8, ahead - i - 8, 2, d, g * keys->head_stride);
             for (int64_t h = 0; h < heads; h++)
                 p[h * len + 32 * t + i] = dot(q + h * d, key_rows[i] + h / group * keys->head_stride, d) * scale;
         }
