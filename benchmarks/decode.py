@@ -19,8 +19,12 @@ traffic achieved, compared with the bandwidth this machine measures for a stream
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +36,7 @@ from common import best_of, cpu_class, llama_class, print_table, prompt_ids, tim
 from peers.runners import PEER_RUNNERS, PeerUnavailable  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
+from kvgen.llm import load_tokenizer  # noqa: E402
 from kvgen.kernels.build import kernel_arch  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
 
@@ -125,6 +130,16 @@ def memory_bandwidth_gbs(size_mib: int = 1024) -> float:
     return data.numel() * 4 / best_of(5, lambda: timed(data.sum)) / 1e9
 
 
+def fresh_inductor_cache() -> None:
+    """Point torch.compile at an empty cache for this process (removed at exit). The shared cache in
+    /tmp keeps kernels from earlier runs, some under another instruction-set setting
+    (emulate_avx2.sh); reusing those aborted a native run inside the compiled step (free(): invalid
+    pointer), where a fresh compile ran clean."""
+    folder = tempfile.mkdtemp(prefix="kvgen-bench-inductor-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+
+
 def transformers_runner(path: Path, ids: list[int], dtype: torch.dtype, compiled_for: int = 0) -> Generate:
     """transformers on the same GGUF (dequantized to fp32: its only CPU path for these weights).
     compiled_for > 0: its static cache with the decode step under torch.compile (transformers' own
@@ -139,6 +154,7 @@ def transformers_runner(path: Path, ids: list[int], dtype: torch.dtype, compiled
         # only on accelerators unless told to compile on every device.
         compile_config = CompileConfig(dynamic=False, mode="default")
         compile_config._compile_all_devices = True
+        fresh_inductor_cache()
         options = {"cache_implementation": "static", "compile_config": compile_config}
 
     def generate(n: int) -> list[int]:
@@ -195,10 +211,9 @@ def main() -> None:
     bandwidth = memory_bandwidth_gbs()
     threads = torch.get_num_threads()
     engines: list[tuple[dict[str, Any], Generate]] = []  # (row, generate), all loaded first
-    ids: list[int] = []
+    ids = prompt_ids(load_tokenizer(args.model), args.prompt_tokens)  # peers-only runs need them too
     for mode in [m for m in args.weights.split(",") if m]:
         llm = LLM.load(args.model, progress=False, weights=mode)
-        ids = prompt_ids(llm.tokenizer, args.prompt_tokens)
         engines.append(({"engine": f"kvgen ({llm.weights})", "weight_mb": weight_bytes(llm) / 1e6}, kvgen_runner(llm, ids)))
     for peer in peers:
         try:
