@@ -147,13 +147,32 @@ def test_a_passed_probe_is_on_probation_until_a_batched_step_pays():
     c.record_plain(0.010)
     c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # accepted, and drafting cost less than it saves
     assert not c.probing and c.draft_length() == 4  # the next draft is verified batched, at full length
-    c.record(4, 0, seconds=0.020)  # it fails (2x a plain step's time): pause at once, 2 x 4 tokens
-    assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    c.record(4, 0, seconds=0.020)  # it fails (2x a plain step's time): down to one more than it accepted
+    assert c.draft_length() == 1
+    c.record(1, 0, seconds=0.012)
+    assert c.draft_length() == 1
+    c.record(1, 0, seconds=0.012)  # the second failed step at the minimum, the window unpaid: pause
+    assert [c.draft_length() for _ in range(5)] == [0] * 4 + [1]
     c.record(1, 1, seconds=0.021, draft_seconds=0.001)
     c.record(1, 1, seconds=0.012)  # a batched step pays: probation ends, the next pause is halved
     assert not c.probing and c.draft_length() == 2
-    c.record(2, 0, seconds=0.015)  # off probation, a failed step shrinks the draft instead of pausing
+    c.record(2, 0, seconds=0.015)  # a failed step shrinks the draft
     assert c.draft_length() == 1
+
+
+def test_one_token_drafts_accepted_half_the_time_keep_drafting_while_the_window_pays():
+    fast = DraftLengthController(initial=1, min_length=1, max_length=4, cooldown=4)
+    fast.record_plain(0.010)
+    for accepted in [0, 1, 1, 0, 0, 1, 1, 0] * 3:  # 1.5 tokens per 11 ms step: 0.73 of their plain time
+        assert fast.draft_length() == 1  # two failed steps in a row do not pause it
+        fast.record(1, accepted, seconds=0.011)
+    slow = DraftLengthController(initial=1, min_length=1, max_length=4, cooldown=4)
+    slow.record_plain(0.010)
+    lengths = []
+    for accepted in [0, 1, 1, 0, 0, 1, 1, 0]:  # 15 ms steps: the window does not pay either
+        lengths.append(slow.draft_length())
+        slow.record(1, accepted, seconds=0.015)
+    assert lengths == [1] * 5 + [0] * 3  # paused after the second failure in a row
 
 
 def test_a_probe_whose_draft_costs_more_than_it_saves_fails_even_when_accepted():

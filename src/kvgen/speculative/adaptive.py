@@ -52,16 +52,18 @@ class DraftLengthController:
     minimum length. A probe that fails pauses again at once, for twice as long (up to
     `max_cooldown`): on text where drafts keep failing, probes become rare and the cost nears plain
     decoding's. Drafting stays on probation after a pause until a verify step pays: that step halves
-    the next pause's length (down to `cooldown`); one that fails before it pauses again at once.
+    the next pause's length (down to `cooldown`).
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
     if it also made its tokens at least `1 / pay_ratio` times faster than plain steps do (draft +
     verify time against `pay_ratio` x (accepted + 1) plain steps): a draft that is accepted but costs
-    more than it saves (a slow proposer), or about what it saves, counts as a
-    failure, `patience` such steps at the minimum length pause drafting, and the pause is as many
-    times longer as the step overran. Such a caller may verify each probe by plain one-token steps
+    more than it saves (a slow proposer), or about what it saves, counts as a failure. At the minimum
+    length a timed caller's drafting pauses only after `patience` failed steps in a row while the
+    whole window's steps, together, did not pay either: a one-token draft accepted half the time
+    fails every other step on its own, yet pays over the window (EAGLE's head on chat); and the
+    pause is as many times longer as the step overran. Such a caller may verify each probe by plain one-token steps
     (`probing`, `record(..., draft_seconds=)`), so that a failed probe costs only its draft; a probe
-    whose drafts are accepted lets the next draft be verified batched, which must then pay."""
+    whose drafts are accepted lets the next drafts be verified batched, at the length drafting had."""
 
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
@@ -73,6 +75,7 @@ class DraftLengthController:
         self.length, self.min_length, self.max_length = initial, min_length, max_length
         self.adaptive, self.grow_above, self.shrink_below, self.cooldown = adaptive, grow_above, shrink_below, cooldown
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted) per verify step
+        self._timed: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds, tokens made) per timed step
         self._low_at_min = 0  # consecutive verify steps at min length with a low rolling rate
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
@@ -126,12 +129,16 @@ class DraftLengthController:
             return
         self._recent.append((proposed, accepted))
         plain = self._plain_seconds
+        window_pays = False  # untimed: the rates alone decide
         if seconds is None or plain is None:
             in_time = True
         elif draft_seconds is not None:
             in_time = draft_seconds <= accepted * plain * self.pay_ratio
         else:
             in_time = seconds <= (accepted + 1) * plain * self.pay_ratio
+            self._timed.append((seconds, accepted + 1))
+            spent, made = sum(s for s, _ in self._timed), sum(n for _, n in self._timed)
+            window_pays = spent <= made * plain * self.pay_ratio
         paid = accepted >= self.shrink_below * proposed and in_time
         # How many times its tokens' plain time the step took (1 where untimed): a slow proposer's
         # failures pause it for that much longer.
@@ -145,7 +152,7 @@ class DraftLengthController:
             self._probe_next = False
             self.length = max(self.length, self._resume_length)
             return
-        self._probe_next = False
+        was_probe, self._probe_next = self._probe_next, False
         if paid:
             if self._probing:
                 self.length = max(self.length, self._resume_length)
@@ -153,15 +160,18 @@ class DraftLengthController:
             # otherwise undo the whole back-off (a run of short pauses, each with a failing probe).
             self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
             self._probing = False
-        elif self._probing:
-            self._pause(overrun)  # the probe (or the first batched step after it) failed: pause again, longer
+        elif was_probe:
+            self._pause(overrun)  # the probe failed: pause again, longer
             return
+        # Steps after a passed probe that fail shrink the draft as any step does: where a probe passes
+        # at one token and the resumed length is too long (EAGLE's later drafts rarely pass), pausing
+        # at once lost the whole resumption (EAGLE on chat: one batched verify per request).
         rate = self.rolling_acceptance
         if rate > self.grow_above and in_time:
             self.length = min(self.length + 1, self.max_length)
         elif rate < self.shrink_below or not in_time:
             if self.length == self.min_length:
-                self._low_at_min += 1
+                self._low_at_min = 0 if window_pays else self._low_at_min + 1
                 if self._low_at_min >= self.patience:
                     self._pause(overrun)
             self.length = max(min(self.length - 1, accepted + 1), self.min_length)
@@ -183,3 +193,4 @@ class DraftLengthController:
         self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
         self.length = self._resume_length = self.min_length
         self._recent.clear()
+        self._timed.clear()
