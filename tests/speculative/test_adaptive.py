@@ -161,8 +161,10 @@ def test_a_passed_probe_is_on_probation_until_a_batched_step_pays():
 
 
 def test_one_token_drafts_accepted_half_the_time_keep_drafting_while_the_window_pays():
-    fast = DraftLengthController(initial=1, min_length=1, max_length=4, cooldown=4)
+    fast = DraftLengthController(initial=4, min_length=1, max_length=4, cooldown=4)
     fast.record_plain(0.010)
+    fast.record(4, 1, seconds=0.040)  # a long draft that does not pay: down to 2
+    fast.record(2, 0, seconds=0.020)  # and to 1; what the longer drafts cost says nothing of one-token ones
     for accepted in [0, 1, 1, 0, 0, 1, 1, 0] * 3:  # 1.5 tokens per 11 ms step: 0.73 of their plain time
         assert fast.draft_length() == 1  # two failed steps in a row do not pause it
         fast.record(1, accepted, seconds=0.011)
@@ -181,3 +183,16 @@ def test_a_probe_whose_draft_costs_more_than_it_saves_fails_even_when_accepted()
     c.record_plain(0.010)
     c.record(1, 1, seconds=0.035, draft_seconds=0.015)  # a draft token that costs 1.5 plain steps
     assert c.draft_length() == 0  # paused
+
+
+def test_a_passed_probe_restores_the_length_once_and_a_shorter_length_that_pays_stays():
+    c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4)
+    c.start_with_probe()
+    c.record_plain(0.010)
+    c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # the probe passes: back to 4
+    assert c.draft_length() == 4
+    c.record(4, 1, seconds=0.030)  # too slow for 2 tokens: down to one more than it accepted
+    assert c.draft_length() == 2
+    c.record(2, 2, seconds=0.015)  # pays at 2 (ending probation) and stays there: no second jump to 4
+    assert c.draft_length() == 2 and not c.probing
+

@@ -59,7 +59,7 @@ class DraftLengthController:
     verify time against `pay_ratio` x (accepted + 1) plain steps): a draft that is accepted but costs
     more than it saves (a slow proposer), or about what it saves, counts as a failure. At the minimum
     length a timed caller's drafting pauses only after `patience` failed steps in a row while the
-    whole window's steps, together, did not pay either: a one-token draft accepted half the time
+    window's steps at that length, together, did not pay either: a one-token draft accepted half the time
     fails every other step on its own, yet pays over the window (EAGLE's head on chat); and the
     pause is as many times longer as the step overran. Such a caller may verify each probe by plain one-token steps
     (`probing`, `record(..., draft_seconds=)`), so that a failed probe costs only its draft; a probe
@@ -75,7 +75,7 @@ class DraftLengthController:
         self.length, self.min_length, self.max_length = initial, min_length, max_length
         self.adaptive, self.grow_above, self.shrink_below, self.cooldown = adaptive, grow_above, shrink_below, cooldown
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted) per verify step
-        self._timed: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds, tokens made) per timed step
+        self._timed: deque[tuple[int, float, int]] = deque(maxlen=window)  # (length, seconds, tokens) per timed step
         self._low_at_min = 0  # consecutive verify steps at min length with a low rolling rate
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
@@ -136,9 +136,10 @@ class DraftLengthController:
             in_time = draft_seconds <= accepted * plain * self.pay_ratio
         else:
             in_time = seconds <= (accepted + 1) * plain * self.pay_ratio
-            self._timed.append((seconds, accepted + 1))
-            spent, made = sum(s for s, _ in self._timed), sum(n for _, n in self._timed)
-            window_pays = spent <= made * plain * self.pay_ratio
+            # Over the window's steps at this length: longer drafts before a shrink say nothing of it.
+            self._timed.append((proposed, seconds, accepted + 1))
+            steps = [(s, n) for length, s, n in self._timed if length == proposed]
+            window_pays = sum(s for s, _ in steps) <= sum(n for _, n in steps) * plain * self.pay_ratio
         paid = accepted >= self.shrink_below * proposed and in_time
         # How many times its tokens' plain time the step took (1 where untimed): a slow proposer's
         # failures pause it for that much longer.
@@ -150,12 +151,12 @@ class DraftLengthController:
             # Still on probation: only a batched step that pays shortens the next pause, so a slow
             # proposer whose drafts are accepted keeps backing off.
             self._probe_next = False
-            self.length = max(self.length, self._resume_length)
+            self.length, self._resume_length = max(self.length, self._resume_length), self.min_length
             return
         was_probe, self._probe_next = self._probe_next, False
         if paid:
-            if self._probing:
-                self.length = max(self.length, self._resume_length)
+            if self._probing:  # back to the length drafting had, once (a shorter step that pays keeps its length)
+                self.length, self._resume_length = max(self.length, self._resume_length), self.min_length
             # Halved, not reset: on text where drafts keep failing, one lucky acceptance would
             # otherwise undo the whole back-off (a run of short pauses, each with a failing probe).
             self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
