@@ -76,7 +76,7 @@ class DraftLengthController:
         self.adaptive, self.grow_above, self.shrink_below, self.cooldown = adaptive, grow_above, shrink_below, cooldown
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted) per verify step
         self._timed: deque[tuple[int, float, int]] = deque(maxlen=window)  # (length, seconds, tokens) per timed step
-        self._low_at_min = 0  # consecutive verify steps at min length with a low rolling rate
+        self._low_at_min = 0  # consecutive failed steps at min length (timed: their window unpaid too)
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
         self._probing = False  # drafting again after a pause, no verify step has paid yet
