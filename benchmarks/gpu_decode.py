@@ -2,6 +2,7 @@
 against transformers on the same bf16 weights.
 
     python benchmarks/gpu_decode.py --models smollm2 gemma3-270m llama-1b-shape --compile smollm2
+    python benchmarks/gpu_decode.py --models gemma3-270m --compile   # no transformers + torch.compile row
 
 The weights are random (transformers' init) on the real models' architectures and shapes
 (tests/support/random_like.py): the GPU machines this runs on have no copy of the real weights, and
@@ -80,6 +81,11 @@ def measure(name: str, args: argparse.Namespace, folder: Path) -> list[dict[str,
         "kvgen eager (no graphs)": kvgen_engine(llm, ids, graphs=False, burst=1),
         "transformers bf16": transformers_engine(hf, ids, static=False),
     }
+    compiled_llm = None
+    if name in args.kvgen_compile:  # the graphs' step through torch.compile before capture (torch_compile=True)
+        compiled_llm = LLM.load(folder, device="cuda", progress=False, torch_compile=True)
+        engines["kvgen CUDA graphs + torch.compile, greedy runs"] = kvgen_engine(
+            compiled_llm, ids, graphs=True, burst=generation.GREEDY_BURST)  # fmt: skip
     if name in args.compile:
         compiled = copy.deepcopy(hf)
         engines["transformers bf16, static cache + torch.compile"] = transformers_engine(compiled, ids, static=True)
@@ -106,7 +112,7 @@ def measure(name: str, args: argparse.Namespace, folder: Path) -> list[dict[str,
     base = next(r["decode_tok_s"] for r in rows if r["engine"] == "transformers bf16")
     for row in rows:
         row["vs_transformers"] = row["decode_tok_s"] / base
-    del llm, hf, reference
+    del llm, compiled_llm, hf, reference
     torch.cuda.empty_cache()
     return rows
 
@@ -115,6 +121,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m", "llama-1b-shape"])
     parser.add_argument("--compile", nargs="*", default=["smollm2"], help="models that also get transformers + torch.compile")
+    parser.add_argument("--kvgen-compile", nargs="*", default=["smollm2", "gemma3-270m", "llama-1b-shape"],
+                        help="models that also get kvgen with torch_compile (its graphs' step compiled)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)

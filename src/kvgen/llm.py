@@ -24,7 +24,7 @@ from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import check_mode
 from kvgen.lora.registry import AdapterRegistry
 from kvgen.models import DecoderLM, build_model
-from kvgen.models.device import default_dtype, gpu_weights_mode, move_model, resolve_device
+from kvgen.models.device import check_torch_compile, default_dtype, gpu_weights_mode, move_model, resolve_device
 from kvgen.sampling.params import SamplingParams
 from kvgen.session import Session
 from kvgen.speculative.config import SpeculativeConfig
@@ -68,19 +68,23 @@ class LLM:
     def load(
         cls, name_or_path: str | Path, dtype: str | torch.dtype | None = None, progress: bool = True,
         max_context: int | None = None, weights: str = "auto", cache: CacheConfig | None = None,
-        device: str = "cpu",
+        device: str = "cpu", torch_compile: bool = False,
     ) -> "LLM":  # fmt: skip
         """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder.
 
         weights: "auto" (4-bit kernels for quantized GGUF files), "fp32", "int8" or "q4"; see
         kvgen/loading/weight_format.py. dtype: float32 on the CPU, bfloat16 on a GPU by default.
         device: "cpu", or "cuda" for a GPU (float weights, CUDA graph decode; kvgen/models/device.py).
+        torch_compile: on a GPU, compile the decode step with torch.compile before its CUDA graphs are
+        captured (fused kernels; the first capture takes ~25 s); refused on the CPU.
         """
         target = resolve_device(device)
+        check_torch_compile(torch_compile, target)
         if target.type != "cpu":
             weights = gpu_weights_mode(check_mode(weights))
         checkpoint = load_checkpoint(name_or_path, dtype or default_dtype(target), progress, weights)
         llm = cls(move_model(build_model(checkpoint), target), checkpoint, max_context, cache)
+        llm.model.compile_cuda_graphs = torch_compile
         # Loading leaves ~185k new Python objects (Gemma 3's tokenizer) pending for the garbage
         # collector's oldest generation: collected now, its next full pass (~90 ms) does not land
         # inside a decode later.

@@ -76,6 +76,8 @@ def test_unusable_devices_are_refused_with_the_reason() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA build of PyTorch"):
             LLM.load("smollm2", device="cuda")
+    with pytest.raises(ValueError, match="torch_compile compiles the decode step a GPU captures"):
+        LLM.load("smollm2", torch_compile=True)  # refused before any weight is read
     with pytest.raises(ValueError, match="--weights q4 runs kvgen's CPU kernels"):
         gpu_weights_mode("q4")
     assert gpu_weights_mode("auto") == "fp32"

@@ -124,13 +124,14 @@ class DecoderLM(nn.Module):
     # A GPU model's one-token steps replay CUDA graphs (models/cuda_graphs.py); set False to launch
     # every kernel from Python instead (the eager path the graphs are measured against).
     use_cuda_graphs: bool = True
+    compile_cuda_graphs: bool = False  # the graphs' step through torch.compile first (LLM.load's torch_compile)
     _cuda_graphs: object | None = None
 
     def cuda_graphs(self):  # -> CudaGraphDecoder, built on first use by a model on a GPU
         from kvgen.models.cuda_graphs import CudaGraphDecoder
 
         if self._cuda_graphs is None:
-            self._cuda_graphs = CudaGraphDecoder(self)
+            self._cuda_graphs = CudaGraphDecoder(self, compiled=self.compile_cuda_graphs)
         return self._cuda_graphs
 
     def greedy_steps(self, token: int, cache: KVCache, steps: int) -> list[int] | None:

@@ -88,10 +88,15 @@ class CudaGraphDecoder:
     """Decode steps of one model (on a CUDA device) from CUDA graphs; `capture=False` runs the very
     same computation eagerly (how the tests check its math on the CPU)."""
 
-    def __init__(self, model, capture: bool | None = None):  # model: DecoderLM
+    def __init__(self, model, capture: bool | None = None, compiled: bool = False):  # model: DecoderLM
         self.model = model
         device = model.device
         self.capture = device.type == "cuda" if capture is None else capture
+        # compiled: the step runs through torch.compile before it is captured, so the norms, rotary
+        # and activations replay as a few fused kernels instead of many small ones (an H200, random
+        # weights on the real shapes: Gemma 3 270M 320 -> 833 tok/s, SmolLM2 358 -> 713, the same
+        # tokens; each graph's first capture compiles, ~25 s for the first).
+        self._step = torch.compile(self._forward, dynamic=False) if compiled else self._forward
         self.token = torch.zeros((1, 1), dtype=torch.long, device=device)  # the step's input token
         self.position = torch.zeros((1,), dtype=torch.long, device=device)  # where it goes in the cache
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
@@ -160,7 +165,7 @@ class CudaGraphDecoder:
         graph = self.graphs.get(key)
         if graph is None:
             view = _PositionedKV(buffers, self.position, bucket)
-            run = (lambda: self._forward(view)) if steps == 1 else (lambda: self._greedy_step(view))
+            run = (lambda: self._step(view)) if steps == 1 else (lambda: self._greedy_step(view))
             # The warm-up runs the step for real: it writes this very step's keys and values (the
             # replay writes them again), but a greedy step also moves the token and position on.
             token, position = self.token.clone(), self.position.clone()
@@ -175,7 +180,7 @@ class CudaGraphDecoder:
         return graph
 
     def _greedy_step(self, view: _PositionedKV) -> torch.Tensor:
-        logits = self._forward(view)[0, -1]  # [V]
+        logits = self._step(view)[0, -1]  # [V]
         chosen = torch.argmax(logits).view(1)  # the first of equal maxima, as the host sampler picks
         self.token.copy_(chosen.view(1, 1))
         self.position.add_(1)

@@ -30,6 +30,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def check_torch_compile(torch_compile: bool, device: torch.device) -> None:
+    """torch_compile compiles the GPU's graph-captured decode step; the CPU's decode runs C kernels."""
+    if torch_compile and device.type != "cuda":
+        raise ValueError("torch_compile compiles the decode step a GPU captures in CUDA graphs; on the CPU "
+                         "decode runs kvgen's C kernels: load without torch_compile (--torch-compile), or with "
+                         "device 'cuda'")  # fmt: skip
+
+
 def default_dtype(device: torch.device) -> str:
     """Weights' compute dtype when none is asked for: fp32 on the CPU, bf16 on a GPU."""
     return "float32" if device.type == "cpu" else "bfloat16"
