@@ -81,3 +81,25 @@ def test_unusable_devices_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="--weights q4 runs kvgen's CPU kernels"):
         gpu_weights_mode("q4")
     assert gpu_weights_mode("auto") == "fp32"
+
+
+def test_c_row_ops_take_only_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvgen's C row ops read host memory: a model on a GPU in float32 (dtype='float32') must take the
+    torch ops for its norms and rotary (here a meta tensor stands for a device one)."""
+    from kvgen.models import layers, rotary
+
+    calls: list[str] = []
+
+    class Library:  # records which C ops were asked for
+        def __getattr__(self, name: str):
+            return lambda *args: calls.append(name)
+
+    monkeypatch.setattr(layers, "load", Library)
+    monkeypatch.setattr(rotary, "load", Library)
+    on_device = layers.RMSNorm(torch.ones(8, device="meta"), 1e-6)
+    assert on_device(torch.ones(1, 3, 8, device="meta")).device.type == "meta"
+    cos = sin = torch.ones(3, 8, device="meta")
+    assert rotary.apply_rotary(torch.ones(1, 2, 3, 8, device="meta"), cos, sin).device.type == "meta"
+    assert calls == []
+    layers.RMSNorm(torch.ones(8), 1e-6)(torch.ones(1, 3, 8))  # a host tensor does take the C op
+    assert calls == ["kvgen_rms_norm_rows"]

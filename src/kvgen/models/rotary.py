@@ -89,7 +89,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     turn only the first channels."""
     rotary = cos.shape[-1]
     library = load()
-    if library is not None and not needs_grad(x, cos, sin) and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1:
+    if library is not None and not needs_grad(x, cos, sin) and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1 and x.is_cpu:
         return _rope_in_c(library, x, cos, sin)
     if rotary < x.shape[-1]:
         turned, kept = x[..., :rotary], x[..., rotary:]
