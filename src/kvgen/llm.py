@@ -85,6 +85,8 @@ class LLM:
         checkpoint = load_checkpoint(name_or_path, dtype or default_dtype(target), progress, weights)
         llm = cls(move_model(build_model(checkpoint), target), checkpoint, max_context, cache)
         llm.model.compile_cuda_graphs = torch_compile
+        if torch_compile:
+            llm.model.cuda_graphs()  # built now: a model whose steps run without graphs refuses at load
         # Loading leaves ~185k new Python objects (Gemma 3's tokenizer) pending for the garbage
         # collector's oldest generation: collected now, its next full pass (~90 ms) does not land
         # inside a decode later.

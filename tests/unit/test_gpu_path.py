@@ -103,3 +103,15 @@ def test_c_row_ops_take_only_host_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert calls == []
     layers.RMSNorm(torch.ones(8), 1e-6)(torch.ones(1, 3, 8))  # a host tensor does take the C op
     assert calls == ["kvgen_rms_norm_rows"]
+
+
+def test_a_compiled_step_is_refused_where_steps_run_without_graphs(tmp_path) -> None:
+    """LongRoPE (Phi-3) picks its factors on the host each step, so its steps never replay graphs:
+    compiling them would do nothing, and the option says so instead of being ignored."""
+    from tests.support.tiny_hf import save_tiny_decoder, tokenizer_folder
+
+    save_tiny_decoder("phi3", tmp_path / "phi3", tokenizer_folder(tmp_path / "tokenizer"))
+    model = LLM.load(tmp_path / "phi3", progress=False, weights="fp32").model
+    assert not CudaGraphDecoder(model, capture=False).runs_graphs
+    with pytest.raises(ValueError, match="LongRoPE picks its factors on the host"):
+        CudaGraphDecoder(model, capture=False, compiled=True)

@@ -105,6 +105,10 @@ class CudaGraphDecoder:
         config = model.config
         self.windows = [config.window_for(i) for i in range(config.num_layers)]
         self.runs_graphs = not any(isinstance(rope, LongRopeEmbedding) for rope in model.ropes)
+        if compiled and not self.runs_graphs:
+            raise ValueError("torch_compile compiles the decode step that CUDA graphs replay, and this model's "
+                             "LongRoPE picks its factors on the host each step, so its steps run eagerly: "
+                             "load it without torch_compile")  # fmt: skip
 
     def supports(self, cache: KVCache) -> bool:
         """Whether graphs can run this cache's steps (else the eager path runs them)."""
