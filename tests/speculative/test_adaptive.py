@@ -195,4 +195,3 @@ def test_a_passed_probe_restores_the_length_once_and_a_shorter_length_that_pays_
     assert c.draft_length() == 2
     c.record(2, 2, seconds=0.015)  # pays at 2 (ending probation) and stays there: no second jump to 4
     assert c.draft_length() == 2 and not c.probing
-

@@ -12,7 +12,7 @@ from kvgen.config import ModelConfig
 from kvgen.kernels import load
 from kvgen.kv.interface import KVCache
 from kvgen.models.lora import LoraStacks
-from kvgen.models.rotary import apply_rotary, needs_grad
+from kvgen.models.rotary import apply_rotary, c_rows_take
 from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
 
 
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = load()
-        if library is not None and x.dtype == torch.float32 and x.is_cpu and not needs_grad(x):  # the C step's norm, per row
+        if library is not None and c_rows_take(x):  # the C decode step's norm, one pass per row
             rows = x.contiguous()
             out = torch.empty_like(rows)
             weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
@@ -201,7 +201,7 @@ class GatedMLP(nn.Module):
         if self.lora is not None:
             gate_up = self.lora.add_delta(self.layer, "gate_up", x, gate_up)
         library = load()
-        if self.act is F.silu and library is not None and gate_up.dtype == torch.float32 and gate_up.is_cpu and not needs_grad(gate_up):
+        if self.act is F.silu and library is not None and c_rows_take(gate_up):
             # the C decode step's SwiGLU, one pass per row (torch: silu, then the product)
             gate_up = gate_up.contiguous()
             hidden = torch.empty(*gate_up.shape[:-1], self.intermediate)

@@ -78,10 +78,13 @@ class LongRopeEmbedding(RotaryEmbedding):
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd must see this op (the C row ops have no backward): KV-quant calibration
-    takes gradients through the torch path."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def c_rows_take(*tensors: torch.Tensor) -> bool:
+    """Whether kvgen's C row ops can take these tensors: float32 in host memory (a float32 model on a
+    GPU takes the torch ops), and no autograd to see the op (the C row ops have no backward: KV-quant
+    calibration takes gradients through the torch path)."""
+    if not all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,7 +92,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     turn only the first channels."""
     rotary = cos.shape[-1]
     library = load()
-    if library is not None and not needs_grad(x, cos, sin) and rotary == x.shape[-1] and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1 and x.is_cpu:
+    if library is not None and c_rows_take(x, cos, sin) and rotary == x.shape[-1] and x.stride(-1) == 1:
         return _rope_in_c(library, x, cos, sin)
     if rotary < x.shape[-1]:
         turned, kept = x[..., :rotary], x[..., rotary:]
