@@ -35,7 +35,7 @@ def _add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N: a GPU with a CUDA build of "
                         "PyTorch (bf16 float weights, CUDA graph decode; the default cache only)")  # fmt: skip
     parser.add_argument("--torch-compile", action="store_true", help="on a GPU: compile the decode step with "
-                        "torch.compile before capturing its CUDA graphs (fused kernels; ~25 s at first use)")  # fmt: skip
+                        "torch.compile before capturing its CUDA graphs (fused kernels; it compiles at first use)")  # fmt: skip
 
 
 def _add_kv_options(parser: argparse.ArgumentParser) -> None:

@@ -76,7 +76,7 @@ class LLM:
         kvgen/loading/weight_format.py. dtype: float32 on the CPU, bfloat16 on a GPU by default.
         device: "cpu", or "cuda" for a GPU (float weights, CUDA graph decode; kvgen/models/device.py).
         torch_compile: on a GPU, compile the decode step with torch.compile before its CUDA graphs are
-        captured (fused kernels; the first capture takes ~25 s); refused on the CPU.
+        captured (fused kernels; the first capture compiles); refused on the CPU.
         """
         target = resolve_device(device)
         check_torch_compile(torch_compile, target)
