@@ -9,7 +9,7 @@ import torch
 
 from kvgen import LLM
 from kvgen.kv.contiguous import ContiguousCache
-from kvgen.models.cuda_graphs import CudaGraphDecoder, bucket_for, device_capacity
+from kvgen.models.cuda_graphs import CudaGraphDecoder, _PositionedKV, bucket_for, device_capacity
 from kvgen.models.device import gpu_weights_mode, resolve_device
 
 
@@ -115,3 +115,25 @@ def test_a_compiled_step_is_refused_where_steps_run_without_graphs(tmp_path) -> 
     assert not CudaGraphDecoder(model, capture=False).runs_graphs
     with pytest.raises(ValueError, match="LongRoPE picks its factors on the host"):
         CudaGraphDecoder(model, capture=False, compiled=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_the_compiled_step_traces_as_one_graph(tmp_path, family: str) -> None:
+    """torch_compile compiles the graphs' step: a break inside it (a host-only check traced per layer)
+    splits the step into pieces that run uncompiled past dynamo's recompile limit. bf16 on the CPU
+    takes the same torch ops as a GPU, so dynamo traces here what it traces there."""
+    from tests.support.tiny_hf import save_tiny_decoder, tokenizer_folder
+
+    save_tiny_decoder(family, tmp_path / family, tokenizer_folder(tmp_path / "tokenizer"))
+    llm = LLM.load(tmp_path / family, progress=False, weights="fp32", dtype="bfloat16")
+    graphs = CudaGraphDecoder(llm.model, capture=False)
+    buffers = llm.generator.new_cache(256).static_buffers(1)
+    view = _PositionedKV(buffers, graphs.position, bucket_for(0, buffers[0].shape[3]))
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            explained = torch._dynamo.explain(graphs._forward)(view)
+    finally:
+        torch._dynamo.reset()
+    assert [reason.reason for reason in explained.break_reasons] == []
+    assert explained.graph_count == 1

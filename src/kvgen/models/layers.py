@@ -25,8 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        library = load()
-        if library is not None and c_rows_take(x):  # the C decode step's norm, one pass per row
+        # c_rows_take first: torch.compile (the GPU step) must not trace load(), which hashes files
+        library = load() if c_rows_take(x) else None
+        if library is not None:  # the C decode step's norm, one pass per row
             rows = x.contiguous()
             out = torch.empty_like(rows)
             weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
@@ -200,8 +201,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up(x)
         if self.lora is not None:
             gate_up = self.lora.add_delta(self.layer, "gate_up", x, gate_up)
-        library = load()
-        if self.act is F.silu and library is not None and c_rows_take(gate_up):
+        library = load() if self.act is F.silu and c_rows_take(gate_up) else None
+        if library is not None:
             # the C decode step's SwiGLU, one pass per row (torch: silu, then the product)
             gate_up = gate_up.contiguous()
             hidden = torch.empty(*gate_up.shape[:-1], self.intermediate)

@@ -91,8 +91,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [B, H, S, D] rotated by its positions' angles; cos/sin narrower than D (partial rotary)
     turn only the first channels."""
     rotary = cos.shape[-1]
-    library = load()
-    if library is not None and c_rows_take(x, cos, sin) and rotary == x.shape[-1] and x.stride(-1) == 1:
+    if c_rows_take(x, cos, sin) and rotary == x.shape[-1] and x.stride(-1) == 1 and (library := load()) is not None:
         return _rope_in_c(library, x, cos, sin)
     if rotary < x.shape[-1]:
         turned, kept = x[..., :rotary], x[..., rotary:]
