@@ -130,16 +130,17 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_decode.py needs an NVIDIA GPU and a CUDA build of torch")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            rows += measure(name, args, Path(tmp) / name)
-            print_table([r for r in rows if r["model"] == name], ["model", "engine", "decode_tok_s", "vs_transformers",
-                        "prefill_plus_first_ms", "tokens_equal_to_kvgen_graphs"])  # fmt: skip
     gpu = torch.cuda.get_device_name()
     settings = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds, "dtype": "bfloat16"}
     name = args.name or "gpu_decode-" + gpu.lower().replace("nvidia ", "").replace(" ", "-")
-    path = write_results(name, {"gpu": gpu, "cuda": torch.version.cuda, "settings": settings, "rows": rows})
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            rows += measure(model, args, Path(tmp) / model)
+            print_table([r for r in rows if r["model"] == model], ["model", "engine", "decode_tok_s", "vs_transformers",
+                        "prefill_plus_first_ms", "tokens_equal_to_kvgen_graphs"])  # fmt: skip
+            # written after every model: a run cut short keeps the models it finished
+            path = write_results(name, {"gpu": gpu, "cuda": torch.version.cuda, "settings": settings, "rows": rows})
     print(f"wrote {path}")
 
 

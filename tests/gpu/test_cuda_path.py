@@ -105,7 +105,7 @@ def test_a_compiled_step_decodes_as_close_to_fp32_and_as_the_graphs_do(pair: Pai
     from torch._dynamo.utils import counters
 
     compiled = LLM.load(pair.folder, device="cuda", progress=False, torch_compile=True)
-    graphs_before = counters["stats"]["unique_graphs"]
+    graphs_before, breaks_before = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
     def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
         cache = llm.generator.new_cache(len(ids))
@@ -117,6 +117,7 @@ def test_a_compiled_step_decodes_as_close_to_fp32_and_as_the_graphs_do(pair: Pai
     steps = teacher_forced(compiled, ids)
     assert compiled.model.cuda_graphs().captures > 0
     assert counters["stats"]["unique_graphs"] > graphs_before  # the step went through torch.compile
+    assert sum(counters["graph_break"].values()) == breaks_before  # ... whole: one graph, every layer fused
     fp32, bf16 = pair.reference_logits(ids)
     want, theirs = fp32[64:], bf16[64:]
     assert relative_error(steps, want) <= 1.5 * relative_error(theirs, want) + 1e-3
@@ -128,6 +129,27 @@ def test_a_compiled_step_decodes_as_close_to_fp32_and_as_the_graphs_do(pair: Pai
     assert compiled.generate(prompt, params).token_ids == run
     assert compiled.model.cuda_graphs().captures == captured
     stepwise = compiled.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True, logprobs=True))
+    assert stepwise.token_ids == run
+
+
+def test_float32_weights_on_the_gpu_decode_at_the_fp32_reference(pair: Pair) -> None:
+    """dtype='float32' on a GPU: the torch ops throughout (kvgen's C row ops read host memory only);
+    prefill and graph-step logits sit far closer to the fp32 reference than bf16's, and greedy runs
+    equal one-token steps."""
+    llm = LLM.load(pair.folder, device="cuda", dtype="float32", progress=False)
+    assert llm.model.device.type == "cuda" and llm.model.dtype == torch.float32
+    ids = pair.prompt(64 + 16, seed=6)
+    cache = llm.generator.new_cache(len(ids))
+    with torch.inference_mode():
+        prefill = llm.model(torch.tensor([ids[:64]]), cache, logits_to_keep=None)[0]
+        steps = torch.stack([llm.model(torch.tensor([[t]]), cache)[0, -1] for t in ids[64:]])
+    assert llm.model.cuda_graphs().captures > 0
+    fp32, bf16 = pair.reference_logits(ids)
+    got, want = torch.cat([prefill, steps]), fp32[: len(ids)]
+    assert relative_error(got, want) <= 0.1 * relative_error(bf16, fp32) + 1e-5
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    run = llm.generate(ids[:40], params).token_ids
+    stepwise = llm.generate(ids[:40], SamplingParams(max_new_tokens=32, ignore_eos=True, logprobs=True))
     assert stepwise.token_ids == run
 
 
