@@ -195,3 +195,21 @@ def test_a_passed_probe_restores_the_length_once_and_a_shorter_length_that_pays_
     assert c.draft_length() == 2
     c.record(2, 2, seconds=0.015)  # pays at 2 (ending probation) and stays there: no second jump to 4
     assert c.draft_length() == 2 and not c.probing
+
+
+def test_a_pause_weighs_the_steps_at_the_minimum_length_over_a_long_window():
+    """One-token steps accepted half the time at 1.3 plain steps' cost pay (0.87 of their tokens'
+    plain time), but 8 of them hold 3 or fewer acceptances 36% of the time: judged on the last eight
+    alone, such a proposer pauses by chance. The pay window (32 steps) weighs a longer record, and a
+    lasting fall still pauses."""
+    c = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4)
+    c.record_plain(0.010)
+    for accepted in [1, 1, 0, 1, 0, 1, 1, 0, 1, 0] * 2 + [1, 0, 0, 1, 0, 0, 1, 0]:  # 13 ms steps, 15 of 28
+        assert c.draft_length() == 1  # over the 28 steps: 1.54 tokens a step, 0.85 of their plain time
+        c.record(1, accepted, seconds=0.013)
+    lengths = []
+    for accepted in [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0]:  # the proposer stops agreeing
+        lengths.append(c.draft_length())
+        if lengths[-1]:
+            c.record(1, accepted, seconds=0.013)
+    assert 0 in lengths

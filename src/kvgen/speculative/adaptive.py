@@ -59,7 +59,7 @@ class DraftLengthController:
     verify time against `pay_ratio` x (accepted + 1) plain steps): a draft that is accepted but costs
     more than it saves (a slow proposer), or about what it saves, counts as a failure. At the minimum
     length a timed caller's drafting pauses only after `patience` failed steps in a row while the
-    window's steps at that length, together, did not pay either: a one-token draft accepted half the time
+    steps at that length among the last `pay_window`, together, did not pay either: a one-token draft accepted half the time
     fails every other step on its own, yet pays over the window (EAGLE's head on chat); and the
     pause is as many times longer as the step overran. Such a caller may verify each probe by plain one-token steps
     (`probing`, `record(..., draft_seconds=)`), so that a failed probe costs only its draft; a probe
@@ -68,14 +68,17 @@ class DraftLengthController:
     def __init__(
         self, initial: int = 4, min_length: int = 1, max_length: int = 8, adaptive: bool = True,
         window: int = 8, grow_above: float = 0.8, shrink_below: float = 0.4, cooldown: int = 16,
-        max_cooldown: int = 256, patience: int = 2, pay_ratio: float = 0.9,
+        max_cooldown: int = 256, patience: int = 2, pay_ratio: float = 0.9, pay_window: int = 32,
     ):  # fmt: skip
         if not 1 <= min_length <= initial <= max_length:
             raise ValueError(f"need 1 <= min_length <= initial <= max_length, got {min_length}, {initial}, {max_length}")
         self.length, self.min_length, self.max_length = initial, min_length, max_length
         self.adaptive, self.grow_above, self.shrink_below, self.cooldown = adaptive, grow_above, shrink_below, cooldown
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted) per verify step
-        self._timed: deque[tuple[int, float, int]] = deque(maxlen=window)  # (length, seconds, tokens) per timed step
+        # (length, seconds, tokens) per timed step, over a longer window than the rates': whether
+        # one-token steps accepted half the time pay is a thin margin, which eight steps misjudge
+        # about one time in three (a pause by chance every few dozen steps).
+        self._timed: deque[tuple[int, float, int]] = deque(maxlen=pay_window)
         self._low_at_min = 0  # consecutive failed steps at min length (timed: their window unpaid too)
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
