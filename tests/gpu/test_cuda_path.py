@@ -181,6 +181,32 @@ def test_a_session_keeps_its_gpu_cache_between_turns(pair: Pair) -> None:
     assert second.result.usage.cached_tokens == len(ids) + len(generated) - 1
 
 
+def test_generation_continues_past_the_context_with_shift_on_the_gpu(pair: Pair, monkeypatch) -> None:
+    """context_shift on a GPU cache: the kept keys are re-rotated in the graphs' own buffers, every
+    step after a shift replays a graph (one token at a time), and generation runs past the context."""
+    from kvgen.generate import Generator
+
+    small = Generator(pair.llm.model, pair.llm.tokenizer, max_context=48)
+    ids = pair.prompt(14, seed=7)
+    stopped = small.generate(ids, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    assert stopped.finish_reason == "length" and len(ids) + len(stopped.token_ids) == 48
+    graphs, replayed = pair.llm.model.cuda_graphs(), []
+    step = graphs.step
+
+    def counted(input_ids: torch.Tensor, cache) -> torch.Tensor | None:
+        logits = step(input_ids, cache)
+        replayed.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(graphs, "step", counted)
+    stream = small.stream(ids, SamplingParams(max_new_tokens=100, ignore_eos=True, context_shift=True))
+    list(stream)
+    assert len(stream.result.token_ids) == 100 and stream.shifted > 0
+    assert stream.result.token_ids[: len(stopped.token_ids)] == stopped.token_ids  # same until the first shift
+    assert stream.cache.seq_len <= 48
+    assert len(replayed) >= 100 - len(stopped.token_ids) and all(replayed)
+
+
 def test_samples_share_one_prefill_on_the_gpu(pair: Pair) -> None:
     ids = pair.prompt(20, seed=5)
     greedy = pair.llm.generate(ids, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
