@@ -42,9 +42,10 @@ class ConfidentProposer(EagleProposer):
 
     confidences: list[float]
 
-    def _pick(self, features, policy, constraint):
-        self.confidences.append(float(torch.softmax(self.draft_logits(features).float(), -1).max()))
-        return super()._pick(features, policy, constraint)
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        logits = super().draft_logits(features)
+        self.confidences.append(float(torch.softmax(logits.float(), -1).max()))
+        return logits
 
 
 @torch.inference_mode()

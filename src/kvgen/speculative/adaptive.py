@@ -154,12 +154,12 @@ class DraftLengthController:
             # Still on probation: only a batched step that pays shortens the next pause, so a slow
             # proposer whose drafts are accepted keeps backing off.
             self._probe_next = False
-            self.length, self._resume_length = max(self.length, self._resume_length), self.min_length
+            self._resume()
             return
         was_probe, self._probe_next = self._probe_next, False
         if paid:
-            if self._probing:  # back to the length drafting had, once (a shorter step that pays keeps its length)
-                self.length, self._resume_length = max(self.length, self._resume_length), self.min_length
+            if self._probing:
+                self._resume()
             # Halved, not reset: on text where drafts keep failing, one lucky acceptance would
             # otherwise undo the whole back-off (a run of short pauses, each with a failing probe).
             self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
@@ -190,6 +190,11 @@ class DraftLengthController:
             return
         self._probing = self._probe_next = True
         self._resume_length, self.length = self.length, self.min_length
+
+    def _resume(self) -> None:
+        """Back to the length drafting had before the pause, once: a shorter step that pays later
+        keeps its length."""
+        self.length, self._resume_length = max(self.length, self._resume_length), self.min_length
 
     def _pause(self, overrun: float = 1.0) -> None:
         pause = min(int(self._next_cooldown * max(1.0, overrun)), self.max_cooldown)
