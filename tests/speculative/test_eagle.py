@@ -4,14 +4,17 @@ training; its draft vocabulary's logits are the target head's rows; bad weight f
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvgen import SamplingParams, SpeculativeConfig
+from kvgen.kernels.formats import requantize
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.interface import CacheSpec
+from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.speculative.eagle import SHIPPED_WEIGHTS, EagleProposer, load_eagle_head, save_eagle_head
 from kvgen.speculative.proposer import DraftPolicy
 
@@ -117,3 +120,54 @@ def test_bad_head_files_are_refused(smollm2_q4, tmp_path: Path):
     save_eagle_head(head, tmp_path / "b.safetensors", "smollm2")
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         load_eagle_head(tmp_path / "b.safetensors", model)
+
+
+@torch.inference_mode()
+def test_training_chains_are_what_the_head_cache_drafts():
+    """The training-time test (EagleHead.forward_chains) must run each chain as the proposer does:
+    the target-fed positions up to j in the head's cache, then the head on its own predictions."""
+    from kvgen.speculative.eagle_head import EagleHead, HeadCache
+
+    torch.manual_seed(0)
+    head = EagleHead(64, 4, 2, 16, 96, torch.arange(10)).eval()
+    for p in head.parameters():  # untrained norms are all ones: make every weight matter
+        p.add_(torch.randn_like(p) * 0.2)
+    seq, depth = 12, 3
+    features, tokens = torch.randn(2, seq, 64), torch.randn(2, seq + depth - 1, 64)
+    chains = head.forward_chains(features, tokens, depth)
+    torch.testing.assert_close(chains[0], head.forward_sequences(features, tokens[:, :seq]))
+    for b in range(2):
+        for j in (0, 5, seq - 1):
+            cache = HeadCache(head, capacity=4)  # grown on the way
+            drafted = cache.run(features[b, : j + 1], tokens[b, : j + 1])[-1:]
+            torch.testing.assert_close(chains[0][b, j], drafted[0], atol=1e-4, rtol=1e-4)
+            for step in range(1, depth):
+                drafted = cache.run(drafted, tokens[b, j + step][None])
+                torch.testing.assert_close(chains[step][b, j], drafted[0], atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_the_c_head_step_computes_the_heads_layer():
+    """On a quantized target the head's layer runs the C decode step over its 8-bit linears; it must
+    compute what the torch layer computes with the same 8-bit linears (the same kernel, int8
+    activations included), a position at a time or several at once, after a truncation too."""
+    from kvgen.speculative.eagle_fast import FastHeadCache, FastHeadWeights
+    from kvgen.speculative.eagle_head import EagleHead, HeadCache
+
+    torch.manual_seed(0)
+    head = EagleHead(128, 4, 2, 32, 256, torch.arange(10)).eval()
+    for p in head.parameters():
+        p.add_(torch.randn_like(p) * 0.2)
+    quantized = copy.copy(head)  # the torch layer, each linear the 8-bit C kernel
+    quantized._modules = dict(head._modules) | {
+        name: QuantizedLinear(requantize(linear.weight, "q8s"))
+        for name, linear in head.named_children() if isinstance(linear, torch.nn.Linear)
+    }  # fmt: skip
+    features, tokens = torch.randn(20, 128), torch.randn(20, 128)
+    fast, reference = FastHeadCache(FastHeadWeights(head), capacity=8), HeadCache(quantized, capacity=8)  # both grow
+    for first, end in ((0, 1), (1, 4), (4, 5), (5, 12), (12, 20), (5, 7)):
+        fast.truncate(first), reference.truncate(first)
+        got, want = fast.run(features[first:end], tokens[first:end]), reference.run(features[first:end], tokens[first:end])
+        assert fast.length == reference.length == end
+        layer = want - features[first:end]  # the layer's own output
+        assert (got - want).norm() < 1e-5 * layer.norm(), first

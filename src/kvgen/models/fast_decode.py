@@ -50,7 +50,9 @@ class _RowsScratch(ctypes.Structure):
     _fields_ = [("x", _ptr), ("y", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr), ("xq", _ptr)]
 
 
-class _Block(ctypes.Structure):
+class BlockStruct(ctypes.Structure):
+    """One pre-norm block as kernels/decode.c's block_t describes it (kvgen_decode_layers' blocks)."""
+
     _fields_ = [
         ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
         ("eps", _f32), ("scale", _f32), ("gelu", _i32), ("pad", _i32),
@@ -86,7 +88,8 @@ def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
 _KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5}  # qlinear.kind in decode.c
 
 
-def _qlinear(layer: nn.Module) -> _QLinear:
+def qlinear_struct(layer: nn.Module) -> _QLinear:
+    """A QuantizedLinear as decode.c's qlinear (pointing into its blocks)."""
     assert isinstance(layer, QuantizedLinear)
     bias = layer.bias
     return _QLinear(_KIND_CODES[layer.kind], int(bias is not None), layer.blocks.data_ptr(),
@@ -107,7 +110,7 @@ class FastDecoder:
         self.blocks = [self._describe(block) for block in model.layers]
         self.k_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)  # [B, H_kv, S, D]
         self.v_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)
-        self._block_array = (_Block * len(self.blocks))(*self.blocks)  # for the one-call path
+        self._block_array = (BlockStruct * len(self.blocks))(*self.blocks)  # for the one-call path
         self._windows = torch.tensor([config.window_for(i) or 0 for i in range(config.num_layers)])
         self._rope_index = torch.tensor(model.rope_index)  # [layers] int64, for the C side
         # Kernel rows per C call (its scratch holds that many rows); longer prompts run in several
@@ -151,11 +154,11 @@ class FastDecoder:
         self._buffers.append(buffer)
         return buffer.data_ptr()
 
-    def _describe(self, block: nn.Module) -> _Block:
+    def _describe(self, block: nn.Module) -> BlockStruct:
         config, attn, mlp = self.model.config, block.attn, block.mlp
         gemma = hasattr(block, "pre_mlp_norm")
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        return _Block(
+        return BlockStruct(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
             config.rms_norm_eps, attn.scale, int(config.hidden_act == "gelu_tanh"), 0,
             _norm_ptr(block.input_norm),
@@ -163,7 +166,7 @@ class FastDecoder:
             _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),
             _norm_ptr(block.post_mlp_norm) if gemma else None,
             _norm_ptr(attn.q_norm), _norm_ptr(attn.k_norm),
-            _qlinear(attn.qkv), _qlinear(attn.o_proj), _qlinear(mlp.gate_up), _qlinear(mlp.down),
+            qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj), qlinear_struct(mlp.gate_up), qlinear_struct(mlp.down),
             self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
             self._scratch(2 * config.intermediate_size),
         )  # fmt: skip

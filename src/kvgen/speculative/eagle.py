@@ -12,7 +12,6 @@ whatever the head drafts. `scripts/train_eagle.py` trains it on SmolLM2's own gr
 
 from __future__ import annotations
 
-import copy
 import weakref
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvgen.models.base import DecoderLM
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.sampler import argmax
+from kvgen.speculative.eagle_fast import FastHeadCache, FastHeadWeights
 from kvgen.speculative.eagle_head import SHAPE, EagleHead, HeadCache
 from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend, mask_logits
 
@@ -53,24 +53,11 @@ def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
     return linear.requires_grad_(False)
 
 
-def quantized_linears(head: EagleHead) -> dict[str, QuantizedWeight]:
-    """The head's linears requantized to 8 bits for the C kernel, for a quantized target: a draft
-    token then reads ~4 MB of head weights instead of ~17 MB in fp32."""
-    return {name: requantize(m.weight, "q8s") for name, m in head.named_children() if isinstance(m, nn.Linear)}
-
-
-def head_over(head: EagleHead, linears: dict[str, QuantizedWeight]) -> EagleHead:
-    """`head` with its linears running the C kernel over `linears`, each with its own scratch
-    buffer (proposers may run in several threads); the norms and scales are shared."""
-    view = copy.copy(head)
-    view._modules = dict(head._modules) | {name: QuantizedLinear(weight) for name, weight in linears.items()}
-    return view
-
-
-# Per model and weight file: the loaded head and its draft rows. Building them dequantizes the
-# whole output head (~0.3 s on 2 cores); a request must not pay that (shared read-only; keyed on the file's
-# modification time, so a retrained head is read again).
-_Loaded = tuple[EagleHead, QuantizedWeight | torch.Tensor, dict[str, QuantizedWeight] | None]
+# Per model and weight file: the loaded head, its draft rows and, for a quantized target, the head's
+# 8-bit linears for the C step. Building them dequantizes the whole output head (~0.3 s on 2 cores);
+# a request must not pay that (shared read-only; keyed on the file's modification time, so a
+# retrained head is read again).
+_Loaded = tuple[EagleHead, QuantizedWeight | torch.Tensor, FastHeadWeights | None]
 _loaded: "weakref.WeakKeyDictionary[DecoderLM, dict[tuple[str, int], _Loaded]]" = weakref.WeakKeyDictionary()
 
 
@@ -81,10 +68,12 @@ def eagle_proposer(model: DecoderLM, path: str | Path | None) -> "EagleProposer"
     per_model = _loaded.setdefault(model, {})
     if key not in per_model:
         head = load_eagle_head(path, model)
-        linears = quantized_linears(head) if isinstance(model.lm_head, QuantizedLinear) else None
-        per_model[key] = head, draft_projection_weight(model, head.draft_vocab), linears
-    head, weight, linears = per_model[key]
-    return EagleProposer(model, head_over(head, linears) if linears is not None else head, weight)
+        # On a quantized target the head's layer runs the C decode step over 8-bit linears: a
+        # draft token then reads ~4 MB of head weights instead of ~17 MB in fp32.
+        fast = FastHeadWeights(head) if isinstance(model.lm_head, QuantizedLinear) else None
+        per_model[key] = head, draft_projection_weight(model, head.draft_vocab), fast
+    head, weight, fast = per_model[key]
+    return EagleProposer(model, head, weight, fast)
 
 
 def save_eagle_head(head: EagleHead, path: Path, model_name: str) -> None:
@@ -135,12 +124,14 @@ class EagleProposer(Proposer):
 
     needs_target_features = True
 
-    def __init__(self, model: DecoderLM, head: EagleHead, projection: QuantizedWeight | torch.Tensor | None = None):
+    def __init__(self, model: DecoderLM, head: EagleHead, projection: QuantizedWeight | torch.Tensor | None = None,
+                 fast: FastHeadWeights | None = None):  # fmt: skip
         self.model, self.head = model, head
         self.vocab = head.draft_vocab
         weight = projection if projection is not None else draft_projection_weight(model, self.vocab)
         self.project = draft_projection(weight)  # [H] -> [N]
-        self.cache = HeadCache(head)  # committed reply positions, then this draft's
+        # committed reply positions, then this draft's
+        self.cache = FastHeadCache(fast) if fast is not None else HeadCache(head)
         self._committed = 0  # positions of `cache` that hold the target's features
         self._pending: list[torch.Tensor] = []  # [n, H] committed features not run through the head yet
 

@@ -87,6 +87,38 @@ class EagleHead(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         return self.finish(features, x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
+    def forward_chains(self, features: torch.Tensor, token_embeddings: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): every reply position j starts a chain of `depth` drafts, the
+        first teacher-forced as in `forward_sequences`, each next one run on the head's own predicted
+        feature, as the proposer chains. features [B, S, H] from reply position 0; token_embeddings
+        [B, S + depth - 1, H], the token after each position. -> predicted features per chain step,
+        [B, S, H] each (step t at index j predicts the feature at j + t + 1). Step t of chain j
+        attends to the target-fed positions 0..j and to its own chain's earlier drafts, at RoPE
+        position j + t, exactly what HeadCache gives a draft."""
+        seq = features.shape[1]
+        cos, sin = rope_tables(seq + depth, self.head_dim)
+        x = self.stream(features, token_embeddings[:, :seq])
+        q, k0, v0 = self.qkv(x, cos[:seq], sin[:seq])
+        outputs = [self.finish(features, x, F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True))]
+        group = self.heads // self.kv_heads
+        k0, v0 = k0.repeat_interleave(group, dim=-3), v0.repeat_interleave(group, dim=-3)  # [B, heads, S, D]
+        earlier = torch.ones(seq, seq, dtype=torch.bool).tril().logical_not()  # key i > query j: not seen
+        own_k: list[torch.Tensor] = []
+        own_v: list[torch.Tensor] = []
+        scale = self.head_dim**-0.5
+        for step in range(1, depth):
+            drafted = outputs[-1]
+            x = self.stream(drafted, token_embeddings[:, step : step + seq])
+            q, k, v = self.qkv(x, cos[step : step + seq], sin[step : step + seq])
+            own_k.append(k.repeat_interleave(group, dim=-3))
+            own_v.append(v.repeat_interleave(group, dim=-3))
+            shared = (q @ k0.transpose(-1, -2) * scale).masked_fill(earlier, float("-inf"))  # [B, heads, S, S]
+            chain = torch.stack([(q * key).sum(-1) for key in own_k], -1) * scale  # [B, heads, S, step]
+            weights = torch.softmax(torch.cat([shared, chain], -1), -1)
+            attended = weights[..., :seq] @ v0 + (weights[..., seq:, None] * torch.stack(own_v, -2)).sum(-2)
+            outputs.append(self.finish(drafted, x, attended))
+        return outputs
+
 
 class HeadCache:
     """One request's head keys and values, one entry per reply position, grown as needed.
