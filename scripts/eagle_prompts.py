@@ -26,6 +26,41 @@ PATTERNS = (
     "Write a short dialogue between two friends talking about {}.",
     "Why is {} important?",
     "Give a step-by-step guide to {}.",
+    "Write a blog post introduction about {}.",
+    "What questions do people often ask about {}?",
+    "Describe a typical day involving {}.",
+    "Write a short speech about {}.",
+    "What would the world be like without {}?",
+    "Write a diary entry about {}.",
+    "List the pros and cons of {}.",
+    "Write a news report about {}.",
+)
+
+MORE_PATTERNS = (
+    "Write a limerick about {}.",
+    "Explain {} to someone from the year 1800.",
+    "What is the most surprising thing about {}?",
+    "Write a product description inspired by {}.",
+    "Give me a fun quiz with three questions about {}.",
+    "Write the opening paragraph of a novel about {}.",
+    "How would you teach a class about {}?",
+    "What are five words that describe {}, and why?",
+    "Write a thank-you note that mentions {}.",
+    "Describe {} from the point of view of an animal.",
+    "What are the biggest myths about {}?",
+    "Write a short advertisement about {}.",
+    "Plan a weekend activity around {}.",
+    "Write a bedtime story about {}.",
+    "What would an expert say about {}?",
+    "Explain the science behind {}.",
+    "Write a letter to your future self about {}.",
+    "What are some good books or films about {}?",
+    "Write a haiku sequence about {}.",
+    "Describe how {} has changed over time.",
+    "Write an interview with someone who knows a lot about {}.",
+    "Give me a simple analogy for {}.",
+    "What are the first three things to learn about {}?",
+    "Write a motivational message about {}.",
 )
 
 TOPICS = (
@@ -65,9 +100,13 @@ TOPICS = (
 
 
 def chat_requests(count: int, seed: int = 0) -> list[str]:
-    """`count` distinct requests, a fixed shuffle of every pattern with every topic."""
-    pairs = [p.format(t) for p in PATTERNS for t in TOPICS]
-    random.Random(seed).shuffle(pairs)
-    if count > len(pairs):
-        raise ValueError(f"at most {len(pairs)} requests, asked for {count}")
-    return pairs[:count]
+    """`count` distinct requests: a fixed shuffle of every pattern with every topic, then one of
+    every further pattern with every topic (so a larger count extends a smaller one's list)."""
+    requests = []
+    for patterns in (PATTERNS, MORE_PATTERNS):
+        pairs = [p.format(t) for p in patterns for t in TOPICS]
+        random.Random(seed).shuffle(pairs)
+        requests += pairs
+    if count > len(requests):
+        raise ValueError(f"at most {len(requests)} requests, asked for {count}")
+    return requests[:count]

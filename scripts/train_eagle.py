@@ -8,12 +8,14 @@
    last block's output before the final norm, from the same C rows step that verifies drafts) and
    the target's greedy next token at every position.
 3. The draft vocabulary: the `--draft-vocab` tokens the target emits most often in its replies.
-4. Train the head (one decoder layer, kvgen/speculative/eagle_head.py) over whole replies, teacher-
-   forced: at reply position j it reads (f_j, embedding of x_{j+1}) and the earlier positions, and
-   predicts f_{j+1}; the loss is a cross-entropy on the target's greedy token over the draft
-   vocabulary plus a feature loss (on the normalised features the LM head reads). A few requests
-   are held out: they report the head's top-1 agreement with the target, and at the end chains of
-   drafts as the proposer runs them (on its own predictions after the first).
+4. Train the head (one decoder layer, kvgen/speculative/eagle_head.py) over whole replies: at reply
+   position j it reads (f_j, embedding of x_{j+1}) and the earlier positions, and predicts f_{j+1};
+   from there each position's chain runs `--depth - 1` more steps on the head's own predicted
+   features, as the proposer drafts (EAGLE-3's training-time test). The loss is a cross-entropy on
+   the target's greedy token over the draft vocabulary at every chain step (step t weighted
+   `--chain-weight` ** t) plus a feature loss on the first (on the normalised features the LM head
+   reads). A few requests are held out: they report the head's top-1 agreement with the target per
+   chain step, and at the end chains of drafts as the proposer runs them.
 """
 
 from __future__ import annotations
@@ -76,27 +78,44 @@ def extract(llm: LLM, pairs: list[tuple[list[int], list[int]]]):
     return torch.cat(feats), torch.cat(tokens), torch.cat(greedy), spans
 
 
+def load_data(paths: list[Path]):
+    """Saved (features, ids, greedy ids, spans) files, concatenated in order."""
+    parts = [torch.load(path) for path in paths]
+    offsets = [0]
+    for feats, *_ in parts[:-1]:
+        offsets.append(offsets[-1] + len(feats))
+    spans = [(first + offset, end + offset) for (*_, part), offset in zip(parts, offsets) for first, end in part]
+    return *(torch.cat([part[i] for part in parts]) for i in range(3)), spans
+
+
 class Replies:
     """Reply spans as padded training batches: at reply index j the head reads (f_j, x_{j+1}) and
-    learns f_{j+1} and the target's greedy token after it."""
+    learns f_{j+1} and the target's greedy token after it; chain step t from j reads x_{j+1+t} and
+    learns the target's greedy token after that."""
 
     def __init__(self, feats: torch.Tensor, tokens: torch.Tensor, greedy: torch.Tensor, embeddings: torch.Tensor,
                  to_draft: torch.Tensor):  # fmt: skip
         self.feats, self.tokens, self.greedy, self.embeddings, self.to_draft = feats, tokens, greedy, embeddings, to_draft
 
-    def batch(self, spans: list[tuple[int, int]]):
-        """-> features, next-token embeddings, next features [B, S, H]; draft-vocabulary labels and
-        target ids [B, S] (-100 and -1 on padding)."""
+    def batch(self, spans: list[tuple[int, int]], depth: int = 1):
+        """-> features, next features [B, S, H]; the embeddings of the token after each position
+        [B, S + depth - 1, H]; per chain step, draft-vocabulary labels and target ids [B, S] (-100
+        and -1 where the step runs past the reply)."""
         length = max(end - first - 1 for first, end in spans)
         hidden = self.feats.shape[1]
-        f, x, f_next = (torch.zeros(len(spans), length, hidden) for _ in range(3))
-        labels = torch.full((len(spans), length), -100, dtype=torch.long)
-        target = torch.full((len(spans), length), -1, dtype=torch.long)
+        f, f_next = (torch.zeros(len(spans), length, hidden) for _ in range(2))
+        x = torch.zeros(len(spans), length + depth - 1, hidden)
+        labels = torch.full((depth, len(spans), length), -100, dtype=torch.long)
+        target = torch.full((depth, len(spans), length), -1, dtype=torch.long)
         for b, (first, end) in enumerate(spans):
             j = torch.arange(first, end - 1)
             n = len(j)
-            f[b, :n], x[b, :n], f_next[b, :n] = self.feats[j], self.embeddings[self.tokens[j + 1]], self.feats[j + 1]
-            labels[b, :n], target[b, :n] = self.to_draft[self.greedy[j + 1]], self.greedy[j + 1]
+            f[b, :n], f_next[b, :n] = self.feats[j], self.feats[j + 1]
+            x[b, :n] = self.embeddings[self.tokens[j + 1]]
+            for step in range(depth):
+                live = j[: n - step]  # chains whose step `step` still reads a reply token
+                labels[step, b, : len(live)] = self.to_draft[self.greedy[live + 1 + step]]
+                target[step, b, : len(live)] = self.greedy[live + 1 + step]
         return f, x, f_next, labels, target
 
 
@@ -125,17 +144,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", default="q4", help="the target weights whose features the head learns")
-    parser.add_argument("--requests", type=int, default=2592, help="chat requests the target answers")
+    parser.add_argument("--requests", type=int, default=7776, help="chat requests the target answers")
     parser.add_argument("--holdout", type=int, default=32, help="of those, held out for the report")
     parser.add_argument("--new-tokens", type=int, default=160, help="reply length per request")
     parser.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head drafts from")
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument("--batch", type=int, default=24, help="replies per step")
+    parser.add_argument("--depth", type=int, default=3,
+                        help="chain steps trained from every position (EAGLE-3's training-time test; 1: teacher-forced only)")
+    parser.add_argument("--chain-weight", type=float, default=0.5, help="loss weight of chain step t: this ** t")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--inner", type=int, default=1536, help="the head's MLP width")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="train under bf16 autocast (CPUs with native bf16)")
     parser.add_argument("--out", type=Path, default=SHIPPED_WEIGHTS)
-    parser.add_argument("--data", type=Path, default=None, help="cache the replies and features in this file")
+    parser.add_argument("--data", type=Path, action="append", default=[],
+                        help="cache the replies and features in this file; given several (existing) files, train on "
+                             "their requests in order, as if one run had answered them all")  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -143,14 +168,16 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM.load(args.model, progress=False, weights=args.weights)
     model, config = llm.model, llm.model.config
-    if args.data is not None and args.data.exists():
-        feats, tokens, greedy, spans = torch.load(args.data)
+    if args.data and all(path.exists() for path in args.data):
+        feats, tokens, greedy, spans = load_data(args.data)
     else:
+        if len(args.data) > 1:
+            raise SystemExit(f"missing data files: {', '.join(str(p) for p in args.data if not p.exists())}")
         pairs = replies(llm, chat_requests(args.requests), args.new_tokens, batch=16)
         print(f"replies: {sum(len(r) for _, r in pairs)} tokens in {time.perf_counter() - started:.0f}s", file=sys.stderr)
         feats, tokens, greedy, spans = extract(llm, pairs)
-        if args.data is not None:
-            torch.save((feats, tokens, greedy, spans), args.data)
+        if args.data:
+            torch.save((feats, tokens, greedy, spans), args.data[0])
     train, holdout = spans[: -args.holdout], spans[-args.holdout :]
     labelled = torch.cat([torch.arange(first + 1, end) for first, end in train])  # positions whose next id is learnt
     print(f"{len(labelled)} training positions in {len(train)} replies, {time.perf_counter() - started:.0f}s", file=sys.stderr)
@@ -170,19 +197,26 @@ def main() -> None:
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
 
-    def loss_on(batch: list[tuple[int, int]]) -> tuple[torch.Tensor, float]:
-        f, x, f_next, labels, target = data.batch(batch)
-        predicted = head.forward_sequences(f, x)
-        scale = predicted.shape[-1] ** 0.5
-        real = labels != -100
-        loss = F.smooth_l1_loss(F.normalize(predicted, dim=-1)[real] * scale, F.normalize(f_next, dim=-1)[real] * scale)
-        logits = F.linear(norm(predicted), rows)
-        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        agree = (vocab[logits.argmax(-1)] == target)[target >= 0].float().mean().item()
+    weights = [args.chain_weight**step for step in range(args.depth)]
+
+    def loss_on(batch: list[tuple[int, int]]) -> tuple[torch.Tensor, list[float]]:
+        """The loss over `batch` and, per chain step, the head's agreement with the target's greedy
+        token where the steps before it drafted the target's tokens."""
+        f, x, f_next, labels, target = data.batch(batch, args.depth)
+        chains = head.forward_chains(f, x, args.depth)
+        scale = f.shape[-1] ** 0.5
+        real = labels[0] != -100
+        loss = F.smooth_l1_loss(F.normalize(chains[0], dim=-1)[real] * scale, F.normalize(f_next, dim=-1)[real] * scale)
+        agree = []
+        for step, predicted in enumerate(chains):
+            logits = F.linear(norm(predicted), rows)
+            loss = loss + weights[step] * F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100)
+            agree.append((vocab[logits.argmax(-1)] == target[step])[target[step] >= 0].float().mean().item())
         return loss, agree
 
     for step in range(args.steps):
-        loss, _ = loss_on([train[i] for i in torch.randint(len(train), (args.batch,)).tolist()])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss, _ = loss_on([train[i] for i in torch.randint(len(train), (args.batch,)).tolist()])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -191,7 +225,8 @@ def main() -> None:
             with torch.no_grad():
                 held_loss, held_agree = loss_on(holdout)
             print(f"step {step}: loss {loss.item():.3f}, held-out loss {held_loss.item():.3f}, held-out top-1 "
-                  f"agreement with the target {held_agree:.3f} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
+                  f"agreement with the target per chain step {' '.join(f'{a:.3f}' for a in held_agree)} "
+                  f"({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
     chains = chain_agreement(model, head, data, holdout, rows)
     print(f"held-out chains whose first 1..{len(chains)} drafts all agree: {' '.join(f'{c:.3f}' for c in chains)}",
           file=sys.stderr)  # fmt: skip
