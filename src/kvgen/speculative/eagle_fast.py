@@ -23,20 +23,18 @@ EPS = 1e-6  # eagle_head.rms's
 
 class FastHeadWeights:
     """The head's linears requantized to 8 bits (q8s) in the block layout decode.c reads: q, k and v
-    as one linear, gate and up as one. Built once per model and head file, shared read-only by every
-    proposer."""
+    as one linear, gate and up as one. Built once per model and head file and shared read-only by
+    every proposer: the C step reads the block linears' packed weights and writes only its own
+    scratch."""
 
     def __init__(self, head: EagleHead):
         def q8(*names: str) -> QuantizedWeight:
             return requantize(torch.cat([getattr(head, name).weight for name in names]), "q8s")
 
         self.head = head
-        self.fc, self.qkv, self.o = q8("fc"), q8("q", "k", "v"), q8("o")
-        self.gate_up, self.down = q8("gate", "up"), q8("down")
-
-    @staticmethod
-    def available() -> bool:
-        return load() is not None
+        self.fc = q8("fc")  # each proposer runs its own QuantizedLinear over it (the module's scratch)
+        fused = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # decode.c's qkv, o, gate_up, down
+        self.block_linears = [QuantizedLinear(q8(*names)) for names in fused]
 
 
 class FastHeadCache(HeadCache):
@@ -48,14 +46,14 @@ class FastHeadCache(HeadCache):
         head = weights.head
         self.library = load()
         self.fc = QuantizedLinear(weights.fc)
-        self._linears = [QuantizedLinear(w) for w in (weights.qkv, weights.o, weights.gate_up, weights.down)]
+        self._weights = weights  # the block linears the struct points into
         widths = (head.hidden_size, (head.heads + 2 * head.kv_heads) * head.head_dim, head.heads * head.head_dim,
                   2 * head.inner_size)  # fmt: skip
         self._scratch = [torch.zeros(width) for width in widths]
         block = BlockStruct(
             head.hidden_size, head.heads, head.kv_heads, head.head_dim, head.inner_size, EPS, head.head_dim**-0.5,
             0, 0, head.attn_norm.data_ptr(), None, head.mlp_norm.data_ptr(), None, None, None,
-            *(qlinear_struct(linear) for linear in self._linears), *(buffer.data_ptr() for buffer in self._scratch),
+            *(qlinear_struct(linear) for linear in weights.block_linears), *(buffer.data_ptr() for buffer in self._scratch),
         )  # fmt: skip
         self._block = (BlockStruct * 1)(block)
         self._zero = torch.zeros(1, dtype=torch.int64)  # rope kind and window of the one layer
