@@ -162,6 +162,8 @@ def main() -> None:
                         help="cache the replies and features in this file; given several (existing) files, train on "
                              "their requests in order, as if one run had answered them all")  # fmt: skip
     args = parser.parse_args()
+    if args.depth < 1:
+        parser.error(f"--depth must be at least 1 (the teacher-forced step), got {args.depth}")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
 

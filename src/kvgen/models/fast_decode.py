@@ -166,7 +166,8 @@ class FastDecoder:
             _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),
             _norm_ptr(block.post_mlp_norm) if gemma else None,
             _norm_ptr(attn.q_norm), _norm_ptr(attn.k_norm),
-            qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj), qlinear_struct(mlp.gate_up), qlinear_struct(mlp.down),
+            qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj),
+            qlinear_struct(mlp.gate_up), qlinear_struct(mlp.down),
             self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
             self._scratch(2 * config.intermediate_size),
         )  # fmt: skip

@@ -16,9 +16,7 @@ from kvgen.kernels import load
 from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.fast_decode import BlockStruct, qlinear_struct
 from kvgen.models.quantized_linear import QuantizedLinear
-from kvgen.speculative.eagle_head import EagleHead, HeadCache
-
-EPS = 1e-6  # eagle_head.rms's
+from kvgen.speculative.eagle_head import RMS_EPS, EagleHead, HeadCache
 
 
 class FastHeadWeights:
@@ -51,26 +49,23 @@ class FastHeadCache(HeadCache):
                   2 * head.inner_size)  # fmt: skip
         self._scratch = [torch.zeros(width) for width in widths]
         block = BlockStruct(
-            head.hidden_size, head.heads, head.kv_heads, head.head_dim, head.inner_size, EPS, head.head_dim**-0.5,
+            head.hidden_size, head.heads, head.kv_heads, head.head_dim, head.inner_size, RMS_EPS, head.head_dim**-0.5,
             0, 0, head.attn_norm.data_ptr(), None, head.mlp_norm.data_ptr(), None, None, None,
             *(qlinear_struct(linear) for linear in weights.block_linears), *(buffer.data_ptr() for buffer in self._scratch),
         )  # fmt: skip
         self._block = (BlockStruct * 1)(block)
         self._zero = torch.zeros(1, dtype=torch.int64)  # rope kind and window of the one layer
-        self._scales = torch.stack([head.feature_scale.detach(), head.token_scale.detach()])  # [2, H]
 
     def run(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
         """features, token_embeddings [n, H] at the next n positions -> predicted next features [n, H]."""
         head, n, start = self.head, features.shape[0], self.length
         self._reserve(start + n)
-        pair = torch.stack([features, token_embeddings], 1)  # [n, 2, H]
-        x = self.fc((pair * torch.rsqrt(pair.pow(2).mean(-1, keepdim=True) + EPS) * self._scales).flatten(1))
-        x = x.contiguous()
-        rope = torch.stack([self.cos[start : start + n], self.sin[start : start + n]], 1)[:, None]  # [n, 1, 2, D]
+        x = self.fc(head.stream_input(features, token_embeddings))  # [n, H]
+        assert x.is_contiguous()  # the C step updates each row in place
         k, v, capacity, dim = self.k, self.v, self.k.shape[1], head.head_dim
         for i in range(n):  # x[i] becomes the block's output, x + attention + MLP
             self.library.kvgen_decode_layers(
-                self._block, 1, x[i].data_ptr(), rope[i].data_ptr(), self._zero.data_ptr(),
+                self._block, 1, x[i].data_ptr(), self.rope[start + i].data_ptr(), self._zero.data_ptr(),
                 self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), 0, capacity * dim, dim, 0, 1, None, start + i,
                 None, -1,
             )  # fmt: skip
