@@ -26,7 +26,7 @@ NEW_TOKENS = 128
 
 def count_forwards(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Counts of what runs the model: one-token C steps over every layer ('step') or the first few
-    ('draft step'), batched C rows ('rows'), and the torch path ('torch')."""
+    ('draft step'), batched C rows ('rows': a token tree's too), and the torch path ('torch')."""
     model, counts = llm.model, Counter()
     decoder = model.fast_decoder()
     assert decoder is not None, "the 4-bit SmolLM2 decodes with the C step"
@@ -44,6 +44,7 @@ def count_forwards(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Counter:
     monkeypatch.setattr(decoder, "step", spy("step", decoder.step, step_kind))
     monkeypatch.setattr(decoder, "step_tokens", spy("rows", decoder.step_tokens))
     monkeypatch.setattr(decoder, "step_rows", spy("rows", decoder.step_rows))
+    monkeypatch.setattr(decoder, "step_tree", spy("rows", decoder.step_tree))
     monkeypatch.setattr(model, "_hidden_states", spy("torch", model._hidden_states))
     return counts
 

@@ -233,13 +233,18 @@ void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const f
 
 // Where a cache keeps one layer's keys or values (see KVLayout in kv/interface.py): one strided
 // buffer (table == NULL) or blocks of `block_size` positions listed by a block table.
+// A row of a token tree (kvgen_decode_tree) reads the cache up to tail_start, then its own path:
+// position p >= tail_start at element offset tail[p - tail_start] (tail == NULL: no path).
 typedef struct {
     const float* base;
     int64_t head_stride, pos_stride, block_stride, block_size;
     const int64_t* table;
+    const int64_t* tail;
+    int64_t tail_start;
 } kv_layout;
 
 static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) {
+    if (l->tail != NULL && pos >= l->tail_start) return l->base + l->tail[pos - l->tail_start] + head * l->head_stride;
     if (l->table == NULL) return l->base + head * l->head_stride + pos * l->pos_stride;
     return l->base + l->table[pos / l->block_size] * l->block_stride + head * l->head_stride +
            (pos % l->block_size) * l->pos_stride;
@@ -248,6 +253,14 @@ static inline const float* kv_at(const kv_layout* l, int64_t head, int64_t pos) 
 // rows[i] = kv_at(l, head, first + i) for i < n, one division for the run instead of two per
 // position (the divisions were a fifth of a prompt's attention time).
 static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int64_t n, const float** rows) {
+    if (l->tail != NULL && first + n > l->tail_start) {  // the run reaches a tree row's own path
+        const int64_t cached = first < l->tail_start ? l->tail_start - first : 0;
+        kv_layout cache = *l;
+        cache.tail = NULL;
+        kv_rows(&cache, head, first, cached, rows);
+        for (int64_t i = cached; i < n; i++) rows[i] = l->base + l->tail[first + i - l->tail_start] + head * l->head_stride;
+        return;
+    }
     if (l->table == NULL) {
         const float* p = l->base + head * l->head_stride + first * l->pos_stride;
         for (int64_t i = 0; i < n; i++) rows[i] = p + i * l->pos_stride;

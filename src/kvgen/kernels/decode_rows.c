@@ -33,6 +33,8 @@ typedef struct {
     const int64_t* num_code_blocks;   // [rows]
     const int64_t* layer_slot;        // [layers], or NULL
     const int64_t* layer_group;       // [layers], or NULL
+    const int64_t* tails;             // [rows, tail_width]: a token tree's paths (kv_layout's tail), or NULL
+    int64_t tail_width, tail_start;
 } rows_kv;
 
 static float* layer_store(const rows_kv* kv, float* base, int64_t layer) {
@@ -43,6 +45,13 @@ static float* layer_store(const rows_kv* kv, float* base, int64_t layer) {
 static const int64_t* row_table(const rows_kv* kv, int64_t layer, int64_t rows, int64_t r) {
     const int64_t group = kv->layer_group != NULL ? kv->layer_group[layer] : 0;
     return kv->tables + (group * rows + r) * kv->table_width;
+}
+
+// Where row r reads and writes one layer's keys (base: the layer's store) or values.
+static kv_layout row_layout(const rows_kv* kv, const float* base, int64_t layer, int64_t rows, int64_t r) {
+    return (kv_layout){base, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size,
+                       row_table(kv, layer, rows, r), kv->tails != NULL ? kv->tails + r * kv->tail_width : NULL,
+                       kv->tail_start};
 }
 
 // The rows step runs in one OpenMP parallel region for all its layers, as the batch-1 step does
@@ -136,8 +145,8 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
     float* q = st->s->qkv_out + r * (nq + 2 * nkv);
     float* k = q + nq;
     const float* v = k + nkv;
-    const kv_layout kl = {layer_store(kv, kv->k_base, layer), kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
-    const kv_layout vl = {layer_store(kv, kv->v_base, layer), kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+    const kv_layout kl = row_layout(kv, layer_store(kv, kv->k_base, layer), layer, rows, r);
+    const kv_layout vl = row_layout(kv, layer_store(kv, kv->v_base, layer), layer, rows, r);
     for (int64_t head = 0; head < b->num_heads; head++) {
         if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
         rotate_half(q + head * d, cos, cos + d, d);
@@ -194,8 +203,8 @@ static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scr
         int64_t r, head;
         const int64_t count = unit_heads(&units, u, &r, &head), end = st->positions[r] + 1;
         const int64_t start = window > 0 && end > window ? end - window : 0;
-        const kv_layout kl = {k_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
-        const kv_layout vl = {v_layer, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size, row_table(kv, layer, rows, r)};
+        const kv_layout kl = row_layout(kv, k_layer, layer, rows, r);
+        const kv_layout vl = row_layout(kv, v_layer, layer, rows, r);
         attend_heads(st->s->qkv_out + r * qkv_width + head * d, st->s->attn + r * nq + head * d, count, &kl, &vl,
                      head / units.group, start, end, b->scale, d, row_keys_cached(kv, layer, rows, r, end));
     }
@@ -290,6 +299,23 @@ void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, 
     const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride, block_size, tables,
                         table_width, positions, NULL, NULL, NULL, 0, 0, NULL, layer_slot, layer_group};
     decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
+}
+
+// Every block for the rows of a token tree after one sequence's fp32 cache (its block table, or
+// table == NULL with block_size 0: one buffer): row r is the token at positions[r] after the cache's
+// tail_start positions and its own path, whose keys and values sit at element offsets tails[r *
+// tail_width + p - tail_start] for positions p >= tail_start (its own at positions[r]). Each row
+// is computed as the one-token step computes its token after that path.
+void kvgen_decode_tree(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
+                       int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, float* k_base,
+                       float* v_base, int64_t layer_stride, int64_t head_stride, int64_t pos_stride,
+                       int64_t block_stride, int64_t block_size, const int64_t* table, const int64_t* tails,
+                       int64_t tail_width, int64_t tail_start, const int64_t* positions, const rows_scratch* s) {
+    const int64_t one_block = 0;  // one buffer: block 0 holds every position
+    const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride,
+                        table != NULL ? block_size : tail_start + tail_width, table != NULL ? table : &one_block, 0,
+                        positions, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, tails, tail_width, tail_start};
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, NULL, NULL);
 }
 
 // Every block for one-token rows over a pool of K/V codes (kv/paged_codes.py): the new key/value go

@@ -98,6 +98,22 @@ class KVLayout:
     block_size: int = 0
     block_table: torch.Tensor | None = None  # int64 [num_blocks of this sequence]
 
+    def position_offsets(self, positions: torch.Tensor) -> torch.Tensor:
+        """Element offsets (from keys / values) of each position's (layer 0, head 0) row: the block
+        table a kernel reads with one-position blocks, where a row may see any positions in any order."""
+        if self.block_table is None:
+            return positions * self.pos_stride
+        blocks = self.block_table[positions // self.block_size]
+        return blocks * self.block_stride + positions % self.block_size * self.pos_stride
+
+    def copy_position(self, source: int, target: int, num_layers: int, num_heads: int, head_dim: int) -> None:
+        """Every layer's and head's key and value at position `source` to position `target`."""
+        source_at, target_at = self.position_offsets(torch.tensor([source, target])).tolist()
+        shape, strides = (num_layers, num_heads, head_dim), (self.layer_stride, self.head_stride, 1)
+        for store in (self.keys, self.values):
+            base = store.storage_offset()
+            store.as_strided(shape, strides, base + target_at).copy_(store.as_strided(shape, strides, base + source_at))
+
 
 @dataclass
 class CodesView:

@@ -265,6 +265,19 @@ class DecoderLM(nn.Module):
                     return fast
             return self._hidden_states(input_ids, cache, None, num_layers)
 
+    def tree_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, parents: list[int]) -> torch.Tensor | None:
+        """input_ids [1, S]: a token tree after the cache (row i's parent is row parents[i], -1: the
+        cache's last position; see FastDecoder.step_tree) -> the last block's output [1, S, H], each
+        row what `hidden_states` gives that token after its ancestors alone; row i's key and value
+        sit in cache slot seq_len + i (S slots committed). None (nothing done) where the C rows step
+        over an fp32 layout is not at hand: a tree is then verified as a chain."""
+        decoder = self.fast_decoder() if self.use_fast_decode else None
+        if decoder is None or input_ids.shape[0] != 1 or cache.key_bias() is not None:
+            return None
+        with self._forward_lock:
+            h = self._embed(input_ids[0].to(self.device)).contiguous()  # [S, H], updated in place
+            return h[None] if decoder.step_tree(h, cache, parents) else None
+
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """[..., H] block output -> [..., V] logits (final norm, head, softcapping); a quantized
         head runs its C kernel, as the decode step's logits do."""

@@ -303,6 +303,42 @@ class FastDecoder:
         cache.commit(rows)
         return True
 
+    def step_tree(self, h: torch.Tensor, cache: KVCache, parents: list[int]) -> bool:
+        """The rows of a token tree after the cache (a speculative verify of several drafts at a
+        position): row i's parent is row parents[i] (-1: the cache's last position; each parent
+        comes before its children). Row i is the token at position seq_len + its depth - 1 after
+        its ancestors, and is computed as `step` computes that token there: it attends to the
+        cache and to its ancestors' keys, in position order. Its key and value go to slot
+        seq_len + i; commits len(parents) slots (the caller keeps the accepted path's). h [S, hidden]
+        updated in place. False (nothing done) when the cache offers no fp32 layout or the tree is
+        wider than one call."""
+        rows, start = h.shape[0], cache.seq_len
+        assert len(parents) == rows and all(-1 <= p < i for i, p in enumerate(parents)), "parents come first"
+        layout = cache.kernel_layout(start + rows) if rows <= self.max_rows else None
+        if layout is None:
+            return False
+        keys, values = layout.keys, layout.values
+        assert keys.stride() == values.stride() and keys.stride(-1) == 1 and keys.dtype == torch.float32
+        paths: list[list[int]] = []  # each row's ancestors and itself, root first: their slots
+        for parent in parents:
+            paths.append((paths[parent] if parent >= 0 else []) + [start + len(paths)])
+        deepest = max(len(path) for path in paths)
+        # Each row reads the cache as it is, then its path's keys and values at their element offsets.
+        tails = layout.position_offsets(torch.tensor([path + [start] * (deepest - len(path)) for path in paths])).contiguous()
+        depth = torch.tensor([len(path) - 1 for path in paths])
+        positions = start + depth
+        rope = self.rope_rows(start, deepest)[depth].contiguous()
+        table = layout.block_table
+        self.library.kvgen_decode_tree(
+            self._block_array, len(self.blocks), rows, h.data_ptr(), rope.data_ptr(), rope.shape[1],
+            self._rope_index.data_ptr(), self._windows.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            layout.layer_stride, layout.head_stride, layout.pos_stride, layout.block_stride, layout.block_size,
+            table.data_ptr() if table is not None else None, tails.data_ptr(), deepest, start,
+            positions.data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),
+        )  # fmt: skip
+        cache.commit(rows)
+        return True
+
     def _scratch_for_rows(self, rows: int) -> _RowsScratch:
         if rows > self._rows_capacity:
             config = self.model.config

@@ -18,11 +18,15 @@ class SpeculativeStats:
     plain_steps: int = 0  # one-token target forwards (no draft, a fallback, or a probe's)
     probe_steps: int = 0  # drafts verified by one-token target forwards (counted in plain_steps)
     probe_accepted_tokens: int = 0  # of accepted_tokens, those of probes
+    alternative_tokens: int = 0  # of accepted_tokens, alternatives to a rejected first draft (draft trees)
 
-    def record_verify(self, proposed: int, accepted: int) -> None:
+    def record_verify(self, proposed: int, accepted: int, alternative: bool = False) -> None:
+        """A verify forward over `proposed` chained drafts; `alternative`: the one accepted token was
+        an alternative to the first (the chain's drafts count as proposed, the alternatives do not)."""
         self.verify_steps += 1
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
+        self.alternative_tokens += alternative
 
     def record_probe(self, proposed: int, accepted: int, forwards: int) -> None:
         """A draft verified by `forwards` one-token target forwards."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvgen.config import CacheConfig
 from kvgen.models.base import DecoderLM
+from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.adaptive import DraftLengthController
 
 if TYPE_CHECKING:
@@ -28,6 +29,9 @@ Method = Literal["lookup", "self", "draft", "eagle"]
 # again (~1.7 ms on SmolLM2 against ~0.6-0.8 for each row of a full tile); prompt lookup on quoted
 # text ran 4% faster capped at 7 than at 8.
 MAX_DRAFT_TOKENS = 7
+# A tree verify of k drafts and n alternatives is k + n + 1 rows: up to 4 rows cost ~15% more than
+# one on SmolLM2 q4 (2 cores, AVX-512), each further row ~10% more.
+MAX_DRAFT_ALTERNATIVES = 3
 METHODS = ("lookup", "self", "draft", "eagle")
 
 
@@ -38,7 +42,14 @@ class SpeculativeConfig:
     small head over the target's last hidden state; `eagle_weights` or the shipped SmolLM2 head).
 
     `num_draft_tokens` is the first draft length; with `adaptive` it then moves within
-    [min_draft_tokens, max_draft_tokens] with the rolling acceptance rate."""
+    [min_draft_tokens, max_draft_tokens] with the rolling acceptance rate.
+
+    `draft_alternatives` (eagle): the head's runner-up first tokens, verified in the same forward
+    as leaves beside the drafted chain (a token tree, as EAGLE-2 and SpecInfer verify); where the
+    chain's first token is rejected and the target picks one of them, that step still yields two
+    tokens. Greedy requests without a grammar only (rejection sampling over a tree needs
+    multi-draft rules), and only where the C rows step reads an fp32 K/V layout (quantized
+    weights); elsewhere the chain is verified alone. None: 1 where it applies."""
 
     method: Method = "lookup"
     num_draft_tokens: int = 4
@@ -50,6 +61,7 @@ class SpeculativeConfig:
     max_ngram: int = 3  # for method "lookup"
     min_ngram: int = 1
     eagle_weights: str | Path | None = None  # for method "eagle"; default: the shipped head
+    draft_alternatives: int | None = None  # for method "eagle"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,6 +75,24 @@ class SpeculativeConfig:
             raise ValueError("method 'draft' needs draft_model: a kvgen LLM (or DecoderLM) sharing the target's tokenizer")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
+        if self.draft_alternatives is not None:
+            if self.method != "eagle":
+                raise ValueError(f"draft_alternatives is only used by method 'eagle', not {self.method!r}")
+            if not 0 <= self.draft_alternatives <= MAX_DRAFT_ALTERNATIVES:
+                raise ValueError(f"draft_alternatives must be in [0, {MAX_DRAFT_ALTERNATIVES}], "
+                                 f"got {self.draft_alternatives}")  # fmt: skip
+
+    def alternatives_for(self, params: SamplingParams) -> int:
+        """How many alternatives a request's drafts carry: 0 unless it is greedy without a grammar.
+        Raises ValueError where draft_alternatives was asked for a request that cannot have them."""
+        if self.method != "eagle":
+            return 0
+        if params.greedy and params.structured is None:
+            return 1 if self.draft_alternatives is None else self.draft_alternatives
+        if self.draft_alternatives:
+            raise ValueError("draft_alternatives are verified for greedy requests without a grammar (temperature 0, no "
+                             "response format): leave draft_alternatives unset or at 0 for this request")  # fmt: skip
+        return 0
 
     def new_controller(self) -> DraftLengthController:
         """A fresh draft-length controller for one request, starting at num_draft_tokens."""

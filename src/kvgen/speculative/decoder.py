@@ -18,7 +18,7 @@ from kvgen.kv.interface import KVCache
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.sampler import Sampler
 from kvgen.speculative.adaptive import SpeculativeStats
-from kvgen.speculative.config import SpeculativeConfig
+from kvgen.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
 from kvgen.speculative.proposer import DraftPolicy, Proposer
 from kvgen.speculative.verify import verify, verify_each
 
@@ -30,7 +30,7 @@ class SpeculativeDecoder:
     ):  # fmt: skip
         self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
         self.max_context, self.constraint = max_context, sampler.constraint
-        self.policy = DraftPolicy(sampler.params)
+        self.policy = DraftPolicy(sampler.params, config.alternatives_for(sampler.params))
         proposer.attach(cache)  # a layer-skip draft reads the target's first layers' keys and values
         self.controller = config.new_controller()
         self.controller.start_with_probe()  # the steps are timed: a proposer proves itself on one token first
@@ -62,11 +62,28 @@ class SpeculativeDecoder:
 
     _has_features = False
 
-    def _target(self, input_ids: list[int]) -> torch.Tensor:
-        """Run the target over input_ids -> logits [S, V] (and features to the proposer if it wants)."""
-        if not self.proposer.needs_target_features:
+    def _verify_tree(self, chain: list[int], alternatives: list[int]) -> torch.Tensor | None:
+        """The chain and the alternatives to its first draft in one forward: logits [k+1+n, V], the
+        alternatives' rows last; None where the target verifies no trees (the proposer then drafts
+        none: nothing was run)."""
+        logits = self._target(chain + alternatives, parents=[-1, *range(len(chain) - 1), *[0] * len(alternatives)])
+        if logits is None:
+            self.policy.alternatives = 0
+        return logits
+
+    def _target(self, input_ids: list[int], parents: list[int] | None = None) -> torch.Tensor | None:
+        """Run the target over input_ids -> logits [S, V] (and features to the proposer if it wants).
+        parents: the rows form a token tree (FastDecoder.step_tree); None where the target cannot
+        verify one (nothing run)."""
+        if parents is not None:
+            h = self.model.tree_hidden_states(torch.tensor([input_ids]), self.cache, parents)
+            if h is None:
+                return None
+            h = h[0]
+        elif not self.proposer.needs_target_features:
             return self.model(torch.tensor([input_ids]), self.cache, logits_to_keep=None)[0]
-        h = self.model.hidden_states(torch.tensor([input_ids]), self.cache)[0]  # [S, H]
+        else:
+            h = self.model.hidden_states(torch.tensor([input_ids]), self.cache)[0]  # [S, H]
         self._features = h
         return self.model.logits_from_hidden(h)
 
@@ -104,14 +121,30 @@ class SpeculativeDecoder:
         return tokens
 
     def _verify_step(self, draft, started: float) -> list[int]:
-        start = self.cache.seq_len
-        logits = self._target([self.ids[-1]] + draft.tokens)  # [k+1, V]
-        tokens = verify(logits, draft, self.sampler)
+        start, chain = self.cache.seq_len, [self.ids[-1]] + draft.tokens
+        # At most MAX_DRAFT_TOKENS + 1 rows (a tile of the rows step's linears: config.py), within the context
+        rows = min(MAX_DRAFT_TOKENS + 1, self.max_context - start)
+        draft.alternatives = draft.alternatives[: max(0, rows - len(chain))]
+        logits = self._verify_tree(chain, draft.alternatives) if draft.alternatives else None
+        if logits is None:
+            logits = self._target(chain)  # [k+1, V]
+        tokens = verify(logits[: len(chain)], draft, self.sampler)
         accepted = len(tokens) - 1
+        kept = list(range(accepted + 1))  # the verified rows whose keys and values stay
+        alternative = accepted == 0 and len(logits) > len(chain) and tokens[0] in draft.alternatives
+        if alternative:
+            # The target chose one of the alternatives: its row holds the target's next token, and
+            # its key and value move to the position after the last id.
+            row = len(chain) + draft.alternatives.index(tokens[0])
+            tokens.append(self.sampler.choose(logits[row], self.sampler.pick))
+            spec = self.cache.spec
+            layout = self.cache.kernel_layout(self.cache.seq_len)
+            layout.copy_position(start + row, start + 1, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+            accepted, kept = 1, [0, row]
         self.cache.truncate(start + 1 + accepted)  # the rejected drafts' keys and values go
         if self.proposer.needs_target_features:
-            self.proposer.observe_features(self._features[: accepted + 1])
+            self.proposer.observe_features(self._features[kept])
         self.controller.record(len(draft.tokens), accepted, seconds=time.perf_counter() - started)
-        self.stats.record_verify(len(draft.tokens), accepted)
+        self.stats.record_verify(len(draft.tokens), accepted, alternative)
         return tokens
 

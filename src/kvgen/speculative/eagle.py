@@ -145,18 +145,22 @@ class EagleProposer(Proposer):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def _pick(
-        self, features: torch.Tensor, policy: DraftPolicy, constraint: TokenConstraint | None
-    ) -> tuple[int, torch.Tensor | None] | None:
+        self, features: torch.Tensor, policy: DraftPolicy, constraint: TokenConstraint | None, runners_up: int = 0,
+    ) -> tuple[int, torch.Tensor | None, list[int]] | None:  # fmt: skip
+        """-> (token, its distribution or None, up to `runners_up` next-best tokens)."""
         logits = self.draft_logits(features)
         if policy.greedy and constraint is None:
-            return int(self.vocab[argmax(logits)]), None
+            if runners_up:  # the head's next-best guesses, best first (the verify's leaves)
+                best = self.vocab[logits.topk(1 + runners_up).indices].tolist()
+                return best[0], None, best[1:]
+            return int(self.vocab[argmax(logits)]), None, []
         # Sampling or a grammar: the full vocabulary's logits, -inf outside the draft vocabulary, so
         # q (the draft's distribution) is exactly what the token was drawn from.
         full = torch.full((self.model.config.vocab_size,), float("-inf"))
         full[self.vocab] = logits
         if not torch.isfinite(mask_logits(full, constraint)).any():
             return None  # the grammar allows no draft-vocabulary token here
-        return policy.pick(full, constraint)
+        return *policy.pick(full, constraint), []
 
     def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
         assert self._pending, "EAGLE drafts from the target's features: observe_features first"
@@ -175,18 +179,20 @@ class EagleProposer(Proposer):
         self._committed = self.cache.length
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        alternatives: list[int] = []
         with DraftedPath(constraint) as path:
             while len(tokens) < num_tokens and can_extend(constraint):
                 if tokens:  # chain on the head's own prediction
                     embedding = self.model.embed_tokens[tokens[-1]][None].float()
                     features = self.cache.run(features, embedding)
-                picked = self._pick(features, policy, constraint)
+                picked = self._pick(features, policy, constraint, 0 if tokens else policy.alternatives)
                 if picked is None:
                     break
-                token, q = picked
+                token, q, runners_up = picked
+                alternatives = alternatives or runners_up
                 tokens.append(token)
                 if q is not None:
                     probs.append(q)
                 if not path.advance(token):
                     break
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, alternatives)

@@ -10,7 +10,7 @@ write positions past the committed ones while it drafts, and must truncate them 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -28,6 +28,9 @@ class Draft:
     # [len(tokens), V]: the distribution each token was drawn from (q in rejection sampling).
     # None: the tokens were chosen deterministically (q is one-hot), as greedy drafts and lookups are.
     probs: torch.Tensor | None = None
+    # Runner-up guesses for tokens[0], verified beside the chain as leaves of a token tree (greedy
+    # drafts only: DraftPolicy.alternatives).
+    alternatives: list[int] = field(default_factory=list)
 
 
 def mask_logits(logits: torch.Tensor, constraint: TokenConstraint | None) -> torch.Tensor:
@@ -74,11 +77,13 @@ class DraftPolicy:
     """How a drafting model picks its tokens: argmax when the request is greedy, else a sample from
     the request's processed distribution, drawn with the draft's own random stream."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, alternatives: int = 0):
         seed = None if params.seed is None else params.seed + 1  # independent of the target's stream
         self.sampler = Sampler(SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                               top_p=params.top_p, seed=seed))  # fmt: skip
         self.greedy = params.greedy
+        assert alternatives == 0 or self.greedy, "alternatives are verified for greedy drafts only"
+        self.alternatives = alternatives  # runner-up first tokens a proposer that scores its guesses adds
 
     def pick(self, logits: torch.Tensor, constraint: TokenConstraint | None) -> tuple[int, torch.Tensor | None]:
         """logits [V] -> (token, the distribution it was drawn from or None when greedy)."""
