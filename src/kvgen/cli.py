@@ -82,6 +82,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
     parser.add_argument("--draft-weights", default="q4", choices=WEIGHT_MODES, help="weights of the draft model")
     parser.add_argument("--draft-layers", type=int, default=None, help="layers of the self-draft (default: half)")
+    parser.add_argument("--draft-alternatives", type=int, default=None,
+                        help="eagle: runner-up first tokens verified beside each draft (greedy only; default 1)")  # fmt: skip
     parser.add_argument("--lora", default=None, metavar="PATH",
                         help="apply this LoRA adapter (a PEFT folder or a GGUF LoRA file) without merging it")  # fmt: skip
 
@@ -229,7 +231,7 @@ def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
         draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights)
     return SpeculativeConfig(
         args.speculative, num_draft_tokens=args.draft_tokens, max_draft_tokens=max(MAX_DRAFT_TOKENS, args.draft_tokens),
-        draft_model=draft, draft_layers=args.draft_layers,
+        draft_model=draft, draft_layers=args.draft_layers, draft_alternatives=args.draft_alternatives,
     )  # fmt: skip
 
 

@@ -21,3 +21,9 @@ def test_draft_method_without_a_draft_model_is_a_one_line_error(tmp_path: Path) 
     tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     result = kvgen("generate", "hi", "--model", tiny, "--no-progress", "--speculative", "draft")
     assert_one_line_error(result, "needs --draft-model")
+
+
+def test_draft_alternatives_for_a_method_that_drafts_none_is_a_one_line_error(tmp_path: Path) -> None:
+    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    result = kvgen("generate", "hi", "--model", tiny, "--no-progress", "--speculative", "lookup", "--draft-alternatives", "2")
+    assert_one_line_error(result, "draft_alternatives is only used by method 'eagle'")
