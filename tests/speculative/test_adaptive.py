@@ -151,11 +151,19 @@ def test_a_probe_verified_by_plain_steps_fails_cheaply_and_pauses_longer():
     assert c.probing and c.draft_length() == 1
     c.record_plain(0.010)
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # rejected: one plain step plus a 1 ms draft
+    assert c.probing and c.draft_length() == 1  # a draft at 0.1 of a plain step: it probes again at once
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # the second cheap failure in a row pauses
     assert not c.probing
     assert [c.draft_length() for _ in range(5)] == [0, 0, 0, 0, 1]  # 4 plain tokens (1.1x over: still 4)
     assert c.probing
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)
     assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]  # twice as long
+    costly = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    costly.start_with_probe()
+    costly.record_plain(0.010)
+    costly.record(1, 0, seconds=0.015, draft_seconds=0.005)  # a draft at half a plain step: paused at once
+    assert [costly.draft_length() for _ in range(7)] == [0] * 6 + [1]  # (1.5x over: 6 plain tokens)
 
 
 def test_a_passed_probe_is_on_probation_until_a_batched_step_pays():

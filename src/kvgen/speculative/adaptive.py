@@ -49,6 +49,7 @@ class SpeculativeStats:
 
 GROWTH_EVIDENCE = 4  # timed steps at a length, paying together, before the draft grows past it
 CLEAR_PAY_RATIO = 0.7  # ... unless the step took at most this share of its tokens' plain time
+CHEAP_PROBE = 0.25  # a probe whose draft took at most this share of a plain step may fail `patience` times
 
 
 class DraftLengthController:
@@ -64,7 +65,8 @@ class DraftLengthController:
     a whole window, drafting pauses for `cooldown` tokens of plain decoding, then probes again at the
     minimum length. A probe that fails pauses again at once, for twice as long (up to
     `max_cooldown`): on text where drafts keep failing, probes become rare and the cost nears plain
-    decoding's. Drafting stays on probation after a pause until a verify step pays: that step halves
+    decoding's. (A probe verified by plain steps whose draft cost at most `CHEAP_PROBE` of a plain
+    step pauses only after `patience` such failures in a row.) Drafting stays on probation after a pause until a verify step pays: that step halves
     the next pause's length (down to `cooldown`).
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
@@ -97,6 +99,7 @@ class DraftLengthController:
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
         self._probing = False  # drafting again after a pause, no verify step has paid yet
         self._probe_next = False  # the next draft is a probe (the first since the pause)
+        self._failed_probes = 0  # cheap probes failed in a row since the pause
         self._resume_length = min_length  # the length a paying probe returns to
         self.patience = max(1, min(patience, window))  # failed steps at the minimum length before a pause
         self._plain_seconds: float | None = None  # moving average of one plain step's time
@@ -182,7 +185,13 @@ class DraftLengthController:
         overrun = 1.0 if in_time or seconds is None or plain is None else seconds / ((accepted + 1) * plain)
         if draft_seconds is not None and self._probing:
             if not paid:
-                self._pause(overrun)  # the probe failed: pause again, longer
+                # A cheap probe gets `patience` tries: a head right half the time fails half its
+                # probes, and one failure paused it for most of a request (EAGLE on open-ended text:
+                # adaptive 1.06x, fixed two-token drafts 1.25x).
+                self._failed_probes += 1
+                cheap = plain is not None and draft_seconds <= CHEAP_PROBE * plain
+                if not cheap or self._failed_probes >= self.patience:
+                    self._pause(overrun)  # pause again, longer
                 return
             # Still on probation: only a batched step that pays shortens the next pause, so a slow
             # proposer whose drafts are accepted keeps backing off.
@@ -230,6 +239,7 @@ class DraftLengthController:
         self.length, self._resume_length = max(self.length, self._resume_length), self.min_length
 
     def _pause(self, overrun: float = 1.0) -> None:
+        self._failed_probes = 0
         pause = min(int(self._next_cooldown * max(1.0, overrun)), self.max_cooldown)
         self._paused, self._low_at_min, self._probing, self._probe_next = pause, 0, True, True
         self._next_cooldown = min(2 * self._next_cooldown, self.max_cooldown)
