@@ -109,5 +109,17 @@ def test_draft_alternatives_are_refused_where_they_cannot_apply(smollm2_q4):
     for params in (sampled, structured):
         with pytest.raises(ValueError, match="draft_alternatives are verified for greedy requests"):
             smollm2_q4.generate("Count:", params, speculative=asked)
+    # Refused before any work: a session keeps its cache and its next turn runs.
+    session = smollm2_q4.session()
+    first = session.stream("Count to three:", SamplingParams(max_new_tokens=4))
+    list(first)
+    cached, length = list(session.cached_ids), session.cache.seq_len
+    more = first.prompt_ids + first.result.token_ids + smollm2_q4.tokenizer.encode(" and on:")
+    with pytest.raises(ValueError, match="draft_alternatives are verified for greedy requests"):
+        session.stream(more, sampled, speculative=asked)
+    assert session.cached_ids == cached and session.cache.seq_len == length
+    after = session.stream(more, SamplingParams(max_new_tokens=4), speculative=SpeculativeConfig("eagle"))
+    list(after)
+    assert after.result.usage.cached_tokens == length and len(after.result.token_ids) == 4
     # Left unset, a sampled request drafts chains.
     assert smollm2_q4.generate("Count:", sampled, speculative=SpeculativeConfig("eagle")).token_ids

@@ -306,9 +306,9 @@ class FastDecoder:
     def step_tree(self, h: torch.Tensor, cache: KVCache, parents: list[int]) -> bool:
         """The rows of a token tree after the cache (a speculative verify of several drafts at a
         position): row i's parent is row parents[i] (-1: the cache's last position; each parent
-        comes before its children). Row i is the token at position seq_len + its depth - 1 after
-        its ancestors, and is computed as `step` computes that token there: it attends to the
-        cache and to its ancestors' keys, in position order. Its key and value go to slot
+        comes before its children). Row i is the token at position seq_len + d (d: how many of its
+        ancestors are rows), computed as `step` computes that token after its ancestors: it
+        attends to the cache and to its ancestors' keys, in position order. Its key and value go to slot
         seq_len + i; commits len(parents) slots (the caller keeps the accepted path's). h [S, hidden]
         updated in place. False (nothing done) when the cache offers no fp32 layout or the tree is
         wider than one call."""

@@ -4,6 +4,9 @@
 more tokens. Invariant between steps (the same as plain decoding): the target's cache holds every
 committed id but the last, so the last id is the next forward's first input.
 
+A draft with alternatives to its first token (EAGLE, greedy) is verified as a token tree in the
+same forward: the chain's rows, then each alternative as a leaf after the last id.
+
 The request's sampler does all the choosing (its processors: penalties, logit bias, the grammar),
 so speculative output is plain decoding's; proposers draft under the sampler's grammar, if any.
 """
