@@ -24,9 +24,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -102,9 +104,8 @@ class Replies:
         [B, S + depth - 1, H]; per chain step, draft-vocabulary labels and target ids [B, S] (-100
         and -1 where the step runs past the reply)."""
         length = max(end - first - 1 for first, end in spans)
-        hidden = self.feats.shape[1]
-        f, f_next = (torch.zeros(len(spans), length, hidden) for _ in range(2))
-        x = torch.zeros(len(spans), length + depth - 1, hidden)
+        f, f_next = (torch.zeros(len(spans), length, self.feats.shape[1]) for _ in range(2))
+        x = torch.zeros(len(spans), length + depth - 1, self.embeddings.shape[1])
         labels = torch.full((depth, len(spans), length), -100, dtype=torch.long)
         target = torch.full((depth, len(spans), length), -1, dtype=torch.long)
         for b, (first, end) in enumerate(spans):
@@ -117,6 +118,49 @@ class Replies:
                 labels[step, b, : len(live)] = self.to_draft[self.greedy[live + 1 + step]]
                 target[step, b, : len(live)] = self.greedy[live + 1 + step]
         return f, x, f_next, labels, target
+
+
+def chain_loss(head: EagleHead, norm: nn.Module, rows: torch.Tensor, vocab: torch.Tensor, batch: tuple,
+               weights: list[float]) -> tuple[torch.Tensor, list[float]]:  # fmt: skip
+    """The loss over a `Replies.batch` (its chains as deep as `weights`, step t weighted weights[t]):
+    a feature loss on the first step's prediction of the next last-layer feature, and a
+    cross-entropy on the target's greedy token over the draft vocabulary at each chain step; and,
+    per chain step, the head's agreement with the target's greedy token."""
+    f, x, f_next, labels, target = batch
+    chains = head.forward_chains(f, x, len(weights))
+    hidden = head.hidden_size
+    scale = hidden**0.5
+    real = labels[0] != -100
+    f_next = F.normalize(f_next[..., -hidden:], dim=-1)  # the last layer's, where f carries more
+    loss = F.smooth_l1_loss(F.normalize(chains[0], dim=-1)[real] * scale, f_next[real] * scale)
+    agree = []
+    for step, predicted in enumerate(chains):
+        logits = F.linear(norm(predicted), rows)
+        loss = loss + weights[step] * F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100)
+        agree.append((vocab[logits.argmax(-1)] == target[step])[target[step] >= 0].float().mean().item())
+    return loss, agree
+
+
+def train_head(head: nn.Module, loss_on: Callable[[list[tuple[int, int]]], tuple[torch.Tensor, list[float]]],
+               train: list[tuple[int, int]], holdout: list[tuple[int, int]], steps: int, batch: int, lr: float,
+               bf16: bool, started: float, label: str = "") -> None:  # fmt: skip
+    """AdamW with a one-cycle schedule over random batches of `train` reply spans, reporting the
+    held-out loss and agreement every 100 steps (to stderr, each line after `label`)."""
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.05)
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = loss_on([train[i] for i in torch.randint(len(train), (batch,)).tolist()])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            with torch.no_grad():
+                held_loss, held_agree = loss_on(holdout)
+            print(f"{label}step {step}: loss {loss.item():.3f}, held-out loss {held_loss.item():.3f}, held-out top-1 "
+                  f"agreement with the target per chain step {' '.join(f'{a:.3f}' for a in held_agree)} "
+                  f"({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
 
 
 def chain_agreement(model, head: EagleHead, data: Replies, spans: list[tuple[int, int]], rows: torch.Tensor,
@@ -192,43 +236,15 @@ def main() -> None:
     to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)  # -100: ignored by the loss
     to_draft[vocab] = torch.arange(len(vocab))
     rows = draft_head_rows(model, vocab)
-    norm = model.norm
     data = Replies(feats, tokens, greedy, model.embed_tokens.float(), to_draft)
 
     head = EagleHead(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, args.inner, vocab)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
-
     weights = [args.chain_weight**step for step in range(args.depth)]
 
     def loss_on(batch: list[tuple[int, int]]) -> tuple[torch.Tensor, list[float]]:
-        """The loss over `batch` and, per chain step, the head's agreement with the target's greedy
-        token where the steps before it drafted the target's tokens."""
-        f, x, f_next, labels, target = data.batch(batch, args.depth)
-        chains = head.forward_chains(f, x, args.depth)
-        scale = f.shape[-1] ** 0.5
-        real = labels[0] != -100
-        loss = F.smooth_l1_loss(F.normalize(chains[0], dim=-1)[real] * scale, F.normalize(f_next, dim=-1)[real] * scale)
-        agree = []
-        for step, predicted in enumerate(chains):
-            logits = F.linear(norm(predicted), rows)
-            loss = loss + weights[step] * F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100)
-            agree.append((vocab[logits.argmax(-1)] == target[step])[target[step] >= 0].float().mean().item())
-        return loss, agree
+        return chain_loss(head, model.norm, rows, vocab, data.batch(batch, args.depth), weights)
 
-    for step in range(args.steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss, _ = loss_on([train[i] for i in torch.randint(len(train), (args.batch,)).tolist()])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == args.steps - 1:
-            with torch.no_grad():
-                held_loss, held_agree = loss_on(holdout)
-            print(f"step {step}: loss {loss.item():.3f}, held-out loss {held_loss.item():.3f}, held-out top-1 "
-                  f"agreement with the target per chain step {' '.join(f'{a:.3f}' for a in held_agree)} "
-                  f"({time.perf_counter() - started:.0f}s)", file=sys.stderr)  # fmt: skip
+    train_head(head, loss_on, train, holdout, args.steps, args.batch, args.lr, args.bf16, started)
     chains = chain_agreement(model, head, data, holdout, rows)
     print(f"held-out chains whose first 1..{len(chains)} drafts all agree: {' '.join(f'{c:.3f}' for c in chains)}",
           file=sys.stderr)  # fmt: skip

@@ -151,19 +151,48 @@ def test_a_probe_verified_by_plain_steps_fails_cheaply_and_pauses_longer():
     assert c.probing and c.draft_length() == 1
     c.record_plain(0.010)
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # rejected: one plain step plus a 1 ms draft
-    assert c.probing and c.draft_length() == 1  # a draft at 0.1 of a plain step: it probes again at once
-    c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # the second cheap failure in a row pauses
     assert not c.probing
     assert [c.draft_length() for _ in range(5)] == [0, 0, 0, 0, 1]  # 4 plain tokens (1.1x over: still 4)
     assert c.probing
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)
-    c.record(1, 0, seconds=0.011, draft_seconds=0.001)
     assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]  # twice as long
-    costly = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+
+
+def test_a_cheap_probe_of_a_proposer_that_paid_gets_a_second_try():
+    c = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4, max_cooldown=64)
+    c.start_with_probe()
+    c.record_plain(0.010)
+    c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # the probe passes
+    c.record(1, 1, seconds=0.012)  # a batched step pays
+    c.record(1, 0, seconds=0.020)
+    c.record(1, 0, seconds=0.020)  # two failures, the window unpaid: a pause (2x over: 8 tokens)
+    assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # a draft at 0.1 of a plain step: it probes again at once
+    assert c.probing and c.draft_length() == 1
+    c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # passes on its second try: weaker evidence,
+    assert not c.probing and c.draft_length() == 1  # so it resumes at the minimum (not at the length before)
+    again = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4, max_cooldown=64)
+    again.start_with_probe()
+    again.record_plain(0.010)
+    again.record(1, 1, seconds=0.021, draft_seconds=0.001)
+    again.record(1, 1, seconds=0.012)
+    again.record(1, 0, seconds=0.020)
+    again.record(1, 0, seconds=0.020)
+    assert [again.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    again.record(1, 0, seconds=0.011, draft_seconds=0.001)
+    assert again.draft_length() == 1
+    again.record(1, 0, seconds=0.011, draft_seconds=0.001)  # the second cheap failure in a row pauses
+    assert [again.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    costly = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4, max_cooldown=64)
     costly.start_with_probe()
     costly.record_plain(0.010)
+    costly.record(1, 1, seconds=0.021, draft_seconds=0.001)
+    costly.record(1, 1, seconds=0.012)
+    costly.record(1, 0, seconds=0.020)
+    costly.record(1, 0, seconds=0.020)
+    assert [costly.draft_length() for _ in range(9)] == [0] * 8 + [1]
     costly.record(1, 0, seconds=0.015, draft_seconds=0.005)  # a draft at half a plain step: paused at once
-    assert [costly.draft_length() for _ in range(7)] == [0] * 6 + [1]  # (1.5x over: 6 plain tokens)
+    assert [costly.draft_length() for _ in range(13)] == [0] * 12 + [1]  # (1.5x over: 12)
 
 
 def test_a_passed_probe_is_on_probation_until_a_batched_step_pays():

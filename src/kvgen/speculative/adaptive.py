@@ -66,7 +66,8 @@ class DraftLengthController:
     minimum length. A probe that fails pauses again at once, for twice as long (up to
     `max_cooldown`): on text where drafts keep failing, probes become rare and the cost nears plain
     decoding's. (A probe verified by plain steps whose draft cost at most `CHEAP_PROBE` of a plain
-    step pauses only after `patience` such failures in a row.) Drafting stays on probation after a pause until a verify step pays: that step halves
+    step, of a proposer whose batched steps have paid before, pauses only after `patience` such
+    failures in a row.) Drafting stays on probation after a pause until a verify step pays: that step halves
     the next pause's length (down to `cooldown`).
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
@@ -100,6 +101,7 @@ class DraftLengthController:
         self._probing = False  # drafting again after a pause, no verify step has paid yet
         self._probe_next = False  # the next draft is a probe (the first since the pause)
         self._failed_probes = 0  # cheap probes failed in a row since the pause
+        self._has_paid = False  # a batched verify step has paid in this request
         self._resume_length = min_length  # the length a paying probe returns to
         self.patience = max(1, min(patience, window))  # failed steps at the minimum length before a pause
         self._plain_seconds: float | None = None  # moving average of one plain step's time
@@ -185,16 +187,22 @@ class DraftLengthController:
         overrun = 1.0 if in_time or seconds is None or plain is None else seconds / ((accepted + 1) * plain)
         if draft_seconds is not None and self._probing:
             if not paid:
-                # A cheap probe gets `patience` tries: a head right half the time fails half its
-                # probes, and one failure paused it for most of a request (EAGLE on open-ended text:
-                # adaptive 1.06x, fixed two-token drafts 1.25x).
+                # A cheap probe of a proposer that has paid in this request gets `patience` tries:
+                # a head right half the time fails half its probes, and one failure paused it for
+                # most of a request (EAGLE on open-ended text: adaptive 1.06x, fixed two-token drafts
+                # 1.25x). One that never paid pauses at once, as where drafts keep failing.
                 self._failed_probes += 1
-                cheap = plain is not None and draft_seconds <= CHEAP_PROBE * plain
+                cheap = plain is not None and draft_seconds <= CHEAP_PROBE * plain and self._has_paid
                 if not cheap or self._failed_probes >= self.patience:
                     self._pause(overrun)  # pause again, longer
                 return
             # Still on probation: only a batched step that pays shortens the next pause, so a slow
-            # proposer whose drafts are accepted keeps backing off.
+            # proposer whose drafts are accepted keeps backing off. A probe that passed only on its
+            # second try is weaker evidence: drafting resumes at the minimum length and grows from
+            # there (EAGLE on quoted text, drafts right ~0.1 of the time, had resumed at four
+            # drafts, and three failing six-row verifies cost ~1-2% of a request).
+            if self._failed_probes:
+                self._resume_length, self._failed_probes = self.min_length, 0
             self._probe_next = False
             self._resume()
             return
@@ -205,7 +213,7 @@ class DraftLengthController:
             # Halved, not reset: on text where drafts keep failing, one lucky acceptance would
             # otherwise undo the whole back-off (a run of short pauses, each with a failing probe).
             self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
-            self._probing = False
+            self._probing, self._has_paid = False, True
         elif was_probe:
             self._pause(overrun)  # the probe failed: pause again, longer
             return
