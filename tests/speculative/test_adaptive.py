@@ -158,39 +158,31 @@ def test_a_probe_verified_by_plain_steps_fails_cheaply_and_pauses_longer():
     assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]  # twice as long
 
 
-def test_a_cheap_probe_of_a_proposer_that_paid_gets_a_second_try():
+def paused_after_paying() -> DraftLengthController:
+    """A controller whose probe passed and whose batched step paid, then paused (2x over: 8 tokens)."""
     c = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4, max_cooldown=64)
     c.start_with_probe()
     c.record_plain(0.010)
     c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # the probe passes
     c.record(1, 1, seconds=0.012)  # a batched step pays
     c.record(1, 0, seconds=0.020)
-    c.record(1, 0, seconds=0.020)  # two failures, the window unpaid: a pause (2x over: 8 tokens)
+    c.record(1, 0, seconds=0.020)  # two failures, the window unpaid: a pause
     assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    return c
+
+
+def test_a_cheap_probe_of_a_proposer_that_paid_gets_a_second_try():
+    c = paused_after_paying()
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # a draft at 0.1 of a plain step: it probes again at once
     assert c.probing and c.draft_length() == 1
     c.record(1, 1, seconds=0.021, draft_seconds=0.001)  # passes on its second try: weaker evidence,
     assert not c.probing and c.draft_length() == 1  # so it resumes at the minimum (not at the length before)
-    again = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4, max_cooldown=64)
-    again.start_with_probe()
-    again.record_plain(0.010)
-    again.record(1, 1, seconds=0.021, draft_seconds=0.001)
-    again.record(1, 1, seconds=0.012)
-    again.record(1, 0, seconds=0.020)
-    again.record(1, 0, seconds=0.020)
-    assert [again.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    again = paused_after_paying()
     again.record(1, 0, seconds=0.011, draft_seconds=0.001)
     assert again.draft_length() == 1
     again.record(1, 0, seconds=0.011, draft_seconds=0.001)  # the second cheap failure in a row pauses
     assert [again.draft_length() for _ in range(9)] == [0] * 8 + [1]
-    costly = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4, max_cooldown=64)
-    costly.start_with_probe()
-    costly.record_plain(0.010)
-    costly.record(1, 1, seconds=0.021, draft_seconds=0.001)
-    costly.record(1, 1, seconds=0.012)
-    costly.record(1, 0, seconds=0.020)
-    costly.record(1, 0, seconds=0.020)
-    assert [costly.draft_length() for _ in range(9)] == [0] * 8 + [1]
+    costly = paused_after_paying()
     costly.record(1, 0, seconds=0.015, draft_seconds=0.005)  # a draft at half a plain step: paused at once
     assert [costly.draft_length() for _ in range(13)] == [0] * 12 + [1]  # (1.5x over: 12)
 

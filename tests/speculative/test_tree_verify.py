@@ -73,9 +73,8 @@ def test_an_accepted_alternative_leaves_the_cache_plain_decoding_leaves(smollm2_
     start = tree.seq_len
     model.tree_hidden_states(torch.tensor([TOKENS]), tree, PARENTS)
     layout = tree.kernel_layout(tree.seq_len)
-    shape = (tree.spec.num_layers, tree.spec.num_kv_heads, tree.spec.head_dim)
-    layout.copy_position(start + 3, start + 1, *shape)
-    layout.copy_position(start + 4, start + 2, *shape)
+    layout.copy_position(start + 3, start + 1, tree.spec)
+    layout.copy_position(start + 4, start + 2, tree.spec)
     tree.truncate(start + 3)
     plain = prefilled(model, kind, prompt)
     for r in PATHS[4]:

@@ -106,10 +106,11 @@ class KVLayout:
         blocks = self.block_table[positions // self.block_size]
         return blocks * self.block_stride + positions % self.block_size * self.pos_stride
 
-    def copy_position(self, source: int, target: int, num_layers: int, num_heads: int, head_dim: int) -> None:
-        """Every layer's and head's key and value at position `source` to position `target`."""
+    def copy_position(self, source: int, target: int, spec: CacheSpec) -> None:
+        """Every layer's and head's key and value at position `source` to position `target` (spec:
+        the cache's shape)."""
         source_at, target_at = self.position_offsets(torch.tensor([source, target])).tolist()
-        shape, strides = (num_layers, num_heads, head_dim), (self.layer_stride, self.head_stride, 1)
+        shape, strides = (spec.num_layers, spec.num_kv_heads, spec.head_dim), (self.layer_stride, self.head_stride, 1)
         for store in (self.keys, self.values):
             base = store.storage_offset()
             store.as_strided(shape, strides, base + target_at).copy_(store.as_strided(shape, strides, base + source_at))

@@ -143,6 +143,12 @@ class DecoderLM(nn.Module):
         with self._forward_lock:
             return self.cuda_graphs().greedy(token, cache, steps)
 
+    def _c_step(self, cache: KVCache):  # -> FastDecoder | None
+        """The C decode step for one sequence over `cache`, or None where the torch path must run
+        (no C path for these weights; a biased cache: the C step knows no bias)."""
+        decoder = self.fast_decoder() if self.use_fast_decode else None
+        return None if decoder is None or cache.key_bias() is not None else decoder
+
     def _fast_hidden(
         self, input_ids: torch.Tensor, cache: KVCache, slot: int = -1, num_layers: int | None = None,
         prompt: bool = False,
@@ -153,10 +159,10 @@ class DecoderLM(nn.Module):
         gets what plain decoding would give it, however the tokens are split; slot: the LoRA
         adapter slot (-1: none). None when the torch path must run (no C path, a biased cache, no
         fp32 layout for several tokens, a prompt with KVGEN_PREFILL_GEMM=fp32|bf16)."""
-        decoder = self.fast_decoder() if self.use_fast_decode else None
+        decoder = self._c_step(cache)
         seq = input_ids.shape[1]
-        if decoder is None or cache.key_bias() is not None or (prompt and seq > 1 and not decoder.runs_prompts):
-            return None  # the C decode step knows no bias: a biased cache takes the torch path
+        if decoder is None or (prompt and seq > 1 and not decoder.runs_prompts):
+            return None
         start = cache.seq_len
         positions = torch.arange(start, start + seq)
         h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
@@ -271,8 +277,8 @@ class DecoderLM(nn.Module):
         row what `hidden_states` gives that token after its ancestors alone; row i's key and value
         sit in cache slot seq_len + i (S slots committed). None (nothing done) where the C rows step
         over an fp32 layout is not at hand: a tree is then verified as a chain."""
-        decoder = self.fast_decoder() if self.use_fast_decode else None
-        if decoder is None or input_ids.shape[0] != 1 or cache.key_bias() is not None:
+        decoder = self._c_step(cache)
+        if decoder is None or input_ids.shape[0] != 1:
             return None
         with self._forward_lock:
             h = self._embed(input_ids[0].to(self.device)).contiguous()  # [S, H], updated in place

@@ -140,9 +140,7 @@ class SpeculativeDecoder:
             # its key and value move to the position after the last id.
             row = len(chain) + draft.alternatives.index(tokens[0])
             tokens.append(self.sampler.choose(logits[row], self.sampler.pick))
-            spec = self.cache.spec
-            layout = self.cache.kernel_layout(self.cache.seq_len)
-            layout.copy_position(start + row, start + 1, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+            self.cache.kernel_layout(self.cache.seq_len).copy_position(start + row, start + 1, self.cache.spec)
             accepted, kept = 1, [0, row]
         self.cache.truncate(start + 1 + accepted)  # the rejected drafts' keys and values go
         if self.proposer.needs_target_features:
