@@ -166,7 +166,8 @@ class GenerationStream:
                              "models keep their own state: generate without speculative")
         # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
         if speculative is not None:
-            speculative.alternatives_for(params)  # raises where the request cannot have the alternatives asked for
+            # raises where the request cannot have the alternatives asked for
+            speculative.alternatives_for(params, generator.model, cache)
         self._proposer = speculative.build_proposer(generator) if speculative is not None else None
         self._speculator = None  # SpeculativeDecoder, built after the prefill
         self._iterator = self._run()

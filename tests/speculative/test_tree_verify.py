@@ -97,7 +97,7 @@ def test_eagle_with_alternatives_equals_plain_greedy_and_takes_alternatives(smol
         assert stats.verify_steps > 10 and stats.alternative_tokens > 0, stats  # the target took alternatives
 
 
-def test_draft_alternatives_are_refused_where_they_cannot_apply(smollm2_q4):
+def test_draft_alternatives_are_refused_where_they_cannot_apply(smollm2_q4, smollm2):
     with pytest.raises(ValueError, match="draft_alternatives is only used by method 'eagle'"):
         SpeculativeConfig("lookup", draft_alternatives=1)
     with pytest.raises(ValueError, match=r"draft_alternatives must be in \[0, 3\]"):
@@ -120,5 +120,8 @@ def test_draft_alternatives_are_refused_where_they_cannot_apply(smollm2_q4):
     after = session.stream(more, SamplingParams(max_new_tokens=4), speculative=SpeculativeConfig("eagle"))
     list(after)
     assert after.result.usage.cached_tokens == length and len(after.result.token_ids) == 4
+    # Over fp32 weights the target runs no C rows step, so it verifies no trees: asked for, refused.
+    with pytest.raises(ValueError, match="draft_alternatives are verified as a token tree by the C rows step"):
+        smollm2.generate("Count:", SamplingParams(max_new_tokens=4), speculative=asked)
     # Left unset, a sampled request drafts chains.
     assert smollm2_q4.generate("Count:", sampled, speculative=SpeculativeConfig("eagle")).token_ids

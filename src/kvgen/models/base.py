@@ -271,6 +271,10 @@ class DecoderLM(nn.Module):
                     return fast
             return self._hidden_states(input_ids, cache, None, num_layers)
 
+    def verifies_trees(self, cache: KVCache) -> bool:
+        """Whether `tree_hidden_states` runs over `cache`: the C step, over an fp32 layout."""
+        return self._c_step(cache) is not None and cache.kernel_layout(cache.seq_len) is not None
+
     def tree_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, parents: list[int]) -> torch.Tensor | None:
         """input_ids [1, S]: a token tree after the cache (row i's parent is row parents[i], -1: the
         cache's last position; see FastDecoder.step_tree) -> the last block's output [1, S, H], each

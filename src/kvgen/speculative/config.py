@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvgen.config import CacheConfig
+from kvgen.kv.interface import KVCache
 from kvgen.models.base import DecoderLM
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.adaptive import DraftLengthController
@@ -49,7 +50,8 @@ class SpeculativeConfig:
     chain's first token is rejected and the target picks one of them, that step still yields two
     tokens. Greedy requests without a grammar only (rejection sampling over a tree needs
     multi-draft rules), and only where the C rows step reads an fp32 K/V layout (quantized
-    weights); elsewhere the chain is verified alone. None: 1 where it applies."""
+    weights). None: 1 where it applies, else the chain alone; set explicitly where it cannot apply,
+    the request is refused."""
 
     method: Method = "lookup"
     num_draft_tokens: int = 4
@@ -82,13 +84,19 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_alternatives must be in [0, {MAX_DRAFT_ALTERNATIVES}], "
                                  f"got {self.draft_alternatives}")  # fmt: skip
 
-    def alternatives_for(self, params: SamplingParams) -> int:
-        """How many alternatives a request's drafts carry: 0 unless it is greedy without a grammar.
-        Raises ValueError where draft_alternatives was asked for a request that cannot have them."""
+    def alternatives_for(self, params: SamplingParams, model: DecoderLM, cache: KVCache) -> int:
+        """How many alternatives a request's drafts carry: 0 unless it is greedy without a grammar
+        and the target verifies trees over its cache (`DecoderLM.verifies_trees`). Raises ValueError
+        where draft_alternatives was asked for a request that cannot have them."""
         if self.method != "eagle":
             return 0
-        if params.greedy and params.structured is None:
+        verifies_trees = model.verifies_trees(cache)
+        if params.greedy and params.structured is None and verifies_trees:
             return 1 if self.draft_alternatives is None else self.draft_alternatives
+        if self.draft_alternatives and not verifies_trees:
+            raise ValueError("draft_alternatives are verified as a token tree by the C rows step over fp32 keys and "
+                             "values (quantized weights, an fp32 K/V cache), which this model or cache does not run: "
+                             "leave draft_alternatives unset or at 0")  # fmt: skip
         if self.draft_alternatives:
             raise ValueError("draft_alternatives are verified for greedy requests without a grammar (temperature 0, no "
                              "response format): leave draft_alternatives unset or at 0 for this request")  # fmt: skip

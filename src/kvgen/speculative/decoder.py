@@ -33,7 +33,7 @@ class SpeculativeDecoder:
     ):  # fmt: skip
         self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
         self.max_context, self.constraint = max_context, sampler.constraint
-        self.policy = DraftPolicy(sampler.params, config.alternatives_for(sampler.params))
+        self.policy = DraftPolicy(sampler.params, config.alternatives_for(sampler.params, model, cache))
         proposer.attach(cache)  # a layer-skip draft reads the target's first layers' keys and values
         self.controller = config.new_controller()
         self.controller.start_with_probe()  # the steps are timed: a proposer proves itself on one token first
