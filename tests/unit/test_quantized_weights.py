@@ -34,7 +34,7 @@ def integer_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return xq.reshape(x.shape) @ dense.T
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
@@ -45,7 +45,7 @@ def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5"])
 def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
     """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
     torch.manual_seed(0)
@@ -56,7 +56,40 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
         assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8s", "q5"])
+def test_f16_four_bit_blocks_give_the_f32_blocks_bits() -> None:
+    """q4h (GGUF's Q4_1 blocks: f16 scale and offset) reads a sixth fewer bytes than q4 and computes
+    the same sums: the same integers with the same scales, converted exactly."""
+    from kvgen.kernels.formats import concat_rows, to_q4
+
+    torch.manual_seed(1)
+    compact = requantize(torch.randn(100, 256) * 0.05, "q4h")
+    wide = to_q4(compact)
+    assert (compact.kind, wide.kind) == ("q4h", "q4")
+    assert compact.blocks.numel() * 6 == wide.blocks.numel() * 5
+    x = torch.randn(70, 256)
+    for rows in (1, 5, 19, 70):
+        assert torch.equal(QuantizedLinear(compact)(x[:rows], row_invariant=True),
+                           QuantizedLinear(wide)(x[:rows], row_invariant=True)), rows  # fmt: skip
+    fused = concat_rows([compact, requantize(torch.randn(8, 256), "q4")])  # mixed 4-bit parts meet in q4
+    assert fused.kind == "q4" and torch.equal(QuantizedLinear(fused).dequantized()[:100], QuantizedLinear(wide).dequantized())
+
+
+def test_q4_0_whose_offset_leaves_f16_keeps_f32_scales() -> None:
+    from kvgen.kernels.formats import from_gguf_blocks
+
+    block = np.zeros(18, dtype=np.uint8)
+    block[0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)  # -8 d = -80000: beyond f16
+    block[2:] = 0x98  # elements 8 (low nibbles) and 9 (high)
+    weight = from_gguf_blocks("Q4_0", block[None], "q4h")
+    assert weight.kind == "q4"
+    values = QuantizedLinear(weight).dequantized()[0]
+    assert values[:16].eq(0).all() and values[16:].eq(10000).all()
+    ordinary = block.copy()
+    ordinary[0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    assert from_gguf_blocks("Q4_0", ordinary[None], "q4h").kind == "q4h"
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_use_a_dequantized_gemm(kind: str, dtype: torch.dtype) -> None:
     weight = requantize(torch.randn(64, 128), kind)
@@ -104,7 +137,7 @@ def test_corrupted_scales_are_caught_in_quantized_mode(tmp_path: Path) -> None:
 def test_auto_mode_picks_four_bit_kernels_for_a_quantized_gguf() -> None:
     llm = LLM.load(model_path("smollm2"), progress=False)
     assert llm.weights == "q4"
-    assert llm.model.layers[0].mlp.gate_up.kind == "q4"  # Q4_1 in the file
+    assert llm.model.layers[0].mlp.gate_up.kind == "q4h"  # Q4_1 in the file, its blocks as they are
     assert llm.model.lm_head.kind == "q8s"  # the tied Q8_0 embedding, its blocks as they are
 
 
@@ -160,7 +193,7 @@ def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) ->
         subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", str(target), "-lm"],
                        check=True)  # fmt: skip
         other = ctypes.CDLL(str(target))
-        for kind in ("q4", "q8", "q8s", "q5", "q4k", "q6k"):
+        for kind in ("q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k"):
             k_quant = {"q4k": q4k_weight, "q6k": q6k_weight}.get(kind)
             weight = k_quant(100, 256) if k_quant else requantize(torch.randn(100, 256) * 0.05, kind)
             linear = QuantizedLinear(weight)

@@ -114,6 +114,8 @@ static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
         kvgen_gemm_q5x8_team((const block_q5x8*)l->blocks, xq, Q5_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 4) {
         kvgen_gemm_q4kx8_team((const block_q4kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 6) {
+        kvgen_gemm_q4hx8_team((const block_q4hx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else {
         kvgen_gemm_q6kx8_team((const block_q6kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     }

@@ -4,6 +4,7 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
 
   q4:  f32 d, f32 m, 4-bit q in [0, 15] (w = d * q + m); byte j = element j (low nibble)
        and j + 16 (high)                                                      -> 24 bytes per block
+  q4h: the same with f16 d and m: GGUF's Q4_1 block, byte for byte            -> 20 bytes per block
   q8:  f32 d, f32 m, int8 q (w = d * q + m)                                   -> 40 bytes per block
   q8s: f16 d, int8 q (w = d * q): GGUF's Q8_0 block, byte for byte            -> 34 bytes per block
   q5:  f16 d, 5-bit u (w = d * (u - 16)): GGUF's Q5_0 block, byte for byte    -> 22 bytes per block
@@ -12,7 +13,7 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
   q6k: GGUF's Q6_K super-block of 256 weights, byte for byte: 6-bit u, an int8 scale sc per 16
        weights, f16 d (w = d * sc * (u - 32))                                  -> 210 bytes per 8 blocks
 
-GGUF's Q4_0 / Q4_1 map onto q4 exactly, Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
+GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
 and Q5_1 onto q8 (same integers, same scales). Other sources (K-quants, float weights) are requantized per block, which is
 lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
@@ -28,15 +29,15 @@ import torch
 
 QK = 32
 QK_K = 256  # weights per K-quant super-block
-Kind = Literal["q4", "q8", "q8s", "q5", "q4k", "q6k"]
+Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k"]
 # Row-major bytes per 32 weights (the K-quants: per 256, their GGUF super-block, SUPER_BLOCK_BYTES).
-BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2}
+BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q4h": 4 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2}
 SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 # The kernels' interleaved layout (kernels/interleaved.c, k_quants.c): bytes per 8 rows x 32
 # weights; q4kx8 unpacks the 6-bit scales and mins to a byte each (1,184 bytes per 8 rows x 256).
 X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
-EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8", "Q4_K": "q4k",
+EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8", "Q4_K": "q4k",
                                   "Q6_K": "q6k"}  # fmt: skip
 # The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
 # not made by requantize (they would lose bits); such weights stay q8.
@@ -62,18 +63,25 @@ class QuantizedWeight:
         if self.kind in ("q8s", "q5"):
             d = _f16(b, 0)
             return np.stack([d, np.zeros_like(d)], axis=-1)
+        if self.kind == "q4h":
+            return np.stack([_f16(b, 0), _f16(b, 2)], axis=-1)
         return b[..., :8].copy().view(np.float32)
 
 
 def _pack(kind: Kind, d: np.ndarray, m: np.ndarray | None, qs: np.ndarray) -> QuantizedWeight:
-    """d, m: [N, nb] float (m None for q8s, whose d is stored as f16); qs: [N, nb, 16] uint8 (q4,
-    packed) or [N, nb, 32] int8 (q8, q8s)."""
+    """d, m: [N, nb] float (m None for q8s; q8s and q4h store them as f16, so give values an f16
+    holds exactly); qs: [N, nb, 16] uint8 (q4, q4h, packed) or [N, nb, 32] int8 (q8, q8s)."""
     n, nb = d.shape
     out = np.empty((n, nb, BLOCK_BYTES[kind]), dtype=np.uint8)
     if kind == "q8s":
         assert m is None, "q8s blocks have no offset"
         out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
         out[..., 2:] = qs.view(np.uint8)
+    elif kind == "q4h":
+        assert m is not None, "q4h blocks need an offset"
+        out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+        out[..., 2:4] = m.astype(np.float16)[..., None].view(np.uint8)
+        out[..., 4:] = qs.view(np.uint8)
     else:
         assert m is not None, f"{kind} blocks need an offset"
         out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
@@ -116,8 +124,12 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         b = raw.reshape(n, -1, 18)
         d, qs = _f16(b, 0), b[..., 2:]
         m = -8.0 * d
+        if kind == "q4h" and not _holds_f16(m):  # -8 d beyond f16's range: f32 scales instead
+            kind = "q4"
     elif type_name == "Q4_1":
         b = raw.reshape(n, -1, 20)
+        if kind == "q4h":  # the file's blocks as they are
+            return QuantizedWeight("q4h", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, b.shape[1] * QK)
         d, m, qs = _f16(b, 0), _f16(b, 2), b[..., 4:]
     elif type_name == "Q8_0":
         b = raw.reshape(n, -1, 34)
@@ -144,10 +156,10 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         return _pack("q8", d, m, q.astype(np.int8))
     else:
         raise ValueError(f"{type_name} has no exact kernel format; use requantize()")
-    if kind == "q4":
-        return _pack("q4", d, m, np.ascontiguousarray(qs))
+    if kind in ("q4", "q4h"):
+        return _pack(kind, d, m, np.ascontiguousarray(qs))
     if kind == "q8s":
-        raise ValueError(f"{type_name} has offsets: it maps to q4 or q8, not q8s")
+        raise ValueError(f"{type_name} has offsets: it maps to q4, q4h or q8, not q8s")
     return _pack("q8", d, m, _nibbles(qs).astype(np.int8))  # 4-bit integers fit int8 exactly
 
 
@@ -156,10 +168,11 @@ def _requantize_from(values: np.ndarray, kind: Kind) -> QuantizedWeight:
 
 
 def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
-    """Float weight [N, K] -> `kind` by per-block rounding (lossy): q8 / q8s symmetric, q4 min/max.
+    """Float weight [N, K] -> `kind` by per-block rounding (lossy): q8 / q8s symmetric, q4 / q4h min/max.
 
-    q8s rounds with its f16 scale (as llama.cpp's Q8_0 does); where a block's scale falls outside
-    f16's full-precision range the whole weight is made q8 instead (f32 scale)."""
+    q8s and q4h round with their f16 scales (as llama.cpp's Q8_0 and Q4_1 do); where a block's scale
+    (or offset) falls outside f16's full-precision range the whole weight is made q8 / q4 instead
+    (f32 scales)."""
     if kind in ("q4k", "q6k"):
         raise ValueError(f"{kind} holds GGUF's super-blocks as the file has them; float weights are not rounded to it")
     w = weight.detach().float().numpy().reshape(weight.shape[0], -1, QK)
@@ -186,9 +199,21 @@ def requantize(weight: torch.Tensor, kind: Kind) -> QuantizedWeight:
         return _pack("q8", d, np.zeros_like(d), q)
     low, high = w.min(axis=-1), w.max(axis=-1)
     d = (high - low) / 15.0
+    if kind == "q4h":  # round with the f16 scale and offset the block will hold, as llama.cpp's Q4_1
+        d, low = d.astype(np.float16).astype(np.float32), low.astype(np.float16).astype(np.float32)
+        used = np.abs(np.concatenate([d[d != 0], low[low != 0]]))
+        if used.size and (used.min() < F16_TINY or not np.isfinite(used).all()):
+            return requantize(weight, "q4")
     safe = np.where(d > 0, d, 1.0)
     q = np.clip(np.rint((w - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
-    return _pack("q4", d, low, (q[..., : QK // 2] | (q[..., QK // 2 :] << 4)).astype(np.uint8))
+    return _pack("q4h" if kind == "q4h" else "q4", d, low, (q[..., : QK // 2] | (q[..., QK // 2 :] << 4)).astype(np.uint8))
+
+
+def _holds_f16(values: np.ndarray) -> bool:
+    """Whether every value is an f16 exactly."""
+    with np.errstate(over="ignore"):  # an overflow is the answer, not an error
+        halves = values.astype(np.float16)
+    return bool(np.isfinite(halves).all() and (halves.astype(values.dtype) == values).all())
 
 
 def _q5_blocks(d: np.ndarray, u: np.ndarray) -> QuantizedWeight:
@@ -255,7 +280,7 @@ def _q6k_as_q8s(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 / q8s / q5 / q4k -> q8 with the same integers and scales (exact), for fusing with q8 rows;
+    """q4 / q4h / q8s / q5 / q4k -> q8 with the same integers and scales (exact), for fusing with q8 rows;
     q6k (two scales per 32 weights) is rounded to q8."""
     if weight.kind == "q8":
         return weight
@@ -271,16 +296,35 @@ def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
         b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q8s"])
         d = _f16(b, 0)
         return _pack("q8", d, np.zeros_like(d), b[..., 2:].view(np.int8))
-    b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q4"])
-    d, m = b[..., 0:4].copy().view(np.float32)[..., 0], b[..., 4:8].copy().view(np.float32)[..., 0]
-    return _pack("q8", d, m, _nibbles(b[..., 8:]).astype(np.int8))
+    d, m, qs = _q4_parts(weight)
+    return _pack("q8", d, m, _nibbles(qs).astype(np.int8))
+
+
+def _q4_parts(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q4 / q4h -> d, m [N, nb] float32 and the packed nibbles [N, nb, 16]."""
+    b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES[weight.kind])
+    if weight.kind == "q4h":
+        return _f16(b, 0), _f16(b, 2), b[..., 4:]
+    return b[..., 0:4].copy().view(np.float32)[..., 0], b[..., 4:8].copy().view(np.float32)[..., 0], b[..., 8:]
+
+
+def to_q4(weight: QuantizedWeight) -> QuantizedWeight:
+    """q4h -> q4 with the same integers and scales (exact), for fusing with q4 rows."""
+    if weight.kind == "q4":
+        return weight
+    assert weight.kind == "q4h", f"{weight.kind} is not a 4-bit block format"
+    d, m, qs = _q4_parts(weight)
+    return _pack("q4", d, m, np.ascontiguousarray(qs))
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack output rows (fused QKV, gate/up); mixed formats meet in q8 (exact for each)."""
+    """Stack output rows (fused QKV, gate/up); mixed formats meet in q4 (4-bit ones), q8s or q8 (exact
+    for each)."""
     kinds = {w.kind for w in weights}
     if len(kinds) > 1 and "q6k" in kinds and kinds <= {"q6k", "q5", "q8s"}:  # rounded to q8s, as before q6k
         weights = [to_q8s(w) if w.kind != "q6k" else _q6k_as_q8s(w) for w in weights]
+    elif len(kinds) > 1 and kinds <= {"q4", "q4h"}:
+        weights = [to_q4(w) for w in weights]
     elif len(kinds) > 1:
         weights = [to_q8s(w) for w in weights] if kinds <= {"q5", "q8s"} else [to_q8(w) for w in weights]
     first = weights[0]

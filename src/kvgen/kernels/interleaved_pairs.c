@@ -45,8 +45,16 @@ static inline __m512i broadcast4_512(const int8_t* p) {
         }                                                                                            \
     }
 
-#define APPLY_PAIR_SCALES_OFFSETS(R)                                                                 \
-    const __m512 d = pair_load_ps(b0->d, b1->d), m = pair_load_ps(b0->m, b1->m);                     \
+// Two groups' 8 f16 values each as 16 floats (exact, as f16x8_to_f32).
+static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                                   _mm_loadu_si128((const __m128i*)b), 1));
+}
+
+#define APPLY_PAIR_SCALES_OFFSETS(R) APPLY_PAIR_GIVEN(R, pair_load_ps(b0->d, b1->d), pair_load_ps(b0->m, b1->m))
+#define APPLY_PAIR_F16_SCALES_OFFSETS(R) APPLY_PAIR_GIVEN(R, pair_load_ph(b0->d, b1->d), pair_load_ph(b0->m, b1->m))
+#define APPLY_PAIR_GIVEN(R, D, M)                                                                    \
+    const __m512 d = (D), m = (M);                                                                   \
     for (int t = 0; t < R; t++) {                                                                    \
         const block_x8* xb = x + t * x_stride + b;                                                   \
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(d, _mm512_set1_ps(xb->d)), acc[t]); \
@@ -83,6 +91,7 @@ static inline __m512i broadcast4_512(const int8_t* p) {
     }
 
 PAIR_KERNEL(q4x8_pair_rows, block_q4x8, Q4X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
+PAIR_KERNEL(q4hx8_pair_rows, block_q4hx8, Q4X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES_OFFSETS)
 #define Q4X8_PAIRS q4x8_pair_rows
 #endif
 
@@ -95,6 +104,7 @@ PAIR_KERNEL(q4x8_pair_rows, block_q4x8, Q4X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSET
     }
 #ifndef Q4X8_PAIRS
 PAIR_OF_GROUPS(q4x8_pair_rows, block_q4x8, q4x8_rows)
+PAIR_OF_GROUPS(q4hx8_pair_rows, block_q4hx8, q4hx8_rows)
 #define Q4X8_PAIRS q4x8_pair_rows
 #endif
 PAIR_OF_GROUPS(q8x8_pair_rows, block_q8x8, q8x8_rows)

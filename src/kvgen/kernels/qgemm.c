@@ -16,6 +16,7 @@
 #define QK 32
 
 typedef struct { float d; float m; uint8_t qs[QK / 2]; } block_q4;  // w = d * q + m, q in [0, 15]
+typedef struct { uint16_t d; uint16_t m; uint8_t qs[QK / 2]; } block_q4h;  // the same with f16 d, m: GGUF's Q4_1 block
 typedef struct { float d; float m; int8_t qs[QK]; } block_q8;       // w = d * q + m, q in [-128, 127]
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8s;           // w = d * q, d f16: GGUF's Q8_0 block
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;  // GGUF's Q5_0: w = d * (u - 16)
@@ -135,10 +136,12 @@ static inline uint16_t as_bf16(float v) {  // round to nearest even (weights are
 }
 
 DEQUANTIZE_X8(kvgen_dequantize_q4x8, block_q4x8, q4x8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q4hx8, block_q4hx8, q4hx8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q8x8, block_q8x8, q8x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8, block_q8sx8, q8sx8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q5x8, block_q5x8, q5x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q4x8_bf16, block_q4x8, q4x8_weight, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q4hx8_bf16, block_q4hx8, q4hx8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8x8_bf16, block_q8x8, q8x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8_bf16, block_q8sx8, q8sx8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q5x8_bf16, block_q5x8, q5x8_weight, uint16_t, as_bf16)
