@@ -1,0 +1,101 @@
+"""Batch-1 decode of two commits of kvgen, taking turns: what a change did to the speed.
+
+Runs from one machine's quiet spell drift by 10-40%, more than most changes move decoding; a change
+is measured by two checkouts taking turns instead. Each commit is exported (`git archive`) into a
+temporary folder; then, pair after pair, a fresh process of the base commit and one of the new
+commit each load the model and time `--repeats` greedy decodes of `--new-tokens` tokens (EOS
+ignored) after a warm-up, and report their median tok/s. The table gives each side's median over
+the pairs and the median of the per-pair ratios; every sample and both sides' tokens (which must
+agree) go to benchmarks/results/checkouts-<model>-<cpu class>.json. The kernels build once per
+commit (cached by source).
+
+    python benchmarks/checkouts.py --base a52cc96 --head 6837d03 --pairs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_class, write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in each turn's fresh process, with the commit's src/ first on the path.
+TURN = """
+import json, statistics, sys
+from kvgen import LLM, SamplingParams
+model, weights, new_tokens, repeats, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+llm = LLM.load(model, progress=False, weights=weights)
+params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+llm.generate(prompt, params)
+runs = [llm.generate(prompt, params) for _ in range(repeats)]
+speeds = [run.timings.decode_tokens_per_second for run in runs]
+print(json.dumps({"tok_s": statistics.median(speeds), "samples": speeds, "tokens": runs[0].token_ids}))
+"""
+
+
+def export(revision: str, into: Path) -> tuple[str, Path]:
+    """The commit's tree under `into` -> (its full sha, the folder)."""
+    sha = subprocess.run(["git", "rev-parse", revision], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", sha, "src"], cwd=ROOT, check=True, capture_output=True).stdout
+    folder = into / sha[:12]
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    return sha, folder
+
+
+def turn(folder: Path, args: argparse.Namespace) -> dict:
+    command = [sys.executable, "-c", TURN, args.model, args.weights, str(args.new_tokens), str(args.repeats), args.prompt]
+    environment = os.environ | {"PYTHONPATH": str(folder / "src")}
+    done = subprocess.run(command, env=environment, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the commit before the change")
+    parser.add_argument("--head", default="HEAD", help="the commit with it")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--weights", default="auto")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="decodes per turn (their median is the turn's)")
+    parser.add_argument("--pairs", type=int, default=6, help="turns of each commit, alternating")
+    parser.add_argument("--prompt", default="Once upon a time")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        (base_sha, base), (head_sha, head) = export(args.base, Path(scratch)), export(args.head, Path(scratch))
+        pairs = []
+        for index in range(args.pairs):
+            before, after = turn(base, args), turn(head, args)
+            if before["tokens"] != after["tokens"]:
+                raise SystemExit(f"pair {index}: the two commits decoded different tokens")
+            pairs.append({"base": before, "head": after, "ratio": after["tok_s"] / before["tok_s"]})
+            print(f"pair {index + 1}: {before['tok_s']:.1f} -> {after['tok_s']:.1f} tok/s ({pairs[-1]['ratio']:.3f}x)")
+    summary = {
+        "base_tok_s": statistics.median(pair["base"]["tok_s"] for pair in pairs),
+        "head_tok_s": statistics.median(pair["head"]["tok_s"] for pair in pairs),
+        "ratio": statistics.median(pair["ratio"] for pair in pairs),
+    }
+    print(f"{args.model} ({args.weights}), {args.new_tokens} new tokens, {args.pairs} pairs: {base_sha[:7]} "
+          f"{summary['base_tok_s']:.1f} tok/s, {head_sha[:7]} {summary['head_tok_s']:.1f} tok/s, "
+          f"median ratio {summary['ratio']:.3f}x")  # fmt: skip
+    config = vars(args) | {"base_sha": base_sha, "head_sha": head_sha}
+    for pair in pairs:
+        pair["base"].pop("tokens"), pair["head"].pop("tokens")
+    path = write_results(f"checkouts-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
