@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-concurrent", type=int, default=256, help="requests served at once; more get HTTP 429")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
     serve.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one forward (chunked prefill)")
+    serve.add_argument("--speculative-max-batch", type=int, default=1, metavar="N",
+                       help="speculative requests whose drafts cost work (eagle, self) draft only while at most N "
+                            "requests decode; lookup always drafts (default 1)")  # fmt: skip
     serve.add_argument("--no-prefix-cache", action="store_true")
     serve.add_argument("--eviction", default="lru", choices=("lru", "lfu"), help="prefix-cache eviction policy")
     serve.add_argument("--kv-cache-dir", default=None, metavar="DIR",

@@ -151,7 +151,7 @@ def test_speculative_extension_gives_the_plain_output_and_counts_acceptance(clie
     the text is the plain greedy one, streamed or not, and /metrics reports drafts and acceptance."""
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
     expected = reference(smollm2, smollm2.tokenizer.encode(prompt), 16)
-    for options in ({"method": "lookup"}, {"method": "self", "draft_layers": 24, "num_draft_tokens": 3}):
+    for options in ({"method": "lookup"}, {"method": "self", "draft_layers": 24, "num_draft_tokens": 3}, {"method": "eagle"}):
         reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
                                           extra_body={"speculative": options})  # fmt: skip
         assert reply.choices[0].text == expected and reply.usage.completion_tokens == 16, options

@@ -30,7 +30,7 @@ def test_shrinks_on_low_acceptance_then_pauses_and_resumes():
 
 
 def test_pauses_double_while_drafts_keep_failing_and_halve_when_one_pays():
-    c = DraftLengthController(initial=1, min_length=1, max_length=1, window=1, cooldown=2, max_cooldown=8)
+    c = DraftLengthController(initial=1, min_length=1, max_length=1, window=1, pay_window=1, cooldown=2, max_cooldown=8)
 
     def pause_after_a_failed_draft() -> int:
         c.record(c.draft_length(), 0)
@@ -260,3 +260,31 @@ def test_a_pause_weighs_the_steps_at_the_minimum_length_over_a_long_window():
         if lengths[-1]:
             c.record(1, accepted, seconds=0.013)
     assert 0 in lengths
+
+
+def test_untimed_one_token_drafts_accepted_half_the_time_keep_drafting():
+    """Without timings (the engine) the rates decide, over the steps at the draft's length: a
+    one-token draft right every other step yields 1.5 tokens a verify and must not pause, even
+    after longer drafts that failed."""
+    c = DraftLengthController(initial=4, min_length=1, max_length=4)
+    c.record(4, 0)  # a long first draft fails: down to one token
+    lengths = []
+    for step in range(64):
+        length = c.draft_length()
+        lengths.append(length)
+        c.record(length, min(length, step % 2))  # the first draft accepted every other step, no further one
+    assert 0 not in lengths and max(lengths) <= 2
+
+
+def test_untimed_failed_probe_of_a_proposer_that_paid_gets_a_second_try():
+    c = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=2, patience=2)
+    c.record(1, 1)  # it has paid in this request
+    for _ in range(3):
+        c.record(1, 0)  # then fails until it pauses
+    assert c.draft_length() == 0
+    while c.draft_length() == 0:
+        pass
+    c.record(1, 0)  # the probe fails: one more try, no pause yet
+    assert c.probing and c.draft_length() == 1
+    c.record(1, 0)  # the second try fails: pause again
+    assert c.draft_length() == 0

@@ -17,7 +17,7 @@ from kvgen.engine.config import EngineConfig
 from kvgen.engine.request import Request, RequestOutput, RequestStatus
 from kvgen.engine.runner import ModelRunner
 from kvgen.engine.scheduler import Scheduler
-from kvgen.engine.speculation import RequestSpeculation, check_engine_method
+from kvgen.engine.speculation import RequestSpeculation, check_engine_config
 from kvgen.engine.state_backend import state_backend
 from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
@@ -132,7 +132,7 @@ class LLMEngine:
         state = RequestState(params, self.tokenizer, ids, vocab, self.max_context)
         request = Request(request_id, ids, params, state, priority, salt)
         if speculative is not None:  # built last: nothing to free when an earlier check fails
-            check_engine_method(speculative)
+            check_engine_config(speculative)
             proposer = speculative.build_proposer(self)  # needs model, tokenizer, max_context, cache_config
             request.speculation = RequestSpeculation(speculative, proposer, request.sampler, self.speculative_totals)
         return request
@@ -223,9 +223,14 @@ class LLMEngine:
 
     def _draft(self) -> None:
         """Each speculative request that is decoding drafts for this step, within its token budget
-        and the context (the scheduler may still trim the draft)."""
+        and the context (the scheduler may still trim the draft); one whose drafts cost work of their
+        own only while at most `speculative_max_batch` requests decode (EngineConfig)."""
+        decoding = sum(request.is_decoding for request in self.scheduler.running)
         for request in self.scheduler.running:
             if request.speculation is None or not request.is_decoding:
+                continue
+            if decoding > self.config.speculative_max_batch and not request.speculation.proposer.drafts_for_free:
+                request.speculation.discard()  # decodes plainly; an EAGLE head still takes its features
                 continue
             tokens_left = request.state.budget - len(request.output_ids)
             positions_left = self.max_context - request.num_computed - 1

@@ -67,21 +67,29 @@ class ModelRunner:
             num_logits.append(1 + len(draft))
             starts.append(start)
         adapters = [row.request.params.adapter for row in rows]
-        logits = self.model.forward_batch(token_ids, caches, num_logits, adapters)  # [sum(num_logits), V]
+        # EAGLE rows read the target's features at their tokens: the forward returns them too.
+        with_hidden = any(row.request.speculation is not None and row.request.speculation.needs_features for row in rows)
+        if with_hidden:
+            logits, hidden = self.model.forward_batch(token_ids, caches, num_logits, adapters, with_hidden=True)
+        else:
+            logits, hidden = self.model.forward_batch(token_ids, caches, num_logits, adapters), None
         self.num_forwards += 1
         self.num_tokens += sum(len(ids) for ids in token_ids)
         new_tokens: list[list[int]] = []
         offset = 0
         for row, start, n in zip(rows, starts, num_logits):
             request, row_logits = row.request, logits[offset : offset + n]
+            # A row's features are a proposer's where its last id is a generated token (a decode, a
+            # verify, or the recompute of a preempted request), not a prompt's last token.
+            features = hidden[offset : offset + n] if hidden is not None and request.output_ids else None
             offset += n
             if n > 1:  # drafts to verify: keep the accepted ones' keys and values only
-                tokens = request.speculation.verify(row_logits)
+                tokens = request.speculation.verify(row_logits, features)
                 request.cache.truncate(start + len(tokens))  # the last id and the accepted drafts
                 new_tokens.append(tokens)
             elif request.num_pending == 0:
                 speculation = request.speculation
-                new_tokens.append(speculation.verify(row_logits) if speculation else [request.sampler(row_logits[-1])])
+                new_tokens.append(speculation.verify(row_logits, features) if speculation else [request.sampler(row_logits[-1])])
             else:
                 new_tokens.append([])
         return new_tokens

@@ -6,8 +6,12 @@ batched forward as every other request's decode or prefill chunk. The row's k + 
 `verify` with the request's sampler (grammar, penalties, logprobs), and the cache is cut back to the
 accepted tokens, which returns the blocks the rejected drafts used to the pool.
 
-The EAGLE head is not offered here: it drafts from the target's hidden states, which the batched
-forward does not return; lookup, self-draft and a draft model are.
+The EAGLE head drafts from the target's last-layer features: the batched forward then returns them
+too (`forward_batch(..., with_hidden=True)`), and each decoding row hands its proposer the features
+of the tokens it committed (a decode's one, a verify's last id and accepted drafts), as the
+single-sequence decoder does; the prompt's are never needed, so a request's first step drafts
+nothing. The engine verifies chains: the runner-up first tokens the decoder verifies as a tree
+(`draft_alternatives`) are refused here.
 """
 
 from __future__ import annotations
@@ -20,13 +24,10 @@ from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 from kvgen.speculative.verify import verify
 
-ENGINE_METHODS = ("lookup", "self", "draft")
-
-
-def check_engine_method(config: SpeculativeConfig) -> None:
-    if config.method not in ENGINE_METHODS:
-        raise ValueError(f"speculative method {config.method!r} is not available in the engine (its head reads the "
-                         f"target's hidden states): use one of {', '.join(ENGINE_METHODS)}")  # fmt: skip
+def check_engine_config(config: SpeculativeConfig) -> None:
+    if config.draft_alternatives:
+        raise ValueError("draft_alternatives are verified as a token tree by the single-sequence decoder; the engine "
+                         "verifies chains: leave draft_alternatives unset or at 0")  # fmt: skip
 
 
 class RequestSpeculation:
@@ -41,9 +42,16 @@ class RequestSpeculation:
         self.draft: list[int] = []
         self._draft_probs: torch.Tensor | None = None
 
+    @property
+    def needs_features(self) -> bool:
+        """Whether the rows of this request must come with the target's features (EAGLE)."""
+        return self.proposer.needs_target_features
+
     def propose(self, ids: list[int], max_tokens: int) -> None:
         """Draft up to `max_tokens` tokens to follow `ids` (every committed id; the last not yet computed)."""
         k = min(self.controller.draft_length(), max_tokens)
+        if self.needs_features and not self._has_features:
+            k = 0  # the first decode gives the proposer the features it starts from
         draft = self.proposer.propose(ids, k, self.policy, self.sampler.constraint) if k > 0 else Draft([])
         self.draft, self._draft_probs = draft.tokens, draft.probs
 
@@ -56,19 +64,30 @@ class RequestSpeculation:
     def discard(self) -> None:
         self.draft, self._draft_probs = [], None
 
-    def verify(self, logits: torch.Tensor) -> list[int]:
-        """logits [1 + len(draft), V] of the row's positions -> the accepted drafts and one target token."""
+    _has_features = False
+
+    def verify(self, logits: torch.Tensor, features: torch.Tensor | None = None) -> list[int]:
+        """logits [1 + len(draft), V] of the row's positions -> the accepted drafts and one target
+        token. features: the target's features at those positions, where the proposer reads them
+        and the row's last id is a generated token (None: a prompt's last token)."""
         draft = Draft(self.draft, self._draft_probs)
         self.discard()
         if not draft.tokens:
             self.stats.plain_steps += 1
+            self._observe(features)
             return [self.sampler(logits[-1])]
         tokens = verify(logits, draft, self.sampler)
         accepted = len(tokens) - 1
+        self._observe(None if features is None else features[: accepted + 1])
         self.controller.record(len(draft.tokens), accepted)
         self.stats.record_verify(len(draft.tokens), accepted)
         self.totals.record_verify(len(draft.tokens), accepted)
         return tokens
+
+    def _observe(self, features: torch.Tensor | None) -> None:
+        if self.needs_features and features is not None:
+            self.proposer.observe_features(features)
+            self._has_features = True
 
     def release(self) -> None:
         self.proposer.release()

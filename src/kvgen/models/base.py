@@ -317,11 +317,13 @@ class DecoderLM(nn.Module):
 
     def forward_batch(
         self, token_ids: list[list[int]], caches: list[KVCache], num_logits: Sequence[int] | None = None,
-        adapters: Sequence[str | None] | None = None,
-    ) -> torch.Tensor:
+        adapters: Sequence[str | None] | None = None, with_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Ragged batch: row i appends token_ids[i] (>= 1 tokens) at caches[i].seq_len.. to its own
         cache -> logits of each row's last token, [B, V]; with `num_logits`, of row i's last
         num_logits[i] tokens (a speculative row verifies its drafts), rows one after another [sum, V].
+        with_hidden: (logits, the last block's output at the same tokens [sum, H]), the features
+        `hidden_states` gives and an EAGLE head drafts from.
 
         One forward with a batch dimension (rows padded to the longest); every cache is committed
         only after all layers succeeded, so a failure leaves every cache's length as it was.
@@ -343,23 +345,29 @@ class DecoderLM(nn.Module):
         # that a row gets the same bits alone or batched (int8 activations amplify any difference).
         with_adapter = adapters is not None and any(a is not None for a in adapters)
         if len(caches) == 1 and not caches[0].batch_path_only and not with_adapter:  # a verify too: see _fast_hidden
-            return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
+            if not with_hidden:
+                return self.forward(torch.tensor(token_ids), caches[0], logits_to_keep=num_logits[0])[0]
+            h = self.hidden_states(torch.tensor(token_ids), caches[0])[0, -num_logits[0] :]
+            with self._forward_lock:
+                return self.logits_from_hidden(h), h
         with self._forward_lock:
             longest = max(len(ids) for ids in token_ids)
             with_lora = self._activate_adapters(adapters, [longest] * len(token_ids))
             slots = self.lora.slots_of(adapters) if with_lora else None  # type: ignore[union-attr, arg-type]
             try:
-                return self._forward_batch(token_ids, caches, num_logits, with_lora, slots)
+                h, row_invariant = self._forward_batch(token_ids, caches, num_logits, with_lora, slots)
+                logits = self._logits(h[None], row_invariant=row_invariant)[0]  # [sum(num_logits), V]
             finally:
                 if with_lora:
                     self.lora.deactivate()  # type: ignore[union-attr]
+        return (logits, h) if with_hidden else logits
 
     def _rows_fast(
         self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], slots: list[int] | None = None
     ) -> torch.Tensor | None:  # fmt: skip
         """Rows whose caches offer the C step over every layer (a paged store of fp32 blocks, or of
-        codes for one-token rows) and quantized weights: FastDecoder.step_rows -> logits
-        [sum(num_logits), V]; None when the torch path must run. Every token is a kernel row
+        codes for one-token rows) and quantized weights: FastDecoder.step_rows -> the last block's
+        output at the rows' last num_logits tokens [sum(num_logits), H]; None when the torch path must run. Every token is a kernel row
         computed as a lone decode would compute it, so a decode's logits do not depend on the batch,
         a speculative verify gives each position the logits plain decoding would, and a prompt
         chunk's rows (where the decoder runs prompts) get the bits of the prompt prefilled whole or
@@ -396,15 +404,17 @@ class DecoderLM(nn.Module):
                 caches[i].commit(lengths[i])
             ends = torch.tensor([lengths[i] for i in step]).cumsum(0).tolist()
             hidden.append(h[[end - num_logits[i] + j for end, i in zip(ends, step) for j in range(num_logits[i])]])
-        return self._logits(torch.cat(hidden)[None], row_invariant=True)[0]  # [sum(num_logits), V]
+        return torch.cat(hidden)
 
     def _forward_batch(
         self, token_ids: list[list[int]], caches: list[KVCache], num_logits: list[int], with_lora: bool = False,
         slots: list[int] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """-> the last block's output at the rows' last num_logits tokens [sum(num_logits), H], and
+        whether the C rows step computed it (its logits then run the head's C kernel too)."""
         fast = self._rows_fast(token_ids, caches, num_logits, slots)
         if fast is not None:
-            return fast
+            return fast, True
         lengths, starts = [len(ids) for ids in token_ids], [c.seq_len for c in caches]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
@@ -434,5 +444,4 @@ class DecoderLM(nn.Module):
             cache.commit(n)
         rows = [i for i, n in enumerate(num_logits) for _ in range(n)]
         columns = [lengths[i] - n + j for i, n in enumerate(num_logits) for j in range(n)]
-        kept = h[torch.tensor(rows), torch.tensor(columns)]  # [sum(num_logits), H]
-        return self._logits(kept[None])[0]  # [sum(num_logits), V]
+        return h[torch.tensor(rows), torch.tensor(columns)], False  # [sum(num_logits), H]

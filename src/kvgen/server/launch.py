@@ -65,6 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_budget_mb=args.kv_budget_mb, prefix_cache=not args.no_prefix_cache, eviction=args.eviction,
         max_context=args.max_context, kv_cache_dir=args.kv_cache_dir,
         kv_disk_budget_mb=1024.0 if args.kv_disk_budget_mb is None else args.kv_disk_budget_mb,
+        speculative_max_batch=args.speculative_max_batch,
     )  # fmt: skip
 
 

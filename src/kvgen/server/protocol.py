@@ -35,9 +35,10 @@ class ResponseFormat(Strict):
 
 class SpeculativeOptions(Strict):
     """kvgen extension: this request decodes speculatively (output unchanged; see docs/speculative.md).
-    lookup: n-gram drafts from the context; self: drafts from the model's first `draft_layers` layers."""
+    lookup: n-gram drafts from the context; self: drafts from the model's first `draft_layers` layers;
+    eagle: drafts from the EAGLE head over the model's features (the shipped head is SmolLM2's)."""
 
-    method: Literal["lookup", "self"] = "lookup"
+    method: Literal["lookup", "self", "eagle"] = "lookup"
     num_draft_tokens: int = Field(default=4, ge=1, le=16)
     draft_layers: int | None = Field(default=None, ge=1)
 

@@ -95,6 +95,7 @@ class DraftLengthController:
         # one-token steps accepted half the time pay is a thin margin, which eight steps misjudge
         # about one time in three (a pause by chance every few dozen steps).
         self._timed: deque[tuple[int, float, int]] = deque(maxlen=pay_window)
+        self._untimed: deque[tuple[int, int]] = deque(maxlen=pay_window)  # (proposed, accepted), untimed steps
         self._low_at_min = 0  # consecutive failed steps at min length (timed: their window unpaid too)
         self._paused = 0  # plain tokens left before drafting again
         self._next_cooldown = cooldown  # the next pause's length: doubles while drafts keep failing
@@ -164,10 +165,15 @@ class DraftLengthController:
             return
         self._recent.append((proposed, accepted))
         plain = self._plain_seconds
-        window_pays = False  # untimed: the rates alone decide
         grows_in_time = True
         if seconds is None or plain is None:
             in_time = True
+            # Untimed, the rates alone decide, over the window's steps at this length: a one-token
+            # draft accepted half the time fails every other step, yet yields 1.5 tokens a verify
+            # (EAGLE's head in the engine), and longer drafts before a shrink say nothing of it.
+            self._untimed.append((proposed, accepted))
+            steps = [(p, a) for p, a in self._untimed if p == proposed]
+            window_pays = sum(a for _, a in steps) >= self.shrink_below * sum(p for p, _ in steps)
         elif draft_seconds is not None:
             in_time = draft_seconds <= accepted * plain * self.pay_ratio
         else:
@@ -209,13 +215,21 @@ class DraftLengthController:
         was_probe, self._probe_next = self._probe_next, False
         if paid:
             if self._probing:
+                self._failed_probes = 0
                 self._resume()
             # Halved, not reset: on text where drafts keep failing, one lucky acceptance would
             # otherwise undo the whole back-off (a run of short pauses, each with a failing probe).
             self._next_cooldown = max(self.cooldown, self._next_cooldown // 2)
             self._probing, self._has_paid = False, True
         elif was_probe:
-            self._pause(overrun)  # the probe failed: pause again, longer
+            # The probe failed. An untimed caller verified it batched, at the cost of one more row;
+            # a proposer that has paid in this request gets `patience` tries, as a timed caller's
+            # cheap probes do (EAGLE's head in the engine fails half its one-token probes).
+            self._failed_probes += 1
+            if seconds is not None or not self._has_paid or self._failed_probes >= self.patience:
+                self._pause(overrun)  # pause again, longer
+            else:
+                self._probe_next = True
             return
         # Steps after a passed probe that fail shrink the draft as any step does: where a probe passes
         # at one token and the resumed length is too long (EAGLE's later drafts rarely pass), pausing
@@ -254,3 +268,4 @@ class DraftLengthController:
         self.length = self._resume_length = self.min_length
         self._recent.clear()
         self._timed.clear()
+        self._untimed.clear()

@@ -10,6 +10,7 @@ from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer
 
 
 class PromptLookupProposer(Proposer):
+    drafts_for_free = True  # a dictionary lookup: only the verify rows cost anything
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")

@@ -98,6 +98,9 @@ class Proposer(ABC):
     # EAGLE-style proposers read the target's last hidden state; the decoder then runs the target
     # through `hidden_states` and hands them over with `observe_features`.
     needs_target_features: bool = False
+    # Whether a draft costs (next to) nothing, as an n-gram lookup's does: the engine lets such a
+    # proposer draft in any batch (EngineConfig.speculative_max_batch).
+    drafts_for_free: bool = False
 
     @abstractmethod
     def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
