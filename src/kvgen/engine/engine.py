@@ -10,6 +10,8 @@ Not thread-safe: one thread drives it (engine/async_engine.py does, for the serv
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 from typing import Sequence
 
@@ -191,6 +193,7 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         self._draft()
         rows = self.scheduler.schedule()
         if not rows:
@@ -200,6 +203,12 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
             failed = [self.fail(row.request.request_id, f"{type(error).__name__}: {error}") for row in rows]
             return [output for output in failed if output is not None]
+        # A step of one row took its request's draft and forward only: its draft-length controller
+        # weighs that time against its plain steps', as the single-sequence decoder's does.
+        seconds = time.perf_counter() - started if len(rows) == 1 else None
+        for row in rows:
+            if row.request.speculation is not None:
+                row.request.speculation.settle(seconds)
         outputs = []
         for row, tokens in zip(rows, new_tokens):
             request = row.request

@@ -75,14 +75,31 @@ class RequestSpeculation:
         if not draft.tokens:
             self.stats.plain_steps += 1
             self._observe(features)
+            self._step = (0, 0)
             return [self.sampler(logits[-1])]
         tokens = verify(logits, draft, self.sampler)
         accepted = len(tokens) - 1
         self._observe(None if features is None else features[: accepted + 1])
-        self.controller.record(len(draft.tokens), accepted)
+        self._step = (len(draft.tokens), accepted)
         self.stats.record_verify(len(draft.tokens), accepted)
         self.totals.record_verify(len(draft.tokens), accepted)
         return tokens
+
+    _step: tuple[int, int] | None = None  # (drafted, accepted) of the step verified last, until settled
+
+    def settle(self, seconds: float | None) -> None:
+        """Tell the draft-length controller about the step just verified. seconds: the step's time
+        where it was this request's alone (its draft and a forward of its row only), as the
+        single-sequence decoder times its steps; None in a batch, where the rates alone decide."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        drafted, accepted = step
+        if not drafted:
+            if seconds is not None:
+                self.controller.record_plain(seconds)
+            return
+        self.controller.record(drafted, accepted, seconds=seconds)
 
     def _observe(self, features: torch.Tensor | None) -> None:
         if self.needs_features and features is not None:
