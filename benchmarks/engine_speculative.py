@@ -9,7 +9,8 @@ rotating from round to round) and its ratio is against the mean of those two. Ev
 benchmarks/results/engine_speculative-<model>-<cpu class>.json; each method's tokens must equal
 plain decoding's.
 
-    python benchmarks/engine_speculative.py --concurrency 1,4 --repeats 5
+    python benchmarks/engine_speculative.py --concurrency 1,4 --repeats 9
+    python benchmarks/engine_speculative.py --concurrency 2,4 --repeats 5 --methods eagle --speculative-max-batch 8
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ QUESTIONS = [
 METHODS = {"eagle": SpeculativeConfig("eagle"), "lookup": SpeculativeConfig("lookup")}
 
 
-def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams,
-           speculative: SpeculativeConfig | None) -> tuple[float, list[list[int]], int, int]:  # fmt: skip
+def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, speculative: SpeculativeConfig | None,
+           max_batch: int = 1) -> tuple[float, list[list[int]], int, int]:  # fmt: skip
     """All prompts in one engine -> (decode tokens/s, each request's tokens, drafts, accepted)."""
-    engine = LLMEngine(llm, EngineConfig(num_blocks=64 * len(prompts)))
+    engine = LLMEngine(llm, EngineConfig(num_blocks=64 * len(prompts), speculative_max_batch=max_batch))
     requests = [engine.add_request(f"r{i}", p, params, speculative=speculative) for i, p in enumerate(prompts)]
     while any(not r.output_ids for r in requests):  # the prompts, and each request's first token
         engine.step()
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4", help="requests decoding at once, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; each method between two plain runs")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {', '.join(METHODS)}")
+    parser.add_argument("--speculative-max-batch", type=int, default=1,
+                        help="EngineConfig.speculative_max_batch: costly drafts run while at most this many decode")
     args = parser.parse_args()
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -89,7 +92,7 @@ def main() -> None:
             before, plain_tokens, _, _ = decode(llm, prompts, params, None)
             samples["plain"].append(before)
             for method in order:
-                speed, tokens, proposed, accepted = decode(llm, prompts, params, METHODS[method])
+                speed, tokens, proposed, accepted = decode(llm, prompts, params, METHODS[method], args.speculative_max_batch)
                 after, _, _, _ = decode(llm, prompts, params, None)
                 samples[method].append(speed)
                 samples["plain"].append(after)
@@ -107,11 +110,13 @@ def main() -> None:
                 "speedup_max": max(ratios[method]), "identical_tokens": identical[method],
                 "acceptance": accepted / proposed if proposed else None, "samples": samples[method], "ratios": ratios[method],
             })  # fmt: skip
-    print(f"{args.model} ({args.weights}) in the engine, chat requests, {args.new_tokens} new tokens each, "
+    print(f"{args.model} ({args.weights}) in the engine (speculative_max_batch {args.speculative_max_batch}), chat requests, "
+          f"{args.new_tokens} new tokens each, "
           f"medians of {args.repeats} rounds")  # fmt: skip
     print_table(rows, ["concurrency", "method", "decode_tok_s", "speedup", "speedup_min", "speedup_max", "acceptance",
                        "identical_tokens"])  # fmt: skip
-    path = write_results(f"engine_speculative-{args.model}-{cpu_class()}", {"config": vars(args), "rows": rows})
+    suffix = "" if args.speculative_max_batch == 1 else f"-max-batch-{args.speculative_max_batch}"
+    path = write_results(f"engine_speculative{suffix}-{args.model}-{cpu_class()}", {"config": vars(args), "rows": rows})
     print(f"wrote {path}")
 
 
