@@ -21,7 +21,7 @@ class EngineConfig:
     decode plainly beside more; prompt lookup's drafts cost nothing and always run. Each such draft
     runs one request at a time before the batched forward, and the verify rows add compute to a
     forward that batching had made cheap per token: EAGLE's head on SmolLM2 chat requests gave
-    1.08x alone, 0.73x with two requests decoding and 0.60x with four (benchmarks/engine_speculative.py)."""
+    1.14x alone, 0.78x with two requests decoding and 0.58x with four (benchmarks/engine_speculative.py)."""
 
     max_tokens_per_step: int = 512
     max_num_seqs: int = 64
