@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "eagle_step.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ARCH_VARIABLE = "KVGEN_KERNEL_ARCH"
@@ -164,6 +164,10 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                        count, count, pointer, count]  # fmt: skip
     library.kvgen_decode_layers.argtypes = [pointer, count, pointer, pointer, pointer, pointer, pointer, pointer,
                                             count, count, count, count, count, pointer, count, pointer, count]  # fmt: skip
+    library.kvgen_eagle_position.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
+                                             pointer, pointer, pointer, pointer, count, count, count, pointer]  # fmt: skip
+    library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, count, pointer, pointer, count, pointer,
+                                           pointer]  # fmt: skip
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,
                                           pointer, pointer, pointer, pointer]  # fmt: skip

@@ -23,7 +23,7 @@ from kvgen.models.base import DecoderLM
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.sampler import argmax
-from kvgen.speculative.eagle_fast import FastHeadCache, FastHeadWeights
+from kvgen.speculative.eagle_fast import FastDraftLogits, FastHeadCache, FastHeadWeights
 from kvgen.speculative.eagle_head import SHAPE, EagleHead, HeadCache
 from kvgen.speculative.proposer import Draft, DraftedPath, DraftPolicy, Proposer, can_extend, mask_logits
 
@@ -130,6 +130,8 @@ class EagleProposer(Proposer):
         self.vocab = head.draft_vocab
         weight = projection if projection is not None else draft_projection_weight(model, self.vocab)
         self.project = draft_projection(weight)  # [H] -> [N]
+        # On a quantized target the final norm and the draft rows run as one C call.
+        self._fast_logits = FastDraftLogits(model.norm, self.project) if FastDraftLogits.applies(model.norm, self.project) else None
         # committed reply positions, then this draft's
         self.cache = FastHeadCache(fast) if fast is not None else HeadCache(head)
         self._committed = 0  # positions of `cache` that hold the target's features
@@ -140,7 +142,10 @@ class EagleProposer(Proposer):
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Predicted features [1, H] -> logits over the draft vocabulary [N]."""
-        logits = self.project(self.model.norm(features))[0]
+        if self._fast_logits is not None:
+            logits = self._fast_logits(features[0])
+        else:
+            logits = self.project(self.model.norm(features))[0]
         cap = self.model.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -4,8 +4,9 @@ The head's layer is a pre-norm Llama block (RMSNorm, grouped-query attention wit
 MLP), so the C decode step that runs the target's blocks (kernels/decode.c, kvgen_decode_layers)
 runs it too, over the head's own keys and values: the same 8-bit linears the torch path would call
 one by one, but the norms, RoPE, attention and activations in the same call. In the torch path a
-draft token was ~60 small tensor operations (~0.24 ms with the weights in cache); here it is the
-input map, one C call, the residual and the draft-vocabulary projection.
+draft token was ~60 small tensor operations (~0.24 ms with the weights in cache). Here a position
+is one call (kernels/eagle_step.c: the input map's norms and linear, the block, the residual) and
+a draft token's logits one more (the target's final norm and the draft-vocabulary rows).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from kvgen.kernels import load
 from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.fast_decode import BlockStruct, qlinear_struct
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.layers import RMSNorm
+from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.speculative.eagle_head import RMS_EPS, EagleHead, HeadCache
 
 
@@ -31,6 +33,8 @@ class FastHeadWeights:
 
         self.head = head
         self.fc = q8("fc")  # each proposer runs its own QuantizedLinear over it (the module's scratch)
+        # The input map's two norm weights side by side, as kvgen_eagle_position reads them.
+        self.scales = torch.cat([head.feature_scale.detach(), head.token_scale.detach()]).float().contiguous()
         fused = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # decode.c's qkv, o, gate_up, down
         self.block_linears = [QuantizedLinear(q8(*names)) for names in fused]
 
@@ -55,14 +59,29 @@ class FastHeadCache(HeadCache):
         )  # fmt: skip
         self._block = (BlockStruct * 1)(block)
         self._zero = torch.zeros(1, dtype=torch.int64)  # rope kind and window of the one layer
+        self._pair = torch.empty(2 * head.hidden_size)  # the input map's normed inputs
+        self._xq = torch.empty(2 * head.hidden_size // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)  # their int8 blocks
+        self._one_call = weights.fc.kind == "q8s"  # kvgen_eagle_position reads q8s blocks (else the steps apart)
 
     def run(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
         """features, token_embeddings [n, H] at the next n positions -> predicted next features [n, H]."""
         head, n, start = self.head, features.shape[0], self.length
         self._reserve(start + n)
+        k, v, capacity, dim = self.k, self.v, self.k.shape[1], head.head_dim
+        if self._one_call:
+            features, token_embeddings = features.contiguous(), token_embeddings.contiguous()
+            out = torch.empty_like(features)
+            for i in range(n):
+                self.library.kvgen_eagle_position(
+                    self._block, self.fc.blocks.data_ptr(), self._weights.scales.data_ptr(), RMS_EPS,
+                    features[i].data_ptr(), token_embeddings[i].data_ptr(), self._pair.data_ptr(), self._xq.data_ptr(),
+                    self.rope[start + i].data_ptr(), self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim,
+                    dim, start + i, out[i].data_ptr(),
+                )  # fmt: skip
+            self.length = start + n
+            return out
         x = self.fc(head.stream_input(features, token_embeddings))  # [n, H]
         assert x.is_contiguous()  # the C step updates each row in place
-        k, v, capacity, dim = self.k, self.v, self.k.shape[1], head.head_dim
         for i in range(n):  # x[i] becomes the block's output, x + attention + MLP
             self.library.kvgen_decode_layers(
                 self._block, 1, x[i].data_ptr(), self.rope[start + i].data_ptr(), self._zero.data_ptr(),
@@ -71,3 +90,31 @@ class FastHeadCache(HeadCache):
             )  # fmt: skip
         self.length = start + n
         return features + x
+
+
+class FastDraftLogits:
+    """A predicted feature's draft-vocabulary logits in one C call (kvgen_eagle_logits): the target's
+    final norm, then the draft rows of its output head (8-bit q8s blocks). Per proposer: the call
+    writes its own scratch."""
+
+    def __init__(self, norm: RMSNorm, project: QuantizedLinear):
+        self.library = load()
+        self.weight, self.eps, self.project = norm.weight.float().contiguous(), float(norm.eps), project
+        hidden = project.in_features
+        self._normed = torch.empty(hidden)
+        self._xq = torch.empty(hidden // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)
+
+    @staticmethod
+    def applies(norm: torch.nn.Module, project: torch.nn.Module) -> bool:
+        return isinstance(norm, RMSNorm) and isinstance(project, QuantizedLinear) and project.kind == "q8s"
+
+    def __call__(self, feature: torch.Tensor) -> torch.Tensor:
+        """feature [H] -> logits [N]."""
+        feature = feature.contiguous()
+        project = self.project
+        logits = torch.empty(project.out_features)
+        self.library.kvgen_eagle_logits(
+            feature.data_ptr(), self.weight.data_ptr(), self.eps, project.in_features, self._normed.data_ptr(),
+            project.blocks.data_ptr(), project.out_features, self._xq.data_ptr(), logits.data_ptr(),
+        )  # fmt: skip
+        return logits
