@@ -2,8 +2,8 @@
 
 Each round decodes the chat request with EAGLE at a fixed two-token draft with one alternative to
 the first (where the adaptive controller settles on chat; fixed, so that the timers' own cost never
-makes it pause), timing the parts of every speculative step, then plainly; per part it prints the median time of one call and the calls per
-step: the draft (the head's positions, the draft-vocabulary logits, the rest of `propose`), the
+makes it pause), timing the parts of every speculative step, then plainly; per part it prints the
+median time of one call and the calls per step: the draft (the head's positions, the draft-vocabulary logits, the rest of `propose`), the
 target's tree verify forward and its logits, the verification around them, and a plain step.
 Medians over the rounds' medians; every round in benchmarks/results/eagle_step_costs-<cpu class>.json.
 
@@ -85,8 +85,8 @@ def main() -> None:
     rows = [{"part": part, "median_ms": statistics.median(r["parts"][part]["median_ms"] or 0.0 for r in rounds),
              "calls_per_step": statistics.median(r["parts"][part]["calls_per_step"] for r in rounds)}
             for part, _, _ in PARTS]  # fmt: skip
-    rows.append({"part": "plain decoding, per token", "median_ms": statistics.median(r["plain_ms_per_token"] for r in rounds),
-                 "calls_per_step": None})  # fmt: skip
+    plain_ms = statistics.median(r["plain_ms_per_token"] for r in rounds)
+    rows.append({"part": "plain decoding, per token", "median_ms": plain_ms, "calls_per_step": None})
     ratio = statistics.median(r["speculative_tok_s"] / r["plain_tok_s"] for r in rounds)
     print(f"EAGLE on the chat request, {args.new_tokens} new tokens, medians of {args.rounds} rounds; "
           f"speculative / plain decode speed {ratio:.2f}x")  # fmt: skip

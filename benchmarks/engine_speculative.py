@@ -108,11 +108,11 @@ def main() -> None:
                 "concurrency": concurrency, "method": method, "decode_tok_s": statistics.median(samples[method]),
                 "speedup": statistics.median(ratios[method]), "speedup_min": min(ratios[method]),
                 "speedup_max": max(ratios[method]), "identical_tokens": identical[method],
-                "acceptance": accepted / proposed if proposed else None, "samples": samples[method], "ratios": ratios[method],
+                "acceptance": accepted / proposed if proposed else None, "samples": samples[method],
+                "ratios": ratios[method],
             })  # fmt: skip
-    print(f"{args.model} ({args.weights}) in the engine (speculative_max_batch {args.speculative_max_batch}), chat requests, "
-          f"{args.new_tokens} new tokens each, "
-          f"medians of {args.repeats} rounds")  # fmt: skip
+    print(f"{args.model} ({args.weights}) in the engine (speculative_max_batch {args.speculative_max_batch}), "
+          f"chat requests, {args.new_tokens} new tokens each, medians of {args.repeats} rounds")  # fmt: skip
     print_table(rows, ["concurrency", "method", "decode_tok_s", "speedup", "speedup_min", "speedup_max", "acceptance",
                        "identical_tokens"])  # fmt: skip
     suffix = "" if args.speculative_max_batch == 1 else f"-max-batch-{args.speculative_max_batch}"

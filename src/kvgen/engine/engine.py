@@ -11,7 +11,6 @@ Not thread-safe: one thread drives it (engine/async_engine.py does, for the serv
 from __future__ import annotations
 
 import time
-
 from pathlib import Path
 from typing import Sequence
 
