@@ -3,8 +3,9 @@
 Each round decodes the chat request with EAGLE at a fixed two-token draft with one alternative to
 the first (where the adaptive controller settles on chat; fixed, so that the timers' own cost never
 makes it pause), timing the parts of every speculative step, then plainly; per part it prints the
-median time of one call and the calls per step: the draft (the head's positions, the draft-vocabulary logits, the rest of `propose`), the
-target's tree verify forward and its logits, the verification around them, and a plain step.
+median time of one call and the calls per step: the draft (the head's positions, the
+draft-vocabulary logits, the rest of `propose`), the target's tree verify forward and its logits,
+the verification around them, and a plain step.
 Medians over the rounds' medians; every round in benchmarks/results/eagle_step_costs-<cpu class>.json.
 
     python benchmarks/eagle_step_costs.py --rounds 5
