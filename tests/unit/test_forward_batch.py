@@ -163,3 +163,39 @@ def test_decode_rows_attend_over_paged_blocks_in_place(name, request, monkeypatc
     assert len(calls) == llm.config.num_layers
     for row, history in enumerate(histories):
         assert_same_logits(logits[row], alone(llm, history), f"row {row}")
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+@torch.inference_mode()
+def test_with_hidden_returns_each_rows_features_and_the_same_logits(smollm2, smollm2_q4, weights) -> None:
+    """What an EAGLE head in the engine drafts from: the last block's output at each row's kept
+    tokens, as `hidden_states` gives it for the sequence alone (bit for bit where the C rows step
+    runs: the 4-bit weights), and the logits forward_batch gives without it."""
+    llm = smollm2_q4 if weights == "q4" else smollm2
+    text = llm.tokenizer.encode(" ".join(PROMPTS))
+    seqs = [text[i * 5 : i * 5 + 9] for i in range(3)]
+    storage = PagedStorage(CacheSpec.for_model(llm.config), BlockPool(64, 4))
+
+    def batch(with_hidden: bool):
+        caches = [PagedCache(storage) for _ in seqs]
+        for cache, ids in zip(caches, seqs):
+            llm.model(torch.tensor([ids[:6]]), cache)
+        out = llm.model.forward_batch([ids[6:] for ids in seqs], caches, [3, 1, 2], with_hidden=with_hidden)
+        for cache in caches:
+            cache.truncate(0)
+        return out
+
+    logits, hidden = batch(with_hidden=True)
+    assert torch.equal(logits, batch(with_hidden=False))
+    expected = []
+    for ids, kept in zip(seqs, [3, 1, 2]):
+        cache = PagedCache(storage)
+        llm.model(torch.tensor([ids[:6]]), cache)
+        expected.append(llm.model.hidden_states(torch.tensor([ids[6:]]), cache)[0, -kept:])
+        cache.truncate(0)
+    expected = torch.cat(expected)
+    assert hidden.shape == (6, llm.config.hidden_size)
+    if weights == "q4":
+        assert torch.equal(hidden, expected)
+    else:  # the torch path pads the batch: fp32 reordering only
+        torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
