@@ -166,8 +166,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                             count, count, count, count, count, pointer, count, pointer, count]  # fmt: skip
     library.kvgen_eagle_position.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
                                              pointer, pointer, pointer, pointer, count, count, count, pointer]  # fmt: skip
-    library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, count, pointer, pointer, count, pointer,
-                                           pointer]  # fmt: skip
+    library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer]
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,
                                           pointer, pointer, pointer, pointer]  # fmt: skip

@@ -131,7 +131,7 @@ class EagleProposer(Proposer):
         weight = projection if projection is not None else draft_projection_weight(model, self.vocab)
         self.project = draft_projection(weight)  # [H] -> [N]
         # On a quantized target the final norm and the draft rows run as one C call.
-        self._fast_logits = FastDraftLogits(model.norm, self.project) if FastDraftLogits.applies(model.norm, self.project) else None
+        self._fast_logits = FastDraftLogits.build(model.norm, self.project)
         # committed reply positions, then this draft's
         self.cache = FastHeadCache(fast) if fast is not None else HeadCache(head)
         self._committed = 0  # positions of `cache` that hold the target's features

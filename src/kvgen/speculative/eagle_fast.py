@@ -11,6 +11,8 @@ a draft token's logits one more (the target's final norm and the draft-vocabular
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kvgen.kernels import load
@@ -32,7 +34,7 @@ class FastHeadWeights:
             return requantize(torch.cat([getattr(head, name).weight for name in names]), "q8s")
 
         self.head = head
-        self.fc = q8("fc")  # each proposer runs its own QuantizedLinear over it (the module's scratch)
+        self.fc = QuantizedLinear(q8("fc"))  # the C position call quantizes its input into the caller's scratch
         # The input map's two norm weights side by side, as kvgen_eagle_position reads them.
         self.scales = torch.cat([head.feature_scale.detach(), head.token_scale.detach()]).float().contiguous()
         fused = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # decode.c's qkv, o, gate_up, down
@@ -47,8 +49,8 @@ class FastHeadCache(HeadCache):
         super().__init__(weights.head, capacity)
         head = weights.head
         self.library = load()
-        self.fc = QuantizedLinear(weights.fc)
-        self._weights = weights  # the block linears the struct points into
+        self._weights = weights  # the linears the structs point into
+        self._fc = qlinear_struct(weights.fc)
         widths = (head.hidden_size, (head.heads + 2 * head.kv_heads) * head.head_dim, head.heads * head.head_dim,
                   2 * head.inner_size)  # fmt: skip
         self._scratch = [torch.zeros(width) for width in widths]
@@ -61,60 +63,50 @@ class FastHeadCache(HeadCache):
         self._zero = torch.zeros(1, dtype=torch.int64)  # rope kind and window of the one layer
         self._pair = torch.empty(2 * head.hidden_size)  # the input map's normed inputs
         self._xq = torch.empty(2 * head.hidden_size // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)  # their int8 blocks
-        self._one_call = weights.fc.kind == "q8s"  # kvgen_eagle_position reads q8s blocks (else the steps apart)
 
     def run(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
         """features, token_embeddings [n, H] at the next n positions -> predicted next features [n, H]."""
-        head, n, start = self.head, features.shape[0], self.length
+        n, start = features.shape[0], self.length
         self._reserve(start + n)
-        k, v, capacity, dim = self.k, self.v, self.k.shape[1], head.head_dim
-        if self._one_call:
-            features, token_embeddings = features.contiguous(), token_embeddings.contiguous()
-            out = torch.empty_like(features)
-            for i in range(n):
-                self.library.kvgen_eagle_position(
-                    self._block, self.fc.blocks.data_ptr(), self._weights.scales.data_ptr(), RMS_EPS,
-                    features[i].data_ptr(), token_embeddings[i].data_ptr(), self._pair.data_ptr(), self._xq.data_ptr(),
-                    self.rope[start + i].data_ptr(), self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim,
-                    dim, start + i, out[i].data_ptr(),
-                )  # fmt: skip
-            self.length = start + n
-            return out
-        x = self.fc(head.stream_input(features, token_embeddings))  # [n, H]
-        assert x.is_contiguous()  # the C step updates each row in place
-        for i in range(n):  # x[i] becomes the block's output, x + attention + MLP
-            self.library.kvgen_decode_layers(
-                self._block, 1, x[i].data_ptr(), self.rope[start + i].data_ptr(), self._zero.data_ptr(),
-                self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), 0, capacity * dim, dim, 0, 1, None, start + i,
-                None, -1,
+        k, v, capacity, dim = self.k, self.v, self.k.shape[1], self.head.head_dim
+        features, token_embeddings = features.contiguous(), token_embeddings.contiguous()
+        out = torch.empty_like(features)
+        for i in range(n):
+            self.library.kvgen_eagle_position(
+                self._block, ctypes.addressof(self._fc), self._weights.scales.data_ptr(), RMS_EPS,
+                features[i].data_ptr(), token_embeddings[i].data_ptr(), self._pair.data_ptr(), self._xq.data_ptr(),
+                self.rope[start + i].data_ptr(), self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim,
+                dim, start + i, out[i].data_ptr(),
             )  # fmt: skip
         self.length = start + n
-        return features + x
+        return out
 
 
 class FastDraftLogits:
     """A predicted feature's draft-vocabulary logits in one C call (kvgen_eagle_logits): the target's
-    final norm, then the draft rows of its output head (8-bit q8s blocks). Per proposer: the call
+    final norm, then the draft rows of its output head (8-bit blocks). Per proposer: the call
     writes its own scratch."""
 
     def __init__(self, norm: RMSNorm, project: QuantizedLinear):
         self.library = load()
         self.weight, self.eps, self.project = norm.weight.float().contiguous(), float(norm.eps), project
-        hidden = project.in_features
-        self._normed = torch.empty(hidden)
-        self._xq = torch.empty(hidden // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)
+        self._project = qlinear_struct(project)
+        self._normed = torch.empty(project.in_features)
+        self._xq = torch.empty(project.in_features // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)
 
     @staticmethod
-    def applies(norm: torch.nn.Module, project: torch.nn.Module) -> bool:
-        return isinstance(norm, RMSNorm) and isinstance(project, QuantizedLinear) and project.kind == "q8s"
+    def build(norm: torch.nn.Module, project: torch.nn.Module) -> "FastDraftLogits | None":
+        """The call for a quantized target's draft rows (None: an fp32 target's, which run in torch)."""
+        if isinstance(norm, RMSNorm) and isinstance(project, QuantizedLinear) and project.kind in ("q8", "q8s"):
+            return FastDraftLogits(norm, project)
+        return None
 
     def __call__(self, feature: torch.Tensor) -> torch.Tensor:
         """feature [H] -> logits [N]."""
         feature = feature.contiguous()
-        project = self.project
-        logits = torch.empty(project.out_features)
+        logits = torch.empty(self.project.out_features)
         self.library.kvgen_eagle_logits(
-            feature.data_ptr(), self.weight.data_ptr(), self.eps, project.in_features, self._normed.data_ptr(),
-            project.blocks.data_ptr(), project.out_features, self._xq.data_ptr(), logits.data_ptr(),
+            feature.data_ptr(), self.weight.data_ptr(), self.eps, self._normed.data_ptr(),
+            ctypes.addressof(self._project), self._xq.data_ptr(), logits.data_ptr(),
         )  # fmt: skip
         return logits
