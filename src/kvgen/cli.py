@@ -228,6 +228,8 @@ def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
     from kvgen.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
 
     draft = None
+    if args.speculative != "draft" and args.draft_model is not None:
+        raise ValueError(f"--draft-model is only used by --speculative draft, not {args.speculative}")
     if args.speculative == "draft":
         if args.draft_model is None:
             raise ValueError("--speculative draft needs --draft-model (a model with the same tokenizer)")

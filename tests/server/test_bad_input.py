@@ -46,10 +46,13 @@ def test_malformed_json(server) -> None:
                                         extra_body={"speculative": {"method": "telepathy"}}), 400, "speculative"),
         (lambda c: c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4,
                                         extra_body={"speculative": {"method": "self", "draft_layers": 99}}), 400, "draft_layers"),
+        (lambda c: c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4,
+                                        extra_body={"speculative": {"method": "eagle", "draft_layers": 8}}), 400,
+         "draft_layers is only used by method 'self'"),
     ],
     ids=["wrong-type", "empty-messages", "message-without-content", "unknown-model", "max-tokens-past-limit",
          "prompt-past-context", "empty-prompt", "token-outside-vocab", "n-zero", "top-p-zero", "invalid-schema",
-         "unknown-speculative-method", "draft-layers-past-the-model"],
+         "unknown-speculative-method", "draft-layers-past-the-model", "draft-layers-for-another-method"],
 )  # fmt: skip
 def test_bad_requests_get_4xx_and_change_nothing(client, server, call, status, fragment) -> None:
     with pytest.raises(openai.APIStatusError) as caught:

@@ -27,3 +27,10 @@ def test_draft_alternatives_for_a_method_that_drafts_none_is_a_one_line_error(tm
     tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     result = kvgen("generate", "hi", "--model", tiny, "--no-progress", "--speculative", "lookup", "--draft-alternatives", "2")
     assert_one_line_error(result, "draft_alternatives is only used by method 'eagle'")
+
+
+def test_options_of_another_method_are_one_line_errors(tmp_path: Path) -> None:
+    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    base = ("generate", "hi", "--model", tiny, "--no-progress", "--speculative", "lookup")
+    assert_one_line_error(kvgen(*base, "--draft-layers", "2"), "draft_layers is only used by method 'self', not 'lookup'")
+    assert_one_line_error(kvgen(*base, "--draft-model", tiny), "--draft-model is only used by --speculative draft, not lookup")

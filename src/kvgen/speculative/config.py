@@ -77,6 +77,10 @@ class SpeculativeConfig:
             raise ValueError("method 'draft' needs draft_model: a kvgen LLM (or DecoderLM) sharing the target's tokenizer")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
+        if self.method != "self" and self.draft_layers is not None:
+            raise ValueError(f"draft_layers is only used by method 'self', not {self.method!r}")
+        if self.method != "eagle" and self.eagle_weights is not None:
+            raise ValueError(f"eagle_weights is only used by method 'eagle', not {self.method!r}")
         if self.draft_alternatives is not None:
             if self.method != "eagle":
                 raise ValueError(f"draft_alternatives is only used by method 'eagle', not {self.method!r}")
