@@ -1,5 +1,6 @@
 """Export kvgen's models for the peer engines, once: the GGUF -> an HF folder (fp32, via transformers)
--> CTranslate2 int8, OpenVINO int4 (group 64, every layer) and ONNX Runtime GenAI int4.
+-> CTranslate2 int8, OpenVINO int4 (group 64, every layer) and ONNX Runtime GenAI int4 (its builder
+through ortgenai_builder.py).
 
 The peers quantize the dequantized fp32 weights themselves, each in its own format: they run the same
 model as kvgen, not the same bytes. Each export is written to a temporary folder and renamed when
@@ -13,6 +14,7 @@ with the reason, which the benchmark prints when it skips that engine.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -49,8 +51,16 @@ def converter_commands(engine: str, hf: Path, out: Path, optimum_cli: Path) -> l
                  "--weight-format", "int4", "--group-size", "64", "--ratio", "1.0", str(out)]]  # fmt: skip
     if engine == "onnxruntime-genai":
         cache = out.parent / f"{out.name}.cache"
-        return [[sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "int4",
-                 "-e", "cpu", "-c", str(cache)]]  # fmt: skip
+        # The builder's own command line, through a wrapper that hands it Gemma 3's RoPE settings in
+        # the form it reads (ortgenai_builder.py).
+        command = [sys.executable, str(Path(__file__).with_name("ortgenai_builder.py")), "-i", str(hf), "-o", str(out),
+                   "-p", "int4", "-e", "cpu", "-c", str(cache)]  # fmt: skip
+        if json.loads((hf / "config.json").read_text()).get("model_type") == "gemma3_text":
+            # Gemma 3's int4 head shared as its embedding table gives garbage from the first token
+            # (the builder's default for tied embeddings); unshared, the head is int4 and the
+            # embedding table stays fp32, of which a decode step reads one row.
+            command += ["--extra_options", "shared_embeddings=false"]
+        return [command]
     raise ValueError(f"unknown engine {engine!r}")
 
 

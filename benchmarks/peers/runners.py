@@ -117,10 +117,14 @@ def onnxruntime_genai_runner(model: str, ids: list[int], threads: int, root: Pat
     # The thread count belongs to the session options of genai_config.json: overlaid here, not edited there.
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
     engine = og.Model(config)
+    # Its sliding-window layers (Gemma 3) refuse a KV cache shorter than the window: the cache is
+    # sized to the window then, and generation still stops after n tokens (min_length keeps EOS out).
+    window = json.loads((path / "genai_config.json").read_text())["model"]["decoder"].get("sliding_window", {})
+    window_size = int(window.get("window_size", 0))
 
     def generate(n: int) -> list[int]:
         params = og.GeneratorParams(engine)
-        params.set_search_options(do_sample=False, max_length=len(ids) + n, min_length=len(ids) + n)
+        params.set_search_options(do_sample=False, max_length=max(len(ids) + n, window_size), min_length=len(ids) + n)
         generator = og.Generator(engine, params)
         generator.append_tokens(ids)  # the prefill: the prompt's forward pass
         out: list[int] = []
