@@ -6,13 +6,14 @@
    (`hidden_states`, the rows step) against a token tree of as many rows (`tree_hidden_states`),
    interleaved, medians.
 3. In-process turns: plain decoding and EAGLE at fixed draft lengths with and without one
-   alternative, and the adaptive default, each request between two plain ones (its ratio against
-   their mean), order reversed every round; medians of the ratios. Every run's tokens must equal
-   plain greedy decoding's.
+   alternative, the controller growing from four drafts with one alternative (kvgen's default
+   before one-token drafts), and the adaptive default, each request between two plain ones (its
+   ratio against their mean), order reversed every round; medians of the ratios. Every run's
+   tokens must equal plain greedy decoding's.
 
 Results: benchmarks/results/eagle_trees-<cpu class>.json.
 
-    python benchmarks/eagle_trees.py --rounds 9
+    python benchmarks/eagle_trees.py --rounds 7
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ CONFIGS = {
     "one draft + 1 alternative": {"num_draft_tokens": 1, "adaptive": False, "draft_alternatives": 1},
     "two drafts": {"num_draft_tokens": 2, "adaptive": False, "draft_alternatives": 0},
     "two drafts + 1 alternative": {"num_draft_tokens": 2, "adaptive": False, "draft_alternatives": 1},
-    "adaptive (default)": {},
+    "adaptive from four + 1 alternative": {"num_draft_tokens": 4, "draft_alternatives": 1},
+    "adaptive (default: one-token drafts)": {},
 }
 
 
@@ -120,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--tasks", default="chat,open-ended")
+    parser.add_argument("--tasks", default="chat,open-ended,grounded")
     parser.add_argument("--context", type=int, default=1500, help="positions before the verify rows (costs)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -78,7 +78,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default=None, choices=("lookup", "self", "draft", "eagle"),
                         help="speculative decoding: lookup (n-gram in the context), self (first layers), "
                              "draft (--draft-model), eagle (the shipped head)")  # fmt: skip
-    parser.add_argument("--draft-tokens", type=int, default=4, help="first draft length (adapts from there)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="first draft length, adapting from there (default 4; eagle: one-token drafts)")
     parser.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
     parser.add_argument("--draft-weights", default="q4", choices=WEIGHT_MODES, help="weights of the draft model")
     parser.add_argument("--draft-layers", type=int, default=None, help="layers of the self-draft (default: half)")
@@ -225,7 +226,7 @@ def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
     if args.speculative is None:
         return None
     from kvgen.llm import LLM
-    from kvgen.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
+    from kvgen.speculative.config import SpeculativeConfig
 
     draft = None
     if args.speculative != "draft" and args.draft_model is not None:
@@ -235,8 +236,8 @@ def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
             raise ValueError("--speculative draft needs --draft-model (a model with the same tokenizer)")
         draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights)
     return SpeculativeConfig(
-        args.speculative, num_draft_tokens=args.draft_tokens, max_draft_tokens=max(MAX_DRAFT_TOKENS, args.draft_tokens),
-        draft_model=draft, draft_layers=args.draft_layers, draft_alternatives=args.draft_alternatives,
+        args.speculative, num_draft_tokens=args.draft_tokens, draft_model=draft, draft_layers=args.draft_layers,
+        draft_alternatives=args.draft_alternatives,
     )  # fmt: skip
 
 

@@ -151,11 +151,22 @@ def test_a_probe_verified_by_plain_steps_fails_cheaply_and_pauses_longer():
     assert c.probing and c.draft_length() == 1
     c.record_plain(0.010)
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # rejected: one plain step plus a 1 ms draft
+    assert c.probing and c.draft_length() == 1  # a draft at 0.1 of a plain step: a second try at once
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)  # the second cheap failure in a row pauses
     assert not c.probing
     assert [c.draft_length() for _ in range(5)] == [0, 0, 0, 0, 1]  # 4 plain tokens (1.1x over: still 4)
     assert c.probing
     c.record(1, 0, seconds=0.011, draft_seconds=0.001)
+    c.record(1, 0, seconds=0.011, draft_seconds=0.001)
     assert [c.draft_length() for _ in range(9)] == [0] * 8 + [1]  # twice as long
+
+
+def test_a_costly_first_probe_that_fails_pauses_at_once():
+    c = DraftLengthController(initial=4, min_length=1, max_length=8, cooldown=4, max_cooldown=64)
+    c.start_with_probe()
+    c.record_plain(0.010)
+    c.record(1, 0, seconds=0.015, draft_seconds=0.005)  # a draft at half a plain step, rejected
+    assert [c.draft_length() for _ in range(7)] == [0] * 6 + [1]  # paused at once (1.5x over: 6)
 
 
 def paused_after_paying() -> DraftLengthController:
@@ -288,3 +299,20 @@ def test_untimed_failed_probe_of_a_proposer_that_paid_gets_a_second_try():
     assert c.probing and c.draft_length() == 1
     c.record(1, 0)  # the second try fails: pause again
     assert c.draft_length() == 0
+
+
+def test_draft_length_defaults_per_method():
+    from kvgen.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
+
+    eagle = SpeculativeConfig("eagle")  # one-token drafts, no alternatives, still adaptive (it pauses)
+    assert (eagle.num_draft_tokens, eagle.max_draft_tokens, eagle.draft_alternatives, eagle.adaptive) == (1, 1, None, True)
+    longer = SpeculativeConfig("eagle", num_draft_tokens=3)  # a length asked for: room to adapt
+    assert (longer.num_draft_tokens, longer.max_draft_tokens) == (3, MAX_DRAFT_TOKENS)
+    capped = SpeculativeConfig("eagle", max_draft_tokens=2)
+    assert (capped.num_draft_tokens, capped.max_draft_tokens) == (1, 2)
+    lookup = SpeculativeConfig("lookup")
+    assert (lookup.num_draft_tokens, lookup.max_draft_tokens) == (4, MAX_DRAFT_TOKENS)
+    assert SpeculativeConfig("lookup", max_draft_tokens=2).num_draft_tokens == 2  # the default fits the cap
+    assert SpeculativeConfig("lookup", num_draft_tokens=12).max_draft_tokens == 12
+    with pytest.raises(ValueError, match="min_draft_tokens <= num_draft_tokens <= max_draft_tokens"):
+        SpeculativeConfig("lookup", num_draft_tokens=5, max_draft_tokens=3)

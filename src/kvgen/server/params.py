@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvgen.sampling.params import SamplingParams
-from kvgen.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
+from kvgen.speculative.config import SpeculativeConfig
 from kvgen.server.errors import APIError
 from kvgen.server.limits import ServerLimits, check_count
 from kvgen.server.protocol import ResponseFormat
@@ -102,8 +102,7 @@ def build_speculative(options) -> SpeculativeConfig | None:
     if options is None:
         return None
     try:
-        return SpeculativeConfig(options.method, num_draft_tokens=options.num_draft_tokens,
-                                 max_draft_tokens=max(MAX_DRAFT_TOKENS, options.num_draft_tokens), draft_layers=options.draft_layers)  # fmt: skip
+        return SpeculativeConfig(options.method, num_draft_tokens=options.num_draft_tokens, draft_layers=options.draft_layers)
     except ValueError as error:
         raise APIError(400, str(error), param="speculative") from error
 

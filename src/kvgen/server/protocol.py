@@ -39,7 +39,7 @@ class SpeculativeOptions(Strict):
     eagle: drafts from the EAGLE head over the model's features (the shipped head is SmolLM2's)."""
 
     method: Literal["lookup", "self", "eagle"] = "lookup"
-    num_draft_tokens: int = Field(default=4, ge=1, le=16)
+    num_draft_tokens: int | None = Field(default=None, ge=1, le=16)  # None: 4; eagle: one-token drafts
     draft_layers: int | None = Field(default=None, ge=1)
 
 

@@ -66,8 +66,8 @@ class DraftLengthController:
     minimum length. A probe that fails pauses again at once, for twice as long (up to
     `max_cooldown`): on text where drafts keep failing, probes become rare and the cost nears plain
     decoding's. (A probe verified by plain steps whose draft cost at most `CHEAP_PROBE` of a plain
-    step, of a proposer whose batched steps have paid before, pauses only after `patience` such
-    failures in a row.) Drafting stays on probation after a pause until a verify step pays: that step halves
+    step pauses only after `patience` such failures in a row.) Drafting stays on probation after a
+    pause until a verify step pays: that step halves
     the next pause's length (down to `cooldown`).
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
@@ -193,12 +193,12 @@ class DraftLengthController:
         overrun = 1.0 if in_time or seconds is None or plain is None else seconds / ((accepted + 1) * plain)
         if draft_seconds is not None and self._probing:
             if not paid:
-                # A cheap probe of a proposer that has paid in this request gets `patience` tries:
-                # a head right half the time fails half its probes, and one failure paused it for
-                # most of a request (EAGLE on open-ended text: adaptive 1.06x, fixed two-token drafts
-                # 1.25x). One that never paid pauses at once, as where drafts keep failing.
+                # A cheap probe gets `patience` tries: a head right half the time fails half its
+                # probes, and one failure paused it for most of a request (EAGLE on open-ended text:
+                # adaptive 1.06x, fixed two-token drafts 1.25x), the request's first probe too (a
+                # 16-token pause at the start of every other request). A costly one pauses at once.
                 self._failed_probes += 1
-                cheap = plain is not None and draft_seconds <= CHEAP_PROBE * plain and self._has_paid
+                cheap = plain is not None and draft_seconds <= CHEAP_PROBE * plain
                 if not cheap or self._failed_probes >= self.patience:
                     self._pause(overrun)  # pause again, longer
                 return

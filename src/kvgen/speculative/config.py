@@ -34,6 +34,14 @@ MAX_DRAFT_TOKENS = 7
 # one on SmolLM2 q4 (2 cores, AVX-512), each further row ~10% more.
 MAX_DRAFT_ALTERNATIVES = 3
 METHODS = ("lookup", "self", "draft", "eagle")
+# The first draft length where the request leaves it unset. EAGLE drafts one token a step: in
+# in-process turns on SmolLM2 (2-core EPYC, `benchmarks/eagle_trees.py`) one-token drafts without
+# alternatives beat the controller growing from four with one alternative on chat, open-ended and
+# quoted text alike (the head's second draft is right ~0.35-0.58 of the time given the first, and a
+# verify row beyond the second costs 0.1-0.3 of a plain step, so longer drafts roughly break even
+# while their failures paused drafting).
+DEFAULT_DRAFT_TOKENS = 4
+EAGLE_DRAFT_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -43,20 +51,22 @@ class SpeculativeConfig:
     small head over the target's last hidden state; `eagle_weights` or the shipped SmolLM2 head).
 
     `num_draft_tokens` is the first draft length; with `adaptive` it then moves within
-    [min_draft_tokens, max_draft_tokens] with the rolling acceptance rate.
+    [min_draft_tokens, max_draft_tokens] with the rolling acceptance rate. Unset: 4, up to
+    MAX_DRAFT_TOKENS (7) or num_draft_tokens if larger; for eagle with both unset, one-token drafts
+    (1, up to 1), where adaptive still pauses drafting on text where they fail.
 
     `draft_alternatives` (eagle): the head's runner-up first tokens, verified in the same forward
     as leaves beside the drafted chain (a token tree, as EAGLE-2 and SpecInfer verify); where the
     chain's first token is rejected and the target picks one of them, that step still yields two
     tokens. Greedy requests without a grammar only (rejection sampling over a tree needs
     multi-draft rules), and only where the C rows step reads an fp32 K/V layout (quantized
-    weights). None: 1 where it applies, else the chain alone; set explicitly where it cannot apply,
-    the request is refused."""
+    weights). None or 0: the chain alone (one more verify row paid for itself in some spells of the
+    2-core machine and not in others); set where it cannot apply, the request is refused."""
 
     method: Method = "lookup"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None  # None: EAGLE_DRAFT_TOKENS for eagle, else DEFAULT_DRAFT_TOKENS
     min_draft_tokens: int = 1
-    max_draft_tokens: int = MAX_DRAFT_TOKENS
+    max_draft_tokens: int | None = None  # None: max(MAX_DRAFT_TOKENS, num_draft_tokens); eagle's default 1
     adaptive: bool = True
     draft_model: Any = None  # kvgen LLM or DecoderLM, for method "draft"
     draft_layers: int | None = None  # for method "self"; default: half the target's layers
@@ -68,6 +78,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(METHODS)}")
+        one_token = self.method == "eagle" and self.num_draft_tokens is None and self.max_draft_tokens is None
+        if self.num_draft_tokens is None:
+            first = EAGLE_DRAFT_TOKENS if self.method == "eagle" else DEFAULT_DRAFT_TOKENS
+            object.__setattr__(self, "num_draft_tokens", min(first, self.max_draft_tokens or first))
+        if self.max_draft_tokens is None:
+            longest = self.num_draft_tokens if one_token else max(MAX_DRAFT_TOKENS, self.num_draft_tokens)
+            object.__setattr__(self, "max_draft_tokens", longest)
         if not 1 <= self.min_draft_tokens <= self.num_draft_tokens <= self.max_draft_tokens:
             raise ValueError(
                 "need 1 <= min_draft_tokens <= num_draft_tokens <= max_draft_tokens, got "
@@ -96,7 +113,7 @@ class SpeculativeConfig:
             return 0
         verifies_trees = model.verifies_trees(cache)
         if params.greedy and params.structured is None and verifies_trees:
-            return 1 if self.draft_alternatives is None else self.draft_alternatives
+            return self.draft_alternatives or 0
         if self.draft_alternatives and not verifies_trees:
             raise ValueError("draft_alternatives are verified as a token tree by the C rows step over fp32 keys and "
                              "values (quantized weights, an fp32 K/V cache), which this model or cache does not run: "

@@ -12,6 +12,7 @@ whatever the head drafts. `scripts/train_eagle.py` trains it on SmolLM2's own gr
 
 from __future__ import annotations
 
+import time
 import weakref
 from pathlib import Path
 
@@ -180,7 +181,9 @@ class EagleProposer(Proposer):
         self._pending = []
         self.cache.truncate(self._committed)
         after = self.model.embed_tokens[torch.tensor(ids[len(ids) - len(new) :])].float()
+        started = time.perf_counter()
         features = self.cache.run(new, after)[-1:]
+        self.catch_up_seconds = time.perf_counter() - started
         self._committed = self.cache.length
         tokens: list[int] = []
         probs: list[torch.Tensor] = []

@@ -101,6 +101,11 @@ class Proposer(ABC):
     # Whether a draft costs (next to) nothing, as an n-gram lookup's does: the engine lets such a
     # proposer draft in any batch (EngineConfig.speculative_max_batch).
     drafts_for_free: bool = False
+    # Seconds the last `propose` spent bringing the proposer's own state up to the committed ids
+    # (the EAGLE head's positions for the tokens decoded plainly since its last draft): work any
+    # draft needs first, whose size is set by how long drafting paused, not by what the draft is
+    # worth, so a probe is judged without it.
+    catch_up_seconds: float = 0.0
 
     @abstractmethod
     def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: TokenConstraint | None) -> Draft:
