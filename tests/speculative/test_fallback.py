@@ -93,3 +93,38 @@ def test_a_probe_verified_by_plain_steps_gives_the_batched_verify_tokens(smollm2
     assert result.token_ids == plain.token_ids
     stats = result.speculative
     assert stats.probe_steps >= 1 and stats.probe_accepted_tokens >= 1 and stats.verify_steps > 0, stats
+
+
+def test_a_probe_is_timed_without_the_proposers_catch_up(smollm2_q4, monkeypatch):
+    """The proposer's catch-up on the tokens decoded during a pause (`catch_up_seconds`: the EAGLE
+    head's positions for them) is left out of the probe's draft time, so a long pause does not make
+    the next probe look slow. A lookup that spends 50 ms catching up before each draft passes its
+    probe; timed with the catch-up, the probe would have cost ~20 plain steps and failed."""
+    from kvgen.speculative import adaptive
+    from kvgen.speculative.prompt_lookup import PromptLookupProposer
+
+    lookup_propose = PromptLookupProposer.propose
+
+    def slow_catch_up(self, *args, **kwargs):
+        started = decoder_module.time.perf_counter()
+        while decoder_module.time.perf_counter() - started < 0.05:
+            pass
+        self.catch_up_seconds = decoder_module.time.perf_counter() - started
+        return lookup_propose(self, *args, **kwargs)
+
+    probes: list[float] = []
+    record = adaptive.DraftLengthController.record
+
+    def spy(self, proposed, accepted, seconds=None, draft_seconds=None):
+        if draft_seconds is not None:
+            probes.append(draft_seconds)
+        return record(self, proposed, accepted, seconds, draft_seconds)
+
+    monkeypatch.setattr(PromptLookupProposer, "propose", slow_catch_up)
+    monkeypatch.setattr(adaptive.DraftLengthController, "record", spy)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = smollm2_q4.generate(QUOTING, params)
+    result = smollm2_q4.generate(QUOTING, params, speculative=SpeculativeConfig("lookup"))
+    assert result.token_ids == plain.token_ids
+    assert probes and all(seconds < 0.04 for seconds in probes), probes  # the 50 ms are not the draft's
+    assert result.speculative.verify_steps > 0, result.speculative  # the probe passed: drafting went on
