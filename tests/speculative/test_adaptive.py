@@ -206,10 +206,10 @@ def test_a_passed_probe_is_on_probation_until_a_batched_step_pays():
     assert not c.probing and c.draft_length() == 4  # the next draft is verified batched, at full length
     c.record(4, 0, seconds=0.020)  # it fails (2x a plain step's time): down to one more than it accepted
     assert c.draft_length() == 1
-    c.record(1, 0, seconds=0.012)
+    c.record(1, 0, seconds=0.014)  # 1.4 plain steps: not a cheap step (those pause on a full window)
     assert c.draft_length() == 1
-    c.record(1, 0, seconds=0.012)  # the second failed step at the minimum, the window unpaid: pause
-    assert [c.draft_length() for _ in range(5)] == [0] * 4 + [1]
+    c.record(1, 0, seconds=0.014)  # the second failed step at the minimum, the window unpaid: pause
+    assert [c.draft_length() for _ in range(6)] == [0] * 5 + [1]  # (1.4x over: 5)
     c.record(1, 1, seconds=0.021, draft_seconds=0.001)
     c.record(1, 1, seconds=0.012)  # a batched step pays: probation ends, the next pause is halved
     assert not c.probing and c.draft_length() == 2
@@ -258,19 +258,45 @@ def test_a_passed_probe_restores_the_length_once_and_a_shorter_length_that_pays_
 def test_a_pause_weighs_the_steps_at_the_minimum_length_over_a_long_window():
     """One-token steps accepted half the time at 1.3 plain steps' cost pay (0.87 of their tokens'
     plain time), but 8 of them hold 3 or fewer acceptances 36% of the time: judged on the last eight
-    alone, such a proposer pauses by chance. The pay window (32 steps) weighs a longer record, and a
-    lasting fall still pauses."""
+    alone, such a proposer pauses by chance. The pay window (32 steps) weighs a longer record; steps
+    this cheap pause only once 16 or more of them cost more than plain decoding, and a lasting fall
+    still pauses."""
     c = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4)
     c.record_plain(0.010)
     for accepted in [1, 1, 0, 1, 0, 1, 1, 0, 1, 0] * 2 + [1, 0, 0, 1, 0, 0, 1, 0]:  # 13 ms steps, 15 of 28
         assert c.draft_length() == 1  # over the 28 steps: 1.54 tokens a step, 0.85 of their plain time
         c.record(1, accepted, seconds=0.013)
     lengths = []
-    for accepted in [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0]:  # the proposer stops agreeing
+    for accepted in [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0] + [0] * 12:  # the proposer stops agreeing
         lengths.append(c.draft_length())
         if lengths[-1]:
             c.record(1, accepted, seconds=0.013)
     assert 0 in lengths
+
+
+def test_cheap_steps_pause_only_on_a_full_window_that_costs_more_than_plain_steps():
+    c = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4)
+    c.record_plain(0.010)
+    for accepted in [0, 0, 0, 1] * 16:  # right a quarter of the time at 1.2 plain steps: 0.96 of plain
+        assert c.draft_length() == 1  # failure streaks never pause it
+        c.record(1, accepted, seconds=0.012)
+    never = DraftLengthController(initial=1, min_length=1, max_length=1, cooldown=4)
+    never.record_plain(0.010)
+    lengths = []
+    for _ in range(20):  # never right: 1.2 plain steps a token
+        lengths.append(never.draft_length())
+        if lengths[-1]:
+            never.record(1, 0, seconds=0.012)
+    assert lengths[:16] == [1] * 16 and 0 in lengths  # a full window, then a pause
+
+
+def test_one_token_drafts_start_without_a_probe():
+    c = DraftLengthController(initial=1, min_length=1, max_length=1)
+    c.start_with_probe()  # a failed one-token draft verified batched costs one row: no probe first
+    assert not c.probing and c.draft_length() == 1
+    longer = DraftLengthController(initial=4, min_length=1, max_length=8)
+    longer.start_with_probe()
+    assert longer.probing and longer.draft_length() == 1
 
 
 def test_untimed_one_token_drafts_accepted_half_the_time_keep_drafting():
