@@ -233,13 +233,16 @@ class LLMEngine:
         """Each speculative request that is decoding drafts for this step, within its token budget
         and the context (the scheduler may still trim the draft); one whose drafts cost work of their
         own only while at most `speculative_max_batch` requests decode (EngineConfig)."""
-        decoding = sum(request.is_decoding for request in self.scheduler.running)
+        decoding: int | None = None  # counted once, and only where a costly proposer asks
         for request in self.scheduler.running:
             if request.speculation is None or not request.is_decoding:
                 continue
-            if decoding > self.config.speculative_max_batch and not request.speculation.proposer.drafts_for_free:
-                request.speculation.discard()  # decodes plainly; an EAGLE head still takes its features
-                continue
+            if not request.speculation.proposer.drafts_for_free:
+                if decoding is None:
+                    decoding = sum(r.is_decoding for r in self.scheduler.running)
+                if decoding > self.config.speculative_max_batch:
+                    request.speculation.discard()  # decodes plainly; an EAGLE head still takes its features
+                    continue
             tokens_left = request.state.budget - len(request.output_ids)
             positions_left = self.max_context - request.num_computed - 1
             request.speculation.propose(request.all_ids, min(tokens_left - 1, positions_left))

@@ -368,7 +368,8 @@ class DecoderLM(nn.Module):
         """Rows whose caches offer the C step over every layer (a paged store of fp32 blocks, or of
         codes for one-token rows) and quantized weights: FastDecoder.step_rows -> the last block's
         output at the rows' last num_logits tokens [sum(num_logits), H]; None when the torch path
-        must run. Every token is a kernel row computed as a lone decode would compute it, so a decode's logits do not depend on the batch,
+        must run. Every token is a kernel row computed as a lone decode would compute it, so a
+        decode's logits do not depend on the batch,
         a speculative verify gives each position the logits plain decoding would, and a prompt
         chunk's rows (where the decoder runs prompts) get the bits of the prompt prefilled whole or
         in any other chunks. Rows run in steps of at most `max_rows` tokens (a longer row takes the

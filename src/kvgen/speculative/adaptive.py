@@ -69,8 +69,7 @@ class DraftLengthController:
     `max_cooldown`): on text where drafts keep failing, probes become rare and the cost nears plain
     decoding's. (A probe verified by plain steps whose draft cost at most `CHEAP_PROBE` of a plain
     step pauses only after `patience` such failures in a row.) Drafting stays on probation after a
-    pause until a verify step pays: that step halves
-    the next pause's length (down to `cooldown`).
+    pause until a verify step pays: that step halves the next pause's length (down to `cooldown`).
 
     Where the caller times its steps (`record_plain`, `record(..., seconds=)`), a verify step pays only
     if it also made its tokens at least `1 / pay_ratio` times faster than plain steps do (draft +
@@ -183,14 +182,15 @@ class DraftLengthController:
             # Over the window's steps at this length: longer drafts before a shrink say nothing of it.
             self._timed.append((proposed, seconds, accepted + 1))
             steps = [(s, n) for length, s, n in self._timed if length == proposed]
-            window_pays = sum(s for s, _ in steps) <= sum(n for _, n in steps) * plain * self.pay_ratio
-            if sum(s for s, _ in steps) <= len(steps) * plain * CHEAP_STEP:
+            spent, plain_time = sum(s for s, _ in steps), sum(n for _, n in steps) * plain  # the window's
+            window_pays = spent <= plain_time * self.pay_ratio
+            if spent <= len(steps) * plain * CHEAP_STEP:
                 # Cheap steps (EAGLE's one-token drafts: ~1.2 plain steps) pause only on a full
                 # window that costs more than plain decoding would. Their failures come in streaks
                 # that do not last: where the controller had paused EAGLE on open-ended text, fixed
                 # one-token drafts were right 0.44 of the time (0.49 elsewhere), on quoted text 0.29
                 # (0.12 elsewhere), and the pauses cost a tenth of the speed.
-                window_pays = len(steps) < PAUSE_EVIDENCE or sum(s for s, _ in steps) <= sum(n for _, n in steps) * plain
+                window_pays = len(steps) < PAUSE_EVIDENCE or spent <= plain_time
             # Growing takes a step that pays by a wide margin, or a few steps' evidence that this
             # length pays: a break-even proposer's first two or three steps pay by chance about as
             # often as not (and growing then kept it from ever pausing).
