@@ -187,9 +187,9 @@ class DraftLengthController:
             if spent <= len(steps) * plain * CHEAP_STEP:
                 # Cheap steps (EAGLE's one-token drafts: ~1.2 plain steps) pause only on a full
                 # window that costs more than plain decoding would. Their failures come in streaks
-                # that do not last: where the controller had paused EAGLE on open-ended text, fixed
-                # one-token drafts were right 0.44 of the time (0.49 elsewhere), on quoted text 0.29
-                # (0.12 elsewhere), and the pauses cost a tenth of the speed.
+                # that do not last, and pausing on two of them cost EAGLE's default a tenth of its
+                # speed against fixed one-token drafts (benchmarks/eagle_trees.py: open-ended text
+                # 1.12x against 1.26x, quoted text 1.01x against 1.08x; with this rule 1.23x and 1.09x).
                 window_pays = len(steps) < PAUSE_EVIDENCE or spent <= plain_time
             # Growing takes a step that pays by a wide margin, or a few steps' evidence that this
             # length pays: a break-even proposer's first two or three steps pay by chance about as

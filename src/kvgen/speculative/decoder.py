@@ -106,8 +106,8 @@ class SpeculativeDecoder:
         keep failing, would cost that much more than plain decoding; this way it costs its draft.
         The logits are the same (the one-token C step is the verify rows' own computation). The
         proposer's catch-up on the tokens decoded during the pause is left out of the probe's time:
-        after a long pause it cost EAGLE's head ~1.5 ms, 0.6 of a plain step, which judged every
-        probe too slow and doubled each pause on its own."""
+        EAGLE's head runs a position for each of them, which after a long pause outweighed the
+        draft itself, judged every probe too slow and doubled each pause on its own."""
         started += self.proposer.catch_up_seconds
         drafted = time.perf_counter() - started
         inputs = [self.ids[-1]] + draft.tokens
