@@ -16,6 +16,17 @@
    `--chain-weight` ** t) plus a feature loss on the first (on the normalised features the LM head
    reads). A few requests are held out: they report the head's top-1 agreement with the target per
    chain step, and at the end chains of drafts as the proposer runs them.
+   With `--soft`, part of each cross-entropy is against the target's whole distribution over the
+   draft vocabulary (its logits from the stored features), not only its greedy token.
+
+The replies and features can be prepared in slices and trained on together (each slice one file):
+
+    python scripts/train_eagle.py --first-request 0 --requests 1944 --data a.pt --prepare-only
+    python scripts/train_eagle.py --first-request 1944 --requests 1944 --data b.pt --prepare-only
+    python scripts/train_eagle.py --data a.pt --data b.pt --out head.safetensors
+
+`--start-from` goes on training a saved head; with `--steps 0` it reports that head's agreement on
+the held-out replies (the last `--holdout` of the files given).
 """
 
 from __future__ import annotations
@@ -39,7 +50,9 @@ from eagle_prompts import chat_requests  # noqa: E402
 from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
 from kvgen.kv.interface import CacheSpec  # noqa: E402
-from kvgen.speculative.eagle import SHIPPED_WEIGHTS, EagleProposer, draft_head_rows, save_eagle_head  # noqa: E402
+from kvgen.speculative.eagle import (  # noqa: E402
+    SHIPPED_WEIGHTS, EagleProposer, draft_head_rows, load_eagle_head, save_eagle_head,
+)
 from kvgen.speculative.eagle_head import EagleHead  # noqa: E402
 from kvgen.speculative.proposer import DraftPolicy  # noqa: E402
 
@@ -99,15 +112,17 @@ class Replies:
                  to_draft: torch.Tensor):  # fmt: skip
         self.feats, self.tokens, self.greedy, self.embeddings, self.to_draft = feats, tokens, greedy, embeddings, to_draft
 
-    def batch(self, spans: list[tuple[int, int]], depth: int = 1):
+    def batch(self, spans: list[tuple[int, int]], depth: int = 1, teacher: bool = False):
         """-> features, next features [B, S, H]; the embeddings of the token after each position
         [B, S + depth - 1, H]; per chain step, draft-vocabulary labels and target ids [B, S] (-100
-        and -1 where the step runs past the reply)."""
+        and -1 where the step runs past the reply); with `teacher`, also per chain step the target's
+        features [depth, B, S, H] whose logits give the distribution of the label."""
         length = max(end - first - 1 for first, end in spans)
         f, f_next = (torch.zeros(len(spans), length, self.feats.shape[1]) for _ in range(2))
         x = torch.zeros(len(spans), length + depth - 1, self.embeddings.shape[1])
         labels = torch.full((depth, len(spans), length), -100, dtype=torch.long)
         target = torch.full((depth, len(spans), length), -1, dtype=torch.long)
+        truth = torch.zeros(depth, len(spans), length, self.feats.shape[1]) if teacher else None
         for b, (first, end) in enumerate(spans):
             j = torch.arange(first, end - 1)
             n = len(j)
@@ -117,16 +132,20 @@ class Replies:
                 live = j[: n - step]  # chains whose step `step` still reads a reply token
                 labels[step, b, : len(live)] = self.to_draft[self.greedy[live + 1 + step]]
                 target[step, b, : len(live)] = self.greedy[live + 1 + step]
-        return f, x, f_next, labels, target
+                if truth is not None:
+                    truth[step, b, : len(live)] = self.feats[live + 1 + step]
+        return (f, x, f_next, labels, target) + ((truth,) if truth is not None else ())
 
 
 def chain_loss(head: EagleHead, norm: nn.Module, rows: torch.Tensor, vocab: torch.Tensor, batch: tuple,
-               weights: list[float]) -> tuple[torch.Tensor, list[float]]:  # fmt: skip
+               weights: list[float], soft: float = 0.0) -> tuple[torch.Tensor, list[float]]:  # fmt: skip
     """The loss over a `Replies.batch` (its chains as deep as `weights`, step t weighted weights[t]):
     a feature loss on the first step's prediction of the next last-layer feature, and a
     cross-entropy on the target's greedy token over the draft vocabulary at each chain step; and,
-    per chain step, the head's agreement with the target's greedy token."""
-    f, x, f_next, labels, target = batch
+    per chain step, the head's agreement with the target's greedy token. With `soft` > 0, that share
+    of each step's cross-entropy is taken against the target's whole distribution over the draft
+    vocabulary instead (distillation: its logits come from the stored features the step learns)."""
+    f, x, f_next, labels, target, *truth = batch
     chains = head.forward_chains(f, x, len(weights))
     hidden = head.hidden_size
     scale = hidden**0.5
@@ -136,7 +155,14 @@ def chain_loss(head: EagleHead, norm: nn.Module, rows: torch.Tensor, vocab: torc
     agree = []
     for step, predicted in enumerate(chains):
         logits = F.linear(norm(predicted), rows)
-        loss = loss + weights[step] * F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100)
+        hard = F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100)
+        if soft > 0:
+            live = target[step] >= 0
+            with torch.no_grad():
+                teacher = F.softmax(F.linear(norm(truth[0][step][live][..., -hidden:].float()), rows.float()), dim=-1)
+            distilled = -(teacher * F.log_softmax(logits[live].float(), dim=-1)).sum(-1).mean()
+            hard = (1 - soft) * hard + soft * distilled
+        loss = loss + weights[step] * hard
         agree.append((vocab[logits.argmax(-1)] == target[step])[target[step] >= 0].float().mean().item())
     return loss, agree
 
@@ -189,6 +215,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", default="q4", help="the target weights whose features the head learns")
     parser.add_argument("--requests", type=int, default=7776, help="chat requests the target answers")
+    parser.add_argument("--first-request", type=int, default=0, help="skip this many requests of the list")
+    parser.add_argument("--reply-batch", type=int, default=16, help="requests answered together (batched decoding)")
     parser.add_argument("--holdout", type=int, default=32, help="of those, held out for the report")
     parser.add_argument("--new-tokens", type=int, default=160, help="reply length per request")
     parser.add_argument("--draft-vocab", type=int, default=4096, help="tokens the head drafts from")
@@ -197,6 +225,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=3,
                         help="chain steps trained from every position (EAGLE-3's training-time test; 1: teacher-forced only)")
     parser.add_argument("--chain-weight", type=float, default=0.5, help="loss weight of chain step t: this ** t")
+    parser.add_argument("--soft", type=float, default=0.0,
+                        help="share of each step's cross-entropy taken against the target's distribution (0: greedy token only)")
+    parser.add_argument("--start-from", type=Path, help="go on training this saved head (its shape and draft vocabulary)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--inner", type=int, default=1536, help="the head's MLP width")
     parser.add_argument("--threads", type=int, default=2)
@@ -205,9 +236,22 @@ def main() -> None:
     parser.add_argument("--data", type=Path, action="append", default=[],
                         help="cache the replies and features in this file; given several (existing) files, train on "
                              "their requests in order, as if one run had answered them all")  # fmt: skip
+    parser.add_argument("--prepare-only", action="store_true", help="write the --data file and stop")
     args = parser.parse_args()
     if args.depth < 1:
         parser.error(f"--depth must be at least 1 (the teacher-forced step), got {args.depth}")
+    if not 0 <= args.soft <= 1:
+        parser.error(f"--soft is a share of the cross-entropy, between 0 and 1; got {args.soft}")
+    if args.steps < 0 or (args.steps == 0 and args.start_from is None):
+        parser.error("--steps must be positive (0 only with --start-from, to report a saved head)")
+    if args.prepare_only and not args.data:
+        parser.error("--prepare-only needs --data (the file to write)")
+    if args.data and all(path.exists() for path in args.data):  # the replies are read, not answered
+        answering = [f"--{name.replace('_', '-')}" for name in ("requests", "first_request", "new_tokens", "reply_batch")
+                     if getattr(args, name) != parser.get_default(name)]  # fmt: skip
+        if answering:
+            parser.error(f"{', '.join(answering)} choose the replies to answer, but the --data files exist already: "
+                         "remove them or leave those options out")  # fmt: skip
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
 
@@ -219,32 +263,40 @@ def main() -> None:
     else:
         if len(args.data) > 1:
             raise SystemExit(f"missing data files: {', '.join(str(p) for p in args.data if not p.exists())}")
-        pairs = replies(llm, chat_requests(args.requests), args.new_tokens, batch=16)
+        requests = chat_requests(args.first_request + args.requests)[args.first_request :]
+        pairs = replies(llm, requests, args.new_tokens, batch=args.reply_batch)
         print(f"replies: {sum(len(r) for _, r in pairs)} tokens in {time.perf_counter() - started:.0f}s", file=sys.stderr)
         feats, tokens, greedy, spans = extract(llm, pairs)
         if args.data:
             torch.save((feats, tokens, greedy, spans), args.data[0])
+    if args.prepare_only:
+        print(f"wrote {args.data[0]} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+        return
     train, holdout = spans[: -args.holdout], spans[-args.holdout :]
     labelled = torch.cat([torch.arange(first + 1, end) for first, end in train])  # positions whose next id is learnt
     print(f"{len(labelled)} training positions in {len(train)} replies, {time.perf_counter() - started:.0f}s", file=sys.stderr)
 
-    # The draft vocabulary: the target's most frequent next tokens over the training replies.
-    counts = torch.bincount(greedy[labelled], minlength=config.vocab_size)
-    vocab = counts.argsort(descending=True)[: min(args.draft_vocab, int((counts > 0).sum()))].sort().values
-    coverage = counts[vocab].sum().item() / counts.sum().item()
+    if args.start_from is not None:  # go on training a saved head, with its draft vocabulary
+        head = load_eagle_head(args.start_from, model).train().requires_grad_(True)
+        vocab = head.draft_vocab
+    else:  # the draft vocabulary: the target's most frequent next tokens over the training replies
+        counts = torch.bincount(greedy[labelled], minlength=config.vocab_size)
+        vocab = counts.argsort(descending=True)[: min(args.draft_vocab, int((counts > 0).sum()))].sort().values
+        head = EagleHead(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, args.inner, vocab)
+    coverage = torch.isin(greedy[labelled], vocab).float().mean().item()
     print(f"draft vocabulary {len(vocab)} tokens, {coverage:.3f} of the reply tokens", file=sys.stderr)
     to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)  # -100: ignored by the loss
     to_draft[vocab] = torch.arange(len(vocab))
     rows = draft_head_rows(model, vocab)
     data = Replies(feats, tokens, greedy, model.embed_tokens.float(), to_draft)
 
-    head = EagleHead(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, args.inner, vocab)
     weights = [args.chain_weight**step for step in range(args.depth)]
 
     def loss_on(batch: list[tuple[int, int]]) -> tuple[torch.Tensor, list[float]]:
-        return chain_loss(head, model.norm, rows, vocab, data.batch(batch, args.depth), weights)
+        return chain_loss(head, model.norm, rows, vocab, data.batch(batch, args.depth, args.soft > 0), weights, args.soft)
 
-    train_head(head, loss_on, train, holdout, args.steps, args.batch, args.lr, args.bf16, started)
+    if args.steps > 0:  # --steps 0 with --start-from: report a saved head on the held-out replies
+        train_head(head, loss_on, train, holdout, args.steps, args.batch, args.lr, args.bf16, started)
     chains = chain_agreement(model, head, data, holdout, rows)
     print(f"held-out chains whose first 1..{len(chains)} drafts all agree: {' '.join(f'{c:.3f}' for c in chains)}",
           file=sys.stderr)  # fmt: skip
