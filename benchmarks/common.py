@@ -61,8 +61,12 @@ def machine() -> dict[str, Any]:
 
 
 def isa_class(flags: frozenset[str]) -> str:
-    """"avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names."""
+    """"avx512-amx", "avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names.
+    AMX (Intel's int8 / bf16 tile units) is a class of its own: kvgen's kernels take the VNNI path
+    there, but torch's oneDNN GEMMs, and so transformers and several peers, use the tiles."""
     if "avx512f" in flags:
+        if "amx_int8" in flags:
+            return "avx512-amx"
         return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
     return "avx2" if "avx2" in flags else "other"
 

@@ -49,15 +49,16 @@ CONFIGS = {
 
 
 @torch.inference_mode()
-def top_k_hits(llm: LLM, task: str, new_tokens: int, k: int = 4) -> list[float]:
-    """Share of reply positions whose target token is among the head's top 1..k first drafts."""
+def top_k_hits(llm: LLM, task: str, new_tokens: int, k: int = 4, weights: str | Path | None = None) -> list[float]:
+    """Share of reply positions whose target token is among the head's top 1..k first drafts (the
+    head in `weights`, or the shipped one)."""
     model = llm.model
     prompt = task_prompt(llm, task)
     prompt_ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
     ids = prompt_ids + llm.generate(prompt_ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)).token_ids
     cache = ContiguousCache(CacheSpec.for_model(model.config, model.dtype), len(ids))
     features = model.hidden_states(torch.tensor([ids[:-1]]), cache)[0]
-    proposer = eagle_proposer(model, None)
+    proposer = eagle_proposer(model, weights)
     hits, positions = [0] * k, 0
     for t in range(len(prompt_ids), len(ids) - 2):  # the feature at t and the id after it draft ids[t + 2]
         embedding = model.embed_tokens[torch.tensor([ids[t + 1]])].float()
@@ -92,17 +93,20 @@ def verify_costs(llm: LLM, context: int, repeats: int) -> dict[int, dict[str, fl
 
 
 @torch.inference_mode()
-def turns(llm: LLM, task: str, rounds: int, new_tokens: int) -> list[dict[str, Any]]:
+def turns(llm: LLM, task: str, rounds: int, new_tokens: int,
+          configs: dict[str, dict[str, Any]] = CONFIGS) -> list[dict[str, Any]]:  # fmt: skip
+    """Each of `configs` (SpeculativeConfig("eagle", ...) arguments by name) between two plain
+    requests, in turns whose order reverses every round."""
     prompt = task_prompt(llm, task)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     plain = llm.generate(prompt, params).token_ids
-    ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    speeds: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    ratios: dict[str, list[float]] = {name: [] for name in configs}
+    speeds: dict[str, list[float]] = {name: [] for name in configs}
     last: dict[str, Any] = {}
     for r in range(rounds):
-        for name in list(CONFIGS) if r % 2 == 0 else list(CONFIGS)[::-1]:
+        for name in list(configs) if r % 2 == 0 else list(configs)[::-1]:
             before = llm.generate(prompt, params).timings.decode_tokens_per_second
-            result = llm.generate(prompt, params, speculative=SpeculativeConfig("eagle", **CONFIGS[name]))
+            result = llm.generate(prompt, params, speculative=SpeculativeConfig("eagle", **configs[name]))
             after = llm.generate(prompt, params).timings.decode_tokens_per_second
             if result.token_ids != plain:
                 raise AssertionError(f"{name} on {task}: the tokens differ from plain greedy decoding")
@@ -113,8 +117,8 @@ def turns(llm: LLM, task: str, rounds: int, new_tokens: int) -> list[dict[str, A
         {"task": task, "eagle": name, "decode_tok_s": statistics.median(speeds[name]),
          "speedup": statistics.median(ratios[name]), "speedup_samples": ratios[name],
          "tokens_per_verify": last[name].tokens_per_verify, "verify_steps": last[name].verify_steps,
-         "alternative_tokens": last[name].alternative_tokens}  # fmt: skip
-        for name in CONFIGS
+         "alternative_tokens": last[name].alternative_tokens, "acceptance_rate": last[name].acceptance_rate}  # fmt: skip
+        for name in configs
     ]
 
 
