@@ -63,7 +63,7 @@ def machine() -> dict[str, Any]:
 def isa_class(flags: frozenset[str]) -> str:
     """"avx512-amx", "avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names.
     AMX (Intel's int8 / bf16 tile units) is a class of its own: kvgen's kernels take the VNNI path
-    there, but torch's oneDNN GEMMs, and so transformers and several peers, use the tiles."""
+    there, but oneDNN's int8 and bf16 GEMMs, and so some peers, can use the tiles."""
     if "avx512f" in flags:
         if "amx_int8" in flags:
             return "avx512-amx"
@@ -84,10 +84,31 @@ def llama_class() -> type:
     instruction set is emulated (KVGEN_KERNEL_ARCH) and this llama.cpp build uses AVX-512."""
     import llama_cpp
 
+    if "amx_int8" in cpu_flags():
+        without_amx_buffers()
     if kernel_arch() is not None and "AVX512 = 1" in llama_cpp.llama_print_system_info().decode():
         raise RuntimeError("KVGEN_KERNEL_ARCH emulates an older instruction set, and this llama.cpp build uses "
                            "AVX-512: make .venv/llama-avx2 (benchmarks/emulate_avx2.sh puts it on PYTHONPATH)")  # fmt: skip
     return llama_cpp.Llama
+
+
+def without_amx_buffers() -> None:
+    """Load llama.cpp models without its extra buffer types: on a 2-core Xeon with AMX, the weights
+    llama-cpp-python 0.3.36 repacks for AMX segfault in the first llama_decode (SmolLM2's Q4_1 and
+    Q8_0 tensors), so its fastest working setting there is the plain CPU buffers."""
+    import llama_cpp.llama_cpp as bindings
+
+    default = bindings.llama_model_default_params
+    if getattr(default, "without_extra_buffers", False):
+        return
+
+    def params():  # type: ignore[no-untyped-def]
+        chosen = default()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    params.without_extra_buffers = True  # type: ignore[attr-defined]
+    bindings.llama_model_default_params = params
 
 
 def git_sha() -> str:
