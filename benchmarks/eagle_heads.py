@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import cpu_class, print_table, write_results  # noqa: E402
-from eagle_trees import top_k_hits, turns  # noqa: E402
+from eagle_trees import reply_features, top_k_hits, turns  # noqa: E402
 
 from kvgen import LLM  # noqa: E402
 from kvgen.speculative.eagle import SHIPPED_WEIGHTS  # noqa: E402
@@ -46,8 +46,8 @@ def main() -> None:
         heads[Path(path).stem] = path
     llm = LLM.load("smollm2", progress=False)  # the default 4-bit weights
     tasks = args.tasks.split(",")
-    hits = {task: {name: top_k_hits(llm, task, args.new_tokens, weights=path) for name, path in heads.items()}
-            for task in tasks}  # fmt: skip
+    replies = {task: reply_features(llm, task, args.new_tokens) for task in tasks}  # one per task, for every head
+    hits = {task: {name: top_k_hits(llm, replies[task], weights=path) for name, path in heads.items()} for task in tasks}
     for task, by_head in hits.items():
         for name, shares in by_head.items():
             print(f"{task}, {name}: target token among the head's top 1..4 first drafts: "

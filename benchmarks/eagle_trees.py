@@ -49,18 +49,27 @@ CONFIGS = {
 
 
 @torch.inference_mode()
-def top_k_hits(llm: LLM, task: str, new_tokens: int, k: int = 4, weights: str | Path | None = None) -> list[float]:
-    """Share of reply positions whose target token is among the head's top 1..k first drafts (the
-    head in `weights`, or the shipped one)."""
+def reply_features(llm: LLM, task: str, new_tokens: int) -> tuple[list[int], torch.Tensor, int]:
+    """The task's prompt + greedy reply ids, the target's features over them (each position's as the
+    decoder hands it to the head) and where the reply starts."""
     model = llm.model
     prompt = task_prompt(llm, task)
     prompt_ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
     ids = prompt_ids + llm.generate(prompt_ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)).token_ids
     cache = ContiguousCache(CacheSpec.for_model(model.config, model.dtype), len(ids))
-    features = model.hidden_states(torch.tensor([ids[:-1]]), cache)[0]
+    return ids, model.hidden_states(torch.tensor([ids[:-1]]), cache)[0], len(prompt_ids)
+
+
+@torch.inference_mode()
+def top_k_hits(llm: LLM, reply: tuple[list[int], torch.Tensor, int], k: int = 4,
+               weights: str | Path | None = None) -> list[float]:  # fmt: skip
+    """Share of a `reply_features` reply's positions whose target token is among the head's top
+    1..k first drafts (the head in `weights`, or the shipped one)."""
+    model = llm.model
+    ids, features, start = reply
     proposer = eagle_proposer(model, weights)
     hits, positions = [0] * k, 0
-    for t in range(len(prompt_ids), len(ids) - 2):  # the feature at t and the id after it draft ids[t + 2]
+    for t in range(start, len(ids) - 2):  # the feature at t and the id after it draft ids[t + 2]
         embedding = model.embed_tokens[torch.tensor([ids[t + 1]])].float()
         drafted = proposer.cache.run(features[t : t + 1], embedding)
         best = proposer.vocab[proposer.draft_logits(drafted).topk(k).indices].tolist()
@@ -133,7 +142,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM.load("smollm2", progress=False)  # the default 4-bit weights
     tasks = args.tasks.split(",")
-    hits = {task: top_k_hits(llm, task, args.new_tokens) for task in tasks}
+    hits = {task: top_k_hits(llm, reply_features(llm, task, args.new_tokens)) for task in tasks}
     for task, shares in hits.items():
         print(f"{task}: target token among the head's top 1..4 first drafts: {' '.join(f'{s:.3f}' for s in shares)}")
     costs = verify_costs(llm, args.context, 60)

@@ -112,17 +112,15 @@ class Replies:
                  to_draft: torch.Tensor):  # fmt: skip
         self.feats, self.tokens, self.greedy, self.embeddings, self.to_draft = feats, tokens, greedy, embeddings, to_draft
 
-    def batch(self, spans: list[tuple[int, int]], depth: int = 1, teacher: bool = False):
+    def batch(self, spans: list[tuple[int, int]], depth: int = 1):
         """-> features, next features [B, S, H]; the embeddings of the token after each position
         [B, S + depth - 1, H]; per chain step, draft-vocabulary labels and target ids [B, S] (-100
-        and -1 where the step runs past the reply); with `teacher`, also per chain step the target's
-        features [depth, B, S, H] whose logits give the distribution of the label."""
+        and -1 where the step runs past the reply)."""
         length = max(end - first - 1 for first, end in spans)
         f, f_next = (torch.zeros(len(spans), length, self.feats.shape[1]) for _ in range(2))
         x = torch.zeros(len(spans), length + depth - 1, self.embeddings.shape[1])
         labels = torch.full((depth, len(spans), length), -100, dtype=torch.long)
         target = torch.full((depth, len(spans), length), -1, dtype=torch.long)
-        truth = torch.zeros(depth, len(spans), length, self.feats.shape[1]) if teacher else None
         for b, (first, end) in enumerate(spans):
             j = torch.arange(first, end - 1)
             n = len(j)
@@ -132,9 +130,13 @@ class Replies:
                 live = j[: n - step]  # chains whose step `step` still reads a reply token
                 labels[step, b, : len(live)] = self.to_draft[self.greedy[live + 1 + step]]
                 target[step, b, : len(live)] = self.greedy[live + 1 + step]
-                if truth is not None:
-                    truth[step, b, : len(live)] = self.feats[live + 1 + step]
-        return (f, x, f_next, labels, target) + ((truth,) if truth is not None else ())
+        return f, x, f_next, labels, target
+
+
+def teacher_features(f_next: torch.Tensor, step: int) -> torch.Tensor:
+    """The target's features whose logits give chain step `step`'s label at each position [B, S, H]:
+    the next features `step` positions on (zeros past the reply, where the step has no label)."""
+    return F.pad(f_next[:, step:], (0, 0, 0, step))
 
 
 def chain_loss(head: EagleHead, norm: nn.Module, rows: torch.Tensor, vocab: torch.Tensor, batch: tuple,
@@ -145,25 +147,26 @@ def chain_loss(head: EagleHead, norm: nn.Module, rows: torch.Tensor, vocab: torc
     per chain step, the head's agreement with the target's greedy token. With `soft` > 0, that share
     of each step's cross-entropy is taken against the target's whole distribution over the draft
     vocabulary instead (distillation: its logits come from the stored features the step learns)."""
-    f, x, f_next, labels, target, *truth = batch
+    f, x, f_next, labels, target = batch
     chains = head.forward_chains(f, x, len(weights))
     hidden = head.hidden_size
     scale = hidden**0.5
     real = labels[0] != -100
-    f_next = F.normalize(f_next[..., -hidden:], dim=-1)  # the last layer's, where f carries more
+    raw_next, f_next = f_next, F.normalize(f_next[..., -hidden:], dim=-1)  # the last layer's, where f carries more
     loss = F.smooth_l1_loss(F.normalize(chains[0], dim=-1)[real] * scale, f_next[real] * scale)
     agree = []
     for step, predicted in enumerate(chains):
         logits = F.linear(norm(predicted), rows)
         hard = F.cross_entropy(logits.flatten(0, 1), labels[step].flatten(), ignore_index=-100)
+        live = target[step] >= 0
         if soft > 0:
-            live = target[step] >= 0
             with torch.no_grad():
-                teacher = F.softmax(F.linear(norm(truth[0][step][live][..., -hidden:].float()), rows.float()), dim=-1)
+                truth = teacher_features(raw_next, step)[live][..., -hidden:].float()
+                teacher = F.softmax(F.linear(norm(truth), rows.float()), dim=-1)
             distilled = -(teacher * F.log_softmax(logits[live].float(), dim=-1)).sum(-1).mean()
             hard = (1 - soft) * hard + soft * distilled
         loss = loss + weights[step] * hard
-        agree.append((vocab[logits.argmax(-1)] == target[step])[target[step] >= 0].float().mean().item())
+        agree.append((vocab[logits.argmax(-1)] == target[step])[live].float().mean().item())
     return loss, agree
 
 
@@ -246,19 +249,26 @@ def main() -> None:
         parser.error("--steps must be positive (0 only with --start-from, to report a saved head)")
     if args.prepare_only and not args.data:
         parser.error("--prepare-only needs --data (the file to write)")
-    if args.data and all(path.exists() for path in args.data):  # the replies are read, not answered
-        answering = [f"--{name.replace('_', '-')}" for name in ("requests", "first_request", "new_tokens", "reply_batch")
-                     if getattr(args, name) != parser.get_default(name)]  # fmt: skip
-        if answering:
-            parser.error(f"{', '.join(answering)} choose the replies to answer, but the --data files exist already: "
-                         "remove them or leave those options out")  # fmt: skip
+
+    def given(*names: str) -> list[str]:
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != parser.get_default(name)]
+
+    reading = bool(args.data) and all(path.exists() for path in args.data)  # the replies are read, not answered
+    if reading and (answering := given("requests", "first_request", "new_tokens", "reply_batch", "prepare_only")):
+        parser.error(f"{', '.join(answering)} choose the replies to answer, but the --data files exist already: "
+                     "remove them or leave those options out")  # fmt: skip
+    if args.prepare_only and (training := given("steps", "depth", "chain_weight", "soft", "start_from", "lr", "inner",
+                                                "draft_vocab", "holdout", "batch", "bf16", "out")):  # fmt: skip
+        parser.error(f"{', '.join(training)} choose how the head trains, but --prepare-only stops before training")
+    if args.start_from is not None and (shaped := given("inner", "draft_vocab")):
+        parser.error(f"{', '.join(shaped)} shape a new head, but --start-from goes on with a saved one's")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
     llm = LLM.load(args.model, progress=False, weights=args.weights)
     model, config = llm.model, llm.model.config
-    if args.data and all(path.exists() for path in args.data):
+    if reading:
         feats, tokens, greedy, spans = load_data(args.data)
     else:
         if len(args.data) > 1:
@@ -293,7 +303,7 @@ def main() -> None:
     weights = [args.chain_weight**step for step in range(args.depth)]
 
     def loss_on(batch: list[tuple[int, int]]) -> tuple[torch.Tensor, list[float]]:
-        return chain_loss(head, model.norm, rows, vocab, data.batch(batch, args.depth, args.soft > 0), weights, args.soft)
+        return chain_loss(head, model.norm, rows, vocab, data.batch(batch, args.depth), weights, args.soft)
 
     if args.steps > 0:  # --steps 0 with --start-from: report a saved head on the held-out replies
         train_head(head, loss_on, train, holdout, args.steps, args.batch, args.lr, args.bf16, started)

@@ -10,7 +10,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from train_eagle import Replies, chain_loss  # noqa: E402
+from train_eagle import Replies, chain_loss, teacher_features  # noqa: E402
 
 from kvgen.speculative.eagle_head import EagleHead  # noqa: E402
 
@@ -30,25 +30,25 @@ def synthetic_replies(rows: torch.Tensor) -> tuple[Replies, list[tuple[int, int]
 def test_teacher_features_give_each_chain_steps_label() -> None:
     rows = torch.randn(VOCAB, HIDDEN)
     data, spans = synthetic_replies(rows)
-    f, x, f_next, labels, target, truth = data.batch(spans, depth=3, teacher=True)
-    assert truth.shape == (3, *f.shape)
+    f, x, f_next, labels, target = data.batch(spans, depth=3)
     for step in range(3):
+        truth = teacher_features(f_next, step)
+        assert truth.shape == f.shape
         live = target[step] >= 0
         assert live.sum() == sum(end - first - 1 - step for first, end in spans)
-        assert torch.equal((truth[step][live] @ rows.T).argmax(-1), target[step][live])
-    assert len(data.batch(spans, depth=3)) == 5  # without teacher=True: no teacher features
+        assert torch.equal((truth[live] @ rows.T).argmax(-1), target[step][live])
 
 
 def test_distillation_moves_the_loss_and_its_gradient() -> None:
     rows = torch.randn(VOCAB, HIDDEN)
     data, spans = synthetic_replies(rows)
     head = EagleHead(HIDDEN, 2, 1, 8, 32, torch.arange(VOCAB))
-    batch = data.batch(spans, depth=2, teacher=True)
+    batch = data.batch(spans, depth=2)
     norm = nn.Identity()
-    hard, agree = chain_loss(head, norm, rows, torch.arange(VOCAB), batch[:5], [1.0, 0.5])
+    hard, agree = chain_loss(head, norm, rows, torch.arange(VOCAB), batch, [1.0, 0.5])
     same, _ = chain_loss(head, norm, rows, torch.arange(VOCAB), batch, [1.0, 0.5], soft=0.0)
     soft, soft_agree = chain_loss(head, norm, rows, torch.arange(VOCAB), batch, [1.0, 0.5], soft=1.0)
-    assert torch.equal(hard, same)  # soft=0: the teacher features are not read
+    assert torch.equal(hard, same)  # soft=0: no distillation term
     assert not torch.isclose(hard, soft)
     assert agree == soft_agree  # agreement is with the greedy token either way
     soft.backward()
