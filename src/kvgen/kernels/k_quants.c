@@ -99,6 +99,7 @@ static inline __m256 u8x8_to_f32(const uint8_t* p) {
         const block_q4kx8* sb = wg + s;                                                              \
         const __m256 dsuper = f16x8_to_f32(sb->d), msuper = f16x8_to_f32(sb->dmin);                  \
         for (int j = 0; j < SUBS; j++) {                                                             \
+            prefetch_ahead((const char*)sb + j * (sizeof *sb / SUBS), sizeof *sb / SUBS);            \
             const int64_t b = s * SUBS + j;                                                          \
             __m256i dot[R];                                                                          \
             for (int t = 0; t < R; t++) dot[t] = _mm256_setzero_si256();                             \
@@ -232,6 +233,7 @@ static inline int q6kx8_value(const block_q6kx8* sb, int j, int r, int l) {  // 
         const block_q6kx8* sb = wg + s;                                                              \
         const __m256 dsuper = f16x8_to_f32(sb->d);                                                   \
         for (int j = 0; j < SUBS; j++) {                                                             \
+            prefetch_ahead((const char*)sb + j * (sizeof *sb / SUBS), sizeof *sb / SUBS);            \
             const int64_t b = s * SUBS + j;                                                          \
             const q6k_sub* sub = &sb->sub[j];                                                        \
             const __m256i planes[2] = {_mm256_loadu_si256((const __m256i*)sub->qh[0]),               \
