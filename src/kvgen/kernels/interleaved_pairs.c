@@ -65,6 +65,8 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
     for (int64_t b = 0; b < nb; b++) {                                                               \
         const BLOCK* b0 = w0 + b;                                                                    \
         const BLOCK* b1 = w1 + b;                                                                    \
+        prefetch_ahead(b0, sizeof(BLOCK)); /* two streams, one group apart */                        \
+        prefetch_ahead(b1, sizeof(BLOCK));                                                           \
         __m512i dot[R];                                                                              \
         for (int t = 0; t < R; t++) dot[t] = _mm512_setzero_si512();                                 \
         DOTS(R)                                                                                      \
