@@ -27,7 +27,7 @@ def test_an_avx2_target_builds_other_flags_and_another_library(monkeypatch: pyte
     assert {"avx2", "fma", "f16c"} <= build.kernel_isa() and "avx512f" not in build.kernel_isa()
     assert build.library_path() != native_path
     monkeypatch.setenv("KVGEN_KERNEL_ARCH", "native")
-    assert build.kernel_flags() == tuple(build.FLAGS) and build.library_path() == native_path
+    assert build.kernel_flags() == (*build.FLAGS, *build.tuning_flags()) and build.library_path() == native_path
 
 
 def test_a_target_this_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,3 +43,10 @@ def test_an_unknown_target_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGEN_KERNEL_ARCH", "no-such-cpu")
     with pytest.raises(ValueError, match="KVGEN_KERNEL_ARCH='no-such-cpu' is not a target the C compiler knows"):
         build.kernel_flags()
+
+
+def test_amd_cpus_build_the_int8_attention_without_its_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "cpu_vendor", lambda: "AuthenticAMD")
+    assert "-DCODES_PREFETCH_BYTES=0" in build.kernel_flags()
+    monkeypatch.setattr(build, "cpu_vendor", lambda: "GenuineIntel")
+    assert not any(flag.startswith("-DCODES_PREFETCH_BYTES") for flag in build.kernel_flags())

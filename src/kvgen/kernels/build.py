@@ -44,6 +44,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where it has none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def tuning_flags() -> tuple[str, ...]:
+    """Defines that only change speed, by vendor. The int8 attention asks for its K/V codes ahead
+    (group_tiles.c, CODES_PREFETCH_BYTES): 1.45x as fast on an Intel Xeon, where on a Zen 4 EPYC the
+    hardware prefetchers followed those streams and asking ahead made a layer 13-60% slower."""
+    return ("-DCODES_PREFETCH_BYTES=0",) if cpu_vendor() == "AuthenticAMD" else ()
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags, as /proc/cpuinfo names them."""
     return frozenset(_cpu_flags().split())
@@ -90,9 +108,9 @@ def kernel_flags() -> tuple[str, ...]:
     """FLAGS, with KVGEN_KERNEL_ARCH's target in place of -march=native when it is set."""
     arch = kernel_arch()
     if arch is None:
-        return tuple(FLAGS)
+        return (*FLAGS, *tuning_flags())
     _target_isa(arch)  # refuses a target gcc does not know or this CPU cannot run
-    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
+    return (*(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS), *tuning_flags())
 
 
 def library_path() -> Path:

@@ -16,6 +16,16 @@
 //
 // This file is #included by quantized_attention.c.
 
+// int8 key groups and value rows are asked for this far ahead of the ones being multiplied. On a
+// 2-core Intel Xeon (AVX-512 + AMX, KVM) the hardware prefetchers alone left one step's int8
+// attention over 8,192 SmolLM2 positions at 6.9-7.1 ms (14 GB/s); asked 1-3 KiB ahead, 4.7-5.0 ms
+// (benchmarks/attention_bandwidth.py, separate processes in turns), and 8,192-position decode
+// 81-84 -> 90-97 tok/s. (Farther, 4-16 KiB: 5.5-6.5 ms.) build.py sets 0 (none) on AMD CPUs, where
+// the hardware prefetchers follow these streams.
+#ifndef CODES_PREFETCH_BYTES
+#define CODES_PREFETCH_BYTES 2048
+#endif
+
 #define Q16_MAX 32512  // int16 query codes: |code| <= 127 * 256, so 512 channels x 127 x Q16_MAX fits int32
 #define GROUP_BLOCK 4  // query heads sharing each key and value row read (accumulators in registers)
 #define W15_MAX 32767  // int8 values' weights as 15-bit integers (int16 pairs for vpdpwssd / pmaddwd)
@@ -70,6 +80,7 @@ static inline __attribute__((always_inline)) void key_dots_vnni(const int G, con
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t i = 0; i < m; i += 16) {
         const int8_t* group = keys + i * d;
+        for (int64_t c = 0; CODES_PREFETCH_BYTES > 0 && c < 16 * d; c += 64) __builtin_prefetch(group + CODES_PREFETCH_BYTES + c);
         __m512i high[GROUP_BLOCK], low[GROUP_BLOCK];
         for (int h = 0; h < G; h++) high[h] = _mm512_setzero_si512(), low[h] = _mm512_setzero_si512();
         for (int64_t w = 0; w < d / 4; w++) {
@@ -317,6 +328,8 @@ static inline __attribute__((always_inline)) void int8_value_rows(const int G, c
         for (int h = 0; h < G; h++) low[h] = _mm512_setzero_si512(), high[h] = _mm512_setzero_si512();
         for (int64_t i = 0; i < n; i += 2) {
             const int8_t* next = codes + (i + 1 < n ? i + 1 : i) * d + j;  // an odd count's last pair: weight 0
+            if (j == 0 && CODES_PREFETCH_BYTES > 0)  // the first column slice's pass reads each row's line first
+                for (int64_t c = 0; c < 2 * d; c += 64) __builtin_prefetch(codes + i * d + CODES_PREFETCH_BYTES + c);
             const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(codes + i * d + j)));
             const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)next));
             const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
