@@ -64,6 +64,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; engines take turns in each")
     parser.add_argument("--kv", default="fp32,int8", help=f"kvgen KV modes: {', '.join(KV_MODES)}")
     parser.add_argument("--peers", default="llama.cpp", help="llama.cpp, or empty for none")
+    parser.add_argument("--llama-kv", default=None,
+                        help=f"llama.cpp K/V types ({', '.join(LLAMA_KV)}), comma-separated; default: those matching "
+                             "--kv (f16 beside fp32, q8_0 beside int8)")  # fmt: skip
+    parser.add_argument("--name", default="long_context", help="results file: results/<name>-<model>-<cpu class>.json")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
@@ -71,6 +75,15 @@ def main() -> None:
     for kv in kv_modes:
         if kv not in KV_MODES:
             raise SystemExit(f"--kv: unknown mode {kv!r}; choose from {', '.join(KV_MODES)}")
+    if args.llama_kv is None:
+        llama_kv = [kv for kv, peer in (("f16", "fp32"), ("q8_0", "int8")) if peer in kv_modes]
+    else:
+        llama_kv = [kv for kv in args.llama_kv.split(",") if kv]
+        for kv in llama_kv:
+            if kv not in LLAMA_KV:
+                raise SystemExit(f"--llama-kv: unknown type {kv!r}; choose from {', '.join(LLAMA_KV)}")
+        if "llama.cpp" not in args.peers:
+            raise SystemExit("--llama-kv needs llama.cpp in --peers")
     path = resolve_model_path(args.model)
     context = max(depths) + 1
     engines: dict[str, Callable[[list[int], int], float]] = {}
@@ -80,9 +93,12 @@ def main() -> None:
         tokenizer = llm.tokenizer
         engines[f"kvgen {kv} KV"] = lambda ids, n, llm=llm: kvgen_decode(llm, ids, n)
     if "llama.cpp" in args.peers:
-        for kv, peer in (("f16", "fp32"), ("q8_0", "int8")):
-            if peer in kv_modes:
-                engines[f"llama.cpp {kv} KV"] = llama_cpp_decoder(path, context, args.threads, kv)
+        for kv in llama_kv:
+            engines[f"llama.cpp {kv} KV"] = llama_cpp_decoder(path, context, args.threads, kv)
+    if not engines:
+        raise SystemExit("no engine to run: give --kv modes, or llama.cpp in --peers with --llama-kv")
+    if tokenizer is None:  # llama.cpp alone: the prompts are still kvgen's tokens of the same text
+        tokenizer = LLM.load(args.model, progress=False, max_context=context).tokenizer
     samples: dict[tuple[str, int], list[float]] = {(e, d): [] for e in engines for d in depths}
     for depth in depths:
         ids = prompt_ids(tokenizer, depth - args.new_tokens)
@@ -99,7 +115,7 @@ def main() -> None:
                          "samples": [round(s, 2) for s in samples[name, depth]]})  # fmt: skip
     print_table(rows, ["engine", "depth", "decode_tok_s", "step_ms", f"slowdown_vs_{depths[0]}"])
     payload = {"model": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads, "rows": rows}
-    path = write_results(f"long_context-{args.model}-{cpu_class()}", payload)
+    path = write_results(f"{args.name}-{args.model}-{cpu_class()}", payload)
     print(f"wrote {path}")
 
 
