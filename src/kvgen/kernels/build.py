@@ -34,25 +34,25 @@ ISA_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX51
 last_error: str | None = None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(*keys: str) -> str | None:
+    """The first /proc/cpuinfo line that starts with one of keys, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo_line("flags", "Features") or platform.processor()
 
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where it has none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_line("vendor_id")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def tuning_flags() -> tuple[str, ...]:
