@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void key_dots_vnni(const int G, con
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t i = 0; i < m; i += 16) {
         const int8_t* group = keys + i * d;
-        for (int64_t c = 0; CODES_PREFETCH_BYTES > 0 && c < 16 * d; c += 64) __builtin_prefetch(group + CODES_PREFETCH_BYTES + c);
+        prefetch_span(group, CODES_PREFETCH_BYTES, 16 * d);
         __m512i high[GROUP_BLOCK], low[GROUP_BLOCK];
         for (int h = 0; h < G; h++) high[h] = _mm512_setzero_si512(), low[h] = _mm512_setzero_si512();
         for (int64_t w = 0; w < d / 4; w++) {
@@ -328,8 +328,7 @@ static inline __attribute__((always_inline)) void int8_value_rows(const int G, c
         for (int h = 0; h < G; h++) low[h] = _mm512_setzero_si512(), high[h] = _mm512_setzero_si512();
         for (int64_t i = 0; i < n; i += 2) {
             const int8_t* next = codes + (i + 1 < n ? i + 1 : i) * d + j;  // an odd count's last pair: weight 0
-            if (j == 0 && CODES_PREFETCH_BYTES > 0)  // the first column slice's pass reads each row's line first
-                for (int64_t c = 0; c < 2 * d; c += 64) __builtin_prefetch(codes + i * d + CODES_PREFETCH_BYTES + c);
+            if (j == 0) prefetch_span(codes + i * d, CODES_PREFETCH_BYTES, 2 * d);  // the first slice's pass reads each row first
             const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(codes + i * d + j)));
             const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)next));
             const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);

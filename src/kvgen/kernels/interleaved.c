@@ -48,10 +48,15 @@ static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
 #ifndef WEIGHT_PREFETCH_BYTES
 #define WEIGHT_PREFETCH_BYTES 12288
 #endif
+// Asks for the lines of [p + distance, p + distance + bytes); a distance of 0 asks for nothing (the
+// hardware prefetchers alone). Also the int8 attention's (group_tiles.c).
+static inline void prefetch_span(const void* p, int64_t distance, int64_t bytes) {
+    if (distance <= 0) return;
+    const char* ahead = (const char*)p + distance;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(ahead + off);
+}
 static inline void prefetch_ahead(const void* p, size_t bytes) {
-    if (WEIGHT_PREFETCH_BYTES == 0) return;  // -DWEIGHT_PREFETCH_BYTES=0: the hardware's alone
-    const char* ahead = (const char*)p + WEIGHT_PREFETCH_BYTES;
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(ahead + off);
+    prefetch_span(p, WEIGHT_PREFETCH_BYTES, (int64_t)bytes);
 }
 
 // Row-major blocks [n, k / 32] -> groups [ceil(n / 8), k / 32]; padding rows are zero.
