@@ -29,6 +29,27 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+// exp8's operations on 16 lanes: each lane's bits are exp8's.
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+#endif
+
 #ifdef __AVX2__
 // Eight hsum8s at once: lane k of the result is hsum8(v[slot(k)]), in hsum8's order
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), with slot(k) = 2k for k < 4, 2(k - 4) + 1
@@ -137,6 +158,52 @@ static void weighted_sums_columns(const float* p, int64_t p_stride, const float*
                                   int64_t first, int64_t last, float* out, int64_t count) {
     const int64_t paired = count - count % 2;
     int64_t j0 = first, j1 = first;  // the first column left to the paired heads / to an odd last head
+#ifdef __AVX512F__
+    // 64 columns of two heads in 16-lane registers: the same fma per column and position, half the
+    // instructions (with exp_shifted's 16 lanes: a 2,048-token SmolLM2 prompt 1.1x as fast on a
+    // 2-core Intel Xeon, once the rows step's blocks of rows keep the tiles in L1).
+    for (; j0 + 64 <= last; j0 += 64) {
+        for (int64_t h = 0; h < paired; h += 2) {
+            float* o = out + h * d + j0;
+            const float* ph = p + h * p_stride;
+            __m512 a[4], b[4];
+            for (int c = 0; c < 4; c++) a[c] = _mm512_loadu_ps(o + 16 * c), b[c] = _mm512_loadu_ps(o + d + 16 * c);
+            for (int64_t i = 0; i < n; i++) {
+                const __m512 w = _mm512_set1_ps(ph[i]), u = _mm512_set1_ps(ph[p_stride + i]);
+                const float* v = values[i] + j0;
+                for (int c = 0; c < 4; c++) {
+                    const __m512 vc = _mm512_loadu_ps(v + 16 * c);
+                    a[c] = _mm512_fmadd_ps(w, vc, a[c]), b[c] = _mm512_fmadd_ps(u, vc, b[c]);
+                }
+            }
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + 16 * c, a[c]), _mm512_storeu_ps(o + d + 16 * c, b[c]);
+        }
+    }
+    if (count % 2) {
+        float* o = out + paired * d;
+        const float* ph = p + paired * p_stride;
+        for (; j1 + 128 <= last; j1 += 128) {
+            __m512 a[8];
+            for (int c = 0; c < 8; c++) a[c] = _mm512_loadu_ps(o + j1 + 16 * c);
+            for (int64_t i = 0; i < n; i++) {
+                const __m512 w = _mm512_set1_ps(ph[i]);
+                const float* v = values[i] + j1;
+                for (int c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), a[c]);
+            }
+            for (int c = 0; c < 8; c++) _mm512_storeu_ps(o + j1 + 16 * c, a[c]);
+        }
+        for (; j1 + 64 <= last; j1 += 64) {
+            __m512 a[4];
+            for (int c = 0; c < 4; c++) a[c] = _mm512_loadu_ps(o + j1 + 16 * c);
+            for (int64_t i = 0; i < n; i++) {
+                const __m512 w = _mm512_set1_ps(ph[i]);
+                const float* v = values[i] + j1;
+                for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), a[c]);
+            }
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + j1 + 16 * c, a[c]);
+        }
+    }
+#endif
 #ifdef __AVX2__
     for (; j0 + 32 <= last; j0 += 32) {
         for (int64_t h = 0; h < paired; h += 2) {  // two heads share each value load: 8 independent fma chains
@@ -226,6 +293,14 @@ static float exp_shifted(float* s, int64_t n, float max) {
 #ifdef __AVX2__
     __m256 total = _mm256_setzero_ps();
     const __m256 m = _mm256_set1_ps(max);
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {  // 16 exps at once, added to the 8 lane sums as two runs of 8
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(max)));
+        _mm512_storeu_ps(s + i, e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+#endif
     for (; i + 8 <= n; i += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
         _mm256_storeu_ps(s + i, e);

@@ -181,34 +181,78 @@ static int row_keys_cached(const rows_kv* kv, int64_t layer, int64_t rows, int64
     return row_table(kv, layer, rows, r)[block] == row_table(kv, layer, rows, neighbour)[block];
 }
 
+// Rows attend in blocks of up to ROW_BLOCK, tile by tile in turn: a prompt's rows read the same
+// key and value tiles, which then come from L2 once per block instead of once per row (at 2,048
+// positions a row's tiles for one kv head are ~1 MB, and its attention waited on L2 loads). Each
+// row's tiles are still taken in its own order, so its bits are those of attend_heads alone.
+#define ROW_BLOCK 16
+
+// Rows per attention unit: ROW_BLOCK where that leaves every thread 8 or more units, fewer (down to
+// one row) for the few rows of a verify or a small batch.
+static int64_t rows_per_unit(int64_t rows, int64_t units_per_row) {
+    const int64_t wanted = rows * units_per_row / (8 * (int64_t)omp_get_num_threads());
+    return wanted < 1 ? 1 : wanted > ROW_BLOCK ? ROW_BLOCK : wanted;
+}
+
+// Heads [head, head + count) of rows r0 .. r0 + n - 1 over their keys, tile by tile in turn.
+static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int64_t n, int64_t head, int64_t count,
+                             int64_t group) {
+    const block_t* b = &st->blocks[layer];
+    const rows_kv* kv = st->kv;
+    const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d, rows = st->rows;
+    const int64_t window = st->window[layer], kv_head = head / group;
+    float* k_layer = layer_store(kv, kv->k_base, layer);
+    float* v_layer = layer_store(kv, kv->v_base, layer);
+    kv_layout kl[ROW_BLOCK], vl[ROW_BLOCK];
+    softmax_state state[ROW_BLOCK][MAX_HEAD_RUN];
+    int64_t start[ROW_BLOCK], end[ROW_BLOCK], tiles = 0;
+    int cached[ROW_BLOCK];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = r0 + i;
+        end[i] = st->positions[r] + 1;
+        start[i] = window > 0 && end[i] > window ? end[i] - window : 0;
+        kl[i] = row_layout(kv, k_layer, layer, rows, r), vl[i] = row_layout(kv, v_layer, layer, rows, r);
+        cached[i] = row_keys_cached(kv, layer, rows, r, end[i]);
+        attend_begin(st->s->attn + r * nq + head * d, count, d, state[i]);
+        const int64_t row_tiles = (end[i] - start[i] + 31) / 32;
+        tiles = row_tiles > tiles ? row_tiles : tiles;
+    }
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t first = start[i] + 32 * t;
+            if (first >= end[i]) continue;
+            const float* q = st->s->qkv_out + (r0 + i) * qkv_width + head * d;
+            float* out = st->s->attn + (r0 + i) * nq + head * d;
+            attend_next_tile(q, out, count, &kl[i], &vl[i], kv_head, first, end[i], b->scale, d, cached[i], state[i]);
+        }
+    }
+    for (int64_t i = 0; i < n; i++) attend_end(st->s->attn + (r0 + i) * nq + head * d, count, d, state[i]);
+}
+
 // One layer's attention for every row, the new keys/values already stored, by the team (t: this
 // thread's codes scratch); returns after a barrier.
 static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
     const block_t* b = &st->blocks[layer];
     const rows_kv* kv = st->kv;
-    const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d, rows = st->rows;
-    const int64_t window = st->window[layer];
+    const int64_t rows = st->rows;
     if (kv->key_codes != NULL) {
         const rows_codes* c = &st->codes;
         paged_codes_attention_team(c->items, rows * b->num_kv_heads, c->q, st->s->attn, c->q_offsets, c->plan + rows,
-                                   b->num_heads, b->num_kv_heads, d, b->scale, window, &kv->key_codes[layer],
-                                   &kv->value_codes[layer], kv->code_block_size, kv->code_tables,
-                                   kv->code_table_width, kv->num_code_blocks, c->plan + 2 * rows, c->plan + 3 * rows,
-                                   c->plan + 4 * rows, t);
+                                   b->num_heads, b->num_kv_heads, b->head_dim, b->scale, st->window[layer],
+                                   &kv->key_codes[layer], &kv->value_codes[layer], kv->code_block_size,
+                                   kv->code_tables, kv->code_table_width, kv->num_code_blocks, c->plan + 2 * rows,
+                                   c->plan + 3 * rows, c->plan + 4 * rows, t);
         return;
     }
-    float* k_layer = layer_store(kv, kv->k_base, layer);
-    float* v_layer = layer_store(kv, kv->v_base, layer);
     const head_units units = attention_units(rows, b->num_heads, b->num_kv_heads);
+    const int64_t per_row = units.kv_heads * units.parts, block = rows_per_unit(rows, per_row);
+    const int64_t blocks = (rows + block - 1) / block;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < rows * units.kv_heads * units.parts; u++) {
-        int64_t r, head;
-        const int64_t count = unit_heads(&units, u, &r, &head), end = st->positions[r] + 1;
-        const int64_t start = window > 0 && end > window ? end - window : 0;
-        const kv_layout kl = row_layout(kv, k_layer, layer, rows, r);
-        const kv_layout vl = row_layout(kv, v_layer, layer, rows, r);
-        attend_heads(st->s->qkv_out + r * qkv_width + head * d, st->s->attn + r * nq + head * d, count, &kl, &vl,
-                     head / units.group, start, end, b->scale, d, row_keys_cached(kv, layer, rows, r, end));
+    for (int64_t u = 0; u < blocks * per_row; u++) {
+        int64_t first_row, head;
+        const int64_t count = unit_heads(&units, u % per_row, &first_row, &head);  // first_row: 0 here
+        const int64_t r0 = (u / per_row) * block;
+        attend_row_block(st, layer, r0, rows - r0 < block ? rows - r0 : block, head, count, units.group);
     }
 }
 
