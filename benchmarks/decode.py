@@ -98,7 +98,8 @@ def llama_cpp_runner(path: Path, ids: list[int], threads: int) -> Generate:
     except ImportError as error:
         raise PeerUnavailable(f"llama-cpp-python is not installed (make .venv/.bench-deps): {error}") from error
 
-    model = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    context = max(2048, len(ids) + 256)  # the prompt and the new tokens
+    model = Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
 
     def generate(n: int) -> list[int]:
         model.reset()  # otherwise generate() reuses the previous call's KV for a matching prompt prefix
