@@ -1,4 +1,4 @@
-"""Batch-1 decode of two commits of kvgen, taking turns: what a change did to the speed.
+"""Batch-1 decode (or prefill) of two commits of kvgen, taking turns: what a change did to the speed.
 
 Runs from one machine's quiet spell drift by 10-40%, more than most changes move decoding; a change
 is measured by two checkouts taking turns instead. Each commit is exported (`git archive`) into a
@@ -7,9 +7,11 @@ commit each load the model and time `--repeats` greedy decodes of `--new-tokens`
 ignored) after a warm-up, and report their median tok/s. The table gives each side's median over
 the pairs and the median of the per-pair ratios; every sample and both sides' tokens (which must
 agree) go to benchmarks/results/checkouts-<model>-<cpu class>.json. The kernels build once per
-commit (cached by source).
+commit (cached by source). With `--prefill N` each turn times the prefill of an N-token prompt (the
+benchmarks' text, `common.prompt_ids`; the prefill's own timer, one new token) instead.
 
     python benchmarks/checkouts.py --base a52cc96 --head 6837d03 --pairs 6
+    python benchmarks/checkouts.py --base feff921 --head 1db94b5 --prefill 2048 --repeats 2
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ TURN = """
 import json, statistics, sys
 from kvgen import LLM, SamplingParams
 model, weights, new_tokens, repeats, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-llm = LLM.load(model, progress=False, weights=weights)
+prefill = int(sys.argv[6])
+llm = LLM.load(model, progress=False, weights=weights, max_context=prefill + 1 if prefill else None)
+if prefill:
+    sys.path.insert(0, sys.argv[7])
+    from common import prompt_ids
+    prompt, new_tokens = prompt_ids(llm.tokenizer, prefill), 1
 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 llm.generate(prompt, params)
 runs = [llm.generate(prompt, params) for _ in range(repeats)]
-speeds = [run.timings.decode_tokens_per_second for run in runs]
+timings = [run.timings for run in runs]
+speeds = [t.prefill_tokens_per_second if prefill else t.decode_tokens_per_second for t in timings]
 print(json.dumps({"tok_s": statistics.median(speeds), "samples": speeds, "tokens": runs[0].token_ids}))
 """
 
@@ -56,7 +64,8 @@ def export(revision: str, into: Path) -> tuple[str, Path]:
 
 
 def turn(folder: Path, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-c", TURN, args.model, args.weights, str(args.new_tokens), str(args.repeats), args.prompt]
+    command = [sys.executable, "-c", TURN, args.model, args.weights, str(args.new_tokens), str(args.repeats), args.prompt,
+               str(args.prefill), str(Path(__file__).resolve().parent)]  # fmt: skip
     environment = os.environ | {"PYTHONPATH": str(folder / "src")}
     done = subprocess.run(command, env=environment, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -72,6 +81,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="decodes per turn (their median is the turn's)")
     parser.add_argument("--pairs", type=int, default=6, help="turns of each commit, alternating")
     parser.add_argument("--prompt", default="Once upon a time")
+    parser.add_argument("--prefill", type=int, default=0, help="time the prefill of a prompt of this many tokens instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         (base_sha, base), (head_sha, head) = export(args.base, Path(scratch)), export(args.head, Path(scratch))
@@ -87,13 +97,15 @@ def main() -> None:
         "head_tok_s": statistics.median(pair["head"]["tok_s"] for pair in pairs),
         "ratio": statistics.median(pair["ratio"] for pair in pairs),
     }
-    print(f"{args.model} ({args.weights}), {args.new_tokens} new tokens, {args.pairs} pairs: {base_sha[:7]} "
+    what = f"{args.prefill}-token prefill" if args.prefill else f"{args.new_tokens} new tokens"
+    print(f"{args.model} ({args.weights}), {what}, {args.pairs} pairs: {base_sha[:7]} "
           f"{summary['base_tok_s']:.1f} tok/s, {head_sha[:7]} {summary['head_tok_s']:.1f} tok/s, "
           f"median ratio {summary['ratio']:.3f}x")  # fmt: skip
     config = vars(args) | {"base_sha": base_sha, "head_sha": head_sha}
     for pair in pairs:
         pair["base"].pop("tokens"), pair["head"].pop("tokens")
-    path = write_results(f"checkouts-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
+    name = f"checkouts-prefill{args.prefill}" if args.prefill else "checkouts"
+    path = write_results(f"{name}-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
     print(f"wrote {path}")
 
 
