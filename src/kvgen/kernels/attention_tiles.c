@@ -7,47 +7,29 @@
 #define MAX_TILE 64  // positions per tile
 #define MAX_HEAD_TILE 8  // query heads per attend_tile_heads call
 
-// exp of 8 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
+// e^x in each lane: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor
 // series to r^7 (relative error ~2e-8 before rounding); x is clamped to [-87, 88] (no inf/denormals).
+// P: the intrinsics' prefix, so that 8 lanes (exp8) and 16 (exp16) run the same operations per lane.
+#define EXP_LANES(P, VEC, IVEC, ROUND, AS_FLOAT)                                                       \
+    x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.0f)), P##_set1_ps(88.0f));                          \
+    const VEC n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+    VEC r = P##_fnmadd_ps(n, P##_set1_ps(0.693145751953125f), x); /* ln 2 in two parts: exact n * hi */ \
+    r = P##_fnmadd_ps(n, P##_set1_ps(1.428606765330187045e-06f), r);                                 \
+    VEC p = P##_set1_ps(1.0f / 5040.0f);                                                             \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 720.0f));                                              \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 120.0f));                                              \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 24.0f));                                               \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 6.0f));                                                \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(0.5f));                                                       \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                       \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                       \
+    const IVEC scale = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);   \
+    return P##_mul_ps(p, AS_FLOAT(scale));
 #ifdef __AVX2__
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
+static inline __m256 exp8(__m256 x) { EXP_LANES(_mm256, __m256, __m256i, _mm256_round_ps, _mm256_castsi256_ps) }
 #endif
-
 #ifdef __AVX512F__
-// exp8's operations on 16 lanes: each lane's bits are exp8's.
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
+static inline __m512 exp16(__m512 x) { EXP_LANES(_mm512, __m512, __m512i, _mm512_roundscale_ps, _mm512_castsi512_ps) }
 #endif
 
 #ifdef __AVX2__
@@ -149,6 +131,41 @@ static void tile_scores(const float* q, int64_t count, const float* const* keys,
     }
 }
 
+// Two heads' columns [j0, last) in runs of WIDTH: each value load feeds both heads, 2 * WIDTH / LANES
+// fma chains in registers, one fma per column and position, in position order.
+#define PAIRED_HEAD_RUNS(WIDTH, VEC, LANES, LOADU, STOREU, SET1, FMADD)                                \
+    for (; j0 + (WIDTH) <= last; j0 += (WIDTH)) {                                                    \
+        for (int64_t h = 0; h < paired; h += 2) {                                                    \
+            float* o = out + h * d + j0;                                                             \
+            const float* ph = p + h * p_stride;                                                      \
+            VEC a[(WIDTH) / (LANES)], b[(WIDTH) / (LANES)];                                          \
+            for (int c = 0; c < (WIDTH) / (LANES); c++) a[c] = LOADU(o + (LANES) * c), b[c] = LOADU(o + d + (LANES) * c); \
+            for (int64_t i = 0; i < n; i++) {                                                        \
+                const VEC w = SET1(ph[i]), u = SET1(ph[p_stride + i]);                               \
+                const float* v = values[i] + j0;                                                     \
+                for (int c = 0; c < (WIDTH) / (LANES); c++) {                                        \
+                    const VEC vc = LOADU(v + (LANES) * c);                                           \
+                    a[c] = FMADD(w, vc, a[c]), b[c] = FMADD(u, vc, b[c]);                            \
+                }                                                                                    \
+            }                                                                                        \
+            for (int c = 0; c < (WIDTH) / (LANES); c++) STOREU(o + (LANES) * c, a[c]), STOREU(o + d + (LANES) * c, b[c]); \
+        }                                                                                            \
+    }
+
+// An odd last head's columns [j1, last) in runs of WIDTH: WIDTH / LANES fma chains in registers,
+// one fma per column and position, in position order.
+#define ODD_HEAD_RUNS(WIDTH, VEC, LANES, LOADU, STOREU, SET1, FMADD)                                  \
+    for (; j1 + (WIDTH) <= last; j1 += (WIDTH)) {                                                    \
+        VEC a[(WIDTH) / (LANES)];                                                                    \
+        for (int c = 0; c < (WIDTH) / (LANES); c++) a[c] = LOADU(o + j1 + (LANES) * c);            \
+        for (int64_t i = 0; i < n; i++) {                                                            \
+            const VEC w = SET1(ph[i]);                                                               \
+            const float* v = values[i] + j1;                                                         \
+            for (int c = 0; c < (WIDTH) / (LANES); c++) a[c] = FMADD(w, LOADU(v + (LANES) * c), a[c]); \
+        }                                                                                            \
+        for (int c = 0; c < (WIDTH) / (LANES); c++) STOREU(o + j1 + (LANES) * c, a[c]);             \
+    }
+
 // out[h][j] += sum_i p[h][i] * values[i][j] for `count` heads (p, out: [count][..]) and the columns
 // j in [first, last), the sums kept in registers over the tile's positions. Columns outside, heads
 // inside: a 32-column slice of the tile's values comes from L2 once and from L1 for the other heads.
@@ -158,102 +175,29 @@ static void weighted_sums_columns(const float* p, int64_t p_stride, const float*
                                   int64_t first, int64_t last, float* out, int64_t count) {
     const int64_t paired = count - count % 2;
     int64_t j0 = first, j1 = first;  // the first column left to the paired heads / to an odd last head
+    // Each value load feeds two heads. AVX-512 takes 64 columns of two heads in 16-lane registers:
+    // the same fma per column and position, half the instructions (with exp_shifted's 16 lanes: a
+    // 2,048-token SmolLM2 prompt 1.1x as fast on a 2-core Intel Xeon, once the rows step's blocks of
+    // rows keep the tiles in L1).
 #ifdef __AVX512F__
-    // 64 columns of two heads in 16-lane registers: the same fma per column and position, half the
-    // instructions (with exp_shifted's 16 lanes: a 2,048-token SmolLM2 prompt 1.1x as fast on a
-    // 2-core Intel Xeon, once the rows step's blocks of rows keep the tiles in L1).
-    for (; j0 + 64 <= last; j0 += 64) {
-        for (int64_t h = 0; h < paired; h += 2) {
-            float* o = out + h * d + j0;
-            const float* ph = p + h * p_stride;
-            __m512 a[4], b[4];
-            for (int c = 0; c < 4; c++) a[c] = _mm512_loadu_ps(o + 16 * c), b[c] = _mm512_loadu_ps(o + d + 16 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m512 w = _mm512_set1_ps(ph[i]), u = _mm512_set1_ps(ph[p_stride + i]);
-                const float* v = values[i] + j0;
-                for (int c = 0; c < 4; c++) {
-                    const __m512 vc = _mm512_loadu_ps(v + 16 * c);
-                    a[c] = _mm512_fmadd_ps(w, vc, a[c]), b[c] = _mm512_fmadd_ps(u, vc, b[c]);
-                }
-            }
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + 16 * c, a[c]), _mm512_storeu_ps(o + d + 16 * c, b[c]);
-        }
-    }
-    if (count % 2) {
-        float* o = out + paired * d;
-        const float* ph = p + paired * p_stride;
-        for (; j1 + 128 <= last; j1 += 128) {
-            __m512 a[8];
-            for (int c = 0; c < 8; c++) a[c] = _mm512_loadu_ps(o + j1 + 16 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m512 w = _mm512_set1_ps(ph[i]);
-                const float* v = values[i] + j1;
-                for (int c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), a[c]);
-            }
-            for (int c = 0; c < 8; c++) _mm512_storeu_ps(o + j1 + 16 * c, a[c]);
-        }
-        for (; j1 + 64 <= last; j1 += 64) {
-            __m512 a[4];
-            for (int c = 0; c < 4; c++) a[c] = _mm512_loadu_ps(o + j1 + 16 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m512 w = _mm512_set1_ps(ph[i]);
-                const float* v = values[i] + j1;
-                for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), a[c]);
-            }
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + j1 + 16 * c, a[c]);
-        }
-    }
+    PAIRED_HEAD_RUNS(64, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
 #endif
 #ifdef __AVX2__
-    for (; j0 + 32 <= last; j0 += 32) {
-        for (int64_t h = 0; h < paired; h += 2) {  // two heads share each value load: 8 independent fma chains
-            float* o = out + h * d + j0;
-            const float* ph = p + h * p_stride;
-            __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
-            __m256 a2 = _mm256_loadu_ps(o + 16), a3 = _mm256_loadu_ps(o + 24);
-            __m256 b0 = _mm256_loadu_ps(o + d), b1 = _mm256_loadu_ps(o + d + 8);
-            __m256 b2 = _mm256_loadu_ps(o + d + 16), b3 = _mm256_loadu_ps(o + d + 24);
-            for (int64_t i = 0; i < n; i++) {
-                const __m256 w = _mm256_set1_ps(ph[i]), u = _mm256_set1_ps(ph[p_stride + i]);
-                const float* v = values[i] + j0;
-                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-                const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
-                a0 = _mm256_fmadd_ps(w, v0, a0), b0 = _mm256_fmadd_ps(u, v0, b0);
-                a1 = _mm256_fmadd_ps(w, v1, a1), b1 = _mm256_fmadd_ps(u, v1, b1);
-                a2 = _mm256_fmadd_ps(w, v2, a2), b2 = _mm256_fmadd_ps(u, v2, b2);
-                a3 = _mm256_fmadd_ps(w, v3, a3), b3 = _mm256_fmadd_ps(u, v3, b3);
-            }
-            _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1);
-            _mm256_storeu_ps(o + 16, a2), _mm256_storeu_ps(o + 24, a3);
-            _mm256_storeu_ps(o + d, b0), _mm256_storeu_ps(o + d + 8, b1);
-            _mm256_storeu_ps(o + d + 16, b2), _mm256_storeu_ps(o + d + 24, b3);
-        }
-    }
-    if (count % 2) {  // an odd head alone: 64 columns at a time keep 8 fma chains in flight, not 4
+    PAIRED_HEAD_RUNS(32, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+#endif
+    if (count % 2) {  // an odd head alone: runs twice as wide keep 8 fma chains in flight, not 4
         float* o = out + paired * d;
         const float* ph = p + paired * p_stride;
-        for (; j1 + 64 <= last; j1 += 64) {
-            __m256 a[8];
-            for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(o + j1 + 8 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m256 w = _mm256_set1_ps(ph[i]);
-                const float* v = values[i] + j1;
-                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
-            }
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + j1 + 8 * c, a[c]);
-        }
-        for (; j1 + 32 <= last; j1 += 32) {
-            __m256 a[4];
-            for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + j1 + 8 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m256 w = _mm256_set1_ps(ph[i]);
-                const float* v = values[i] + j1;
-                for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
-            }
-            for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + j1 + 8 * c, a[c]);
-        }
-    }
+        (void)o, (void)ph;
+#ifdef __AVX512F__
+        ODD_HEAD_RUNS(128, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
+        ODD_HEAD_RUNS(64, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
 #endif
+#ifdef __AVX2__
+        ODD_HEAD_RUNS(64, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+        ODD_HEAD_RUNS(32, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+#endif
+    }
     for (int64_t h = 0; h < count; h++)
         for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
             for (int64_t j = h < paired ? j0 : j1; j < last; j++)
