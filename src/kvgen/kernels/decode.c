@@ -282,25 +282,14 @@ static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int6
 // end), in tiles of 32 positions. The tile loop runs outside the head loop, so a tile's keys and
 // values come from memory once for all the heads (Gemma 3 270M: 4 query heads per kv head) where
 // one head at a time read them once per head; each head's sums are the lone head's, op for op.
-// In three steps (attend_begin, attend_next_tile at each tile's first position in order, attend_end), so
-// that the rows step can take the tiles of several rows in turn (decode_rows.c, attend_row_block).
+// attend_begin and attend_end open and close the heads' sums; the rows step's blocks of rows
+// (decode_rows.c, attend_row_block) take the tiles between them row by row in turn.
 #define MAX_HEAD_RUN MAX_HEAD_TILE
 static void attend_begin(float* out, int64_t count, int64_t d, softmax_state* st) {
     for (int64_t h = 0; h < count; h++) {
         st[h] = (softmax_state){-INFINITY, 0.0f};
         for (int64_t j = 0; j < d; j++) out[h * d + j] = 0.0f;
     }
-}
-
-static void attend_next_tile(const float* q, float* out, int64_t count, const kv_layout* keys, const kv_layout* values,
-                             int64_t kv_head, int64_t first, int64_t end, float scale, int64_t d, int cached,
-                             softmax_state* st) {
-    const float *key_rows[64], *value_rows[32];  // keys: the tile's and, streamed, the next tile's
-    const int64_t n = end - first < 32 ? end - first : 32;
-    const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
-    kv_rows(keys, kv_head, first, reach, key_rows);
-    kv_rows(values, kv_head, first, n, value_rows);
-    attend_tile_heads(q, count, key_rows, value_rows, n, reach, d, scale, st, out, cached);
 }
 
 static void attend_end(float* out, int64_t count, int64_t d, const softmax_state* st) {
@@ -313,9 +302,15 @@ static void attend_end(float* out, int64_t count, int64_t d, const softmax_state
 static void attend_heads(const float* q, float* out, int64_t count, const kv_layout* keys, const kv_layout* values,
                          int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d, int cached) {
     softmax_state st[MAX_HEAD_RUN];
+    const float *key_rows[64], *value_rows[32];  // keys: the tile's and, streamed, the next tile's
     attend_begin(out, count, d, st);
-    for (int64_t first = start; first < end; first += 32)
-        attend_next_tile(q, out, count, keys, values, kv_head, first, end, scale, d, cached, st);
+    for (int64_t first = start; first < end; first += 32) {
+        const int64_t n = end - first < 32 ? end - first : 32;
+        const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
+        kv_rows(keys, kv_head, first, reach, key_rows);
+        kv_rows(values, kv_head, first, n, value_rows);
+        attend_tile_heads(q, count, key_rows, value_rows, n, reach, d, scale, st, out, cached);
+    }
     attend_end(out, count, d, st);
 }
 

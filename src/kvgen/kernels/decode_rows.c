@@ -234,7 +234,7 @@ static void list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* v
 }
 
 // Heads [head, head + count) of rows r0 .. r0 + n - 1 over their keys, tile by tile in turn: each
-// tile as attend_next_tile takes it, its row addresses listed once for the rows that share them.
+// row's tile as attend_heads takes it, its row addresses listed once for the rows that share them.
 static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int64_t n, int64_t head, int64_t count,
                              int64_t group) {
     const block_t* b = &st->blocks[layer];
