@@ -238,8 +238,9 @@ static float exp_shifted(float* s, int64_t n, float max) {
     __m256 total = _mm256_setzero_ps();
     const __m256 m = _mm256_set1_ps(max);
 #ifdef __AVX512F__
+    const __m512 m16 = _mm512_set1_ps(max);
     for (; i + 16 <= n; i += 16) {  // 16 exps at once, added to the 8 lane sums as two runs of 8
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(max)));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m16));
         _mm512_storeu_ps(s + i, e);
         total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
         total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));

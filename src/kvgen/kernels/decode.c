@@ -299,18 +299,65 @@ static void attend_end(float* out, int64_t count, int64_t d, const softmax_state
     }
 }
 
+// One tile's key and value row addresses (kv_rows), kept for the next rows of a block that read
+// the same positions (decode_rows.c, attend_row_block): listing them anew for every row had cost a
+// twentieth of a 2,048-token prompt.
+typedef struct {
+    int64_t first, keys_listed, values_listed;  // keys [first, first + keys_listed) are listed, values likewise
+    kv_layout keys, values;                     // whose positions they are
+    const float *key_rows[64], *value_rows[32];
+} tile_rows;
+
+// Whether layouts a and b (one step's, so one store and one set of strides) keep positions
+// [first, last) in the same places.
+static int same_positions(const kv_layout* a, const kv_layout* b, int64_t first, int64_t last) {
+    if (a->tail != NULL || b->tail != NULL || a->base != b->base) return 0;
+    if (a->table == b->table) return 1;
+    if (a->table == NULL || b->table == NULL) return 0;
+    for (int64_t block = first / a->block_size; block <= (last - 1) / a->block_size; block++)
+        if (a->table[block] != b->table[block]) return 0;
+    return 1;
+}
+
+// The rows of one tile for a row reading keys [first, first + reach) and values [first, first + n)
+// through kl / vl: the listed ones, extended where it reads further, or listed anew.
+static void list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* vl, int64_t kv_head, int64_t first,
+                           int64_t reach, int64_t n) {
+    const int64_t keys_end = first + (reach > t->keys_listed ? reach : t->keys_listed);
+    const int64_t values_end = first + (n > t->values_listed ? n : t->values_listed);
+    if (t->first != first || t->keys_listed == 0 || !same_positions(&t->keys, kl, first, keys_end) ||
+        !same_positions(&t->values, vl, first, values_end)) {
+        t->first = first, t->keys_listed = t->values_listed = 0, t->keys = *kl, t->values = *vl;
+    }
+    if (reach > t->keys_listed) {
+        kv_rows(&t->keys, kv_head, first + t->keys_listed, reach - t->keys_listed, t->key_rows + t->keys_listed);
+        t->keys_listed = reach;
+    }
+    if (n > t->values_listed) {
+        kv_rows(&t->values, kv_head, first + t->values_listed, n - t->values_listed, t->value_rows + t->values_listed);
+        t->values_listed = n;
+    }
+}
+
+// The tile of positions [first, min(first + 32, end)) into the heads' running sums: its addresses
+// listed (or the ones `listed` holds), then attend_tile_heads; streamed keys (not `cached`) reach
+// into the next tile, which is asked for ahead.
+static void attend_listed_tile(tile_rows* listed, const float* q, float* out, int64_t count, const kv_layout* keys,
+                               const kv_layout* values, int64_t kv_head, int64_t first, int64_t end, float scale,
+                               int64_t d, int cached, softmax_state* st) {
+    const int64_t n = end - first < 32 ? end - first : 32;
+    const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
+    list_tile_rows(listed, keys, values, kv_head, first, reach, n);
+    attend_tile_heads(q, count, listed->key_rows, listed->value_rows, n, reach, d, scale, st, out, cached);
+}
+
 static void attend_heads(const float* q, float* out, int64_t count, const kv_layout* keys, const kv_layout* values,
                          int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d, int cached) {
     softmax_state st[MAX_HEAD_RUN];
-    const float *key_rows[64], *value_rows[32];  // keys: the tile's and, streamed, the next tile's
+    tile_rows listed = {.first = -1};
     attend_begin(out, count, d, st);
-    for (int64_t first = start; first < end; first += 32) {
-        const int64_t n = end - first < 32 ? end - first : 32;
-        const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
-        kv_rows(keys, kv_head, first, reach, key_rows);
-        kv_rows(values, kv_head, first, n, value_rows);
-        attend_tile_heads(q, count, key_rows, value_rows, n, reach, d, scale, st, out, cached);
-    }
+    for (int64_t first = start; first < end; first += 32)
+        attend_listed_tile(&listed, q, out, count, keys, values, kv_head, first, end, scale, d, cached, st);
     attend_end(out, count, d, st);
 }
 

@@ -194,47 +194,8 @@ static int64_t rows_per_unit(int64_t rows, int64_t units_per_row) {
     return wanted < 1 ? 1 : wanted > ROW_BLOCK ? ROW_BLOCK : wanted;
 }
 
-// One tile's key and value row addresses (kv_rows), kept for the next rows of a block that read
-// the same positions: listing them anew for every row had cost a twentieth of a 2,048-token prompt.
-typedef struct {
-    int64_t first, keys_listed, values_listed;  // keys [first, first + keys_listed) are listed, values likewise
-    kv_layout keys, values;                     // whose positions they are
-    const float *key_rows[64], *value_rows[32];
-} tile_rows;
-
-// Whether layouts a and b (one step's, so one store and one set of strides) keep positions
-// [first, last) in the same places.
-static int same_positions(const kv_layout* a, const kv_layout* b, int64_t first, int64_t last) {
-    if (a->tail != NULL || b->tail != NULL || a->base != b->base) return 0;
-    if (a->table == b->table) return 1;
-    if (a->table == NULL || b->table == NULL) return 0;
-    for (int64_t block = first / a->block_size; block <= (last - 1) / a->block_size; block++)
-        if (a->table[block] != b->table[block]) return 0;
-    return 1;
-}
-
-// The rows of one tile for a row reading keys [first, first + reach) and values [first, first + n)
-// through kl / vl: the listed ones, extended where it reads further, or listed anew.
-static void list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* vl, int64_t kv_head, int64_t first,
-                           int64_t reach, int64_t n) {
-    const int64_t keys_end = first + (reach > t->keys_listed ? reach : t->keys_listed);
-    const int64_t values_end = first + (n > t->values_listed ? n : t->values_listed);
-    if (t->first != first || t->keys_listed == 0 || !same_positions(&t->keys, kl, first, keys_end) ||
-        !same_positions(&t->values, vl, first, values_end)) {
-        t->first = first, t->keys_listed = t->values_listed = 0, t->keys = *kl, t->values = *vl;
-    }
-    if (reach > t->keys_listed) {
-        kv_rows(&t->keys, kv_head, first + t->keys_listed, reach - t->keys_listed, t->key_rows + t->keys_listed);
-        t->keys_listed = reach;
-    }
-    if (n > t->values_listed) {
-        kv_rows(&t->values, kv_head, first + t->values_listed, n - t->values_listed, t->value_rows + t->values_listed);
-        t->values_listed = n;
-    }
-}
-
 // Heads [head, head + count) of rows r0 .. r0 + n - 1 over their keys, tile by tile in turn: each
-// row's tile as attend_heads takes it, its row addresses listed once for the rows that share them.
+// row's tile as attend_heads takes it, the tile's addresses listed once for the rows that share them.
 static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int64_t n, int64_t head, int64_t count,
                              int64_t group) {
     const block_t* b = &st->blocks[layer];
@@ -262,12 +223,9 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
         for (int64_t i = 0; i < n; i++) {
             const int64_t first = start[i] + 32 * t;
             if (first >= end[i]) continue;
-            const int64_t m = end[i] - first < 32 ? end[i] - first : 32;
-            const int64_t reach = cached[i] ? m : (end[i] - first < 64 ? end[i] - first : 64);
-            list_tile_rows(&listed, &kl[i], &vl[i], kv_head, first, reach, m);
-            attend_tile_heads(st->s->qkv_out + (r0 + i) * qkv_width + head * d, count, listed.key_rows,
-                              listed.value_rows, m, reach, d, b->scale, state[i], st->s->attn + (r0 + i) * nq + head * d,
-                              cached[i]);
+            attend_listed_tile(&listed, st->s->qkv_out + (r0 + i) * qkv_width + head * d,
+                               st->s->attn + (r0 + i) * nq + head * d, count, &kl[i], &vl[i], kv_head, first, end[i],
+                               b->scale, d, cached[i], state[i]);
         }
     }
     for (int64_t i = 0; i < n; i++) attend_end(st->s->attn + (r0 + i) * nq + head * d, count, d, state[i]);
