@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvgen.kernels.build import cpu_flags, kernel_arch, kernel_isa
+from kvgen.kernels.build import amx_tiles, cpu_flags, kernel_arch, kernel_isa
 
 RESULTS_DIR = Path(__file__).parent / "results"
 # Plain English prose, repeated and cut to an exact token count so every engine sees the same ids.
@@ -56,14 +56,16 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "kernel_arch": kernel_arch() or "native",
+        "kernel_amx_tiles": amx_tiles(),
         "python": platform.python_version(),
     }
 
 
 def isa_class(flags: frozenset[str]) -> str:
     """"avx512-amx", "avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names.
-    AMX (Intel's int8 / bf16 tile units) is a class of its own: kvgen's kernels take the VNNI path
-    there, but oneDNN's int8 and bf16 GEMMs, and so some peers, can use the tiles."""
+    AMX (Intel's int8 / bf16 tile units) is a class of its own: kvgen's 4-bit matmuls run 32 or
+    more rows in its int8 tiles (amx_tiles.c), and oneDNN's int8 and bf16 GEMMs, and so some peers,
+    use them too."""
     if "avx512f" in flags:
         if "amx_int8" in flags:
             return "avx512-amx"

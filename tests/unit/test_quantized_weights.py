@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvgen import LLM
-from kvgen.kernels import load, requantize
+from kvgen.kernels import amx_tiles, load, requantize
+from kvgen.kernels.build import cpu_flags
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.quality import score
@@ -54,6 +55,26 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
     alone = torch.cat([linear(x[i : i + 1], row_invariant=True) for i in range(x.shape[0])])
     for rows in (2, 3, 4, 5, 64, 65, 131):
         assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
+
+
+@pytest.mark.skipif("amx_int8" not in cpu_flags(), reason="the AMX tiles need an Intel CPU with AMX")
+@pytest.mark.parametrize("kind", ["q4", "q4h"])
+def test_amx_tiles_give_the_vector_kernels_bits(kind: str) -> None:
+    """From 32 rows the 4-bit matmuls multiply whole tiles of 16 rows in AMX and apply each block's
+    scales as the 512-bit kernels do, so a prompt's rows get the bits a decode step gets."""
+    assert amx_tiles(), "this CPU has AMX but the kernels are not using it (Linux refused the tile state?)"
+    torch.manual_seed(0)
+    # 100 outputs: a partial last group of 8; 2,112 inputs: 66 blocks, more than one unpacked span
+    linear = QuantizedLinear(requantize(torch.randn(100, 2112) * 0.05, kind))
+    x = torch.randn(200, 2112)
+    try:
+        for rows in (16, 32, 47, 64, 131, 200):
+            with_tiles = linear(x[:rows], row_invariant=True)
+            assert not amx_tiles(False)
+            assert torch.equal(linear(x[:rows], row_invariant=True), with_tiles), rows
+            assert amx_tiles(True)
+    finally:
+        amx_tiles(True)
 
 
 def test_f16_four_bit_blocks_give_the_f32_blocks_bits() -> None:

@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "interleaved_pairs.c", "k_quants.c", "decode.c", "eagle_step.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
+INCLUDED = ("interleaved.c", "interleaved_pairs.c", "amx_tiles.c", "k_quants.c", "decode.c", "eagle_step.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ARCH_VARIABLE = "KVGEN_KERNEL_ARCH"
@@ -149,6 +149,16 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
+def amx_tiles(on: bool | None = None) -> bool:
+    """Whether the 4-bit matmuls run 32 or more rows in Intel's AMX tiles (amx_tiles.c: CPUs with
+    AMX, where Linux grants the tile state; on by default there). `on` turns them on or off first,
+    e.g. to compare the two paths, whose bits are the same."""
+    library = load()
+    if library is None:
+        return False
+    return bool(library.kvgen_amx_set(-1 if on is None else int(on)))
+
+
 def open_library(path: Path) -> ctypes.CDLL:
     """Load a built library and declare its functions' signatures."""
     library = ctypes.CDLL(str(path))
@@ -168,6 +178,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_swiglu_rows.argtypes = [pointer, count, count, pointer]
     library.kvgen_argmax_f32.argtypes = [pointer, count]
     library.kvgen_argmax_f32.restype = count
+    library.kvgen_amx_set.argtypes = [ctypes.c_int]
+    library.kvgen_amx_set.restype = ctypes.c_int
     library.kvgen_rope.argtypes = [pointer] + [count] * 7 + [pointer, pointer, count, pointer]
     library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
     library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]

@@ -1,0 +1,148 @@
+// 4-bit weights (q4x8, q4hx8) times int8 activation rows in AMX tiles, 16 rows by 16 outputs a
+// tile, where the CPU has AMX (Intel Sapphire Rapids and later). #included by interleaved.c after
+// interleaved_pairs.c, whose 512-bit pair kernels take the rows left over and every build without AMX.
+//
+// Numerics: the pair kernels' exactly. One TDPBSUD per 32-element block gives each (row, output)
+// the block's exact integer dot (activations the signed side, the nibbles the unsigned one; K = 32,
+// so blocks never mix), then the same acc = fma(float(idot), d_w * d_x, acc), acc = fma(m_w, s_x,
+// acc) per block, in order, in 512-bit registers. A row's outputs are the same bits with AMX or
+// without, alone or among many rows.
+//
+// Layout: a pair's block is the B tile as it stands. TDPBSUD's B holds, per K-row i (elements
+// 4i..4i+3), four bytes per output: q4x8's load i (i < 4) is exactly that for 8 outputs, as low
+// nibbles for elements 4i + e and high nibbles for 16 + 4i + e. So B row i of a pair is the low
+// (i < 4) or high nibbles of the two groups' load i side by side, unpacked once per pair and call
+// for every row tile. The A tile is read in place: 16 activation blocks' 32 codes, a row apart.
+//
+// The kernel must ask Linux for the tile data state once (arch_prctl); where that is refused, or
+// kvgen_amx_set(0) turns it off, the pair kernels run.
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <sys/syscall.h>
+long syscall(long number, ...);  // unistd.h declares it only outside strict C11
+
+#define AMX_ROWS 16        // activation rows a tile
+// Rows a call needs before the tiles pay: a single tile (16 rows) ran no faster than the pair
+// kernel, its weights unpacked for it alone.
+#define AMX_MIN_ROWS 32
+#define AMX_SPAN_BLOCKS 64  // blocks unpacked at once: 32 KiB of B tiles on the stack
+// Tile registers: a block's dots, its activation codes, its weights. (Two or three sets of them in
+// turn, so that one block's store never waited on the multiply just issued, were no faster: on an
+// Intel Xeon with AMX the tile instructions and the 512-bit arithmetic around them did not overlap.)
+#define AMX_C 0
+#define AMX_A 1
+#define AMX_B 2
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+static int amx_enabled = -1;  // -1: not asked yet; 0: off or refused; 1: on
+
+// Asks for the tile data state once (XFEATURE_XTILEDATA, 18, by ARCH_REQ_XCOMP_PERM, 0x1023).
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+static inline int amx_on(void) {
+    if (amx_enabled < 0) amx_enabled = amx_permitted();
+    return amx_enabled;
+}
+
+// Turns the AMX tiles on (on > 0, where the CPU and Linux allow them) or off (on == 0), or leaves
+// them as they are (on < 0: on by default); returns whether they are on. The bits of every output
+// are the same either way.
+int kvgen_amx_set(int on) {
+    if (on >= 0) amx_enabled = on && amx_permitted();
+    return amx_on();
+}
+
+static void amx_configure(void) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    config.rows[AMX_C] = AMX_ROWS, config.colsb[AMX_C] = 16 * sizeof(int32_t);
+    config.rows[AMX_A] = AMX_ROWS, config.colsb[AMX_A] = QK;
+    config.rows[AMX_B] = QK / 4, config.colsb[AMX_B] = 64;
+    _tile_loadconfig(&config);
+}
+
+// The B tiles of blocks [0, count) of a pair of q4 groups (blocks `stride` bytes apart).
+static void amx_unpack_q4_pair(const uint8_t* qs0, const uint8_t* qs1, size_t stride, int64_t count, uint8_t* tiles) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < count; b++, qs0 += stride, qs1 += stride) {
+        uint8_t* tile = tiles + b * 512;
+        for (int i = 0; i < 4; i++) {
+            const __m512i packed = pair_load(qs0 + 32 * i, qs1 + 32 * i);
+            _mm512_storeu_si512(tile + 64 * i, _mm512_and_si512(packed, mask));
+            _mm512_storeu_si512(tile + 64 * (4 + i), _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask));
+        }
+    }
+}
+
+// y rows [0, tiles * 16) of the pair (16 outputs each), blocks [first, first + count) added to
+// what the earlier spans left (first == 0: from zero). Per block one multiply gives the tile's exact
+// dots, stored for the vector units to apply the block's scales (b, dot[t], b0, b1, x, acc: the
+// names APPLY reads).
+#define AMX_SPAN(BLOCK, APPLY)                                                                       \
+    for (int64_t t0 = 0; t0 < tiles * AMX_ROWS; t0 += AMX_ROWS) {                                    \
+        __m512 acc[AMX_ROWS];                                                                        \
+        for (int t = 0; t < AMX_ROWS; t++)                                                           \
+            acc[t] = first == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (t0 + t) * y_stride);   \
+        const block_x8* x = activations + t0 * x_stride;                                             \
+        for (int64_t b = first; b < first + count; b++) {                                            \
+            _tile_loadd(AMX_A, x[b].qs, x_stride * (int64_t)sizeof(block_x8));                       \
+            _tile_loadd(AMX_B, unpacked + (b - first) * 512, 64);                                    \
+            _tile_zero(AMX_C);                                                                       \
+            _tile_dpbsud(AMX_C, AMX_A, AMX_B);                                                       \
+            _tile_stored(AMX_C, dots, 64);                                                           \
+            const BLOCK* b0 = w0 + b;                                                                \
+            const BLOCK* b1 = w1 + b;                                                                \
+            __m512i dot[AMX_ROWS];                                                                   \
+            for (int t = 0; t < AMX_ROWS; t++) dot[t] = _mm512_load_si512(dots + 16 * t);           \
+            APPLY(AMX_ROWS)                                                                          \
+        }                                                                                            \
+        for (int t = 0; t < AMX_ROWS; t++) _mm512_storeu_ps(y + (t0 + t) * y_stride, acc[t]);       \
+    }
+
+// The pair kernels' signature for any number of rows: whole tiles of 16 in AMX, the rest (and
+// every row where AMX is off) PAIR_ROWS at a time by PAIR_FN.
+#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, APPLY)                                                 \
+    static void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* activations, const int32_t* xsum, \
+                     int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {           \
+        const int64_t tiles = rows >= AMX_MIN_ROWS && amx_on() ? rows / AMX_ROWS : 0;                \
+        if (tiles > 0) {                                                                             \
+            uint8_t unpacked[AMX_SPAN_BLOCKS * 512] __attribute__((aligned(64)));                    \
+            int32_t dots[AMX_ROWS * 16] __attribute__((aligned(64)));                                \
+            amx_configure();                                                                         \
+            for (int64_t first = 0; first < nb; first += AMX_SPAN_BLOCKS) {                          \
+                const int64_t count = nb - first < AMX_SPAN_BLOCKS ? nb - first : AMX_SPAN_BLOCKS;   \
+                amx_unpack_q4_pair(w0[first].qs, w1[first].qs, sizeof(BLOCK), count, unpacked);     \
+                AMX_SPAN(BLOCK, APPLY)                                                               \
+            }                                                                                        \
+            _tile_release();                                                                         \
+        }                                                                                            \
+        for (int64_t m0 = tiles * AMX_ROWS; m0 < rows; m0 += PAIR_ROWS) {                            \
+            const int r = (int)(rows - m0 < PAIR_ROWS ? rows - m0 : PAIR_ROWS);                      \
+            PAIR_FN(w0, w1, activations + m0 * x_stride, xsum != NULL ? xsum + m0 * x_stride : NULL, \
+                    x_stride, y + m0 * y_stride, y_stride, r, nb);                                   \
+        }                                                                                            \
+    }
+
+AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, APPLY_PAIR_SCALES_OFFSETS)
+AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, APPLY_PAIR_F16_SCALES_OFFSETS)
+#define Q4_AMX_ROWS ROW_CHUNK  // rows a q4 pair call takes: the whole chunk
+#else
+int kvgen_amx_set(int on) {
+    (void)on;
+    return 0;
+}
+#define q4x8_amx_rows q4x8_pair_rows
+#define q4hx8_amx_rows q4hx8_pair_rows
+#define Q4_AMX_ROWS Q4_PAIR_ROWS
+#endif
