@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvgen.kernels.build import amx_tiles, cpu_flags, kernel_arch, kernel_isa
+from kvgen.kernels.build import cpu_flags, kernel_arch, kernel_isa
 
 RESULTS_DIR = Path(__file__).parent / "results"
 # Plain English prose, repeated and cut to an exact token count so every engine sees the same ids.
@@ -40,6 +40,8 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def machine() -> dict[str, Any]:
+    from kvgen.kernels.build import amx_tiles  # here, not above: checkouts.py imports this file beside older kvgens
+
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
