@@ -12,6 +12,7 @@ benchmarks' text, `common.prompt_ids`; the prefill's own timer, one new token) i
 
     python benchmarks/checkouts.py --base a52cc96 --head 6837d03 --pairs 6
     python benchmarks/checkouts.py --base feff921 --head 1db94b5 --prefill 2048 --repeats 2
+    python benchmarks/checkouts.py --base 21953ce --head bc683f8 --prefill 512 --repeats 3 --name amx-prefill512
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6, help="turns of each commit, alternating")
     parser.add_argument("--prompt", default="Once upon a time")
     parser.add_argument("--prefill", type=int, default=0, help="time the prefill of a prompt of this many tokens instead")
+    parser.add_argument("--name", default=None,
+                        help="the results file's name before -<model>-<cpu class> (default: checkouts or checkouts-prefill<N>)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         (base_sha, base), (head_sha, head) = export(args.base, Path(scratch)), export(args.head, Path(scratch))
@@ -104,7 +107,7 @@ def main() -> None:
     config = vars(args) | {"base_sha": base_sha, "head_sha": head_sha}
     for pair in pairs:
         pair["base"].pop("tokens"), pair["head"].pop("tokens")
-    name = f"checkouts-prefill{args.prefill}" if args.prefill else "checkouts"
+    name = args.name or (f"checkouts-prefill{args.prefill}" if args.prefill else "checkouts")
     path = write_results(f"{name}-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
     print(f"wrote {path}")
 
