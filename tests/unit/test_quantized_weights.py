@@ -58,15 +58,16 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
 
 
 @pytest.mark.skipif("amx_int8" not in cpu_flags(), reason="the AMX tiles need an Intel CPU with AMX")
-@pytest.mark.parametrize("kind", ["q4", "q4h"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k"])
 def test_amx_tiles_give_the_vector_kernels_bits(kind: str) -> None:
-    """From 32 rows the 4-bit matmuls multiply whole tiles of 16 rows in AMX and apply each block's
-    scales as the 512-bit kernels do, so a prompt's rows get the bits a decode step gets."""
+    """From 32 rows the matmuls multiply whole tiles of 16 rows in AMX and apply each block's
+    scales as the vector kernels do, so a prompt's rows get the bits a decode step gets."""
     assert amx_tiles(), "this CPU has AMX but the kernels are not using it (Linux refused the tile state?)"
     torch.manual_seed(0)
-    # 100 outputs: a partial last group of 8; 2,112 inputs: 66 blocks, more than one unpacked span
-    linear = QuantizedLinear(requantize(torch.randn(100, 2112) * 0.05, kind))
-    x = torch.randn(200, 2112)
+    # 100 outputs: a partial last group of 8; 2,304 inputs: 72 blocks, more than one unpacked span
+    weight = q4k_weight(100, 2304) if kind == "q4k" else requantize(torch.randn(100, 2304) * 0.05, kind)
+    linear = QuantizedLinear(weight)
+    x = torch.randn(200, 2304)
     try:
         for rows in (16, 32, 47, 64, 131, 200):
             with_tiles = linear(x[:rows], row_invariant=True)

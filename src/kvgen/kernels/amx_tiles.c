@@ -1,21 +1,24 @@
-// 4-bit weights (q4x8, q4hx8) times int8 activation rows in AMX tiles, 16 rows by 16 outputs a
-// tile, where the CPU has AMX (Intel Sapphire Rapids and later). #included by interleaved.c after
-// interleaved_pairs.c, whose 512-bit pair kernels take the rows left over and every build without AMX.
+// Interleaved weights (q4x8, q4hx8, q5x8, q8x8, q8sx8; q4kx8 in k_quants.c) times int8 activation rows
+// in AMX tiles, 16 rows by 16 outputs a tile, where the CPU has AMX (Intel Sapphire Rapids and
+// later). #included by interleaved.c after interleaved_pairs.c, whose pair kernels take the rows
+// left over and every build without AMX.
 //
-// Numerics: the pair kernels' exactly. One TDPBSUD per 32-element block gives each (row, output)
-// the block's exact integer dot (activations the signed side, the nibbles the unsigned one; K = 32,
-// so blocks never mix), then the same acc = fma(float(idot), d_w * d_x, acc), acc = fma(m_w, s_x,
-// acc) per block, in order, in 512-bit registers. A row's outputs are the same bits with AMX or
-// without, alone or among many rows.
+// Numerics: the vector kernels' exactly. One tile multiply per 32-element block (TDPBSUD, the
+// activations the signed side and 4- or 5-bit weights the unsigned one; TDPBSSD for 8-bit weights;
+// K = 32, so blocks never mix) gives each (row, output) the block's exact integer dot (q5: less 16
+// x the activations' sum, as an integer), then the same acc = fma(float(idot), d_w * d_x, acc)
+// (and acc = fma(m_w, s_x, acc) where the format has offsets) per block, in order, in 512-bit
+// registers. A row's outputs are the same bits with AMX or without, alone or among many rows.
 //
-// Layout: a pair's block is the B tile as it stands. TDPBSUD's B holds, per K-row i (elements
-// 4i..4i+3), four bytes per output: q4x8's load i (i < 4) is exactly that for 8 outputs, as low
-// nibbles for elements 4i + e and high nibbles for 16 + 4i + e. So B row i of a pair is the low
-// (i < 4) or high nibbles of the two groups' load i side by side, unpacked once per pair and call
-// for every row tile. The A tile is read in place: 16 activation blocks' 32 codes, a row apart.
+// Layout: a pair's block is nearly the B tile as it stands. TDPBSUD's B holds, per K-row i
+// (elements 4i..4i+3), four bytes per output: q4x8's load i (i < 4) is exactly that for 8 outputs,
+// as low nibbles for elements 4i + e and high nibbles for 16 + 4i + e, and q8sx8's load i (i < 8) as
+// bytes. So B row i of a pair is the two groups' (unpacked) load i side by side, unpacked once per
+// pair and call for every row tile. The A tile is read in place: 16 activation blocks' 32 codes,
+// a row apart.
 //
-// The kernel must ask Linux for the tile data state once (arch_prctl); where that is refused, or
-// kvgen_amx_set(0) turns it off, the pair kernels run.
+// The kernels ask Linux for the tile data state once (arch_prctl); where that is refused, or
+// kvgen_amx_set(0) turns them off, the pair kernels run.
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -72,24 +75,50 @@ static void amx_configure(void) {
     _tile_loadconfig(&config);
 }
 
-// The B tiles of blocks [0, count) of a pair of q4 groups (blocks `stride` bytes apart).
-static void amx_unpack_q4_pair(const uint8_t* qs0, const uint8_t* qs1, size_t stride, int64_t count, uint8_t* tiles) {
-    const __m512i mask = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < count; b++, qs0 += stride, qs1 += stride) {
-        uint8_t* tile = tiles + b * 512;
-        for (int i = 0; i < 4; i++) {
-            const __m512i packed = pair_load(qs0 + 32 * i, qs1 + 32 * i);
-            _mm512_storeu_si512(tile + 64 * i, _mm512_and_si512(packed, mask));
-            _mm512_storeu_si512(tile + 64 * (4 + i), _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask));
+// A pair's 4-bit block as a B tile: load i's low nibbles are K-row i, its high ones K-row 4 + i.
+// planes0 / planes1: q5x8's fifth bits of the two groups (NULL: 4-bit weights).
+static inline void amx_unpack_nibbles(const uint8_t* qs0, const uint8_t* qs1, const uint8_t* planes0,
+                                      const uint8_t* planes1, uint8_t* tile) {
+    const __m512i mask = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    const __m512i planes = planes0 != NULL ? pair_load(planes0, planes1) : _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        const __m512i packed = pair_load(qs0 + 32 * i, qs1 + 32 * i);
+        __m512i lo = _mm512_and_si512(packed, mask), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+        if (planes0 != NULL) {  // bit v of a plane byte: the fifth bit of unpacked vector v (2i: lo, 2i + 1: hi)
+            lo = _mm512_or_si512(lo, _mm512_and_si512(2 * i <= 4 ? _mm512_slli_epi16(planes, 4 - 2 * i)
+                                                                 : _mm512_srli_epi16(planes, 2 * i - 4), fifth));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(2 * i + 1 <= 4 ? _mm512_slli_epi16(planes, 3 - 2 * i)
+                                                                     : _mm512_srli_epi16(planes, 2 * i - 3), fifth));
         }
+        _mm512_storeu_si512(tile + 64 * i, lo);
+        _mm512_storeu_si512(tile + 64 * (4 + i), hi);
     }
 }
+
+// A pair's 8-bit block as a B tile: load i is K-row i.
+static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_t* tile) {
+    for (int i = 0; i < 8; i++) _mm512_storeu_si512(tile + 64 * i, pair_load(qs0 + 32 * i, qs1 + 32 * i));
+}
+
+#define AMX_UNPACK_Q4(b, tile) amx_unpack_nibbles(w0[b].qs, w1[b].qs, NULL, NULL, tile)
+#define AMX_UNPACK_Q5(b, tile) amx_unpack_nibbles(w0[b].qs, w1[b].qs, w0[b].qh, w1[b].qh, tile)
+#define AMX_UNPACK_Q8(b, tile) amx_unpack_bytes(w0[b].qs, w1[b].qs, tile)
+
+// The pair kernels' sums for formats without offsets (q8sx8, q5x8): acc += float(idot) * (d_w * d_x).
+#define APPLY_PAIR_F16_SCALES(R)                                                                     \
+    const __m512 d = pair_load_ph(b0->d, b1->d);                                                     \
+    for (int t = 0; t < R; t++)                                                                      \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d)), acc[t]);
+// q5: the unsigned dots less 16 x the activations' sums (q5x8's vector kernel, Q5X8_DOTS).
+#define APPLY_PAIR_Q5(R)                                                                             \
+    for (int t = 0; t < R; t++) dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(16 * xsum[t0 * x_stride + t * x_stride + b])); \
+    APPLY_PAIR_F16_SCALES(R)
 
 // y rows [0, tiles * 16) of the pair (16 outputs each), blocks [first, first + count) added to
 // what the earlier spans left (first == 0: from zero). Per block one multiply gives the tile's exact
 // dots, stored for the vector units to apply the block's scales (b, dot[t], b0, b1, x, acc: the
 // names APPLY reads).
-#define AMX_SPAN(BLOCK, APPLY)                                                                       \
+#define AMX_SPAN(BLOCK, DP, APPLY)                                                                   \
     for (int64_t t0 = 0; t0 < tiles * AMX_ROWS; t0 += AMX_ROWS) {                                    \
         __m512 acc[AMX_ROWS];                                                                        \
         for (int t = 0; t < AMX_ROWS; t++)                                                           \
@@ -99,10 +128,11 @@ static void amx_unpack_q4_pair(const uint8_t* qs0, const uint8_t* qs1, size_t st
             _tile_loadd(AMX_A, x[b].qs, x_stride * (int64_t)sizeof(block_x8));                       \
             _tile_loadd(AMX_B, unpacked + (b - first) * 512, 64);                                    \
             _tile_zero(AMX_C);                                                                       \
-            _tile_dpbsud(AMX_C, AMX_A, AMX_B);                                                       \
+            DP(AMX_C, AMX_A, AMX_B);                                                                 \
             _tile_stored(AMX_C, dots, 64);                                                           \
-            const BLOCK* b0 = w0 + b;                                                                \
+            const BLOCK* b0 = w0 + b; /* q4kx8: unused, its APPLY reads the super-blocks */           \
             const BLOCK* b1 = w1 + b;                                                                \
+            (void)b0, (void)b1;                                                                      \
             __m512i dot[AMX_ROWS];                                                                   \
             for (int t = 0; t < AMX_ROWS; t++) dot[t] = _mm512_load_si512(dots + 16 * t);           \
             APPLY(AMX_ROWS)                                                                          \
@@ -111,8 +141,9 @@ static void amx_unpack_q4_pair(const uint8_t* qs0, const uint8_t* qs1, size_t st
     }
 
 // The pair kernels' signature for any number of rows: whole tiles of 16 in AMX, the rest (and
-// every row where AMX is off) PAIR_ROWS at a time by PAIR_FN.
-#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, APPLY)                                                 \
+// every row where AMX is off) STEP rows at a time by PAIR_FN. UNPACK(b, tile) writes block b's B
+// tile; DP is the tile multiply for the weights' sign.
+#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, STEP, UNPACK, DP, APPLY)                               \
     static void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* activations, const int32_t* xsum, \
                      int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {           \
         const int64_t tiles = rows >= AMX_MIN_ROWS && amx_on() ? rows / AMX_ROWS : 0;                \
@@ -122,21 +153,27 @@ static void amx_unpack_q4_pair(const uint8_t* qs0, const uint8_t* qs1, size_t st
             amx_configure();                                                                         \
             for (int64_t first = 0; first < nb; first += AMX_SPAN_BLOCKS) {                          \
                 const int64_t count = nb - first < AMX_SPAN_BLOCKS ? nb - first : AMX_SPAN_BLOCKS;   \
-                amx_unpack_q4_pair(w0[first].qs, w1[first].qs, sizeof(BLOCK), count, unpacked);     \
-                AMX_SPAN(BLOCK, APPLY)                                                               \
+                for (int64_t b = 0; b < count; b++) UNPACK(first + b, unpacked + b * 512);           \
+                AMX_SPAN(BLOCK, DP, APPLY)                                                           \
             }                                                                                        \
             _tile_release();                                                                         \
         }                                                                                            \
-        for (int64_t m0 = tiles * AMX_ROWS; m0 < rows; m0 += PAIR_ROWS) {                            \
-            const int r = (int)(rows - m0 < PAIR_ROWS ? rows - m0 : PAIR_ROWS);                      \
+        for (int64_t m0 = tiles * AMX_ROWS; m0 < rows; m0 += (STEP)) {                               \
+            const int r = (int)(rows - m0 < (STEP) ? rows - m0 : (STEP));                            \
             PAIR_FN(w0, w1, activations + m0 * x_stride, xsum != NULL ? xsum + m0 * x_stride : NULL, \
                     x_stride, y + m0 * y_stride, y_stride, r, nb);                                   \
         }                                                                                            \
     }
 
-AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, APPLY_PAIR_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, APPLY_PAIR_F16_SCALES_OFFSETS)
-#define Q4_AMX_ROWS ROW_CHUNK  // rows a q4 pair call takes: the whole chunk
+#define AMX_KERNELS 1
+AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q4, _tile_dpbsud, APPLY_PAIR_SCALES_OFFSETS)
+AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q4, _tile_dpbsud,
+                APPLY_PAIR_F16_SCALES_OFFSETS)
+AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q5, _tile_dpbsud, APPLY_PAIR_Q5)
+AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q8, _tile_dpbssd, APPLY_PAIR_SCALES_OFFSETS)
+AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q8, _tile_dpbssd, APPLY_PAIR_F16_SCALES)
+#define Q4_AMX_ROWS ROW_CHUNK  // rows a pair call takes: the whole chunk
+#define AMX_PAIR_ROWS ROW_CHUNK
 #else
 int kvgen_amx_set(int on) {
     (void)on;
@@ -144,5 +181,9 @@ int kvgen_amx_set(int on) {
 }
 #define q4x8_amx_rows q4x8_pair_rows
 #define q4hx8_amx_rows q4hx8_pair_rows
+#define q5x8_amx_rows q5x8_pair_rows
+#define q8x8_amx_rows q8x8_pair_rows
+#define q8sx8_amx_rows q8sx8_pair_rows
 #define Q4_AMX_ROWS Q4_PAIR_ROWS
+#define AMX_PAIR_ROWS PAIR_ROWS
 #endif

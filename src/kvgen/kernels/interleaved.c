@@ -352,8 +352,6 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 #define PAIR_MIN_ROWS 16
 // GROUP_BLOCKS: BLOCKs per group of 8 rows (nb 32-element blocks; q4kx8: nb / 8 super-blocks);
 // ROWS / PAIR_ROWS_MAX: the most activation rows ROWS_FN / PAIR_FN take at once.
-#define GEMM_X8(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS)                                   \
-    GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, nb, TILE_ROWS, PAIR_ROWS)
 #define GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, GROUP_BLOCKS, ROWS, PAIR_ROWS_MAX) \
     /* Called by every thread of a team (or by one thread outside any): each takes its static    \
        share of (row chunk, pair) items, adds `bias` (or nothing) to the outputs it computed, and \
@@ -420,9 +418,10 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 GEMM_X8_GROUPED(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, q4x8_amx_rows, 0, nb, Q4_TILE_ROWS, Q4_AMX_ROWS)
 GEMM_X8_GROUPED(kvgen_gemm_q4hx8, kvgen_linear_q4hx8, block_q4hx8, q4hx8_rows, q4hx8_amx_rows, 0, nb, Q4_TILE_ROWS,
                 Q4_AMX_ROWS)
-GEMM_X8(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, q8x8_pair_rows, 0)
-GEMM_X8(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q8sx8_pair_rows, 0)
-GEMM_X8(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_pair_rows, Q5_SUMS)
+GEMM_X8_GROUPED(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, q8x8_amx_rows, 0, nb, TILE_ROWS, AMX_PAIR_ROWS)
+GEMM_X8_GROUPED(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q8sx8_amx_rows, 0, nb, TILE_ROWS, AMX_PAIR_ROWS)
+GEMM_X8_GROUPED(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_amx_rows, Q5_SUMS, nb, TILE_ROWS,
+                AMX_PAIR_ROWS)
 
 #include "k_quants.c"
 
