@@ -141,7 +141,8 @@ static void q4kx8_rows(const block_q4kx8* wg, const block_x8* x, const int32_t* 
 PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
 #ifdef AMX_KERNELS
 // In AMX tiles (amx_tiles.c): sub-block j's nibbles are q4x8's block, its d and m as Q4K_TILE makes them.
-#define AMX_UNPACK_Q4K(b, tile) amx_unpack_nibbles(w0[(b) / SUBS].qs[(b) % SUBS], w1[(b) / SUBS].qs[(b) % SUBS], NULL, NULL, tile)
+#define AMX_UNPACK_Q4K(b, tile)                                                                      \
+    amx_unpack_nibbles(w0[(b) / SUBS].qs[(b) % SUBS], w1[(b) / SUBS].qs[(b) % SUBS], NULL, NULL, tile)
 static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {  // two groups' 8 bytes as 16 floats
     const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
@@ -159,7 +160,8 @@ AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, 4, AMX_UNPACK_Q4K,
 #define q4kx8_amx_rows q4kx8_pair_rows
 #define Q4K_PAIR_ROWS 4
 #endif
-GEMM_X8_GROUPED(kvgen_gemm_q4kx8, kvgen_linear_q4kx8, block_q4kx8, q4kx8_rows, q4kx8_amx_rows, 0, nb / SUBS, 4, Q4K_PAIR_ROWS)
+GEMM_X8_GROUPED(kvgen_gemm_q4kx8, kvgen_linear_q4kx8, block_q4kx8, q4kx8_rows, q4kx8_amx_rows, 0, nb / SUBS, 4,
+                Q4K_PAIR_ROWS)
 
 // Dequantizing (instantiated in qgemm.c next to the other formats' dequantizers).
 #define DEQUANTIZE_Q4KX8(NAME, OUT_T, CONVERT)                                                       \
