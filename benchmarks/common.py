@@ -65,9 +65,9 @@ def machine() -> dict[str, Any]:
 
 def isa_class(flags: frozenset[str]) -> str:
     """"avx512-amx", "avx512-vnni", "avx512", "avx2" or "other", from /proc/cpuinfo's flag names.
-    AMX (Intel's int8 / bf16 tile units) is a class of its own: kvgen's 4-bit matmuls run 32 or
-    more rows in its int8 tiles (amx_tiles.c), and oneDNN's int8 and bf16 GEMMs, and so some peers,
-    use them too."""
+    AMX (Intel's int8 / bf16 tile units) is a class of its own: kvgen's quantized matmuls run many
+    rows in its int8 tiles (amx_tiles.c), and oneDNN's int8 and bf16 GEMMs, and so some peers, use
+    them too."""
     if "avx512f" in flags:
         if "amx_int8" in flags:
             return "avx512-amx"

@@ -26,9 +26,9 @@
 long syscall(long number, ...);  // unistd.h declares it only outside strict C11
 
 #define AMX_ROWS 16        // activation rows a tile
-// Rows a call needs before the tiles pay: a single tile (16 rows) ran no faster than the pair
-// kernel, its weights unpacked for it alone.
-#define AMX_MIN_ROWS 32
+// Rows a call needs before the tiles pay (MIN_ROWS below): 4-bit weights 32, since one tile of 16
+// rows ran no faster than the 512-bit pair kernel (its weights unpacked for it alone); the formats
+// without a 512-bit kernel 16 (one tile: q5 1.35x, q8s 1.80x, q4k 1.57x their 8-output kernels).
 #define AMX_SPAN_BLOCKS 64  // blocks unpacked at once: 32 KiB of B tiles on the stack
 // Tile registers: a block's dots, its activation codes, its weights. (Two or three sets of them in
 // turn, so that one block's store never waited on the multiply just issued, were no faster: on an
@@ -144,12 +144,12 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
     }
 
 // The pair kernels' signature for any number of rows: whole tiles of 16 in AMX, the rest (and
-// every row where AMX is off) STEP rows at a time by PAIR_FN. UNPACK(b, tile) writes block b's B
-// tile; DP is the tile multiply for the weights' sign.
-#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, STEP, UNPACK, DP, APPLY)                               \
+// every row where AMX is off) STEP rows at a time by PAIR_FN, from MIN_ROWS rows a call.
+// UNPACK(b, tile) writes block b's B tile; DP is the tile multiply for the weights' sign.
+#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, STEP, MIN_ROWS, UNPACK, DP, APPLY)                     \
     static void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* activations, const int32_t* xsum, \
                      int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {           \
-        const int64_t tiles = rows >= AMX_MIN_ROWS && amx_on() ? rows / AMX_ROWS : 0;                \
+        const int64_t tiles = rows >= (MIN_ROWS) && amx_on() ? rows / AMX_ROWS : 0;                 \
         if (tiles > 0) {                                                                             \
             uint8_t unpacked[AMX_SPAN_BLOCKS * 512] __attribute__((aligned(64)));                    \
             int32_t dots[AMX_ROWS * 16] __attribute__((aligned(64)));                                \
@@ -169,12 +169,15 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
     }
 
 #define AMX_KERNELS 1
-AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q4, _tile_dpbsud, APPLY_PAIR_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q4, _tile_dpbsud,
+AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, _tile_dpbsud,
+                APPLY_PAIR_SCALES_OFFSETS)
+AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, _tile_dpbsud,
                 APPLY_PAIR_F16_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q5, _tile_dpbsud, APPLY_PAIR_Q5)
-AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q8, _tile_dpbssd, APPLY_PAIR_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, AMX_UNPACK_Q8, _tile_dpbssd, APPLY_PAIR_F16_SCALES)
+AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q5, _tile_dpbsud, APPLY_PAIR_Q5)
+AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,
+                APPLY_PAIR_SCALES_OFFSETS)
+AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,
+                APPLY_PAIR_F16_SCALES)
 #define Q4_AMX_ROWS ROW_CHUNK  // rows a pair call takes: the whole chunk
 #define AMX_PAIR_ROWS ROW_CHUNK
 #else

@@ -150,9 +150,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def amx_tiles(on: bool | None = None) -> bool:
-    """Whether the 4-bit matmuls run 32 or more rows in Intel's AMX tiles (amx_tiles.c: CPUs with
-    AMX, where Linux grants the tile state; on by default there). `on` turns them on or off first,
-    e.g. to compare the two paths, whose bits are the same."""
+    """Whether the quantized matmuls run 16 or more rows (4-bit weights: 32) in Intel's AMX tiles
+    (amx_tiles.c: CPUs with AMX, where Linux grants the tile state; on by default there). `on` turns
+    them on or off first, e.g. to compare the two paths, whose bits are the same."""
     library = load()
     if library is None:
         return False

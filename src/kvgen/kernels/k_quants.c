@@ -154,7 +154,7 @@ static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {  // tw
     APPLY_PAIR_GIVEN(R, _mm512_mul_ps(pair_load_ph(s0->d, s1->d), q4k_pair_bytes(s0->sc[j], s1->sc[j])), \
                      _mm512_sub_ps(_mm512_setzero_ps(),                                              \
                                    _mm512_mul_ps(pair_load_ph(s0->dmin, s1->dmin), q4k_pair_bytes(s0->mn[j], s1->mn[j]))))
-AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, 4, AMX_UNPACK_Q4K, _tile_dpbsud, APPLY_PAIR_Q4K)
+AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, 4, 16, AMX_UNPACK_Q4K, _tile_dpbsud, APPLY_PAIR_Q4K)
 #define Q4K_PAIR_ROWS ROW_CHUNK
 #else
 #define q4kx8_amx_rows q4kx8_pair_rows
