@@ -11,6 +11,7 @@ from kvgen.kernels import load
 from kvgen.kernels.formats import from_gguf_blocks, to_q8
 from kvgen.models.quantized_linear import QuantizedLinear
 from tests.support.k_quants import q4k_weight, q6k_weight, random_q4k, random_q6k
+from tests.support.matmul_paths import matmul_path  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.skipif(load() is None, reason="quantized kernels need a C compiler")
 
@@ -48,7 +49,7 @@ def test_q6k_rows_get_the_same_bits_at_any_row_count() -> None:
         assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
 
 
-def test_a_row_gets_the_q8_kernels_bits_at_any_row_count() -> None:
+def test_a_row_gets_the_q8_kernels_bits_at_any_row_count(matmul_path: str) -> None:
     """q4k's sums are q8's over the same integers and scales, in the same order, at every row count."""
     weight = q4k_weight(100, 512, seed=1)
     linear, reference = QuantizedLinear(weight), QuantizedLinear(to_q8(weight))

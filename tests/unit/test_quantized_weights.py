@@ -18,6 +18,7 @@ from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.quality import score
 from tests.support.models import model_path
 from tests.support.k_quants import q4k_weight, q6k_weight
+from tests.support.matmul_paths import matmul_path  # noqa: F401  (a fixture)
 from tests.support.shakespeare import play_text
 from tests.support.tiny_gguf import write_tiny_gguf
 
@@ -47,7 +48,7 @@ def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5"])
-def test_a_row_gets_the_same_bits_at_any_row_count(kind: str) -> None:
+def test_a_row_gets_the_same_bits_at_any_row_count(kind: str, matmul_path: str) -> None:
     """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
     torch.manual_seed(0)
     linear = QuantizedLinear(requantize(torch.randn(72, 192) * 0.05, kind))

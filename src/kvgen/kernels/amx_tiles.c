@@ -104,13 +104,6 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
 #define AMX_UNPACK_Q5(b, tile) amx_unpack_nibbles(w0[b].qs, w1[b].qs, w0[b].qh, w1[b].qh, tile)
 #define AMX_UNPACK_Q8(b, tile) amx_unpack_bytes(w0[b].qs, w1[b].qs, tile)
 
-// The pair kernels' sums for formats without offsets (q8sx8, q5x8): acc += float(idot) * (d_w * d_x).
-#define APPLY_PAIR_F16_SCALES(R)                                                                     \
-    const __m512 d = pair_load_ph(b0->d, b1->d);                                                     \
-    for (int t = 0; t < R; t++) {                                                                    \
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d));                \
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);                         \
-    }
 // q5: the unsigned dots less 16 x the activations' sums (q5x8's vector kernel, Q5X8_DOTS).
 #define APPLY_PAIR_Q5(R)                                                                             \
     for (int t = 0; t < R; t++)                                                                      \

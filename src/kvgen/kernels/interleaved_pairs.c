@@ -10,8 +10,10 @@
 // acc = fma(m_w, s_x, acc)) block after block, in order.
 //
 // pair_rows(w0, w1, ...): outputs of group w0 then group w1 (16 contiguous y values per row);
-// both groups must be full (8 real rows each). Formats without a 512-bit kernel run the 8-output
-// kernel on each group.
+// both groups must be full (8 real rows each). Builds without AVX-512 VNNI, and q6kx8
+// (k_quants.c), run the 8-output kernel on each group. Per 16x16x32 step at 512 rows on one
+// core of the Intel Xeon, AMX tiles off (amx_tiles.c), the 512-bit kernels took q5 56-58 ns and
+// q8s 69, against 76-78 and 91-93 for the 8-output kernel on each group (q4kx8's: 49-51 against 77).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define PAIR_ROWS 8
@@ -33,15 +35,43 @@ static inline __m512i broadcast4_512(const int8_t* p) {
 }
 
 // q4: as Q4X8_DOTS, 16 rows per vector (VNNI: the nibble sums go straight into int32).
-#define Q4X8_PAIR_DOTS(R)                                                                            \
+#define Q4X8_PAIR_DOTS(R) NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, NO_FIFTH_BITS)
+// q5: the same with each unpacked vector's fifth bits (Q5X8_DOTS), then less 16 x the activations' sums.
+#define Q5X8_PAIR_DOTS(R)                                                                            \
+    const __m512i planes = pair_load(b0->qh, b1->qh);                                                \
+    NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, Q5_FIFTH_BITS)                                               \
+    for (int t = 0; t < R; t++) dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(16 * xsum[t * x_stride + b]));
+#define Q5_FIFTH_BIT_512(planes, v)                                                                  \
+    _mm512_and_si512((v) <= 4 ? _mm512_slli_epi16((planes), 4 - (v)) : _mm512_srli_epi16((planes), (v) - 4), \
+                     _mm512_set1_epi8(0x10))
+#define NO_FIFTH_BITS(lo, hi, i)
+#define Q5_FIFTH_BITS(lo, hi, i)                                                                     \
+    lo = _mm512_or_si512(lo, Q5_FIFTH_BIT_512(planes, 2 * (i)));                                     \
+    hi = _mm512_or_si512(hi, Q5_FIFTH_BIT_512(planes, 2 * (i) + 1));
+// The nibbles of QS0 / QS1's block (FIFTH_BITS: q5's, from `planes`, or none).
+#define NIBBLE_PAIR_DOTS(R, QS0, QS1, FIFTH_BITS)                                                    \
     for (int i = 0; i < 4; i++) {                                                                    \
-        const __m512i packed = pair_load(b0->qs + 32 * i, b1->qs + 32 * i);                          \
-        const __m512i lo = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));                         \
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));  \
+        const __m512i packed = pair_load((QS0) + 32 * i, (QS1) + 32 * i);                            \
+        __m512i lo = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));                               \
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));        \
+        FIFTH_BITS(lo, hi, i)                                                                        \
         for (int t = 0; t < R; t++) {                                                                \
             const int8_t* xq = x[t * x_stride + b].qs;                                               \
             dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4_512(xq + 4 * i));                    \
             dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4_512(xq + 16 + 4 * i));               \
+        }                                                                                            \
+    }
+// q8: as Q8X8_DOTS, |w| the unsigned side and the activations negated where w < 0 (AVX-512 has
+// no vpsignb: a masked subtraction, which leaves x where w is 0, whose |w| makes the product 0).
+#define Q8X8_PAIR_DOTS(R)                                                                            \
+    for (int i = 0; i < 8; i++) {                                                                    \
+        const __m512i w = pair_load(b0->qs + 32 * i, b1->qs + 32 * i);                               \
+        const __m512i magnitude = _mm512_abs_epi8(w);                                                \
+        const __mmask64 negative = _mm512_movepi8_mask(w);                                           \
+        for (int t = 0; t < R; t++) {                                                                \
+            const __m512i xs = broadcast4_512(x[t * x_stride + b].qs + 4 * i);                       \
+            const __m512i signed_xs = _mm512_mask_sub_epi8(xs, negative, _mm512_setzero_si512(), xs);  \
+            dot[t] = _mm512_dpbusd_epi32(dot[t], magnitude, signed_xs);                              \
         }                                                                                            \
     }
 
@@ -51,6 +81,13 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
                                                    _mm_loadu_si128((const __m128i*)b), 1));
 }
 
+// The formats without offsets (q8sx8, q5x8): acc += float(idot) * (d_w * d_x).
+#define APPLY_PAIR_F16_SCALES(R)                                                                     \
+    const __m512 d = pair_load_ph(b0->d, b1->d);                                                     \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d));                \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);                         \
+    }
 #define APPLY_PAIR_SCALES_OFFSETS(R) APPLY_PAIR_GIVEN(R, pair_load_ps(b0->d, b1->d), pair_load_ps(b0->m, b1->m))
 #define APPLY_PAIR_F16_SCALES_OFFSETS(R) APPLY_PAIR_GIVEN(R, pair_load_ph(b0->d, b1->d), pair_load_ph(b0->m, b1->m))
 #define APPLY_PAIR_GIVEN(R, D, M)                                                                    \
@@ -94,7 +131,10 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
 
 PAIR_KERNEL(q4x8_pair_rows, block_q4x8, Q4X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
 PAIR_KERNEL(q4hx8_pair_rows, block_q4hx8, Q4X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES_OFFSETS)
-#define Q4X8_PAIRS q4x8_pair_rows
+PAIR_KERNEL(q5x8_pair_rows, block_q5x8, Q5X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
+PAIR_KERNEL(q8x8_pair_rows, block_q8x8, Q8X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
+PAIR_KERNEL(q8sx8_pair_rows, block_q8sx8, Q8X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
+#define PAIR_KERNELS_512 1
 #endif
 
 // The 8-output kernel on each group of the pair, for formats (or builds) without a 512-bit kernel.
@@ -104,14 +144,13 @@ PAIR_KERNEL(q4hx8_pair_rows, block_q4hx8, Q4X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES_
         ROWS_FN(w0, x, xsum, x_stride, y, y_stride, rows, nb, XROWS);                                \
         ROWS_FN(w1, x, xsum, x_stride, y + XROWS, y_stride, rows, nb, XROWS);                        \
     }
-#ifndef Q4X8_PAIRS
+#ifndef PAIR_KERNELS_512
 PAIR_OF_GROUPS(q4x8_pair_rows, block_q4x8, q4x8_rows)
 PAIR_OF_GROUPS(q4hx8_pair_rows, block_q4hx8, q4hx8_rows)
-#define Q4X8_PAIRS q4x8_pair_rows
-#endif
 PAIR_OF_GROUPS(q8x8_pair_rows, block_q8x8, q8x8_rows)
 PAIR_OF_GROUPS(q8sx8_pair_rows, block_q8sx8, q8sx8_rows)
 PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
+#endif
 #ifndef PAIR_ROWS
 #define PAIR_ROWS TILE_ROWS
 #define Q4_PAIR_ROWS Q4_TILE_ROWS  // q4's pairs of groups are two calls of its 8-output kernel
