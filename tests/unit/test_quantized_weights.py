@@ -61,7 +61,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str, matmul_path: str) 
 @pytest.mark.skipif("amx_int8" not in cpu_flags(), reason="the AMX tiles need an Intel CPU with AMX")
 @pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k"])
 def test_amx_tiles_give_the_vector_kernels_bits(kind: str) -> None:
-    """From 16 rows (4-bit weights: 32) the matmuls multiply whole tiles of 16 rows in AMX and apply
+    """From 16 rows (q4, q4h, q5: 32) the matmuls multiply whole tiles of 16 rows in AMX and apply
     each block's scales as the vector kernels do, so a prompt's rows get the bits a decode step gets."""
     assert amx_tiles(), "this CPU has AMX but the kernels are not using it (Linux refused the tile state?)"
     torch.manual_seed(0)

@@ -26,9 +26,9 @@
 long syscall(long number, ...);  // unistd.h declares it only outside strict C11
 
 #define AMX_ROWS 16        // activation rows a tile
-// Rows a call needs before the tiles pay (MIN_ROWS below): 4-bit weights 32, since one tile of 16
-// rows ran no faster than the 512-bit pair kernel (its weights unpacked for it alone); the formats
-// without a 512-bit kernel 16 (one tile: q5 1.35x, q8s 1.80x, q4k 1.57x their 8-output kernels).
+// Rows a call needs before the tiles pay (MIN_ROWS below), against the 512-bit pair kernels on one
+// tile of 16 rows (its weights unpacked for it alone), 2 threads: q4h 1.00x, q5 1.01x (24 rows
+// 0.95x), q4k 1.07x, q8s 1.42x. So 32 for q4 and q5, 16 for q4k and the 8-bit formats.
 #define AMX_SPAN_BLOCKS 64  // blocks unpacked at once: 32 KiB of B tiles on the stack
 // Tile registers: a block's dots, its activation codes, its weights. (Two or three sets of them in
 // turn, so that one block's store never waited on the multiply just issued, were no faster: on an
@@ -79,17 +79,12 @@ static void amx_configure(void) {
 // planes0 / planes1: q5x8's fifth bits of the two groups (NULL: 4-bit weights).
 static inline void amx_unpack_nibbles(const uint8_t* qs0, const uint8_t* qs1, const uint8_t* planes0,
                                       const uint8_t* planes1, uint8_t* tile) {
-    const __m512i mask = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i planes = planes0 != NULL ? pair_load(planes0, planes1) : _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) {
         const __m512i packed = pair_load(qs0 + 32 * i, qs1 + 32 * i);
         __m512i lo = _mm512_and_si512(packed, mask), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
-        if (planes0 != NULL) {  // bit v of a plane byte: the fifth bit of unpacked vector v (2i: lo, 2i + 1: hi)
-            lo = _mm512_or_si512(lo, _mm512_and_si512(2 * i <= 4 ? _mm512_slli_epi16(planes, 4 - 2 * i)
-                                                                 : _mm512_srli_epi16(planes, 2 * i - 4), fifth));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(2 * i + 1 <= 4 ? _mm512_slli_epi16(planes, 3 - 2 * i)
-                                                                     : _mm512_srli_epi16(planes, 2 * i - 3), fifth));
-        }
+        if (planes0 != NULL) { Q5_FIFTH_BITS(lo, hi, i) }
         _mm512_storeu_si512(tile + 64 * i, lo);
         _mm512_storeu_si512(tile + 64 * (4 + i), hi);
     }
@@ -166,7 +161,7 @@ AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, 32, AMX_UN
                 APPLY_PAIR_SCALES_OFFSETS)
 AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, _tile_dpbsud,
                 APPLY_PAIR_F16_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q5, _tile_dpbsud, APPLY_PAIR_Q5)
+AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q5, _tile_dpbsud, APPLY_PAIR_Q5)
 AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,
                 APPLY_PAIR_SCALES_OFFSETS)
 AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,

@@ -150,7 +150,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def amx_tiles(on: bool | None = None) -> bool:
-    """Whether the quantized matmuls run 16 or more rows (4-bit weights: 32) in Intel's AMX tiles
+    """Whether the quantized matmuls run 16 or more rows (q4, q4h, q5: 32) in Intel's AMX tiles
     (amx_tiles.c: CPUs with AMX, where Linux grants the tile state; on by default there). `on` turns
     them on or off first, e.g. to compare the two paths, whose bits are the same."""
     library = load()
