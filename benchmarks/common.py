@@ -40,7 +40,10 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def machine() -> dict[str, Any]:
-    from kvgen.kernels.build import amx_tiles  # here, not above: checkouts.py imports this file beside older kvgens
+    try:  # checkouts.py and A/B runs load this file beside older kvgens, which lack it
+        from kvgen.kernels.build import amx_tiles
+    except ImportError:
+        amx_tiles = None
 
     cpu = platform.processor()
     try:
@@ -58,7 +61,7 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "kernel_arch": kernel_arch() or "native",
-        "kernel_amx_tiles": amx_tiles(),
+        "kernel_amx_tiles": amx_tiles() if amx_tiles is not None else None,  # None: a kvgen from before them
         "python": platform.python_version(),
     }
 
