@@ -166,8 +166,7 @@ AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, 16, AMX_UN
                 APPLY_PAIR_SCALES_OFFSETS)
 AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,
                 APPLY_PAIR_F16_SCALES)
-#define Q4_AMX_ROWS ROW_CHUNK  // rows a pair call takes: the whole chunk
-#define AMX_PAIR_ROWS ROW_CHUNK
+#define CALL_ROWS(PAIR_STEP) ROW_CHUNK  // rows a pair call takes: the whole chunk (the kernel steps itself)
 #else
 int kvgen_amx_set(int on) {
     (void)on;
@@ -178,6 +177,5 @@ int kvgen_amx_set(int on) {
 #define q5x8_amx_rows q5x8_pair_rows
 #define q8x8_amx_rows q8x8_pair_rows
 #define q8sx8_amx_rows q8sx8_pair_rows
-#define Q4_AMX_ROWS Q4_PAIR_ROWS
-#define AMX_PAIR_ROWS PAIR_ROWS
+#define CALL_ROWS(PAIR_STEP) (PAIR_STEP)  // rows a pair call takes: what the pair kernel takes at once
 #endif

@@ -415,13 +415,16 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 #include "interleaved_pairs.c"
 #include "amx_tiles.c"
 
-GEMM_X8_GROUPED(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, q4x8_amx_rows, 0, nb, Q4_TILE_ROWS, Q4_AMX_ROWS)
+GEMM_X8_GROUPED(kvgen_gemm_q4x8, kvgen_linear_q4x8, block_q4x8, q4x8_rows, q4x8_amx_rows, 0, nb, Q4_TILE_ROWS,
+                CALL_ROWS(Q4_PAIR_ROWS))
 GEMM_X8_GROUPED(kvgen_gemm_q4hx8, kvgen_linear_q4hx8, block_q4hx8, q4hx8_rows, q4hx8_amx_rows, 0, nb, Q4_TILE_ROWS,
-                Q4_AMX_ROWS)
-GEMM_X8_GROUPED(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, q8x8_amx_rows, 0, nb, TILE_ROWS, AMX_PAIR_ROWS)
-GEMM_X8_GROUPED(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q8sx8_amx_rows, 0, nb, TILE_ROWS, AMX_PAIR_ROWS)
+                CALL_ROWS(Q4_PAIR_ROWS))
+GEMM_X8_GROUPED(kvgen_gemm_q8x8, kvgen_linear_q8x8, block_q8x8, q8x8_rows, q8x8_amx_rows, 0, nb, TILE_ROWS,
+                CALL_ROWS(PAIR_ROWS))
+GEMM_X8_GROUPED(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q8sx8_amx_rows, 0, nb, TILE_ROWS,
+                CALL_ROWS(PAIR_ROWS))
 GEMM_X8_GROUPED(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_amx_rows, Q5_SUMS, nb, TILE_ROWS,
-                AMX_PAIR_ROWS)
+                CALL_ROWS(PAIR_ROWS))
 
 #include "k_quants.c"
 

@@ -110,21 +110,23 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
         APPLY(R)                                                                                     \
     }
 
-#define PAIR_KERNEL(NAME, BLOCK, DOTS, APPLY)                                                        \
+#define PAIR_KERNEL(NAME, BLOCK, DOTS, APPLY) PAIR_KERNEL_LOOPED(NAME, BLOCK, PAIR_LOOP, DOTS, APPLY)
+// LOOP(BLOCK, DOTS, APPLY, R): the blocks' loop (PAIR_LOOP; q4kx8 walks sub-blocks, k_quants.c).
+#define PAIR_KERNEL_LOOPED(NAME, BLOCK, LOOP, DOTS, APPLY)                                           \
     static inline void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* x, const int32_t* xsum, \
                             int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {    \
         (void)xsum;                                                                                  \
         __m512 acc[PAIR_ROWS];                                                                       \
         for (int t = 0; t < PAIR_ROWS; t++) acc[t] = _mm512_setzero_ps();                            \
         switch (rows) {                                                                              \
-            case 8: PAIR_LOOP(BLOCK, DOTS, APPLY, 8) break;                                          \
-            case 7: PAIR_LOOP(BLOCK, DOTS, APPLY, 7) break;                                          \
-            case 6: PAIR_LOOP(BLOCK, DOTS, APPLY, 6) break;                                          \
-            case 5: PAIR_LOOP(BLOCK, DOTS, APPLY, 5) break;                                          \
-            case 4: PAIR_LOOP(BLOCK, DOTS, APPLY, 4) break;                                          \
-            case 3: PAIR_LOOP(BLOCK, DOTS, APPLY, 3) break;                                          \
-            case 2: PAIR_LOOP(BLOCK, DOTS, APPLY, 2) break;                                          \
-            default: PAIR_LOOP(BLOCK, DOTS, APPLY, 1) break;                                         \
+            case 8: LOOP(BLOCK, DOTS, APPLY, 8) break;                                               \
+            case 7: LOOP(BLOCK, DOTS, APPLY, 7) break;                                               \
+            case 6: LOOP(BLOCK, DOTS, APPLY, 6) break;                                               \
+            case 5: LOOP(BLOCK, DOTS, APPLY, 5) break;                                               \
+            case 4: LOOP(BLOCK, DOTS, APPLY, 4) break;                                               \
+            case 3: LOOP(BLOCK, DOTS, APPLY, 3) break;                                               \
+            case 2: LOOP(BLOCK, DOTS, APPLY, 2) break;                                               \
+            default: LOOP(BLOCK, DOTS, APPLY, 1) break;                                              \
         }                                                                                            \
         for (int t = 0; t < rows; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);                   \
     }

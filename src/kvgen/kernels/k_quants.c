@@ -152,35 +152,21 @@ static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {
     APPLY_PAIR_GIVEN(R, _mm512_mul_ps(pair_load_ph(s0->d, s1->d), q4k_pair_bytes(s0->sc[j], s1->sc[j])), \
                      _mm512_sub_ps(_mm512_setzero_ps(),                                              \
                                    _mm512_mul_ps(pair_load_ph(s0->dmin, s1->dmin), q4k_pair_bytes(s0->mn[j], s1->mn[j]))))
-#define Q4K_PAIR_LOOP(R)                                                                             \
+// PAIR_LOOP over sub-blocks: block b is sub-block b % SUBS of super-block b / SUBS.
+#define Q4K_PAIR_LOOP(BLOCK, DOTS, APPLY, R)                                                         \
     for (int64_t b = 0; b < nb; b++) {                                                               \
-        const int64_t sub = (b % SUBS) * (sizeof(block_q4kx8) / SUBS);                               \
-        prefetch_ahead((const char*)(w0 + b / SUBS) + sub, sizeof(block_q4kx8) / SUBS);              \
-        prefetch_ahead((const char*)(w1 + b / SUBS) + sub, sizeof(block_q4kx8) / SUBS);              \
+        const int64_t sub = (b % SUBS) * (sizeof(BLOCK) / SUBS);                                     \
+        prefetch_ahead((const char*)(w0 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
+        prefetch_ahead((const char*)(w1 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
         __m512i dot[R];                                                                              \
         for (int t = 0; t < R; t++) dot[t] = _mm512_setzero_si512();                                 \
-        NIBBLE_PAIR_DOTS(R, w0[b / SUBS].qs[b % SUBS], w1[b / SUBS].qs[b % SUBS], NO_FIFTH_BITS)    \
-        APPLY_PAIR_Q4K(R)                                                                            \
+        DOTS(R)                                                                                      \
+        APPLY(R)                                                                                     \
     }
+#define Q4K_PAIR_DOTS(R)                                                                             \
+    NIBBLE_PAIR_DOTS(R, w0[b / SUBS].qs[b % SUBS], w1[b / SUBS].qs[b % SUBS], NO_FIFTH_BITS)
 // 16 outputs x up to PAIR_ROWS rows in 512-bit registers (interleaved_pairs.c), Q4K_TILE's sums.
-static inline void q4kx8_pair_rows(const block_q4kx8* w0, const block_q4kx8* w1, const block_x8* x,
-                                   const int32_t* xsum, int64_t x_stride, float* y, int64_t y_stride, int rows,
-                                   int64_t nb) {
-    (void)xsum;
-    __m512 acc[PAIR_ROWS];
-    for (int t = 0; t < PAIR_ROWS; t++) acc[t] = _mm512_setzero_ps();
-    switch (rows) {
-        case 8: Q4K_PAIR_LOOP(8) break;
-        case 7: Q4K_PAIR_LOOP(7) break;
-        case 6: Q4K_PAIR_LOOP(6) break;
-        case 5: Q4K_PAIR_LOOP(5) break;
-        case 4: Q4K_PAIR_LOOP(4) break;
-        case 3: Q4K_PAIR_LOOP(3) break;
-        case 2: Q4K_PAIR_LOOP(2) break;
-        default: Q4K_PAIR_LOOP(1) break;
-    }
-    for (int t = 0; t < rows; t++) _mm512_storeu_ps(y + t * y_stride, acc[t]);
-}
+PAIR_KERNEL_LOOPED(q4kx8_pair_rows, block_q4kx8, Q4K_PAIR_LOOP, Q4K_PAIR_DOTS, APPLY_PAIR_Q4K)
 #define Q4K_PAIR_ROWS PAIR_ROWS
 #else
 PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
@@ -192,13 +178,11 @@ PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
     amx_unpack_nibbles(w0[(b) / SUBS].qs[(b) % SUBS], w1[(b) / SUBS].qs[(b) % SUBS], NULL, NULL, tile)
 AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, Q4K_PAIR_ROWS, 16, AMX_UNPACK_Q4K, _tile_dpbsud,
                 APPLY_PAIR_Q4K)
-#define Q4K_CALL_ROWS ROW_CHUNK
 #else
 #define q4kx8_amx_rows q4kx8_pair_rows
-#define Q4K_CALL_ROWS Q4K_PAIR_ROWS
 #endif
 GEMM_X8_GROUPED(kvgen_gemm_q4kx8, kvgen_linear_q4kx8, block_q4kx8, q4kx8_rows, q4kx8_amx_rows, 0, nb / SUBS, 4,
-                Q4K_CALL_ROWS)
+                CALL_ROWS(Q4K_PAIR_ROWS))
 
 // Dequantizing (instantiated in qgemm.c next to the other formats' dequantizers).
 #define DEQUANTIZE_Q4KX8(NAME, OUT_T, CONVERT)                                                       \
