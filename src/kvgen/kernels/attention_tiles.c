@@ -69,6 +69,8 @@ static inline __m256 dot_lanes64(const __m256 q[8], const float* k) {
 }
 #endif
 
+#include "transposed_scores.c"
+
 // Asks for rows k[0 .. min(m, most)) of keys or values (m: the rows there are), d floats each from
 // `offset` on: a block table's positions lie in blocks of a few each, which the hardware
 // prefetchers do not follow from one to the next.
@@ -295,6 +297,18 @@ static inline float softmax_tile(float* s, int64_t n, softmax_state* st) {
     return correction;
 }
 
+// Folds a tile's scores (rows MAX_TILE apart) into `count` heads' running softmax (st) and
+// unnormalised sums (out: [count, d]): each head's operations are a lone head's.
+static void attend_scored_tile(float scores[][MAX_TILE], int64_t count, const float* const* values, int64_t n,
+                               int64_t d, softmax_state* st, float* out) {
+    for (int64_t h = 0; h < count; h++) {
+        const float correction = softmax_tile(scores[h], n, &st[h]);
+        if (correction >= 0.0f)  // rescale what was accumulated under the old maximum
+            for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;
+    }
+    weighted_sums(scores[0], MAX_TILE, values, n, d, out, count);
+}
+
 // `count` query heads (q, out: [count, d]; st: [count]) over a tile of n <= MAX_TILE positions (a row
 // pointer per position), each folded into its running softmax and unnormalised sum. Each head's
 // operations are a lone head's; positions outside, heads inside, so a key comes from L2 once.
@@ -305,13 +319,19 @@ static void attend_tile_heads(const float* q, int64_t count, const float* const*
                               int cached) {
     float scores[MAX_HEAD_TILE][MAX_TILE];
     tile_scores(q, count, keys, values, n, reach, d, scale, scores[0], MAX_TILE, cached);
-    for (int64_t h = 0; h < count; h++) {
-        const float correction = softmax_tile(scores[h], n, &st[h]);
-        if (correction >= 0.0f)  // rescale what was accumulated under the old maximum
-            for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;
-    }
-    weighted_sums(scores[0], MAX_TILE, values, n, d, out, count);
+    attend_scored_tile(scores, count, values, n, d, st, out);
 }
+
+#ifdef TRANSPOSED_SCORES
+// attend_tile_heads over a tile whose first n keys are transposed in kt (transpose_keys): the
+// same bits.
+static void attend_transposed_tile(const float* q, int64_t count, const float* kt, const float* const* values,
+                                   int64_t n, int64_t d, float scale, softmax_state* st, float* out) {
+    float scores[MAX_HEAD_TILE][MAX_TILE];
+    transposed_scores(q, count, kt, n, d, scale, scores[0], MAX_TILE);
+    attend_scored_tile(scores, count, values, n, d, st, out);
+}
+#endif
 
 // One query head over a tile: attend_tile_heads for a single head.
 static void attend_tile(const float* q, const float* const* keys, const float* const* values, int64_t n, int64_t d,

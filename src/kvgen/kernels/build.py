@@ -22,8 +22,9 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-INCLUDED = ("interleaved.c", "interleaved_pairs.c", "amx_tiles.c", "k_quants.c", "decode.c", "eagle_step.c", "attention_tiles.c", "quantized_attention.c", "group_tiles.c", "int4_tiles.c", "paged_codes_attention.c", "decode_rows.c", "lora_delta.c", "rows_ops.c")  # #included by qgemm.c
-SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in INCLUDED)]
+# Every C file beside qgemm.c (which #includes them) keys the cached library: a list by hand had
+# missed a new file, and a stale library ran with its edits absent.
+SOURCES = sorted(SOURCE.parent.glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ARCH_VARIABLE = "KVGEN_KERNEL_ARCH"
 # The x86 instruction sets the kernels test for, as gcc's macros and /proc/cpuinfo's flags.

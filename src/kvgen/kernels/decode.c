@@ -306,6 +306,8 @@ typedef struct {
     int64_t first, keys_listed, values_listed;  // keys [first, first + keys_listed) are listed, values likewise
     kv_layout keys, values;                     // whose positions they are
     const float *key_rows[64], *value_rows[32];
+    float* kt;          // room for a tile's keys as columns (transposed_scores.c), or NULL: keys by rows
+    int64_t kt_keys;    // keys [first, first + kt_keys) are in kt
 } tile_rows;
 
 // Whether layouts a and b (one step's, so one store and one set of strides) keep positions
@@ -327,7 +329,7 @@ static void list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* v
     const int64_t values_end = first + (n > t->values_listed ? n : t->values_listed);
     if (t->first != first || t->keys_listed == 0 || !same_positions(&t->keys, kl, first, keys_end) ||
         !same_positions(&t->values, vl, first, values_end)) {
-        t->first = first, t->keys_listed = t->values_listed = 0, t->keys = *kl, t->values = *vl;
+        t->first = first, t->keys_listed = t->values_listed = t->kt_keys = 0, t->keys = *kl, t->values = *vl;
     }
     if (reach > t->keys_listed) {
         kv_rows(&t->keys, kv_head, first + t->keys_listed, reach - t->keys_listed, t->key_rows + t->keys_listed);
@@ -348,6 +350,14 @@ static void attend_listed_tile(tile_rows* listed, const float* q, float* out, in
     const int64_t n = end - first < 32 ? end - first : 32;
     const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
     list_tile_rows(listed, keys, values, kv_head, first, reach, n);
+#ifdef TRANSPOSED_SCORES
+    if (listed->kt != NULL && cached && d % 32 == 0 && d <= MAX_KT_DIM) {
+        if (listed->kt_keys < n) transpose_keys(listed->key_rows, listed->kt_keys, n, d, listed->kt);
+        listed->kt_keys = listed->kt_keys > n ? listed->kt_keys : n;
+        attend_transposed_tile(q, count, listed->kt, listed->value_rows, n, d, scale, st, out);
+        return;
+    }
+#endif
     attend_tile_heads(q, count, listed->key_rows, listed->value_rows, n, reach, d, scale, st, out, cached);
 }
 

@@ -219,6 +219,12 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
         tiles = row_tiles > tiles ? row_tiles : tiles;
     }
     tile_rows listed = {.first = -1};
+#ifdef TRANSPOSED_SCORES
+    // A tile's keys transposed once serve the block's rows (from about four rows the transposition
+    // costs less than what the rows' scores save).
+    float kt[KT_WIDTH * MAX_KT_DIM] __attribute__((aligned(64)));
+    listed.kt = n >= 4 ? kt : NULL;
+#endif
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t i = 0; i < n; i++) {
             const int64_t first = start[i] + 32 * t;
