@@ -133,77 +133,77 @@ static void tile_scores(const float* q, int64_t count, const float* const* keys,
     }
 }
 
-// Two heads' columns [j0, last) in runs of WIDTH: each value load feeds both heads, 2 * WIDTH / LANES
-// fma chains in registers, one fma per column and position, in position order.
-#define PAIRED_HEAD_RUNS(WIDTH, VEC, LANES, LOADU, STOREU, SET1, FMADD)                                \
-    for (; j0 + (WIDTH) <= last; j0 += (WIDTH)) {                                                    \
-        for (int64_t h = 0; h < paired; h += 2) {                                                    \
-            float* o = out + h * d + j0;                                                             \
-            const float* ph = p + h * p_stride;                                                      \
-            VEC a[(WIDTH) / (LANES)], b[(WIDTH) / (LANES)];                                          \
-            for (int c = 0; c < (WIDTH) / (LANES); c++) a[c] = LOADU(o + (LANES) * c), b[c] = LOADU(o + d + (LANES) * c); \
-            for (int64_t i = 0; i < n; i++) {                                                        \
-                const VEC w = SET1(ph[i]), u = SET1(ph[p_stride + i]);                               \
-                const float* v = values[i] + j0;                                                     \
-                for (int c = 0; c < (WIDTH) / (LANES); c++) {                                        \
-                    const VEC vc = LOADU(v + (LANES) * c);                                           \
-                    a[c] = FMADD(w, vc, a[c]), b[c] = FMADD(u, vc, b[c]);                            \
-                }                                                                                    \
+// Heads [0, H) of one group (p: their weights, rows p_stride apart; out: their sums, rows d apart),
+// columns [j, last) in runs of WIDTH: each value load feeds every head of the group, H * WIDTH /
+// LANES fma chains in registers, one fma per column and position, in position order.
+#define HEAD_GROUP_RUNS(H, WIDTH, VEC, LANES, LOADU, STOREU, SET1, FMADD)                               \
+    for (; j + (WIDTH) <= last; j += (WIDTH)) {                                                      \
+        VEC a[H][(WIDTH) / (LANES)];                                                                 \
+        for (int g = 0; g < (H); g++)                                                                \
+            for (int c = 0; c < (WIDTH) / (LANES); c++) a[g][c] = LOADU(out + g * d + j + (LANES) * c); \
+        for (int64_t i = 0; i < n; i++) {                                                            \
+            VEC w[H];                                                                                \
+            for (int g = 0; g < (H); g++) w[g] = SET1(p[g * p_stride + i]);                          \
+            const float* v = values[i] + j;                                                          \
+            for (int c = 0; c < (WIDTH) / (LANES); c++) {                                            \
+                const VEC vc = LOADU(v + (LANES) * c);                                               \
+                for (int g = 0; g < (H); g++) a[g][c] = FMADD(w[g], vc, a[g][c]);                    \
             }                                                                                        \
-            for (int c = 0; c < (WIDTH) / (LANES); c++) STOREU(o + (LANES) * c, a[c]), STOREU(o + d + (LANES) * c, b[c]); \
         }                                                                                            \
+        for (int g = 0; g < (H); g++)                                                                \
+            for (int c = 0; c < (WIDTH) / (LANES); c++) STOREU(out + g * d + j + (LANES) * c, a[g][c]); \
     }
 
-// An odd last head's columns [j1, last) in runs of WIDTH: WIDTH / LANES fma chains in registers,
-// one fma per column and position, in position order.
-#define ODD_HEAD_RUNS(WIDTH, VEC, LANES, LOADU, STOREU, SET1, FMADD)                                  \
-    for (; j1 + (WIDTH) <= last; j1 += (WIDTH)) {                                                    \
-        VEC a[(WIDTH) / (LANES)];                                                                    \
-        for (int c = 0; c < (WIDTH) / (LANES); c++) a[c] = LOADU(o + j1 + (LANES) * c);            \
-        for (int64_t i = 0; i < n; i++) {                                                            \
-            const VEC w = SET1(ph[i]);                                                               \
-            const float* v = values[i] + j1;                                                         \
-            for (int c = 0; c < (WIDTH) / (LANES); c++) a[c] = FMADD(w, LOADU(v + (LANES) * c), a[c]); \
-        }                                                                                            \
-        for (int c = 0; c < (WIDTH) / (LANES); c++) STOREU(o + j1 + (LANES) * c, a[c]);             \
+// HEAD_GROUP_RUNS' widths for a group of H heads: enough chains in flight (8 or more where the
+// columns allow) with the registers the ISA has.
+#ifdef __AVX512F__
+#define HEAD_GROUP_512(H, WIDTH) HEAD_GROUP_RUNS(H, WIDTH, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
+#else
+#define HEAD_GROUP_512(H, WIDTH)
+#endif
+#ifdef __AVX2__
+#define HEAD_GROUP_256(H, WIDTH) HEAD_GROUP_RUNS(H, WIDTH, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+#else
+#define HEAD_GROUP_256(H, WIDTH)
+#endif
+
+// One group of H (1-3) heads over columns [first, last): vector runs, then one lane at a time.
+static inline void head_group_sums(const float* p, int64_t p_stride, const float* const* values, int64_t n,
+                                   int64_t d, int64_t first, int64_t last, float* out, int64_t H) {
+    int64_t j = first;  // the first column left
+    if (H == 3) {  // 3 x 4 chains: SmolLM2's three heads per kv head, where a pair and a lone head left
+        HEAD_GROUP_512(3, 64)  // the lone head's 4 chains waiting on the fma latency
+        HEAD_GROUP_256(3, 32)
+    } else if (H == 2) {
+        HEAD_GROUP_512(2, 64)
+        HEAD_GROUP_256(2, 32)
+    } else {  // a lone head: runs twice as wide keep 8 fma chains in flight, not 4
+        HEAD_GROUP_512(1, 128)
+        HEAD_GROUP_512(1, 64)
+        HEAD_GROUP_256(1, 64)
+        HEAD_GROUP_256(1, 32)
     }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
+            for (int64_t c = j; c < last; c++) out[h * d + c] = fmaf(p[h * p_stride + i], values[i][c], out[h * d + c]);
+}
 
 // out[h][j] += sum_i p[h][i] * values[i][j] for `count` heads (p, out: [count][..]) and the columns
 // j in [first, last), the sums kept in registers over the tile's positions. Columns outside, heads
-// inside: a 32-column slice of the tile's values comes from L2 once and from L1 for the other heads.
-// Each column's sum is its own (slices of 32 from `first`, then one lane at a time), so a range that
-// starts at a multiple of 32 gives the columns the bits of the whole row's call.
+// inside: a slice of the tile's values comes from L2 once and from L1 for the other heads, and each
+// value load feeds a group of heads (pairs; three where the count is odd). Each column's sum is its
+// own (one fma per position, in order, in any group or run), so a range that starts at a multiple of
+// 32 gives the columns the bits of the whole row's call. AVX-512 takes 64 columns of a group in
+// 16-lane registers: the same fma per column and position, half the instructions (with
+// exp_shifted's 16 lanes: a 2,048-token SmolLM2 prompt 1.1x as fast on a 2-core Intel Xeon, once the
+// rows step's blocks of rows keep the tiles in L1).
 static void weighted_sums_columns(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
                                   int64_t first, int64_t last, float* out, int64_t count) {
-    const int64_t paired = count - count % 2;
-    int64_t j0 = first, j1 = first;  // the first column left to the paired heads / to an odd last head
-    // Each value load feeds two heads. AVX-512 takes 64 columns of two heads in 16-lane registers:
-    // the same fma per column and position, half the instructions (with exp_shifted's 16 lanes: a
-    // 2,048-token SmolLM2 prompt 1.1x as fast on a 2-core Intel Xeon, once the rows step's blocks of
-    // rows keep the tiles in L1).
-#ifdef __AVX512F__
-    PAIRED_HEAD_RUNS(64, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
-#endif
-#ifdef __AVX2__
-    PAIRED_HEAD_RUNS(32, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
-#endif
-    if (count % 2) {  // an odd head alone: runs twice as wide keep 8 fma chains in flight, not 4
-        float* o = out + paired * d;
-        const float* ph = p + paired * p_stride;
-        (void)o, (void)ph;
-#ifdef __AVX512F__
-        ODD_HEAD_RUNS(128, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
-        ODD_HEAD_RUNS(64, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
-#endif
-#ifdef __AVX2__
-        ODD_HEAD_RUNS(64, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
-        ODD_HEAD_RUNS(32, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
-#endif
+    for (int64_t h = 0; h < count;) {
+        const int64_t group = count - h == 1 ? 1 : count % 2 == 1 && h == 0 ? 3 : 2;
+        head_group_sums(p + h * p_stride, p_stride, values, n, d, first, last, out + h * d, group);
+        h += group;
     }
-    for (int64_t h = 0; h < count; h++)
-        for (int64_t i = 0; i < n; i++)  // one fma per position, as the vector lanes do
-            for (int64_t j = h < paired ? j0 : j1; j < last; j++)
-                out[h * d + j] = fmaf(p[h * p_stride + i], values[i][j], out[h * d + j]);
 }
 
 static void weighted_sums(const float* p, int64_t p_stride, const float* const* values, int64_t n, int64_t d,
