@@ -322,14 +322,16 @@ static int same_positions(const kv_layout* a, const kv_layout* b, int64_t first,
 }
 
 // The rows of one tile for a row reading keys [first, first + reach) and values [first, first + n)
-// through kl / vl: the listed ones, extended where it reads further, or listed anew.
-static void list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* vl, int64_t kv_head, int64_t first,
+// through kl / vl: the listed ones, extended where it reads further (returns 1), or listed anew (0).
+static int list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* vl, int64_t kv_head, int64_t first,
                            int64_t reach, int64_t n) {
     const int64_t keys_end = first + (reach > t->keys_listed ? reach : t->keys_listed);
     const int64_t values_end = first + (n > t->values_listed ? n : t->values_listed);
+    int kept = 1;
     if (t->first != first || t->keys_listed == 0 || !same_positions(&t->keys, kl, first, keys_end) ||
         !same_positions(&t->values, vl, first, values_end)) {
         t->first = first, t->keys_listed = t->values_listed = t->kt_keys = 0, t->keys = *kl, t->values = *vl;
+        kept = 0;
     }
     if (reach > t->keys_listed) {
         kv_rows(&t->keys, kv_head, first + t->keys_listed, reach - t->keys_listed, t->key_rows + t->keys_listed);
@@ -339,6 +341,7 @@ static void list_tile_rows(tile_rows* t, const kv_layout* kl, const kv_layout* v
         kv_rows(&t->values, kv_head, first + t->values_listed, n - t->values_listed, t->value_rows + t->values_listed);
         t->values_listed = n;
     }
+    return kept;
 }
 
 // The tile of positions [first, min(first + 32, end)) into the heads' running sums: its addresses
@@ -349,9 +352,11 @@ static void attend_listed_tile(tile_rows* listed, const float* q, float* out, in
                                int64_t d, int cached, softmax_state* st) {
     const int64_t n = end - first < 32 ? end - first : 32;
     const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
-    list_tile_rows(listed, keys, values, kv_head, first, reach, n);
+    const int kept = list_tile_rows(listed, keys, values, kv_head, first, reach, n);
 #ifdef TRANSPOSED_SCORES
-    if (listed->kt != NULL && cached && d % 32 == 0 && d <= MAX_KT_DIM) {
+    // Transposed once a second row reads the tile: rows whose tiles all differ (a sliding window
+    // moves each row's tiles by a position) would pay a transposition per row.
+    if (listed->kt != NULL && cached && (kept || listed->kt_keys > 0) && d % 32 == 0 && d <= MAX_KT_DIM) {
         if (listed->kt_keys < n) transpose_keys(listed->key_rows, listed->kt_keys, n, d, listed->kt);
         listed->kt_keys = listed->kt_keys > n ? listed->kt_keys : n;
         attend_transposed_tile(q, count, listed->kt, listed->value_rows, n, d, scale, st, out);
