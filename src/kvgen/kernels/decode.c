@@ -353,6 +353,7 @@ static void attend_listed_tile(tile_rows* listed, const float* q, float* out, in
     const int64_t n = end - first < 32 ? end - first : 32;
     const int64_t reach = cached ? n : (end - first < 64 ? end - first : 64);
     const int kept = list_tile_rows(listed, keys, values, kv_head, first, reach, n);
+    (void)kept;  // read only where the scores can be transposed
 #ifdef TRANSPOSED_SCORES
     // Transposed once a second row reads the tile: rows whose tiles all differ (a sliding window
     // moves each row's tiles by a position) would pay a transposition per row.
