@@ -59,14 +59,15 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str, matmul_path: str) 
 
 
 @pytest.mark.skipif("amx_tile" not in kernel_isa(), reason="the AMX tiles need a CPU with AMX and kernels built for it")
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k", "q6k"])
 def test_amx_tiles_give_the_vector_kernels_bits(kind: str) -> None:
     """From 16 rows (q4, q4h, q5: 32) the matmuls multiply whole tiles of 16 rows in AMX and apply
     each block's scales as the vector kernels do, so a prompt's rows get the bits a decode step gets."""
     assert amx_tiles(), "this CPU has AMX but the kernels are not using it (Linux refused the tile state?)"
     torch.manual_seed(0)
     # 100 outputs: a partial last group of 8; 2,304 inputs: 72 blocks, more than one unpacked span
-    weight = q4k_weight(100, 2304) if kind == "q4k" else requantize(torch.randn(100, 2304) * 0.05, kind)
+    k_quants = {"q4k": q4k_weight, "q6k": q6k_weight}
+    weight = k_quants[kind](100, 2304) if kind in k_quants else requantize(torch.randn(100, 2304) * 0.05, kind)
     linear = QuantizedLinear(weight)
     x = torch.randn(200, 2304)
     try:

@@ -36,6 +36,10 @@ long syscall(long number, ...);  // unistd.h declares it only outside strict C11
 #define AMX_C 0
 #define AMX_A 1
 #define AMX_B 2
+// A second set for formats whose 16-element halves carry their own scales (Q6_K: a multiply each).
+#define AMX_C2 3
+#define AMX_A2 4
+#define AMX_B2 5
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -65,15 +69,23 @@ int kvgen_amx_set(int on) {
     return amx_on();
 }
 
-static void amx_configure(void) {
+// Tiles for blocks of `depth` elements (K): dots 16 x 16 int32, activations 16 rows x K codes,
+// weights K / 4 rows of 16 outputs x 4 codes; `sets` of them (1, or 2 for half blocks).
+static void amx_configure_depth(int depth, int sets) {
     amx_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    config.rows[AMX_C] = AMX_ROWS, config.colsb[AMX_C] = 16 * sizeof(int32_t);
-    config.rows[AMX_A] = AMX_ROWS, config.colsb[AMX_A] = QK;
-    config.rows[AMX_B] = QK / 4, config.colsb[AMX_B] = 64;
+    for (int set = 0; set < sets; set++) {
+        const int c = set ? AMX_C2 : AMX_C, a = set ? AMX_A2 : AMX_A, b = set ? AMX_B2 : AMX_B;
+        config.rows[c] = AMX_ROWS, config.colsb[c] = 16 * sizeof(int32_t);
+        config.rows[a] = AMX_ROWS, config.colsb[a] = (uint16_t)depth;
+        config.rows[b] = (uint8_t)(depth / 4), config.colsb[b] = 64;
+    }
     _tile_loadconfig(&config);
 }
+
+static void amx_configure(void) { amx_configure_depth(QK, 1); }
+static void amx_configure_halves(void) { amx_configure_depth(QK / 2, 2); }
 
 // A pair's 4-bit block as a B tile: load i's low nibbles are K-row i, its high ones K-row 4 + i.
 // planes0 / planes1: q5x8's fifth bits of the two groups (NULL: 4-bit weights).
@@ -105,27 +117,53 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
         dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(16 * xsum[(t0 + t) * x_stride + b]));    \
     APPLY_PAIR_F16_SCALES(R)
 
+// Block b's exact integer dots (dot[t], row t of the tile, 16 outputs) by one multiply: the A tile
+// read in place from the activation blocks, the B tile unpacked.
+#define AMX_WHOLE_BLOCK(DP)                                                                          \
+    _tile_loadd(AMX_A, x[b].qs, x_stride * (int64_t)sizeof(block_x8));                               \
+    _tile_loadd(AMX_B, unpacked + (b - first) * 512, 64);                                            \
+    _tile_zero(AMX_C);                                                                               \
+    DP(AMX_C, AMX_A, AMX_B);                                                                         \
+    _tile_stored(AMX_C, dots, 64);                                                                   \
+    __m512i dot[AMX_ROWS];                                                                           \
+    for (int t = 0; t < AMX_ROWS; t++) dot[t] = _mm512_load_si512(dots + 16 * t);
+#define AMX_BLOCK_SUD AMX_WHOLE_BLOCK(_tile_dpbsud)
+#define AMX_BLOCK_SSD AMX_WHOLE_BLOCK(_tile_dpbssd)
+// A block's two 16-element halves by a multiply each (amx_configure_halves; signed weights): dot[t]
+// over elements 0-15, dot2[t] over 16-31 (UNPACK writes the halves' B tiles 256 bytes apart).
+#define AMX_BLOCK_HALVES                                                                             \
+    _tile_loadd(AMX_A, x[b].qs, x_stride * (int64_t)sizeof(block_x8));                               \
+    _tile_loadd(AMX_A2, x[b].qs + QK / 2, x_stride * (int64_t)sizeof(block_x8));                     \
+    _tile_loadd(AMX_B, unpacked + (b - first) * 512, 64);                                            \
+    _tile_loadd(AMX_B2, unpacked + (b - first) * 512 + 256, 64);                                     \
+    _tile_zero(AMX_C);                                                                               \
+    _tile_zero(AMX_C2);                                                                              \
+    _tile_dpbssd(AMX_C, AMX_A, AMX_B);                                                               \
+    _tile_dpbssd(AMX_C2, AMX_A2, AMX_B2);                                                            \
+    _tile_stored(AMX_C, dots, 64);                                                                   \
+    _tile_stored(AMX_C2, dots + AMX_ROWS * 16, 64);                                                  \
+    __m512i dot[AMX_ROWS]; /* no top-level commas: this is a macro argument */                     \
+    __m512i dot2[AMX_ROWS];                                                                          \
+    for (int t = 0; t < AMX_ROWS; t++) {                                                             \
+        dot[t] = _mm512_load_si512(dots + 16 * t);                                                   \
+        dot2[t] = _mm512_load_si512(dots + AMX_ROWS * 16 + 16 * t);                                  \
+    }
+
 // y rows [0, tiles * 16) of the pair (16 outputs each), blocks [first, first + count) added to
-// what the earlier spans left (first == 0: from zero). Per block one multiply gives the tile's exact
+// what the earlier spans left (first == 0: from zero). Per block MULTIPLY gives the tile's exact
 // dots, stored for the vector units to apply the block's scales (b, dot[t], b0, b1, x, acc: the
 // names APPLY reads).
-#define AMX_SPAN(BLOCK, DP, APPLY)                                                                   \
+#define AMX_SPAN(BLOCK, MULTIPLY, APPLY)                                                             \
     for (int64_t t0 = 0; t0 < tiles * AMX_ROWS; t0 += AMX_ROWS) {                                    \
         __m512 acc[AMX_ROWS];                                                                        \
         for (int t = 0; t < AMX_ROWS; t++)                                                           \
             acc[t] = first == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (t0 + t) * y_stride);   \
         const block_x8* x = activations + t0 * x_stride;                                             \
         for (int64_t b = first; b < first + count; b++) {                                            \
-            _tile_loadd(AMX_A, x[b].qs, x_stride * (int64_t)sizeof(block_x8));                       \
-            _tile_loadd(AMX_B, unpacked + (b - first) * 512, 64);                                    \
-            _tile_zero(AMX_C);                                                                       \
-            DP(AMX_C, AMX_A, AMX_B);                                                                 \
-            _tile_stored(AMX_C, dots, 64);                                                           \
-            const BLOCK* b0 = w0 + b; /* q4kx8: unused, its APPLY reads the super-blocks */           \
+            MULTIPLY                                                                                 \
+            const BLOCK* b0 = w0 + b; /* k-quants: unused, their APPLY reads the super-blocks */     \
             const BLOCK* b1 = w1 + b;                                                                \
             (void)b0, (void)b1;                                                                      \
-            __m512i dot[AMX_ROWS];                                                                   \
-            for (int t = 0; t < AMX_ROWS; t++) dot[t] = _mm512_load_si512(dots + 16 * t);           \
             APPLY(AMX_ROWS)                                                                          \
         }                                                                                            \
         for (int t = 0; t < AMX_ROWS; t++) _mm512_storeu_ps(y + (t0 + t) * y_stride, acc[t]);       \
@@ -133,19 +171,22 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
 
 // The pair kernels' signature for any number of rows: whole tiles of 16 in AMX, the rest (and
 // every row where AMX is off) STEP rows at a time by PAIR_FN, from MIN_ROWS rows a call.
-// UNPACK(b, tile) writes block b's B tile; DP is the tile multiply for the weights' sign.
-#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, STEP, MIN_ROWS, UNPACK, DP, APPLY)                     \
+// UNPACK(b, tile) writes block b's B tile(s) (512 bytes); CONFIGURE sets the tiles MULTIPLY uses
+// (AMX_BLOCK_SUD / AMX_BLOCK_SSD: one multiply a block, for the weights' sign).
+#define AMX_PAIR_KERNEL(NAME, BLOCK, PAIR_FN, STEP, MIN_ROWS, UNPACK, MULTIPLY, APPLY)               \
+    AMX_PAIR_KERNEL_TILES(NAME, BLOCK, PAIR_FN, STEP, MIN_ROWS, UNPACK, amx_configure, MULTIPLY, APPLY)
+#define AMX_PAIR_KERNEL_TILES(NAME, BLOCK, PAIR_FN, STEP, MIN_ROWS, UNPACK, CONFIGURE, MULTIPLY, APPLY) \
     static void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* activations, const int32_t* xsum, \
                      int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {           \
         const int64_t tiles = rows >= (MIN_ROWS) && amx_on() ? rows / AMX_ROWS : 0;                 \
         if (tiles > 0) {                                                                             \
             uint8_t unpacked[AMX_SPAN_BLOCKS * 512] __attribute__((aligned(64)));                    \
-            int32_t dots[AMX_ROWS * 16] __attribute__((aligned(64)));                                \
-            amx_configure();                                                                         \
+            int32_t dots[2 * AMX_ROWS * 16] __attribute__((aligned(64))); /* one or two tiles */      \
+            CONFIGURE();                                                                             \
             for (int64_t first = 0; first < nb; first += AMX_SPAN_BLOCKS) {                          \
                 const int64_t count = nb - first < AMX_SPAN_BLOCKS ? nb - first : AMX_SPAN_BLOCKS;   \
                 for (int64_t b = 0; b < count; b++) UNPACK(first + b, unpacked + b * 512);           \
-                AMX_SPAN(BLOCK, DP, APPLY)                                                           \
+                AMX_SPAN(BLOCK, MULTIPLY, APPLY)                                                     \
             }                                                                                        \
             _tile_release();                                                                         \
         }                                                                                            \
@@ -157,14 +198,14 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
     }
 
 #define AMX_KERNELS 1
-AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, _tile_dpbsud,
+AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, AMX_BLOCK_SUD,
                 APPLY_PAIR_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, _tile_dpbsud,
+AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, AMX_BLOCK_SUD,
                 APPLY_PAIR_F16_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q5, _tile_dpbsud, APPLY_PAIR_Q5)
-AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,
+AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q5, AMX_BLOCK_SUD, APPLY_PAIR_Q5)
+AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, AMX_BLOCK_SSD,
                 APPLY_PAIR_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, _tile_dpbssd,
+AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, AMX_BLOCK_SSD,
                 APPLY_PAIR_F16_SCALES)
 #define CALL_ROWS(PAIR_STEP) ROW_CHUNK  // rows a pair call takes: the whole chunk (the kernel steps itself)
 #else

@@ -176,7 +176,7 @@ PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
 // In AMX tiles (amx_tiles.c): sub-block j's nibbles are q4x8's block.
 #define AMX_UNPACK_Q4K(b, tile)                                                                      \
     amx_unpack_nibbles(w0[(b) / SUBS].qs[(b) % SUBS], w1[(b) / SUBS].qs[(b) % SUBS], NULL, NULL, tile)
-AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, Q4K_PAIR_ROWS, 16, AMX_UNPACK_Q4K, _tile_dpbsud,
+AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, Q4K_PAIR_ROWS, 16, AMX_UNPACK_Q4K, AMX_BLOCK_SUD,
                 APPLY_PAIR_Q4K)
 #else
 #define q4kx8_amx_rows q4kx8_pair_rows
@@ -332,7 +332,51 @@ static void q6kx8_rows(const block_q6kx8* wg, const block_x8* x, const int32_t* 
 #endif
 
 PAIR_OF_GROUPS(q6kx8_pair_rows, block_q6kx8, q6kx8_rows)
-GEMM_X8_GROUPED(kvgen_gemm_q6kx8, kvgen_linear_q6kx8, block_q6kx8, q6kx8_rows, q6kx8_pair_rows, 0, nb / SUBS, 4, 4)
+#ifdef AMX_KERNELS
+// In AMX tiles (amx_tiles.c): a block's halves carry their own scales, so each half is a multiply
+// of depth 16 (AMX_BLOCK_HALVES; the weights u - 32 signed), then Q6K_TILE's sums exactly:
+// idot = sc0 * first + sc1 * second, acc = fma(float(idot), d * d_x, acc), block by block in order.
+// Vector v's top bits at bits 4-5 of each byte (Q6K_TOP in 512 bits).
+#define Q6K_TOP512(planes, v)                                                                        \
+    _mm512_and_si512((v) % 4 < 2 ? _mm512_slli_epi16((planes)[(v) / 4], 4 - 2 * ((v) % 4))          \
+                                 : _mm512_srli_epi16((planes)[(v) / 4], 2 * ((v) % 4) - 4),          \
+                     _mm512_set1_epi8(0x30))
+// A pair's block as the halves' B tiles: load i's low nibbles (elements 4i..4i+3) are K-row i of
+// the first, its high nibbles (16 + 4i..) K-row i of the second, 256 bytes on.
+static inline void amx_unpack_q6k(const q6k_sub* s0, const q6k_sub* s1, uint8_t* tile) {
+    const __m512i planes[2] = {pair_load(s0->qh[0], s1->qh[0]), pair_load(s0->qh[1], s1->qh[1])};
+    const __m512i mask = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(32);
+    for (int i = 0; i < 4; i++) {
+        const __m512i packed = pair_load(s0->qs + 32 * i, s1->qs + 32 * i);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(packed, mask), Q6K_TOP512(planes, 2 * i));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), mask), Q6K_TOP512(planes, 2 * i + 1));
+        _mm512_storeu_si512(tile + 64 * i, _mm512_sub_epi8(lo, offset));
+        _mm512_storeu_si512(tile + 256 + 64 * i, _mm512_sub_epi8(hi, offset));
+    }
+}
+// Two groups' 8 int8 scales (one sixteenth's) as 16 int32 lanes.
+static inline __m512i q6k_pair_scales(const int8_t* a, const int8_t* b) {
+    return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b)));
+}
+#define AMX_UNPACK_Q6K(b, tile) amx_unpack_q6k(&w0[(b) / SUBS].sub[(b) % SUBS], &w1[(b) / SUBS].sub[(b) % SUBS], tile)
+#define APPLY_PAIR_Q6K(R)                                                                            \
+    const block_q6kx8* s0 = w0 + b / SUBS;                                                           \
+    const block_q6kx8* s1 = w1 + b / SUBS;                                                           \
+    const int j = (int)(b % SUBS);                                                                   \
+    const __m512i sc0 = q6k_pair_scales(s0->sc[2 * j], s1->sc[2 * j]);                               \
+    const __m512i sc1 = q6k_pair_scales(s0->sc[2 * j + 1], s1->sc[2 * j + 1]);                       \
+    const __m512 d = pair_load_ph(s0->d, s1->d);                                                     \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const __m512i idot = _mm512_add_epi32(_mm512_mullo_epi32(dot[t], sc0), _mm512_mullo_epi32(dot2[t], sc1)); \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d)), acc[t]); \
+    }
+AMX_PAIR_KERNEL_TILES(q6kx8_amx_rows, block_q6kx8, q6kx8_pair_rows, 4, 16, AMX_UNPACK_Q6K, amx_configure_halves,
+                      AMX_BLOCK_HALVES, APPLY_PAIR_Q6K)
+#else
+#define q6kx8_amx_rows q6kx8_pair_rows
+#endif
+GEMM_X8_GROUPED(kvgen_gemm_q6kx8, kvgen_linear_q6kx8, block_q6kx8, q6kx8_rows, q6kx8_amx_rows, 0, nb / SUBS, 4,
+                CALL_ROWS(4))
 
 // Weight l of a block is (d * sc) * (u - 32), in gguf's order of rounding.
 #define DEQUANTIZE_Q6KX8(NAME, OUT_T, CONVERT)                                                       \
