@@ -4,9 +4,10 @@
 // left over and every build without AMX.
 //
 // Numerics: the vector kernels' exactly. One tile multiply per 32-element block (TDPBSUD, the
-// activations the signed side and 4- or 5-bit weights the unsigned one; TDPBSSD for 8-bit weights;
-// K = 32, so blocks never mix) gives each (row, output) the block's exact integer dot (q5: less 16
-// x the activations' sum, as an integer), then the same acc = fma(float(idot), d_w * d_x, acc)
+// activations the signed side and 4-bit weights the unsigned one; TDPBSSD for 8-bit weights and
+// for q5's, unpacked as the signed u - 16; K = 32, so blocks never mix) gives each (row, output) the
+// block's exact integer dot (q5's vector kernel takes 16 x the activations' sum from the unsigned
+// dot: the same integer), then the same acc = fma(float(idot), d_w * d_x, acc)
 // (and acc = fma(m_w, s_x, acc) where the format has offsets) per block, in order, in 512-bit
 // registers. A row's outputs are the same bits with AMX or without, alone or among many rows.
 //
@@ -96,7 +97,10 @@ static inline void amx_unpack_nibbles(const uint8_t* qs0, const uint8_t* qs1, co
     for (int i = 0; i < 4; i++) {
         const __m512i packed = pair_load(qs0 + 32 * i, qs1 + 32 * i);
         __m512i lo = _mm512_and_si512(packed, mask), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
-        if (planes0 != NULL) { Q5_FIFTH_BITS(lo, hi, i) }
+        if (planes0 != NULL) {  // q5: the signed u - 16, so that the multiply gives the signed dot
+            Q5_FIFTH_BITS(lo, hi, i)
+            lo = _mm512_sub_epi8(lo, _mm512_set1_epi8(16)), hi = _mm512_sub_epi8(hi, _mm512_set1_epi8(16));
+        }
         _mm512_storeu_si512(tile + 64 * i, lo);
         _mm512_storeu_si512(tile + 64 * (4 + i), hi);
     }
@@ -111,11 +115,6 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
 #define AMX_UNPACK_Q5(b, tile) amx_unpack_nibbles(w0[b].qs, w1[b].qs, w0[b].qh, w1[b].qh, tile)
 #define AMX_UNPACK_Q8(b, tile) amx_unpack_bytes(w0[b].qs, w1[b].qs, tile)
 
-// q5: the unsigned dots less 16 x the activations' sums (q5x8's vector kernel, Q5X8_DOTS).
-#define APPLY_PAIR_Q5(R)                                                                             \
-    for (int t = 0; t < R; t++)                                                                      \
-        dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(16 * xsum[(t0 + t) * x_stride + b]));    \
-    APPLY_PAIR_F16_SCALES(R)
 
 // Block b's exact integer dots (dot[t], row t of the tile, 16 outputs) by one multiply: the A tile
 // read in place from the activation blocks, the B tile unpacked.
@@ -202,7 +201,8 @@ AMX_PAIR_KERNEL(q4x8_amx_rows, block_q4x8, q4x8_pair_rows, PAIR_ROWS, 32, AMX_UN
                 APPLY_PAIR_SCALES_OFFSETS)
 AMX_PAIR_KERNEL(q4hx8_amx_rows, block_q4hx8, q4hx8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q4, AMX_BLOCK_SUD,
                 APPLY_PAIR_F16_SCALES_OFFSETS)
-AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q5, AMX_BLOCK_SUD, APPLY_PAIR_Q5)
+AMX_PAIR_KERNEL(q5x8_amx_rows, block_q5x8, q5x8_pair_rows, PAIR_ROWS, 32, AMX_UNPACK_Q5, AMX_BLOCK_SSD,
+                APPLY_PAIR_F16_SCALES)
 AMX_PAIR_KERNEL(q8x8_amx_rows, block_q8x8, q8x8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, AMX_BLOCK_SSD,
                 APPLY_PAIR_SCALES_OFFSETS)
 AMX_PAIR_KERNEL(q8sx8_amx_rows, block_q8sx8, q8sx8_pair_rows, PAIR_ROWS, 16, AMX_UNPACK_Q8, AMX_BLOCK_SSD,
