@@ -115,7 +115,6 @@ static inline void amx_unpack_bytes(const int8_t* qs0, const int8_t* qs1, uint8_
 #define AMX_UNPACK_Q5(b, tile) amx_unpack_nibbles(w0[b].qs, w1[b].qs, w0[b].qh, w1[b].qh, tile)
 #define AMX_UNPACK_Q8(b, tile) amx_unpack_bytes(w0[b].qs, w1[b].qs, tile)
 
-
 // Block b's exact integer dots (dot[t], row t of the tile, 16 outputs) by one multiply: the A tile
 // read in place from the activation blocks, the B tile unpacked.
 #define AMX_WHOLE_BLOCK(DP)                                                                          \
