@@ -41,7 +41,9 @@ def test_q6k_dequantizes_to_ggufs_values_and_computes_their_integer_dots() -> No
     torch.testing.assert_close(linear(x.float(), row_invariant=True).double(), reference, rtol=1e-5, atol=1e-6)
 
 
-def test_q6k_rows_get_the_same_bits_at_any_row_count() -> None:
+def test_q6k_rows_get_the_same_bits_at_any_row_count(matmul_path: str) -> None:
+    """The 8-output kernel (one row, a few), the 512-bit pair kernel and the AMX tiles (many rows)
+    give a row the same bits."""
     linear = QuantizedLinear(q6k_weight(100, 512, seed=3))
     x = torch.randn(70, 512)
     alone = torch.cat([linear(x[i : i + 1], row_invariant=True) for i in range(x.shape[0])])

@@ -331,34 +331,27 @@ static void q6kx8_rows(const block_q6kx8* wg, const block_x8* x, const int32_t* 
 }
 #endif
 
-PAIR_OF_GROUPS(q6kx8_pair_rows, block_q6kx8, q6kx8_rows)
-#ifdef AMX_KERNELS
-// In AMX tiles (amx_tiles.c): a block's halves carry their own scales, so each half is a multiply
-// of depth 16 (AMX_BLOCK_HALVES; the weights u - 32 signed), then Q6K_TILE's sums exactly:
-// idot = sc0 * first + sc1 * second, acc = fma(float(idot), d * d_x, acc), block by block in order.
+#ifdef PAIR_KERNELS_512
 // Vector v's top bits at bits 4-5 of each byte (Q6K_TOP in 512 bits).
 #define Q6K_TOP512(planes, v)                                                                        \
     _mm512_and_si512((v) % 4 < 2 ? _mm512_slli_epi16((planes)[(v) / 4], 4 - 2 * ((v) % 4))          \
                                  : _mm512_srli_epi16((planes)[(v) / 4], 2 * ((v) % 4) - 4),          \
                      _mm512_set1_epi8(0x30))
-// A pair's block as the halves' B tiles: load i's low nibbles (elements 4i..4i+3) are K-row i of
-// the first, its high nibbles (16 + 4i..) K-row i of the second, 256 bytes on.
-static inline void amx_unpack_q6k(const q6k_sub* s0, const q6k_sub* s1, uint8_t* tile) {
-    const __m512i planes[2] = {pair_load(s0->qh[0], s1->qh[0]), pair_load(s0->qh[1], s1->qh[1])};
-    const __m512i mask = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(32);
-    for (int i = 0; i < 4; i++) {
-        const __m512i packed = pair_load(s0->qs + 32 * i, s1->qs + 32 * i);
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(packed, mask), Q6K_TOP512(planes, 2 * i));
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), mask), Q6K_TOP512(planes, 2 * i + 1));
-        _mm512_storeu_si512(tile + 64 * i, _mm512_sub_epi8(lo, offset));
-        _mm512_storeu_si512(tile + 256 + 64 * i, _mm512_sub_epi8(hi, offset));
-    }
-}
+// The signed u - 32 of a pair's load i: low nibbles (elements 4i..4i+3, the block's first half)
+// and high nibbles (16 + 4i.., its second half).
+#define Q6K_PAIR_VALUES(u0, u1, planes, i, lo, hi)                                                   \
+    const __m512i packed = pair_load((u0)->qs + 32 * (i), (u1)->qs + 32 * (i));                      \
+    const __m512i lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(packed, _mm512_set1_epi8(0x0F)), \
+                                                       Q6K_TOP512(planes, 2 * (i))), _mm512_set1_epi8(32)); \
+    const __m512i hi = _mm512_sub_epi8(                                                              \
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F)),      \
+                        Q6K_TOP512(planes, 2 * (i) + 1)), _mm512_set1_epi8(32));
 // Two groups' 8 int8 scales (one sixteenth's) as 16 int32 lanes.
 static inline __m512i q6k_pair_scales(const int8_t* a, const int8_t* b) {
     return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b)));
 }
-#define AMX_UNPACK_Q6K(b, tile) amx_unpack_q6k(&w0[(b) / SUBS].sub[(b) % SUBS], &w1[(b) / SUBS].sub[(b) % SUBS], tile)
+// Q6K_TILE's sums for 16 outputs from the halves' dots (dot[t]: elements 0-15, dot2[t]: 16-31):
+// idot = sc0 * first + sc1 * second, acc = fma(float(idot), d * d_x, acc).
 #define APPLY_PAIR_Q6K(R)                                                                            \
     const block_q6kx8* s0 = w0 + b / SUBS;                                                           \
     const block_q6kx8* s1 = w1 + b / SUBS;                                                           \
@@ -370,13 +363,62 @@ static inline __m512i q6k_pair_scales(const int8_t* a, const int8_t* b) {
         const __m512i idot = _mm512_add_epi32(_mm512_mullo_epi32(dot[t], sc0), _mm512_mullo_epi32(dot2[t], sc1)); \
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d)), acc[t]); \
     }
-AMX_PAIR_KERNEL_TILES(q6kx8_amx_rows, block_q6kx8, q6kx8_pair_rows, 4, 16, AMX_UNPACK_Q6K, amx_configure_halves,
+// The halves' dots in 512-bit registers, 16 outputs a vector: |w| the unsigned side, the
+// activations negated where w < 0 (a masked subtraction, as Q8X8_PAIR_DOTS).
+#define Q6K_PAIR_DOTS(R)                                                                             \
+    const q6k_sub* u0 = &w0[b / SUBS].sub[b % SUBS];                                                 \
+    const q6k_sub* u1 = &w1[b / SUBS].sub[b % SUBS];                                                 \
+    const __m512i planes[2] = {pair_load(u0->qh[0], u1->qh[0]), pair_load(u0->qh[1], u1->qh[1])};   \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        Q6K_PAIR_VALUES(u0, u1, planes, i, lo, hi)                                                   \
+        const __m512i lo_mag = _mm512_abs_epi8(lo), hi_mag = _mm512_abs_epi8(hi);                    \
+        const __mmask64 lo_neg = _mm512_movepi8_mask(lo), hi_neg = _mm512_movepi8_mask(hi);          \
+        for (int t = 0; t < R; t++) {                                                                \
+            const int8_t* xq = x[t * x_stride + b].qs;                                               \
+            const __m512i xl = broadcast4_512(xq + 4 * i), xh = broadcast4_512(xq + 16 + 4 * i);     \
+            dot[t] = _mm512_dpbusd_epi32(dot[t], lo_mag, _mm512_mask_sub_epi8(xl, lo_neg, _mm512_setzero_si512(), xl)); \
+            dot2[t] = _mm512_dpbusd_epi32(dot2[t], hi_mag, _mm512_mask_sub_epi8(xh, hi_neg, _mm512_setzero_si512(), xh)); \
+        }                                                                                            \
+    }
+// PAIR_LOOP over sub-blocks, with a second dot per row for the second half.
+#define Q6K_PAIR_LOOP(BLOCK, DOTS, APPLY, R)                                                         \
+    for (int64_t b = 0; b < nb; b++) {                                                               \
+        const int64_t sub = (b % SUBS) * (sizeof(BLOCK) / SUBS);                                     \
+        prefetch_ahead((const char*)(w0 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
+        prefetch_ahead((const char*)(w1 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
+        __m512i dot[R];                                                                              \
+        __m512i dot2[R];                                                                             \
+        for (int t = 0; t < R; t++) dot[t] = dot2[t] = _mm512_setzero_si512();                       \
+        DOTS(R)                                                                                      \
+        APPLY(R)                                                                                     \
+    }
+PAIR_KERNEL_LOOPED(q6kx8_pair_rows, block_q6kx8, Q6K_PAIR_LOOP, Q6K_PAIR_DOTS, APPLY_PAIR_Q6K)
+#define Q6K_PAIR_ROWS PAIR_ROWS
+#else
+PAIR_OF_GROUPS(q6kx8_pair_rows, block_q6kx8, q6kx8_rows)
+#define Q6K_PAIR_ROWS 4
+#endif
+#ifdef AMX_KERNELS
+// In AMX tiles (amx_tiles.c): a block's halves carry their own scales, so each half is a multiply
+// of depth 16 (AMX_BLOCK_HALVES; the weights u - 32 signed), then APPLY_PAIR_Q6K as above.
+// A pair's block as the halves' B tiles: load i's low nibbles (elements 4i..4i+3) are K-row i of
+// the first, its high nibbles (16 + 4i..) K-row i of the second, 256 bytes on.
+static inline void amx_unpack_q6k(const q6k_sub* u0, const q6k_sub* u1, uint8_t* tile) {
+    const __m512i planes[2] = {pair_load(u0->qh[0], u1->qh[0]), pair_load(u0->qh[1], u1->qh[1])};
+    for (int i = 0; i < 4; i++) {
+        Q6K_PAIR_VALUES(u0, u1, planes, i, lo, hi)
+        _mm512_storeu_si512(tile + 64 * i, lo);
+        _mm512_storeu_si512(tile + 256 + 64 * i, hi);
+    }
+}
+#define AMX_UNPACK_Q6K(b, tile) amx_unpack_q6k(&w0[(b) / SUBS].sub[(b) % SUBS], &w1[(b) / SUBS].sub[(b) % SUBS], tile)
+AMX_PAIR_KERNEL_TILES(q6kx8_amx_rows, block_q6kx8, q6kx8_pair_rows, Q6K_PAIR_ROWS, 16, AMX_UNPACK_Q6K, amx_configure_halves,
                       AMX_BLOCK_HALVES, APPLY_PAIR_Q6K)
 #else
 #define q6kx8_amx_rows q6kx8_pair_rows
 #endif
 GEMM_X8_GROUPED(kvgen_gemm_q6kx8, kvgen_linear_q6kx8, block_q6kx8, q6kx8_rows, q6kx8_amx_rows, 0, nb / SUBS, 4,
-                CALL_ROWS(4))
+                CALL_ROWS(Q6K_PAIR_ROWS))
 
 // Weight l of a block is (d * sc) * (u - 32), in gguf's order of rounding.
 #define DEQUANTIZE_Q6KX8(NAME, OUT_T, CONVERT)                                                       \
