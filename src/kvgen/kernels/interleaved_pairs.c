@@ -10,8 +10,8 @@
 // acc = fma(m_w, s_x, acc)) block after block, in order.
 //
 // pair_rows(w0, w1, ...): outputs of group w0 then group w1 (16 contiguous y values per row);
-// both groups must be full (8 real rows each). Builds without AVX-512 VNNI, and q6kx8
-// (k_quants.c), run the 8-output kernel on each group. Per 16x16x32 step at 512 rows on one
+// both groups must be full (8 real rows each). Builds without AVX-512 VNNI run the 8-output kernel
+// on each group. (q4kx8's and q6kx8's pair kernels are in k_quants.c.) Per 16x16x32 step at 512 rows on one
 // core of the Intel Xeon, AMX tiles off (amx_tiles.c), the 512-bit kernels took q5 56-58 ns and
 // q8s 69, against 76-78 and 91-93 for the 8-output kernel on each group (q4kx8's: 49-51 against 77).
 
