@@ -152,8 +152,8 @@ static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {
     APPLY_PAIR_GIVEN(R, _mm512_mul_ps(pair_load_ph(s0->d, s1->d), q4k_pair_bytes(s0->sc[j], s1->sc[j])), \
                      _mm512_sub_ps(_mm512_setzero_ps(),                                              \
                                    _mm512_mul_ps(pair_load_ph(s0->dmin, s1->dmin), q4k_pair_bytes(s0->mn[j], s1->mn[j]))))
-// PAIR_LOOP over sub-blocks: block b is sub-block b % SUBS of super-block b / SUBS.
-#define Q4K_PAIR_LOOP(BLOCK, DOTS, APPLY, R)                                                         \
+// PAIR_LOOP over sub-blocks (the k-quants): block b is sub-block b % SUBS of super-block b / SUBS.
+#define SUB_BLOCK_PAIR_LOOP(BLOCK, DOTS, APPLY, R)                                                         \
     for (int64_t b = 0; b < nb; b++) {                                                               \
         const int64_t sub = (b % SUBS) * (sizeof(BLOCK) / SUBS);                                     \
         prefetch_ahead((const char*)(w0 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
@@ -166,7 +166,7 @@ static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {
 #define Q4K_PAIR_DOTS(R)                                                                             \
     NIBBLE_PAIR_DOTS(R, w0[b / SUBS].qs[b % SUBS], w1[b / SUBS].qs[b % SUBS], NO_FIFTH_BITS)
 // 16 outputs x up to PAIR_ROWS rows in 512-bit registers (interleaved_pairs.c), Q4K_TILE's sums.
-PAIR_KERNEL_LOOPED(q4kx8_pair_rows, block_q4kx8, Q4K_PAIR_LOOP, Q4K_PAIR_DOTS, APPLY_PAIR_Q4K)
+PAIR_KERNEL_LOOPED(q4kx8_pair_rows, block_q4kx8, SUB_BLOCK_PAIR_LOOP, Q4K_PAIR_DOTS, APPLY_PAIR_Q4K)
 #define Q4K_PAIR_ROWS PAIR_ROWS
 #else
 PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
@@ -366,6 +366,8 @@ static inline __m512i q6k_pair_scales(const int8_t* a, const int8_t* b) {
 // The halves' dots in 512-bit registers, 16 outputs a vector: |w| the unsigned side, the
 // activations negated where w < 0 (a masked subtraction, as Q8X8_PAIR_DOTS).
 #define Q6K_PAIR_DOTS(R)                                                                             \
+    __m512i dot2[R]; /* the second half's; dot[t] holds the first's */                               \
+    for (int t = 0; t < R; t++) dot2[t] = _mm512_setzero_si512();                                    \
     const q6k_sub* u0 = &w0[b / SUBS].sub[b % SUBS];                                                 \
     const q6k_sub* u1 = &w1[b / SUBS].sub[b % SUBS];                                                 \
     const __m512i planes[2] = {pair_load(u0->qh[0], u1->qh[0]), pair_load(u0->qh[1], u1->qh[1])};   \
@@ -380,19 +382,7 @@ static inline __m512i q6k_pair_scales(const int8_t* a, const int8_t* b) {
             dot2[t] = _mm512_dpbusd_epi32(dot2[t], hi_mag, _mm512_mask_sub_epi8(xh, hi_neg, _mm512_setzero_si512(), xh)); \
         }                                                                                            \
     }
-// PAIR_LOOP over sub-blocks, with a second dot per row for the second half.
-#define Q6K_PAIR_LOOP(BLOCK, DOTS, APPLY, R)                                                         \
-    for (int64_t b = 0; b < nb; b++) {                                                               \
-        const int64_t sub = (b % SUBS) * (sizeof(BLOCK) / SUBS);                                     \
-        prefetch_ahead((const char*)(w0 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
-        prefetch_ahead((const char*)(w1 + b / SUBS) + sub, sizeof(BLOCK) / SUBS);                    \
-        __m512i dot[R];                                                                              \
-        __m512i dot2[R];                                                                             \
-        for (int t = 0; t < R; t++) dot[t] = dot2[t] = _mm512_setzero_si512();                       \
-        DOTS(R)                                                                                      \
-        APPLY(R)                                                                                     \
-    }
-PAIR_KERNEL_LOOPED(q6kx8_pair_rows, block_q6kx8, Q6K_PAIR_LOOP, Q6K_PAIR_DOTS, APPLY_PAIR_Q6K)
+PAIR_KERNEL_LOOPED(q6kx8_pair_rows, block_q6kx8, SUB_BLOCK_PAIR_LOOP, Q6K_PAIR_DOTS, APPLY_PAIR_Q6K)
 #define Q6K_PAIR_ROWS PAIR_ROWS
 #else
 PAIR_OF_GROUPS(q6kx8_pair_rows, block_q6kx8, q6kx8_rows)
