@@ -357,7 +357,7 @@ static void attend_listed_tile(tile_rows* listed, const float* q, float* out, in
 #ifdef TRANSPOSED_SCORES
     // Transposed once a second row reads the tile: rows whose tiles all differ (a sliding window
     // moves each row's tiles by a position) would pay a transposition per row.
-    if (listed->kt != NULL && cached && (kept || listed->kt_keys > 0) && d % 32 == 0 && d <= MAX_KT_DIM) {
+    if (listed->kt != NULL && cached && kept && d % 32 == 0 && d <= MAX_KT_DIM) {  // kt_keys > 0 only if kept
         if (listed->kt_keys < n) transpose_keys(listed->key_rows, listed->kt_keys, n, d, listed->kt);
         listed->kt_keys = listed->kt_keys > n ? listed->kt_keys : n;
         attend_transposed_tile(q, count, listed->kt, listed->value_rows, n, d, scale, st, out);

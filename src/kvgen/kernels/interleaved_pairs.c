@@ -111,7 +111,8 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
     }
 
 #define PAIR_KERNEL(NAME, BLOCK, DOTS, APPLY) PAIR_KERNEL_LOOPED(NAME, BLOCK, PAIR_LOOP, DOTS, APPLY)
-// LOOP(BLOCK, DOTS, APPLY, R): the blocks' loop (PAIR_LOOP; q4kx8 walks sub-blocks, k_quants.c).
+// LOOP(BLOCK, DOTS, APPLY, R): the blocks' loop (PAIR_LOOP; the k-quants walk sub-blocks,
+// SUB_BLOCK_PAIR_LOOP in k_quants.c).
 #define PAIR_KERNEL_LOOPED(NAME, BLOCK, LOOP, DOTS, APPLY)                                           \
     static inline void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* x, const int32_t* xsum, \
                             int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {    \
