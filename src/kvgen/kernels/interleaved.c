@@ -345,11 +345,17 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 
 // Work is split over (row chunk, pair of weight groups); a pair whose groups are both full runs
 // the 16-output kernel, other groups the 8-output one: a row's outputs have the same bits either way.
-// Fewer than 16 activation rows (a decode step, a speculative verify, a small batch) keep the
-// 8-output kernel: on Zen 4 with two threads, SmolLM2's rows step over all 30 layers took 3.0 ms
-// for 2 rows with it against 5.9 with the pair kernel, 5.9 against 7.1 for 8, the same at 12-16,
-// and the pair kernel wins from 24 rows (18.7 against 19.8 ms for 32, 34.6 against 36.9 for 64).
+// On Zen 4, which runs a 512-bit operation as two halves, fewer than 16 activation rows (a decode
+// step, a speculative verify, a small batch) keep the 8-output kernel: with two threads,
+// SmolLM2's rows step over all 30 layers took 3.0 ms for 2 rows with it against 5.9 with the pair
+// kernel, 5.9 against 7.1 for 8, the same at 12-16, and the pair kernel won from 24 rows (18.7
+// against 19.8 ms for 32, 34.6 against 36.9 for 64). CPUs with AMX (Sapphire Rapids and later
+// Xeons) have two 512-bit multiply-add units a core, and there the pair kernel pays from one row.
+#ifdef __AMX_INT8__
+#define PAIR_MIN_ROWS 1
+#else
 #define PAIR_MIN_ROWS 16
+#endif
 // GROUP_BLOCKS: BLOCKs per group of 8 rows (nb 32-element blocks; q4kx8: nb / 8 super-blocks);
 // ROWS / PAIR_ROWS_MAX: the most activation rows ROWS_FN / PAIR_FN take at once.
 #define GEMM_X8_GROUPED(NAME, LINEAR, BLOCK, ROWS_FN, PAIR_FN, NEEDS_SUMS, GROUP_BLOCKS, ROWS, PAIR_ROWS_MAX) \
