@@ -160,8 +160,9 @@ def test_decode_and_rows_steps_give_the_prompts_bits_with_1_2_or_3_threads(quant
     matmul split by output groups, attention by positions, heads and columns (batch-1) or by head
     units (rows), barriers where a phase reads the last one's outputs. Whatever the team (3 threads
     on this machine's 2 cores split work differently from 2), each decoded token's logits, and
-    each row's of verify-sized forwards (5 tokens: the few-rows kernels) and of the whole prompt
-    (40 rows: the 16-output kernels), are those of the prompt run at the default thread count."""
+    each row's of verify-sized forwards (2 to 8 tokens: the few-rows kernels, attention one row a
+    unit or in blocks of rows that share each key tile) and of the whole prompt (40 rows: the
+    16-output kernels), are those of the prompt run at the default thread count."""
     from tests.support.models import PROMPTS
 
     llm = get(quantized, name)
@@ -181,7 +182,8 @@ def test_decode_and_rows_steps_give_the_prompts_bits_with_1_2_or_3_threads(quant
                 llm.model(torch.tensor([ids[:8]]), cache)
                 steps = torch.stack([llm.model(torch.tensor([[token]]), cache)[0, -1] for token in ids[8:]])
                 cache = llm.generator.new_cache(len(ids))
-                verified = torch.cat([forward(ids[:8], cache)] + [forward(ids[i : i + 5], cache) for i in range(8, 40, 5)])
+                starts = [8, 13, 21, 23, 31, 34, 40]  # verifies of 5, 8, 2, 8, 3 and 6 tokens
+                verified = torch.cat([forward(ids[:8], cache)] + [forward(ids[a:b], cache) for a, b in zip(starts, starts[1:])])
                 prompt = forward(ids, llm.generator.new_cache(len(ids)))
         finally:
             torch.set_num_threads(threads)
