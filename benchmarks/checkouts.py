@@ -8,11 +8,14 @@ ignored) after a warm-up, and report their median tok/s. The table gives each si
 the pairs and the median of the per-pair ratios; every sample and both sides' tokens (which must
 agree) go to benchmarks/results/checkouts-<model>-<cpu class>.json. The kernels build once per
 commit (cached by source). With `--prefill N` each turn times the prefill of an N-token prompt (the
-benchmarks' text, `common.prompt_ids`; the prefill's own timer, one new token) instead.
+benchmarks' text, `common.prompt_ids`; the prefill's own timer, one new token) instead; with
+`--verify N --context C`, one forward over N new tokens after a C-token context, as a speculative
+verify of N - 1 drafts runs (the median of `--repeats` x 5 forwards; tok/s = N / its time).
 
     python benchmarks/checkouts.py --base a52cc96 --head 6837d03 --pairs 6
     python benchmarks/checkouts.py --base feff921 --head 1db94b5 --prefill 2048 --repeats 2
     python benchmarks/checkouts.py --base 21953ce --head bc683f8 --prefill 512 --repeats 3 --name amx-prefill512
+    python benchmarks/checkouts.py --base 7be3115 --head 806449f --verify 8 --context 2048
 """
 
 from __future__ import annotations
@@ -39,11 +42,29 @@ TURN = """
 import json, statistics, sys
 from kvgen import LLM, SamplingParams
 model, weights, new_tokens, repeats, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-prefill = int(sys.argv[6])
+prefill, verify, context = int(sys.argv[6]), int(sys.argv[8]), int(sys.argv[9])
+sys.path.insert(0, sys.argv[7])
+from common import prompt_ids
+if verify:
+    import time, torch
+    llm = LLM.load(model, progress=False, weights=weights)
+    ids = prompt_ids(llm.tokenizer, context + verify)
+    cache = llm.generator.new_cache(context + verify)
+    speeds, tokens = [], None
+    with torch.inference_mode():
+        llm.model(torch.tensor([ids[:context]]), cache)
+        rows = torch.tensor([ids[context:]])
+        for _ in range(repeats * 5 + 2):
+            cache.truncate(context)
+            start = time.perf_counter()
+            logits = llm.model(rows, cache, logits_to_keep=verify)
+            speeds.append(verify / (time.perf_counter() - start))
+            tokens = logits[0].argmax(-1).tolist()
+    speeds = speeds[2:]
+    print(json.dumps({"tok_s": statistics.median(speeds), "samples": speeds, "tokens": tokens}))
+    raise SystemExit
 llm = LLM.load(model, progress=False, weights=weights, max_context=prefill + 1 if prefill else None)
 if prefill:
-    sys.path.insert(0, sys.argv[7])
-    from common import prompt_ids
     prompt, new_tokens = prompt_ids(llm.tokenizer, prefill), 1
 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 llm.generate(prompt, params)
@@ -66,7 +87,7 @@ def export(revision: str, into: Path) -> tuple[str, Path]:
 
 def turn(folder: Path, args: argparse.Namespace) -> dict:
     command = [sys.executable, "-c", TURN, args.model, args.weights, str(args.new_tokens), str(args.repeats), args.prompt,
-               str(args.prefill), str(Path(__file__).resolve().parent)]  # fmt: skip
+               str(args.prefill), str(Path(__file__).resolve().parent), str(args.verify), str(args.context)]  # fmt: skip
     environment = os.environ | {"PYTHONPATH": str(folder / "src")}
     done = subprocess.run(command, env=environment, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -83,9 +104,17 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6, help="turns of each commit, alternating")
     parser.add_argument("--prompt", default="Once upon a time")
     parser.add_argument("--prefill", type=int, default=0, help="time the prefill of a prompt of this many tokens instead")
+    parser.add_argument("--verify", type=int, default=0, help="time one forward over this many new tokens instead")
+    parser.add_argument("--context", type=int, default=0, help="--verify: the tokens in the cache before them")
     parser.add_argument("--name", default=None,
                         help="the results file's name before -<model>-<cpu class> (default: checkouts or checkouts-prefill<N>)")
     args = parser.parse_args()
+    if args.verify and args.prefill:
+        parser.error("--verify and --prefill time different things: give one")
+    if args.context and not args.verify:
+        parser.error("--context is the cache before a --verify forward: give --verify too")
+    if args.verify and args.context < 1:
+        parser.error("--verify needs --context (the tokens in the cache before the forward), at least 1")
     with tempfile.TemporaryDirectory() as scratch:
         (base_sha, base), (head_sha, head) = export(args.base, Path(scratch)), export(args.head, Path(scratch))
         pairs = []
@@ -101,6 +130,7 @@ def main() -> None:
         "ratio": statistics.median(pair["ratio"] for pair in pairs),
     }
     what = f"{args.prefill}-token prefill" if args.prefill else f"{args.new_tokens} new tokens"
+    what = f"{args.verify}-token forward after {args.context}" if args.verify else what
     print(f"{args.model} ({args.weights}), {what}, {args.pairs} pairs: {base_sha[:7]} "
           f"{summary['base_tok_s']:.1f} tok/s, {head_sha[:7]} {summary['head_tok_s']:.1f} tok/s, "
           f"median ratio {summary['ratio']:.3f}x")  # fmt: skip
@@ -108,6 +138,7 @@ def main() -> None:
     for pair in pairs:
         pair["base"].pop("tokens"), pair["head"].pop("tokens")
     name = args.name or (f"checkouts-prefill{args.prefill}" if args.prefill else "checkouts")
+    name = args.name or (f"checkouts-verify{args.verify}-at{args.context}" if args.verify else name)
     path = write_results(f"{name}-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
     print(f"wrote {path}")
 
