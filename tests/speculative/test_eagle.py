@@ -171,3 +171,24 @@ def test_the_c_head_step_computes_the_heads_layer():
         assert fast.length == reference.length == end
         layer = want - features[first:end]  # the layer's own output
         assert (got - want).norm() < 1e-5 * layer.norm(), first
+
+
+@torch.inference_mode()
+def test_the_c_head_step_gives_a_position_the_same_bits_alone_or_among_others():
+    """Positions run together (kvgen_eagle_positions: the tokens decoded while drafting paused, a
+    verify's accepted ones) get the bits each gets run alone (kvgen_eagle_position), their keys and
+    values too, so the drafts do not depend on how the decoder hands the features over."""
+    from kvgen.speculative.eagle_fast import FastHeadCache, FastHeadWeights
+    from kvgen.speculative.eagle_head import EagleHead
+
+    torch.manual_seed(1)
+    head = EagleHead(128, 4, 2, 32, 256, torch.arange(10)).eval()
+    for p in head.parameters():
+        p.add_(torch.randn_like(p) * 0.2)
+    weights = FastHeadWeights(head)
+    features, tokens = torch.randn(40, 128), torch.randn(40, 128)
+    alone, together = FastHeadCache(weights, capacity=8), FastHeadCache(weights, capacity=8)  # both grow
+    one_at_a_time = torch.cat([alone.run(features[i : i + 1], tokens[i : i + 1]) for i in range(40)])
+    runs = torch.cat([together.run(features[a:b], tokens[a:b]) for a, b in ((0, 3), (3, 4), (4, 20), (20, 40))])
+    assert torch.equal(runs, one_at_a_time), (runs - one_at_a_time).abs().max().item()
+    assert torch.equal(together.k[:, :40], alone.k[:, :40]) and torch.equal(together.v[:, :40], alone.v[:, :40])

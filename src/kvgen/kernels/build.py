@@ -197,6 +197,9 @@ def open_library(path: Path) -> ctypes.CDLL:
                                             count, count, count, count, count, pointer, count, pointer, count]  # fmt: skip
     library.kvgen_eagle_position.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
                                              pointer, pointer, pointer, pointer, count, count, count, pointer]  # fmt: skip
+    library.kvgen_eagle_positions.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, pointer, count, pointer,
+                                              pointer, pointer, pointer, pointer, pointer, count, count, count, pointer,
+                                              pointer, pointer, pointer]  # fmt: skip
     library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer]
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,
@@ -211,7 +214,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer, pointer,
                                                      pointer]  # fmt: skip
-    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_decode_tree", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
+    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_eagle_positions", "kvgen_decode_tree", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
                  *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

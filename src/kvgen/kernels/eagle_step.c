@@ -31,6 +31,34 @@ void kvgen_eagle_position(const block_t* block, const qlinear* fc, const float* 
     for (int64_t i = 0; i < h; i++) out[i] += feature[i];
 }
 
+// Positions [position, position + n) in one call, each row's bits those kvgen_eagle_position gives
+// it: the input map's norms row by row, the fc linear over the n rows (its kernel computes a row
+// as it computes it alone), the block by the rows step (row i attends to the positions before it
+// and its own, as the one-token step does; `tables`: n zeros, the one buffer's block for each
+// row; `positions`: position .. position + n - 1), then the residual. A batch of positions (the
+// tokens decoded while drafting paused, a verify's accepted ones) reads the head's weights once
+// instead of once a position. pairs: [n, 2h] scratch; scratch: n * 2h / 32 activation blocks;
+// rope: [n, 2, head_dim]; s: the rows step's scratch for n rows of the head's widths.
+void kvgen_eagle_positions(const block_t* block, const qlinear* fc, const float* scales, float eps,
+                           const float* features, const float* embeddings, int64_t n, float* pairs,
+                           block_x8* scratch, const float* rope, const int64_t* zero, float* k_base, float* v_base,
+                           int64_t head_stride, int64_t pos_stride, int64_t position, const int64_t* tables,
+                           const int64_t* positions, const rows_scratch* s, float* out) {
+    const int64_t h = block->hidden;
+    for (int64_t r = 0; r < n; r++) {
+        rms_norm(features + r * h, scales, eps, h, pairs + r * 2 * h);
+        rms_norm(embeddings + r * h, scales + h, eps, h, pairs + r * 2 * h + h);
+    }
+    if (fc->kind == 2) {
+        kvgen_linear_q8sx8((const block_q8sx8*)fc->blocks, pairs, scratch, out, n, fc->n, fc->k);
+    } else {
+        kvgen_linear_q8x8((const block_q8x8*)fc->blocks, pairs, scratch, out, n, fc->n, fc->k);
+    }
+    kvgen_decode_rows(block, 1, n, out, rope, 1, zero, zero, k_base, v_base, 0, head_stride, pos_stride, 0,
+                      position + n, tables, 1, NULL, NULL, positions, s, NULL, NULL);
+    for (int64_t i = 0; i < n * h; i++) out[i] += features[i];
+}
+
 // A predicted feature -> its draft-vocabulary logits: the target's final norm (weights `norm`),
 // then the draft rows of its output head (`project`, 8-bit).
 void kvgen_eagle_logits(const float* feature, const float* norm, float eps, float* normed, const qlinear* project,

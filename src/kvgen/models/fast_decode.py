@@ -50,6 +50,18 @@ class _RowsScratch(ctypes.Structure):
     _fields_ = [("x", _ptr), ("y", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr), ("xq", _ptr)]
 
 
+def rows_scratch(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int) -> tuple[list[torch.Tensor], _RowsScratch]:  # fmt: skip
+    """The rows step's scratch for `rows` rows of blocks of these widths: the buffers (keep them
+    alive) and the struct that points into them."""
+    widest = max(hidden, heads * head_dim, intermediate)
+    sizes = [(widest, torch.float32), (hidden, torch.float32), ((heads + 2 * kv_heads) * head_dim, torch.float32),
+             (heads * head_dim, torch.float32), (2 * intermediate, torch.float32),
+             (widest // QK * X8_BLOCK_BYTES, torch.uint8)]  # fmt: skip
+    buffers = [torch.zeros(rows * size, dtype=dtype) for size, dtype in sizes]
+    return buffers, _RowsScratch(*(buffer.data_ptr() for buffer in buffers))
+
+
 class BlockStruct(ctypes.Structure):
     """One pre-norm block as kernels/decode.c's block_t describes it (kvgen_decode_layers' blocks)."""
 
@@ -342,13 +354,10 @@ class FastDecoder:
     def _scratch_for_rows(self, rows: int) -> _RowsScratch:
         if rows > self._rows_capacity:
             config = self.model.config
-            widest = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
-            qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-            sizes = [(widest, torch.float32), (config.hidden_size, torch.float32), (qkv_width, torch.float32),
-                     (config.num_heads * config.head_dim, torch.float32), (2 * config.intermediate_size, torch.float32),
-                     (widest // QK * X8_BLOCK_BYTES, torch.uint8)]  # fmt: skip
-            self._rows_buffers = [torch.zeros(rows * size, dtype=dtype) for size, dtype in sizes]
-            self._rows_scratch = _RowsScratch(*(buffer.data_ptr() for buffer in self._rows_buffers))
+            self._rows_buffers, self._rows_scratch = rows_scratch(
+                rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                config.intermediate_size,
+            )  # fmt: skip
             self._rows_capacity = rows
         return self._rows_scratch
 

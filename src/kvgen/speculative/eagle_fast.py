@@ -5,8 +5,9 @@ MLP), so the C decode step that runs the target's blocks (kernels/decode.c, kvge
 runs it too, over the head's own keys and values: the same 8-bit linears the torch path would call
 one by one, but the norms, RoPE, attention and activations in the same call. In the torch path a
 draft token was ~60 small tensor operations (~0.24 ms with the weights in cache). Here a position
-is one call (kernels/eagle_step.c: the input map's norms and linear, the block, the residual) and
-a draft token's logits one more (the target's final norm and the draft-vocabulary rows).
+is one call (kernels/eagle_step.c: the input map's norms and linear, the block, the residual), a
+run of positions one call too (the block by the rows step: the head's weights read once), and a
+draft token's logits one more (the target's final norm and the draft-vocabulary rows).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from kvgen.kernels import load
 from kvgen.kernels.formats import QuantizedWeight, requantize
-from kvgen.models.fast_decode import BlockStruct, qlinear_struct
+from kvgen.models.fast_decode import BlockStruct, qlinear_struct, rows_scratch
 from kvgen.models.layers import RMSNorm
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.speculative.eagle_head import RMS_EPS, EagleHead, HeadCache
@@ -61,22 +62,46 @@ class FastHeadCache(HeadCache):
         )  # fmt: skip
         self._block = (BlockStruct * 1)(block)
         self._zero = torch.zeros(1, dtype=torch.int64)  # rope kind and window of the one layer
-        self._pair = torch.empty(2 * head.hidden_size)  # the input map's normed inputs
-        self._xq = torch.empty(2 * head.hidden_size // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)  # their int8 blocks
+        self._rows = 0  # the rows the scratch below holds
+        self._grow(1)
+
+    def _grow(self, rows: int) -> None:
+        """Scratch for `rows` positions a call: the input map's normed inputs and their int8 blocks,
+        and the rows step's buffers at the head's widths."""
+        if rows <= self._rows:
+            return
+        head, rows = self.head, max(rows, 2 * self._rows)
+        self._pairs = torch.empty(rows * 2 * head.hidden_size)
+        self._xq = torch.empty(rows * 2 * head.hidden_size // 32 * X8_BLOCK_BYTES, dtype=torch.uint8)
+        self._rows_buffers, self._rows_scratch = rows_scratch(
+            rows, head.hidden_size, head.heads, head.kv_heads, head.head_dim, head.inner_size
+        )
+        self._rows = rows
 
     def run(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
-        """features, token_embeddings [n, H] at the next n positions -> predicted next features [n, H]."""
+        """features, token_embeddings [n, H] at the next n positions -> predicted next features [n, H].
+        One C call: one position alone (kvgen_eagle_position), or the n together
+        (kvgen_eagle_positions, each row the bits it gets alone)."""
         n, start = features.shape[0], self.length
         self._reserve(start + n)
+        self._grow(n)
         k, v, capacity, dim = self.k, self.v, self.k.shape[1], self.head.head_dim
         features, token_embeddings = features.contiguous(), token_embeddings.contiguous()
         out = torch.empty_like(features)
-        for i in range(n):
+        common = (self._block, ctypes.addressof(self._fc), self._weights.scales.data_ptr(), RMS_EPS, features.data_ptr(),
+                  token_embeddings.data_ptr())  # fmt: skip
+        if n == 1:
             self.library.kvgen_eagle_position(
-                self._block, ctypes.addressof(self._fc), self._weights.scales.data_ptr(), RMS_EPS,
-                features[i].data_ptr(), token_embeddings[i].data_ptr(), self._pair.data_ptr(), self._xq.data_ptr(),
-                self.rope[start + i].data_ptr(), self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim,
-                dim, start + i, out[i].data_ptr(),
+                *common, self._pairs.data_ptr(), self._xq.data_ptr(), self.rope[start].data_ptr(), self._zero.data_ptr(),
+                k.data_ptr(), v.data_ptr(), capacity * dim, dim, start, out.data_ptr(),
+            )  # fmt: skip
+        else:
+            tables = torch.zeros(n, dtype=torch.int64)  # the one buffer's block, for each row
+            positions = torch.arange(start, start + n)
+            self.library.kvgen_eagle_positions(
+                *common, n, self._pairs.data_ptr(), self._xq.data_ptr(), self.rope[start : start + n].data_ptr(),
+                self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim, dim, start, tables.data_ptr(),
+                positions.data_ptr(), ctypes.byref(self._rows_scratch), out.data_ptr(),
             )  # fmt: skip
         self.length = start + n
         return out
