@@ -138,6 +138,14 @@ static void q4kx8_rows(const block_q4kx8* wg, const block_x8* x, const int32_t* 
 }
 #endif
 
+// Rows a k-quant's pair call takes: the 512-bit pair kernel's, or 4 where the pair is its 8-output
+// kernel on each group.
+#ifdef PAIR_KERNELS_512
+#define K_PAIR_ROWS PAIR_ROWS
+#else
+#define K_PAIR_ROWS 4
+#endif
+
 #ifdef PAIR_KERNELS_512
 // Two groups' 8 bytes (a sub-block's scales or mins) as 16 floats.
 static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {
@@ -167,22 +175,20 @@ static inline __m512 q4k_pair_bytes(const uint8_t* a, const uint8_t* b) {
     NIBBLE_PAIR_DOTS(R, w0[b / SUBS].qs[b % SUBS], w1[b / SUBS].qs[b % SUBS], NO_FIFTH_BITS)
 // 16 outputs x up to PAIR_ROWS rows in 512-bit registers (interleaved_pairs.c), Q4K_TILE's sums.
 PAIR_KERNEL_LOOPED(q4kx8_pair_rows, block_q4kx8, SUB_BLOCK_PAIR_LOOP, Q4K_PAIR_DOTS, APPLY_PAIR_Q4K)
-#define Q4K_PAIR_ROWS PAIR_ROWS
 #else
 PAIR_OF_GROUPS(q4kx8_pair_rows, block_q4kx8, q4kx8_rows)
-#define Q4K_PAIR_ROWS 4
 #endif
 #ifdef AMX_KERNELS
 // In AMX tiles (amx_tiles.c): sub-block j's nibbles are q4x8's block.
 #define AMX_UNPACK_Q4K(b, tile)                                                                      \
     amx_unpack_nibbles(w0[(b) / SUBS].qs[(b) % SUBS], w1[(b) / SUBS].qs[(b) % SUBS], NULL, NULL, tile)
-AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, Q4K_PAIR_ROWS, 16, AMX_UNPACK_Q4K, AMX_BLOCK_SUD,
+AMX_PAIR_KERNEL(q4kx8_amx_rows, block_q4kx8, q4kx8_pair_rows, K_PAIR_ROWS, 16, AMX_UNPACK_Q4K, AMX_BLOCK_SUD,
                 APPLY_PAIR_Q4K)
 #else
 #define q4kx8_amx_rows q4kx8_pair_rows
 #endif
 GEMM_X8_GROUPED(kvgen_gemm_q4kx8, kvgen_linear_q4kx8, block_q4kx8, q4kx8_rows, q4kx8_amx_rows, 0, nb / SUBS, 4,
-                CALL_ROWS(Q4K_PAIR_ROWS))
+                CALL_ROWS(K_PAIR_ROWS))
 
 // Dequantizing (instantiated in qgemm.c next to the other formats' dequantizers).
 #define DEQUANTIZE_Q4KX8(NAME, OUT_T, CONVERT)                                                       \
@@ -383,10 +389,8 @@ static inline __m512i q6k_pair_scales(const int8_t* a, const int8_t* b) {
         }                                                                                            \
     }
 PAIR_KERNEL_LOOPED(q6kx8_pair_rows, block_q6kx8, SUB_BLOCK_PAIR_LOOP, Q6K_PAIR_DOTS, APPLY_PAIR_Q6K)
-#define Q6K_PAIR_ROWS PAIR_ROWS
 #else
 PAIR_OF_GROUPS(q6kx8_pair_rows, block_q6kx8, q6kx8_rows)
-#define Q6K_PAIR_ROWS 4
 #endif
 #ifdef AMX_KERNELS
 // In AMX tiles (amx_tiles.c): a block's halves carry their own scales, so each half is a multiply
@@ -402,13 +406,13 @@ static inline void amx_unpack_q6k(const q6k_sub* u0, const q6k_sub* u1, uint8_t*
     }
 }
 #define AMX_UNPACK_Q6K(b, tile) amx_unpack_q6k(&w0[(b) / SUBS].sub[(b) % SUBS], &w1[(b) / SUBS].sub[(b) % SUBS], tile)
-AMX_PAIR_KERNEL_TILES(q6kx8_amx_rows, block_q6kx8, q6kx8_pair_rows, Q6K_PAIR_ROWS, 16, AMX_UNPACK_Q6K, amx_configure_halves,
+AMX_PAIR_KERNEL_TILES(q6kx8_amx_rows, block_q6kx8, q6kx8_pair_rows, K_PAIR_ROWS, 16, AMX_UNPACK_Q6K, amx_configure_halves,
                       AMX_BLOCK_HALVES, APPLY_PAIR_Q6K)
 #else
 #define q6kx8_amx_rows q6kx8_pair_rows
 #endif
 GEMM_X8_GROUPED(kvgen_gemm_q6kx8, kvgen_linear_q6kx8, block_q6kx8, q6kx8_rows, q6kx8_amx_rows, 0, nb / SUBS, 4,
-                CALL_ROWS(Q6K_PAIR_ROWS))
+                CALL_ROWS(K_PAIR_ROWS))
 
 // Weight l of a block is (d * sc) * (u - 32), in gguf's order of rounding.
 #define DEQUANTIZE_Q6KX8(NAME, OUT_T, CONVERT)                                                       \

@@ -76,6 +76,7 @@ class FastHeadCache(HeadCache):
         self._rows_buffers, self._rows_scratch = rows_scratch(
             rows, head.hidden_size, head.heads, head.kv_heads, head.head_dim, head.inner_size
         )
+        self._tables = torch.zeros(rows, dtype=torch.int64)  # the one buffer's block, for each row
         self._rows = rows
 
     def run(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
@@ -96,11 +97,10 @@ class FastHeadCache(HeadCache):
                 k.data_ptr(), v.data_ptr(), capacity * dim, dim, start, out.data_ptr(),
             )  # fmt: skip
         else:
-            tables = torch.zeros(n, dtype=torch.int64)  # the one buffer's block, for each row
             positions = torch.arange(start, start + n)
             self.library.kvgen_eagle_positions(
                 *common, n, self._pairs.data_ptr(), self._xq.data_ptr(), self.rope[start : start + n].data_ptr(),
-                self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim, dim, start, tables.data_ptr(),
+                self._zero.data_ptr(), k.data_ptr(), v.data_ptr(), capacity * dim, dim, start, self._tables.data_ptr(),
                 positions.data_ptr(), ctypes.byref(self._rows_scratch), out.data_ptr(),
             )  # fmt: skip
         self.length = start + n
