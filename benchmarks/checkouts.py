@@ -50,7 +50,7 @@ if verify:
     llm = LLM.load(model, progress=False, weights=weights)
     ids = prompt_ids(llm.tokenizer, context + verify)
     cache = llm.generator.new_cache(context + verify)
-    speeds, tokens = [], None
+    speeds = []
     with torch.inference_mode():
         llm.model(torch.tensor([ids[:context]]), cache)
         rows = torch.tensor([ids[context:]])
@@ -59,8 +59,7 @@ if verify:
             start = time.perf_counter()
             logits = llm.model(rows, cache, logits_to_keep=verify)
             speeds.append(verify / (time.perf_counter() - start))
-            tokens = logits[0].argmax(-1).tolist()
-    speeds = speeds[2:]
+    speeds, tokens = speeds[2:], logits[0].argmax(-1).tolist()
     print(json.dumps({"tok_s": statistics.median(speeds), "samples": speeds, "tokens": tokens}))
     raise SystemExit
 llm = LLM.load(model, progress=False, weights=weights, max_context=prefill + 1 if prefill else None)
@@ -107,7 +106,8 @@ def main() -> None:
     parser.add_argument("--verify", type=int, default=0, help="time one forward over this many new tokens instead")
     parser.add_argument("--context", type=int, default=0, help="--verify: the tokens in the cache before them")
     parser.add_argument("--name", default=None,
-                        help="the results file's name before -<model>-<cpu class> (default: checkouts or checkouts-prefill<N>)")
+                        help="the results file's name before -<model>-<cpu class> (default: checkouts, checkouts-prefill<N> "
+                             "or checkouts-verify<N>-at<C>)")
     args = parser.parse_args()
     if args.verify and args.prefill:
         parser.error("--verify and --prefill time different things: give one")
@@ -129,17 +129,19 @@ def main() -> None:
         "head_tok_s": statistics.median(pair["head"]["tok_s"] for pair in pairs),
         "ratio": statistics.median(pair["ratio"] for pair in pairs),
     }
-    what = f"{args.prefill}-token prefill" if args.prefill else f"{args.new_tokens} new tokens"
-    what = f"{args.verify}-token forward after {args.context}" if args.verify else what
+    if args.verify:
+        what, default_name = f"{args.verify}-token forward after {args.context}", f"checkouts-verify{args.verify}-at{args.context}"
+    elif args.prefill:
+        what, default_name = f"{args.prefill}-token prefill", f"checkouts-prefill{args.prefill}"
+    else:
+        what, default_name = f"{args.new_tokens} new tokens", "checkouts"
     print(f"{args.model} ({args.weights}), {what}, {args.pairs} pairs: {base_sha[:7]} "
           f"{summary['base_tok_s']:.1f} tok/s, {head_sha[:7]} {summary['head_tok_s']:.1f} tok/s, "
           f"median ratio {summary['ratio']:.3f}x")  # fmt: skip
     config = vars(args) | {"base_sha": base_sha, "head_sha": head_sha}
     for pair in pairs:
         pair["base"].pop("tokens"), pair["head"].pop("tokens")
-    name = args.name or (f"checkouts-prefill{args.prefill}" if args.prefill else "checkouts")
-    name = args.name or (f"checkouts-verify{args.verify}-at{args.context}" if args.verify else name)
-    path = write_results(f"{name}-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
+    path = write_results(f"{args.name or default_name}-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
     print(f"wrote {path}")
 
 
