@@ -5,8 +5,9 @@
 // added pairwise, then the eight classes as hsum8 adds its lanes; here a class is a register of
 // 16 keys, so a key's reduction costs one add per class instead of a horizontal sum, and a tile's
 // key loads feed 16 keys each (tile_scores loads one key per fma). The same bits as tile_scores.
-// This file is #included by attention_tiles.c.
-#ifdef __AVX512F__
+// This file is #included by attention_tiles.c. Builds for AMD CPUs leave it out (NO_TRANSPOSED_SCORES,
+// kernels/build.py: slower on Zen 4).
+#if defined(__AVX512F__) && !defined(NO_TRANSPOSED_SCORES)
 #define TRANSPOSED_SCORES 1
 #define KT_WIDTH 32     // keys per transposed tile (attend_listed_tile's tiles)
 #define MAX_KT_DIM 256  // the widest head transposed
