@@ -61,8 +61,8 @@ def tuning_flags() -> tuple[str, ...]:
     (group_tiles.c, CODES_PREFETCH_BYTES): 1.45x as fast on an Intel Xeon, where on a Zen 4 EPYC the
     hardware prefetchers followed those streams and asking ahead made a layer 13-60% slower. A block
     of rows scores a shared tile from its keys transposed once (transposed_scores.c): on the Intel
-    Xeon a gain, on the Zen 4 EPYC a loss (SmolLM2's 8-token forward after 2,048 positions 1.09x
-    as fast without it, its 2,048-token prompt 1.04x; Gemma 3 within noise)."""
+    Xeon a gain, on the Zen 4 EPYC a loss (SmolLM2's 8-token forward after 2,048 positions 1.12x
+    as fast without it, its 512-token prompt 1.05x; Gemma 3 within noise)."""
     return ("-DCODES_PREFETCH_BYTES=0", "-DNO_TRANSPOSED_SCORES") if cpu_vendor() == "AuthenticAMD" else ()
 
 
