@@ -164,12 +164,12 @@ class DecoderLM(nn.Module):
         if decoder is None or (prompt and seq > 1 and not decoder.runs_prompts):
             return None
         start = cache.seq_len
-        positions = torch.arange(start, start + seq)
         h = self._embed(input_ids[0]).contiguous()  # [S, H], updated in place by the C blocks
         if seq == 1:
             if not decoder.step(h[0], decoder.rope_at(start), cache, slot, num_layers):
                 return None
             return h[None]
+        positions = torch.arange(start, start + seq)
         rope = decoder.rope_rows(start, seq)  # [S, kinds, 2, D]
         try:
             for first in range(0, seq, decoder.max_rows):  # each call commits its rows
