@@ -349,8 +349,9 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
 // step, a speculative verify, a small batch) keep the 8-output kernel: with two threads,
 // SmolLM2's rows step over all 30 layers took 3.0 ms for 2 rows with it against 5.9 with the pair
 // kernel, 5.9 against 7.1 for 8, the same at 12-16, and the pair kernel won from 24 rows (18.7
-// against 19.8 ms for 32, 34.6 against 36.9 for 64). CPUs with AMX (Sapphire Rapids and later
-// Xeons) have two 512-bit multiply-add units a core, and there the pair kernel pays from one row.
+// against 19.8 ms for 32, 34.6 against 36.9 for 64; rechecked once the pair kernel asked for its
+// blocks ahead: batch-1 decode 0.64x). CPUs with AMX (Sapphire Rapids and later Xeons) have two
+// 512-bit multiply-add units a core, and there the pair kernel pays from one row.
 #ifdef __AMX_INT8__
 #define PAIR_MIN_ROWS 1
 #else
