@@ -5,6 +5,7 @@ Both loaders (GGUF metadata and HF config.json) produce a `ModelConfig`; the mod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,7 +19,7 @@ ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 class RopeScaling:
     """How rotary frequencies are stretched for long context (HF `rope_scaling` / `rope_parameters`)."""
 
-    kind: Literal["linear", "llama3", "longrope"]
+    kind: Literal["linear", "llama3", "longrope", "yarn"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -28,6 +29,17 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # YaRN (Qwen2/3 long context): frequencies blended between interpolated (/ factor) and kept over
+    # a ramp of dimensions set by beta_fast / beta_slow rotations in original_max_position; cos/sin
+    # scaled by attention_factor. truncate: the ramp's ends rounded to whole dimensions.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)

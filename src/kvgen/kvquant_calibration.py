@@ -59,9 +59,12 @@ class _GradientRecorder(KVCache):
 
 
 def key_rope_of(model: DecoderLM) -> Any:
+    """(layer, positions [N]) -> cos, sin [N, D] of the bare rotation, which caches storing keys
+    before RoPE apply both ways: a stored key keeps YaRN's attention factor, as the forward's does."""
+
     def rope(layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = model.rope_for(layer)(positions[None], torch.float32)  # [1, 1, N, D]
-        return cos[0, 0], sin[0, 0]
+        cos, sin = model.rope_for(layer).turns(positions[None])  # [1, N, D]
+        return cos[0], sin[0]
 
     return rope
 

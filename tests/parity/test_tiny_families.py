@@ -1,4 +1,4 @@
-"""Qwen3, Phi-3 / Phi-4-mini and Gemma 2 against transformers on the same weights.
+"""Qwen3 (also with YaRN), Phi-3 / Phi-4-mini and Gemma 2 against transformers on the same weights.
 
 No real checkpoint of these families installs offline, so these are small random-weight models
 that transformers itself builds and saves (tests/support/tiny_hf.py): this is the evidence for
@@ -8,6 +8,7 @@ these families, loaded from the HF folder and from a GGUF written with llama.cpp
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "phi4-mini", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "phi3", "phi4-mini", "gemma2"])
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))
@@ -139,7 +140,7 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
 
     _, _, folder = get(tiny, name, tmp_path_factory)
     llm = LLM.load(folder, progress=False, weights="int8")
-    in_c = name in ("qwen3", "phi3")
+    in_c = name in ("qwen3", "qwen3-yarn", "phi3")
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
     assert (llm.model.fast_decoder() is not None) == in_c
@@ -162,3 +163,19 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
     if name.startswith("phi"):  # LongRoPE keys cannot be moved (context shift): a clear error
         with pytest.raises(ValueError, match="LongRoPE"):
             llm.model.rerotate(0, torch.zeros(1, 2, 1, 16), 1)
+
+
+def test_moving_a_yarn_key_turns_it_without_the_attention_factor(tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A context shift moves cached keys, which already carry YaRN's attention factor: a key placed
+    at position 5 and moved by 7 must equal the key placed at 12 (scaled once, not twice)."""
+    from kvgen.models.rotary import apply_rotary
+
+    _, llm, _ = get(tiny, "qwen3-yarn", tmp_path_factory)
+    rope = llm.model.rope_for(0)
+    assert rope.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    key = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(0))
+
+    def placed(position: int) -> torch.Tensor:
+        return apply_rotary(key, *rope(torch.tensor([[position]]), torch.float32))
+
+    assert torch.allclose(llm.model.rerotate(0, placed(5), 7), placed(12), atol=1e-5)

@@ -147,6 +147,10 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path) -> Path:
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if rope.get("rope_type") == "yarn":  # as convert_hf_to_gguf.py writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3":
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])

@@ -15,6 +15,9 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_posit
 # name -> (config class, settings): each exercises what makes its family differ from Llama.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # head_dim != hidden / heads, q/k norms
+    # YaRN stretching a 64-position pretraining context 4x (Qwen3's long-context setting).
+    "qwen3-yarn": ("Qwen3Config", {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                   "factor": 4.0, "original_max_position_embeddings": 64}}),
     "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     # LongRoPE switching to the long factors past position 64 (beyond prompt + 48 tokens; the decode test crosses it).

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvgen.config import ModelConfig, RopeScaling, alternating_layer_types, gemma3_layer_types
+from kvgen.config import ModelConfig, RopeScaling, alternating_layer_types, gemma3_layer_types, yarn_mscale
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.kernels.formats import EXACT_SOURCES, QuantizedWeight
@@ -141,9 +141,28 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling | None:
     factor = metadata.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or not factor or float(factor) == 1.0:
         return None
+    if kind == "yarn":
+        return _yarn_from_gguf(metadata, arch, float(factor))
     if kind != "linear":
-        raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear and llama3)")
+        raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear, llama3 and yarn)")
     return RopeScaling(kind="linear", factor=float(factor))
+
+
+def _yarn_from_gguf(metadata: dict[str, Any], arch: str, factor: float) -> RopeScaling:
+    """llama.cpp's YaRN keys, read as transformers reads the config they were converted from:
+    yarn_attn_factor (the config's attention_factor) when the file has it, else 0.1 ln(factor) + 1."""
+    key = f"{arch}.rope.scaling."
+    original = metadata.get(key + "original_context_length")
+    if not original:
+        raise ModelLoadError(f"the GGUF uses YaRN but lacks '{key}original_context_length'; convert it again")
+    if float(metadata.get(key + "yarn_log_multiplier", 0.0)) != 0.0 or float(metadata.get(key + "yarn_ext_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("this GGUF's YaRN sets yarn_log_multiplier or yarn_ext_factor, which kvgen does not "
+                                    "implement (it runs YaRN as Qwen2/Qwen3 configure it)")  # fmt: skip
+    return RopeScaling(
+        kind="yarn", factor=factor, original_max_position=int(original),
+        attention_factor=float(metadata.get(key + "yarn_attn_factor", yarn_mscale(factor))),
+        beta_fast=float(metadata.get(key + "yarn_beta_fast", 32.0)), beta_slow=float(metadata.get(key + "yarn_beta_slow", 1.0)),
+    )  # fmt: skip
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:

@@ -11,7 +11,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvgen.config import MambaConfig, ModelConfig, RopeScaling, T5Config, alternating_layer_types, gemma3_layer_types
+from kvgen.config import (
+    MambaConfig, ModelConfig, RopeScaling, T5Config, alternating_layer_types, gemma3_layer_types, yarn_mscale,
+)  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.kernels.formats import QuantizedWeight
@@ -180,7 +182,28 @@ def _rope_scaling(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling | 
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position=int(params.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear, llama3 and longrope)")
+    if kind == "yarn":
+        return _yarn(params, raw)
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported yet (kvgen has linear, llama3, longrope and yarn)")
+
+
+def _yarn(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
+    """YaRN with transformers' defaults: factor = max / original positions when absent, attention
+    factor 0.1 ln(factor) + 1 (or the ratio of DeepSeek's two mscales), beta_fast 32, beta_slow 1."""
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError("YaRN rope scaling needs original_max_position_embeddings (the pretraining context) in config.json")
+    factor = float(params.get("factor") or int(raw["max_position_embeddings"]) / int(original))
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else yarn_mscale(factor))  # fmt: skip
+    return RopeScaling(
+        kind="yarn", factor=factor, original_max_position=int(original), attention_factor=float(attention),
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+    )  # fmt: skip
 
 
 def _longrope(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:

@@ -57,12 +57,14 @@ class DecoderLM(nn.Module):
         if scaling is not None and scaling.kind == "longrope":
             return LongRopeEmbedding(rotary_dim, theta, scaling)
         inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
-        return RotaryEmbedding(inv_freq / divisors if divisors is not None else inv_freq)
+        attention_factor = scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
+        return RotaryEmbedding(inv_freq / divisors if divisors is not None else inv_freq, attention_factor)
 
     def rerotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """Keys [B, H, S, D] rotated by RoPE at position p -> as if at p + delta (exact: RoPE angles add)."""
-        cos, sin = self.rope_for(layer)(torch.tensor([[delta]], device=keys.device), torch.float32)  # [1, 1, 1, D]
-        return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
+        """Keys [B, H, S, D] rotated by RoPE at position p -> as if at p + delta (exact: RoPE angles
+        add). The bare rotation: a cached key already carries YaRN's attention factor."""
+        cos, sin = self.rope_for(layer).turns(torch.tensor([[delta]], device=keys.device))  # [1, 1, D]
+        return apply_rotary(keys.float(), cos[:, None], sin[:, None]).to(keys.dtype)
 
     def rope_key(self, layer: int) -> RopeKey:
         return self.config.rope_theta, self.config.rope_scaling

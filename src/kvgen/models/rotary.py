@@ -23,6 +23,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         return inv_freq / scaling.factor
     if scaling.kind == "longrope":
         return _longrope_frequencies(head_dim, theta, scaling.short_factor)
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling)
     return _llama3_frequencies(inv_freq, scaling)
 
 
@@ -45,16 +47,48 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+def _yarn_frequencies(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: the fastest dimensions (more than beta_fast turns over the original context) keep their
+    frequency, the slowest (fewer than beta_slow) are divided by `factor`, a linear ramp blends the
+    ones between. The same expressions as transformers, so the frequencies match bit for bit."""
+
+    def dimension_of(turns: float) -> float:  # the dimension that turns `turns` times over the context
+        return (head_dim * math.log(s.original_max_position / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dimension_of(s.beta_fast), dimension_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width: a step
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each dimension's original frequency
+    return (1.0 / (s.factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, inv_freq: torch.Tensor):
+    """cos/sin of each position's angles, times `attention_factor` (YaRN's temperature: 1 for the
+    other kinds, where the product is skipped)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_factor: float = 1.0):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_factor = attention_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, S] -> cos, sin [B, 1, S, D], computed in fp32 like the reference."""
+        cos, sin = self.turns(positions)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    def turns(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin [B, S, D] of the bare rotation (no attention factor): what moving a cached
+        key by some positions applies."""
         freqs = positions.float()[..., None] * self.inv_freq  # [B, S, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
-        return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        return angles.cos(), angles.sin()
 
 
 class LongRopeEmbedding(RotaryEmbedding):
@@ -64,10 +98,9 @@ class LongRopeEmbedding(RotaryEmbedding):
     their short-factor rotation, as in both references."""
 
     def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling):
-        super().__init__(_longrope_frequencies(rotary_dim, theta, scaling.short_factor))
+        super().__init__(_longrope_frequencies(rotary_dim, theta, scaling.short_factor), scaling.attention_factor)
         self.register_buffer("long_inv_freq", _longrope_frequencies(rotary_dim, theta, scaling.long_factor), persistent=False)
         self.original_max_position = scaling.original_max_position
-        self.attention_factor = scaling.attention_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         long = positions.numel() > 0 and int(positions.max()) + 1 > self.original_max_position
