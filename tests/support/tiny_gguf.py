@@ -22,6 +22,42 @@ def _byte_level_tokens() -> list[str]:
     return [chr(c) for _, c in sorted(zip(printable, codes))]
 
 
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_nibbles(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Blocks [.., 32] / scales [..] -> the nearest IQ4 levels' indices packed as llama.cpp packs
+    them: byte j holds element j (low nibble) and j + 16 (high) -> [.., 16] uint8."""
+    safe = np.where(scales != 0, scales, 1.0)[..., None]
+    index = np.abs(values[..., None] / safe[..., None] - IQ4_LEVELS).argmin(axis=-1).astype(np.uint8)
+    return index[..., :16] | (index[..., 16:] << 4)
+
+
+def quantize_iq4(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """A plain IQ4_NL / IQ4_XS encoder (gguf-py has only their decoders): each 32-weight block's
+    extreme maps to the level -127; IQ4_XS rounds those scales to 6 bits of a super-block's f16 d.
+    Rows [N, K] -> GGUF bytes [N, K / 32 * 18] or [N, K / 256 * 136]."""
+    n = values.shape[0]
+    blocks = values.reshape(n, -1, 32).astype(np.float32)
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    scales = extreme / -127.0  # [N, nb]
+    if qtype == gguf.GGMLQuantizationType.IQ4_NL:
+        d = scales.astype(np.float16)
+        return np.concatenate([d[..., None].view(np.uint8), _iq4_nibbles(blocks, d.astype(np.float32))], axis=-1).reshape(n, -1)
+    sub = scales.reshape(n, -1, 8)  # [N, S, 8]
+    d = (np.abs(sub).max(axis=-1) / 31.0).astype(np.float16)  # [N, S]
+    ls = np.clip(np.rint(sub / np.where(d != 0, d, 1.0).astype(np.float32)[..., None]), -32, 31).astype(np.int32) + 32
+    block_scales = d.astype(np.float32)[..., None] * (ls - 32).astype(np.float32)
+    nibbles = _iq4_nibbles(blocks.reshape(n, -1, 8, 32), block_scales)  # [N, S, 8, 16]
+    scales_h = np.zeros(ls.shape[:2], dtype=np.uint16)
+    scales_l = np.zeros(ls.shape[:2] + (4,), dtype=np.uint8)
+    for ib in range(8):
+        scales_l[..., ib // 2] |= ((ls[..., ib] & 0xF) << (4 * (ib % 2))).astype(np.uint8)
+        scales_h |= (((ls[..., ib] >> 4) & 3) << (2 * ib)).astype(np.uint16)
+    parts = [d[..., None].view(np.uint8), scales_h[..., None].view(np.uint8), scales_l, nibbles.reshape(n, -1, 128)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
 def write_tiny_gguf(
     path: Path,
     architecture: str = "llama",
@@ -29,13 +65,8 @@ def write_tiny_gguf(
     hidden: int = 64,
     num_layers: int = 2,
     seed: int = 0,
-    declare_as: gguf.GGMLQuantizationType | None = None,
 ) -> Path:
-    """A 2-layer Llama-shaped model with a byte-level vocabulary (256 bytes + <|endoftext|>).
-
-    `declare_as` labels the quantized matrices with another type of the same block size (e.g. Q4_0
-    bytes declared IQ4_NL) to produce a file with a type kvgen does not load.
-    """
+    """A 2-layer Llama-shaped model with a byte-level vocabulary (256 bytes + <|endoftext|>)."""
     rng = np.random.default_rng(seed)
     tokens = _byte_level_tokens() + ["<|endoftext|>"]
     heads, kv_heads, ffn = 4, 2, 128
@@ -60,9 +91,13 @@ def write_tiny_gguf(
         values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
         if name.endswith("norm.weight"):
             values = 1.0 + values
-        if quantize and weight_type != gguf.GGMLQuantizationType.F32:
+        if quantize and weight_type in (gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.IQ4_XS):
+            # llama-quantize's fallback: rows that are not whole 256-weight super-blocks take IQ4_NL
+            qtype = weight_type if shape[-1] % 256 == 0 else gguf.GGMLQuantizationType.IQ4_NL
+            writer.add_tensor(name, quantize_iq4(values, qtype), raw_dtype=qtype)
+        elif quantize and weight_type != gguf.GGMLQuantizationType.F32:
             packed = gguf.quants.quantize(values, weight_type)
-            writer.add_tensor(name, packed, raw_dtype=declare_as or weight_type)
+            writer.add_tensor(name, packed, raw_dtype=weight_type)
         else:
             writer.add_tensor(name, values)
 

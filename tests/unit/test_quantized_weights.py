@@ -132,7 +132,7 @@ def test_many_rows_use_a_dequantized_gemm(kind: str, dtype: torch.dtype) -> None
 
 
 # gguf-py cannot write K-quants: Q4_K is checked on random super-blocks and the real file (test_k_quants.py).
-@pytest.mark.parametrize("type_name", sorted(t for t in EXACT_SOURCES if not t.endswith("_K")))
+@pytest.mark.parametrize("type_name", sorted(t for t in EXACT_SOURCES if not t.endswith("_K") and not t.startswith("IQ")))
 @pytest.mark.parametrize("mode", ["int8", "q4"])
 def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name])
@@ -143,6 +143,21 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-6)  # same integers and scales, f32 rounding only
     expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0") else "q8")
     assert quantized.layers[0].attn.qkv.kind == expected_kind
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("mode", ["int8", "q4"])
+def test_iq4_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path) -> None:
+    """IQ4's int8 levels and scales move into 8-bit blocks unchanged; in an IQ4_XS file the rows
+    shorter than a 256-weight super-block are IQ4_NL, as llama-quantize writes them."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name], hidden=256)
+    reference = LLM.load(path, progress=False, weights="fp32").model.layers[0]
+    quantized = LLM.load(path, progress=False, weights=mode).model.layers[0]
+    linears = {"qkv": (reference.attn.qkv, quantized.attn.qkv), "down": (reference.mlp.down, quantized.mlp.down)}
+    for name, (exact, ours) in linears.items():
+        torch.testing.assert_close(ours.dequantized(), exact.weight, rtol=0, atol=1e-6, msg=name)
+    assert quantized.attn.qkv.kind == EXACT_SOURCES[type_name]  # q8s for IQ4_NL, q8 for IQ4_XS
+    assert quantized.mlp.down.kind == "q8s"  # 128-weight rows: IQ4_NL in both files
 
 
 def test_corrupted_scales_are_caught_in_quantized_mode(tmp_path: Path) -> None:

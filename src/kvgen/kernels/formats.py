@@ -14,7 +14,8 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
        weights, f16 d (w = d * sc * (u - 32))                                  -> 210 bytes per 8 blocks
 
 GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
-and Q5_1 onto q8 (same integers, same scales). Other sources (K-quants, float weights) are requantized per block, which is
+and Q5_1 onto q8 (same integers, same scales); IQ4_NL onto q8s and IQ4_XS onto q8 (their levels as
+int8, the same scales). Other sources (K-quants, float weights) are requantized per block, which is
 lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
@@ -38,7 +39,11 @@ SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
 EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8", "Q4_K": "q4k",
-                                  "Q6_K": "q6k"}  # fmt: skip
+                                  "Q6_K": "q6k", "IQ4_NL": "q8s", "IQ4_XS": "q8"}  # fmt: skip
+# IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl). They are int8 values, so
+# a block is an 8-bit block with the same scale: exact, at 8 bits a weight instead of ~4.5.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+IQ4_XS_BYTES = 136  # per 256 weights: f16 d, 16 bits of high scale bits, 4 bytes of low ones, 128 of nibbles
 # The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
 # not made by requantize (they would lose bits); such weights stay q8.
 F16_TINY, F16_MAX = 2.0**-14, 65504.0
@@ -120,6 +125,13 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
             raise ValueError("Q4_K has offsets: it maps to q4k or q8, not q8s")
         d, m, q = _q4k_values(raw)
         return _pack("q8", d, m, q.astype(np.int8)) if kind == "q8" else _pack("q4", d, m, q[..., :16] | (q[..., 16:] << 4))
+    if type_name in ("IQ4_NL", "IQ4_XS"):
+        d, q = _iq4_nl_parts(raw, n) if type_name == "IQ4_NL" else _iq4_xs_parts(raw, n)
+        if kind == "q8s" and type_name == "IQ4_NL":  # the file's f16 scale and the levels as int8
+            return _pack("q8s", d.astype(np.float16), None, q)
+        if kind == "q8":
+            return _pack("q8", d, np.zeros_like(d), q)
+        return _requantize_from(d[..., None] * q, kind)  # other formats round
     if type_name == "Q4_0":
         b = raw.reshape(n, -1, 18)
         d, qs = _f16(b, 0), b[..., 2:]
@@ -161,6 +173,25 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
     if kind == "q8s":
         raise ValueError(f"{type_name} has offsets: it maps to q4, q4h or q8, not q8s")
     return _pack("q8", d, m, _nibbles(qs).astype(np.int8))  # 4-bit integers fit int8 exactly
+
+
+def _iq4_nl_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_NL rows -> per-block scales [N, nb] (float32 of the file's f16) and int8 levels [N, nb, 32]."""
+    b = raw.reshape(n, -1, 18)
+    return _f16(b, 0), IQ4_LEVELS[_nibbles(b[..., 2:])]
+
+
+def _iq4_xs_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_XS rows -> per-32-weight scales d * (ls - 32) [N, nb] (exact in float32: an f16 times a
+    6-bit integer) and int8 levels [N, nb, 32]. ls: 4 low bits from scales_l, 2 high from scales_h."""
+    b = raw.reshape(n, -1, IQ4_XS_BYTES)
+    sub = np.arange(QK_K // QK)
+    scales_h = b[..., 2:4].copy().view(np.uint16)[..., :1].astype(np.int32)  # [N, S, 1]
+    low = (b[..., 4 + sub // 2].astype(np.int32) >> (4 * (sub % 2))) & 0xF  # [N, S, 8]
+    ls = low | (((scales_h >> (2 * sub)) & 3) << 4)
+    d = _f16(b, 0)[..., None] * (ls - 32).astype(np.float32)  # [N, S, 8]
+    levels = IQ4_LEVELS[_nibbles(b[..., 8:].reshape(n, -1, QK_K // QK, QK // 2))]  # [N, S, 8, 32]
+    return d.reshape(n, -1), levels.reshape(n, -1, QK)
 
 
 def _requantize_from(values: np.ndarray, kind: Kind) -> QuantizedWeight:
