@@ -14,6 +14,9 @@ The roofline: a decode step must read every weight once, so weight bytes x token
 traffic achieved, compared with the bandwidth this machine measures for a streaming read.
 
     python benchmarks/decode.py --model smollm2 --prompt-tokens 128 --new-tokens 256
+
+--model also takes a .gguf path (results named after the file), e.g. one benchmarks/quantize_gguf.py
+wrote; give it `--peers llama.cpp` (the other peers read exports of a known model).
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")
     path = resolve_model_path(args.model)
+    label = path.stem if Path(args.model).suffix == ".gguf" else args.model  # a file's name, in results names
     bandwidth = memory_bandwidth_gbs()
     threads = torch.get_num_threads()
     engines: list[tuple[dict[str, Any], Generate]] = []  # (row, generate), all loaded first
@@ -252,14 +256,14 @@ def main() -> None:
                 row[f"decode_vs_{peer}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             row[f"prefill_vs_{peer}"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
 
-    print(f"\n{args.model}, batch 1, {len(ids)}-token prompt, {args.new_tokens} new tokens, greedy, "
+    print(f"\n{label}, batch 1, {len(ids)}-token prompt, {args.new_tokens} new tokens, greedy, "
           f"{threads} threads, medians of {args.repeats} rounds; memory bandwidth {bandwidth:.1f} GB/s; "
           f"agreeing_tokens: leading new tokens equal to {rows[0]['engine']}'s")  # fmt: skip
     print_table(rows, ["engine", "prefill_tokens_per_s", "decode_tokens_per_s", "agreeing_tokens", "prefill_vs_transformers",
                        "decode_vs_transformers", "decode_vs_llama.cpp", "prefill_vs_llama.cpp", "achieved_gbs",
                        "roofline_fraction"])  # fmt: skip
     config = {k: getattr(args, k) for k in ("model", "prompt_tokens", "new_tokens", "repeats", "weights", "peers", "pause")}
-    path = write_results(f"{args.name}-{args.model}-{cpu_class()}", {"config": config, "memory_bandwidth_gbs": bandwidth, "rows": rows})
+    path = write_results(f"{args.name}-{label}-{cpu_class()}", {"config": config, "memory_bandwidth_gbs": bandwidth, "rows": rows})
     print(f"\nwrote {path}")
 
 

@@ -1,4 +1,4 @@
-"""Random but valid GGUF K-quant rows, for kernels tests that need no model file."""
+"""Random but valid GGUF K-quant (and IQ4_XS) rows, for kernels tests that need no model file."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ def random_q6k(n: int, k: int, seed: int = 0) -> np.ndarray:
 
 def q6k_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
     return from_gguf_blocks("Q6_K", random_q6k(n, k, seed), "q6k")
+
+
+def iq4_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """n rows of IQ4_XS (k a multiple of 256) as the iq4 kernels hold them: random indices, 6-bit
+    sub-block scales (some negative) and an f16 d per super-block."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 256, 136), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
+    return from_gguf_blocks("IQ4_XS", blocks.reshape(n, -1), "iq4")

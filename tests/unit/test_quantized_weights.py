@@ -17,7 +17,7 @@ from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.quality import score
 from tests.support.models import model_path
-from tests.support.k_quants import q4k_weight, q6k_weight
+from tests.support.k_quants import iq4_weight, q4k_weight, q6k_weight
 from tests.support.matmul_paths import matmul_path  # noqa: F401  (a fixture)
 from tests.support.shakespeare import play_text
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -36,39 +36,44 @@ def integer_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return xq.reshape(x.shape) @ dense.T
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5"])
+def random_weight(kind: str, n: int, k: int) -> QuantizedWeight:
+    """A weight of `kind`: floats rounded to it, or random valid GGUF blocks for the formats that only
+    come from files (q4k, q6k, iq4)."""
+    from_file = {"q4k": q4k_weight, "q6k": q6k_weight, "iq4": iq4_weight}.get(kind)
+    return from_file(n, k) if from_file else requantize(torch.randn(n, k) * 0.05, kind)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5", "iq4"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
-    weight = requantize(torch.randn(100, 256) * 0.05, kind)  # 100 rows: q4's last group of 8 is partial
+    weight = random_weight(kind, 100, 256)  # 100 rows: q4's last group of 8 is partial
     x = torch.randn(rows, 256)
     y = QuantizedLinear(weight)(x, row_invariant=True)  # the C kernel at any row count
     expected = integer_reference(weight, x)
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5", "iq4"])
 def test_a_row_gets_the_same_bits_at_any_row_count(kind: str, matmul_path: str) -> None:
     """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
     torch.manual_seed(0)
-    linear = QuantizedLinear(requantize(torch.randn(72, 192) * 0.05, kind))
-    x = torch.randn(131, 192)
+    linear = QuantizedLinear(random_weight(kind, 72, 256))
+    x = torch.randn(131, 256)
     alone = torch.cat([linear(x[i : i + 1], row_invariant=True) for i in range(x.shape[0])])
     for rows in (2, 3, 4, 5, 64, 65, 131):
         assert torch.equal(linear(x[:rows], row_invariant=True), alone[:rows]), rows
 
 
 @pytest.mark.skipif("amx_tile" not in kernel_isa(), reason="the AMX tiles need a CPU with AMX and kernels built for it")
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k", "q6k"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k", "q6k", "iq4"])
 def test_amx_tiles_give_the_vector_kernels_bits(kind: str) -> None:
     """From 16 rows (q4, q4h, q5: 32) the matmuls multiply whole tiles of 16 rows in AMX and apply
     each block's scales as the vector kernels do, so a prompt's rows get the bits a decode step gets."""
     assert amx_tiles(), "this CPU has AMX but the kernels are not using it (Linux refused the tile state?)"
     torch.manual_seed(0)
     # 100 outputs: a partial last group of 8; 2,304 inputs: 72 blocks, more than one unpacked span
-    k_quants = {"q4k": q4k_weight, "q6k": q6k_weight}
-    weight = k_quants[kind](100, 2304) if kind in k_quants else requantize(torch.randn(100, 2304) * 0.05, kind)
-    linear = QuantizedLinear(weight)
+    linear = QuantizedLinear(random_weight(kind, 100, 2304))
     x = torch.randn(200, 2304)
     try:
         for rows in (16, 32, 47, 64, 131, 200):
@@ -148,16 +153,17 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
 @pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])
 @pytest.mark.parametrize("mode", ["int8", "q4"])
 def test_iq4_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path) -> None:
-    """IQ4's int8 levels and scales move into 8-bit blocks unchanged; in an IQ4_XS file the rows
-    shorter than a 256-weight super-block are IQ4_NL, as llama-quantize writes them."""
+    """IQ4's indices and scales move into iq4 blocks (q4) or its int8 levels into 8-bit blocks (int8)
+    unchanged; in an IQ4_XS file the rows shorter than a 256-weight super-block are IQ4_NL, as
+    llama-quantize writes them."""
     path = write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name], hidden=256)
     reference = LLM.load(path, progress=False, weights="fp32").model.layers[0]
     quantized = LLM.load(path, progress=False, weights=mode).model.layers[0]
     linears = {"qkv": (reference.attn.qkv, quantized.attn.qkv), "down": (reference.mlp.down, quantized.mlp.down)}
     for name, (exact, ours) in linears.items():
         torch.testing.assert_close(ours.dequantized(), exact.weight, rtol=0, atol=1e-6, msg=name)
-    assert quantized.attn.qkv.kind == EXACT_SOURCES[type_name]  # q8s for IQ4_NL, q8 for IQ4_XS
-    assert quantized.mlp.down.kind == "q8s"  # 128-weight rows: IQ4_NL in both files
+    expected = {"q4": ("iq4", "iq4"), "int8": ("q8s" if type_name == "IQ4_NL" else "q8", "q8s")}[mode]
+    assert (quantized.attn.qkv.kind, quantized.mlp.down.kind) == expected  # down: 128-weight rows, IQ4_NL in both files
 
 
 def test_corrupted_scales_are_caught_in_quantized_mode(tmp_path: Path) -> None:
@@ -232,10 +238,8 @@ def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) ->
         subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", str(target), "-lm"],
                        check=True)  # fmt: skip
         other = ctypes.CDLL(str(target))
-        for kind in ("q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k"):
-            k_quant = {"q4k": q4k_weight, "q6k": q6k_weight}.get(kind)
-            weight = k_quant(100, 256) if k_quant else requantize(torch.randn(100, 256) * 0.05, kind)
-            linear = QuantizedLinear(weight)
+        for kind in ("q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4"):
+            linear = QuantizedLinear(random_weight(kind, 100, 256))
             function = getattr(other, f"kvgen_linear_{kind}x8")
             function.argtypes = [pointer] * 4 + [count] * 3
             for rows in (1, 5, 19):

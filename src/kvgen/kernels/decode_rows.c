@@ -84,7 +84,7 @@ typedef struct {
     const rows_scratch* s;
     const lora_linear* lora;
     const int64_t* lora_slots;
-    int32_t* sums;  // [rows, widest / 32]: activation blocks' code sums (the q5 kernel's offset)
+    int32_t* sums;  // [rows, widest / 32]: activation blocks' code sums (the q5 and iq4 kernels' offsets)
     float* xa;      // [rows, widest LoRA]: A x of each row
     rows_codes codes;
 } rows_step;
@@ -95,7 +95,7 @@ static void quantize_row(const rows_step* st, const qlinear* l, const float* x, 
     const int64_t nb = l->k / QK;
     block_x8* xq = (block_x8*)st->s->xq;
     quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
-    if (l->kind == 3 && Q5_SUMS) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
+    if ((l->kind == 3 && Q5_SUMS) || (l->kind == 7 && IQ4_SUMS)) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
 }
 
 // y [rows, l->n] = linear l of the quantized rows (s->xq) + its bias, by the team; returns after
@@ -116,6 +116,8 @@ static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
         kvgen_gemm_q4kx8_team((const block_q4kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 6) {
         kvgen_gemm_q4hx8_team((const block_q4hx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 7) {
+        kvgen_gemm_iq4x8_team((const block_iq4x8*)l->blocks, xq, IQ4_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
     } else {
         kvgen_gemm_q6kx8_team((const block_q6kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     }

@@ -12,10 +12,11 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
        min mn per 32 weights, 4-bit q (w = d * sc * q - dmin * mn)            -> 144 bytes per 8 blocks
   q6k: GGUF's Q6_K super-block of 256 weights, byte for byte: 6-bit u, an int8 scale sc per 16
        weights, f16 d (w = d * sc * (u - 32))                                  -> 210 bytes per 8 blocks
+  iq4: f32 d, 4-bit indices into IQ4_LEVELS (w = d * level), packed as q4's  -> 20 bytes per block
 
 GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
-and Q5_1 onto q8 (same integers, same scales); IQ4_NL onto q8s and IQ4_XS onto q8 (their levels as
-int8, the same scales). Other sources (K-quants, float weights) are requantized per block, which is
+and Q5_1 onto q8 (same integers, same scales); IQ4_NL and IQ4_XS onto iq4 (the same indices, their
+scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with the levels as int8. Other sources (K-quants, float weights) are requantized per block, which is
 lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
@@ -30,18 +31,19 @@ import torch
 
 QK = 32
 QK_K = 256  # weights per K-quant super-block
-Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k"]
+Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4"]
 # Row-major bytes per 32 weights (the K-quants: per 256, their GGUF super-block, SUPER_BLOCK_BYTES).
-BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q4h": 4 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2}
+BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q4h": 4 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2,
+                               "iq4": 4 + QK // 2}  # fmt: skip
 SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 # The kernels' interleaved layout (kernels/interleaved.c, k_quants.c): bytes per 8 rows x 32
 # weights; q4kx8 unpacks the 6-bit scales and mins to a byte each (1,184 bytes per 8 rows x 256).
 X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
 EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8", "Q4_K": "q4k",
-                                  "Q6_K": "q6k", "IQ4_NL": "q8s", "IQ4_XS": "q8"}  # fmt: skip
-# IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl). They are int8 values, so
-# a block is an 8-bit block with the same scale: exact, at 8 bits a weight instead of ~4.5.
+                                  "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}  # fmt: skip
+# IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl, IQ4_LEVELS in interleaved.c).
+# They are int8 values, so a block is also an exact 8-bit block with the same scale.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 IQ4_XS_BYTES = 136  # per 256 weights: f16 d, 16 bits of high scale bits, 4 bytes of low ones, 128 of nibbles
 # The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
@@ -67,6 +69,9 @@ class QuantizedWeight:
         b = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.kind])
         if self.kind in ("q8s", "q5"):
             d = _f16(b, 0)
+            return np.stack([d, np.zeros_like(d)], axis=-1)
+        if self.kind == "iq4":
+            d = b[..., :4].copy().view(np.float32)[..., 0]
             return np.stack([d, np.zeros_like(d)], axis=-1)
         if self.kind == "q4h":
             return np.stack([_f16(b, 0), _f16(b, 2)], axis=-1)
@@ -126,7 +131,10 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         d, m, q = _q4k_values(raw)
         return _pack("q8", d, m, q.astype(np.int8)) if kind == "q8" else _pack("q4", d, m, q[..., :16] | (q[..., 16:] << 4))
     if type_name in ("IQ4_NL", "IQ4_XS"):
-        d, q = _iq4_nl_parts(raw, n) if type_name == "IQ4_NL" else _iq4_xs_parts(raw, n)
+        d, packed = _iq4_nl_parts(raw, n) if type_name == "IQ4_NL" else _iq4_xs_parts(raw, n)
+        if kind == "iq4":
+            return _pack_iq4(d, packed)
+        q = IQ4_LEVELS[_nibbles(packed)]
         if kind == "q8s" and type_name == "IQ4_NL":  # the file's f16 scale and the levels as int8
             return _pack("q8s", d.astype(np.float16), None, q)
         if kind == "q8":
@@ -176,22 +184,30 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
 
 
 def _iq4_nl_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """IQ4_NL rows -> per-block scales [N, nb] (float32 of the file's f16) and int8 levels [N, nb, 32]."""
+    """IQ4_NL rows -> per-block scales [N, nb] (float32 of the file's f16) and packed indices [N, nb, 16]."""
     b = raw.reshape(n, -1, 18)
-    return _f16(b, 0), IQ4_LEVELS[_nibbles(b[..., 2:])]
+    return _f16(b, 0), b[..., 2:]
 
 
 def _iq4_xs_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """IQ4_XS rows -> per-32-weight scales d * (ls - 32) [N, nb] (exact in float32: an f16 times a
-    6-bit integer) and int8 levels [N, nb, 32]. ls: 4 low bits from scales_l, 2 high from scales_h."""
+    6-bit integer) and packed indices [N, nb, 16]. ls: 4 low bits from scales_l, 2 high from scales_h."""
     b = raw.reshape(n, -1, IQ4_XS_BYTES)
     sub = np.arange(QK_K // QK)
     scales_h = b[..., 2:4].copy().view(np.uint16)[..., :1].astype(np.int32)  # [N, S, 1]
     low = (b[..., 4 + sub // 2].astype(np.int32) >> (4 * (sub % 2))) & 0xF  # [N, S, 8]
     ls = low | (((scales_h >> (2 * sub)) & 3) << 4)
     d = _f16(b, 0)[..., None] * (ls - 32).astype(np.float32)  # [N, S, 8]
-    levels = IQ4_LEVELS[_nibbles(b[..., 8:].reshape(n, -1, QK_K // QK, QK // 2))]  # [N, S, 8, 32]
-    return d.reshape(n, -1), levels.reshape(n, -1, QK)
+    return d.reshape(n, -1), b[..., 8:].reshape(n, -1, QK // 2)
+
+
+def _pack_iq4(d: np.ndarray, packed: np.ndarray) -> QuantizedWeight:
+    """d [N, nb] float32, packed indices [N, nb, 16] -> iq4 blocks."""
+    n, nb = d.shape
+    out = np.empty((n, nb, BLOCK_BYTES["iq4"]), dtype=np.uint8)
+    out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
+    out[..., 4:] = packed
+    return QuantizedWeight("iq4", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
 
 
 def _requantize_from(values: np.ndarray, kind: Kind) -> QuantizedWeight:
@@ -311,10 +327,14 @@ def _q6k_as_q8s(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 / q4h / q8s / q5 / q4k -> q8 with the same integers and scales (exact), for fusing with q8 rows;
-    q6k (two scales per 32 weights) is rounded to q8."""
+    """q4 / q4h / q8s / q5 / q4k / iq4 -> q8 with the same integers and scales (exact), for fusing with
+    q8 rows; q6k (two scales per 32 weights) is rounded to q8."""
     if weight.kind == "q8":
         return weight
+    if weight.kind == "iq4":
+        b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["iq4"])
+        d = b[..., :4].copy().view(np.float32)[..., 0]
+        return _pack("q8", d, np.zeros_like(d), IQ4_LEVELS[_nibbles(b[..., 4:])])
     if weight.kind == "q6k":
         scale, q = _q6k_values(weight.blocks.numpy())
         return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(weight.out_features, -1)), "q8")

@@ -17,11 +17,14 @@
 //          nibbles of u laid out as q4x8's, then their fifth bits in 32 bytes of bit planes: bit v
 //          of byte c is the fifth bit of byte c of unpacked vector v (v = 2i: q4x8's low nibbles of
 //          load i, v = 2i + 1: its high nibbles), so one shift and one mask give a vector's bits.
+//   iq4x8: IQ4_NL / IQ4_XS's 4-bit indices into 16 int8 levels (IQ4_LEVELS), laid out as q4x8's
+//          nibbles, with f32 scales (w = d * level; IQ4_XS's d * (ls - 32) is exact in f32, not f16).
 // Rows are padded to a multiple of 8 (zero scales); the repacking is one pass at load.
 //
 // Numerics. Each output is sum over blocks, in order, of float(idot) * (d_w * d_x) + m_w * s_x
-// (q8sx8, q5x8: without the offset term), with idot the exact integer dot of the block (q5x8:
-// sum(u * x) - 16 * sum(x), the signed integers' dot). Nothing depends on how many activation rows
+// (q8sx8, q5x8, iq4x8: without the offset term), with idot the exact integer dot of the block (q5x8:
+// sum(u * x) - 16 * sum(x), the signed integers' dot; iq4x8 with VNNI: sum((level + 128) * x) -
+// 128 * sum(x)). Nothing depends on how many activation rows
 // are multiplied together or on the instruction set (VNNI or AVX2's multiply-add pair compute the
 // same integer, F16C's conversion is exact), so a row's logits are the same alone, batched,
 // verified or prefilled. A decode step (one row) is bound by memory: one Zen 4 core runs these
@@ -36,6 +39,10 @@ typedef struct { uint16_t d[XROWS]; uint16_t m[XROWS]; uint8_t qs[XROWS * QK / 2
 typedef struct { float d[XROWS]; float m[XROWS]; int8_t qs[XROWS * QK]; } block_q8x8;
 typedef struct { uint16_t d[XROWS]; int8_t qs[XROWS * QK]; } block_q8sx8;  // d: f16 bits
 typedef struct { uint16_t d[XROWS]; uint8_t qs[XROWS * QK / 2]; uint8_t qh[QK]; } block_q5x8;
+typedef struct { float d[XROWS]; uint8_t qs[XROWS * QK / 2]; } block_iq4x8;
+
+// IQ4_NL and IQ4_XS's levels (llama.cpp's kvalues_iq4nl), indexed by a weight's 4 bits.
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
 
@@ -80,6 +87,7 @@ REPACK(kvgen_repack_q4x8, block_q4, block_q4x8, o->d[r] = src->d; o->m[r] = src-
 REPACK(kvgen_repack_q4hx8, block_q4h, block_q4hx8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_q8sx8, block_q8s, block_q8sx8, o->d[r] = src->d; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_iq4x8, block_iq4, block_iq4x8, o->d[r] = src->d; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 
 // Q5_0 -> q5x8: the nibbles move as q4's; fifth bit j of a row goes to its vector's plane.
 void kvgen_repack_q5x8(const block_q5_0* w, block_q5x8* out, int64_t n, int64_t k) {
@@ -113,6 +121,7 @@ static inline int nibble_value(const uint8_t* qs, int r, int j) {
 }
 static inline int q4x8_value(const block_q4x8* blk, int r, int j) { return nibble_value(blk->qs, r, j); }
 static inline int q4hx8_value(const block_q4hx8* blk, int r, int j) { return nibble_value(blk->qs, r, j); }
+static inline int iq4x8_value(const block_iq4x8* blk, int r, int j) { return IQ4_LEVELS[nibble_value(blk->qs, r, j)]; }
 
 static inline int q8x8_value(const block_q8x8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
 static inline int q8sx8_value(const block_q8sx8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
@@ -130,6 +139,7 @@ static inline float q4hx8_weight(const block_q4hx8* blk, int r, int j) {
 static inline float q8x8_weight(const block_q8x8* blk, int r, int j) { return blk->d[r] * (float)q8x8_value(blk, r, j) + blk->m[r]; }
 static inline float q8sx8_weight(const block_q8sx8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q8sx8_value(blk, r, j); }
 static inline float q5x8_weight(const block_q5x8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q5x8_value(blk, r, j); }
+static inline float iq4x8_weight(const block_iq4x8* blk, int r, int j) { return blk->d[r] * (float)iq4x8_value(blk, r, j); }
 
 #ifdef __AVX2__
 static inline __m256i broadcast4(const int8_t* p) {
@@ -209,6 +219,45 @@ static inline __m256i broadcast4(const int8_t* p) {
     }                                                                                                \
     for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * xsum[t * x_stride + b]));
 
+// iq4: each nibble looks up its level (vpshufb over the 16 levels). With VNNI the u8 side is
+// level + 128 (1..241) and 128 * sum(x) comes off after (xsum); AVX2's u8 x s8 pairs would overflow
+// int16 there, so it takes q8's sign trick: |level| the u8 side, x negated where the level is.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define IQ4_SUMS 1
+#define IQ4X8_DOTS(R)                                                                                \
+    const __m256i biased = _mm256_add_epi8(iq4_levels_256(), _mm256_set1_epi8((char)128));           \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
+        const __m256i lo = _mm256_shuffle_epi8(biased, _mm256_and_si256(packed, _mm256_set1_epi8(0x0F))); \
+        const __m256i hi = _mm256_shuffle_epi8(biased, _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F))); \
+        for (int t = 0; t < R; t++) {                                                                \
+            const int8_t* xq = x[t * x_stride + b].qs;                                               \
+            DOT32_BCAST(dot[t], lo, xq + 4 * i);                                                     \
+            DOT32_BCAST(dot[t], hi, xq + 16 + 4 * i);                                                \
+        }                                                                                            \
+    }                                                                                                \
+    for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(128 * xsum[t * x_stride + b]));
+#else
+#define IQ4_SUMS 0
+#define IQ4X8_DOTS(R)                                                                                \
+    const __m256i levels = iq4_levels_256();                                                         \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
+        const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(packed, _mm256_set1_epi8(0x0F))); \
+        const __m256i hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F))); \
+        const __m256i lo_magnitude = _mm256_abs_epi8(lo), hi_magnitude = _mm256_abs_epi8(hi);        \
+        for (int t = 0; t < R; t++) {                                                                \
+            const int8_t* xq = x[t * x_stride + b].qs;                                               \
+            DOT32(dot[t], lo_magnitude, _mm256_sign_epi8(broadcast4(xq + 4 * i), lo));               \
+            DOT32(dot[t], hi_magnitude, _mm256_sign_epi8(broadcast4(xq + 16 + 4 * i), hi));          \
+        }                                                                                            \
+    }
+#endif
+static inline __m256i iq4_levels_256(void) {  // the 16 levels in each 128-bit lane, as vpshufb reads
+    const __m128i levels = _mm_loadu_si128((const __m128i*)IQ4_LEVELS);
+    return _mm256_broadcastsi128_si256(levels);
+}
+
 // Up to TILE_ROWS activation rows share each loaded weight block; y rows are y_stride apart.
 // AVX-512VL gives 32 vector registers: 8 rows' integer dots and float sums stay in registers, and
 // each unpacked weight vector feeds 8 multiply-adds instead of 4. AVX2's 16 registers hold 4 rows,
@@ -279,6 +328,12 @@ static inline __m256i broadcast4(const int8_t* p) {
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
         acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                                  \
     }
+#define APPLY_F32_SCALES(R)                                                                          \
+    const __m256 d = _mm256_loadu_ps(blk->d);                                                        \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const block_x8* xb = x + t * x_stride + b;                                                   \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
+    }
 #define APPLY_F16_SCALES(R)                                                                          \
     const __m256 d = f16x8_to_f32(blk->d);                                                           \
     for (int t = 0; t < R; t++) {                                                                    \
@@ -291,6 +346,7 @@ ROWS_KERNEL_TILED(q4hx8_rows, block_q4hx8, Q4X8_DOTS, APPLY_F16_SCALES_OFFSETS, 
 ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS, APPLY_SCALES_OFFSETS)
 ROWS_KERNEL(q8sx8_rows, block_q8sx8, Q8X8_DOTS, APPLY_F16_SCALES)
 ROWS_KERNEL(q5x8_rows, block_q5x8, Q5X8_DOTS, APPLY_F16_SCALES)
+ROWS_KERNEL(iq4x8_rows, block_iq4x8, IQ4X8_DOTS, APPLY_F32_SCALES)
 #else
 // Portable path: the same sums in the same order, one lane at a time.
 #define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE, APPLY)                                                \
@@ -318,6 +374,9 @@ ROWS_KERNEL_SCALAR(q4hx8_rows, block_q4hx8, q4hx8_value, SCALAR_F16_SCALES_OFFSE
 ROWS_KERNEL_SCALAR(q8x8_rows, block_q8x8, q8x8_value, SCALAR_SCALES_OFFSETS)
 ROWS_KERNEL_SCALAR(q8sx8_rows, block_q8sx8, q8sx8_value, SCALAR_F16_SCALES)
 ROWS_KERNEL_SCALAR(q5x8_rows, block_q5x8, q5x8_value, SCALAR_F16_SCALES)
+#define SCALAR_F32_SCALES acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc);
+ROWS_KERNEL_SCALAR(iq4x8_rows, block_iq4x8, iq4x8_value, SCALAR_F32_SCALES)
+#define IQ4_SUMS 0
 #endif
 
 // Activation rows are taken in chunks that stay in L2 while every weight group (a few KiB, in L1)
@@ -432,6 +491,8 @@ GEMM_X8_GROUPED(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q
                 CALL_ROWS(PAIR_ROWS))
 GEMM_X8_GROUPED(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_amx_rows, Q5_SUMS, nb, TILE_ROWS,
                 CALL_ROWS(PAIR_ROWS))
+GEMM_X8_GROUPED(kvgen_gemm_iq4x8, kvgen_linear_iq4x8, block_iq4x8, iq4x8_rows, iq4x8_stepped_rows, IQ4_SUMS, nb,
+                TILE_ROWS, CALL_ROWS(PAIR_ROWS))
 
 #include "k_quants.c"
 

@@ -45,6 +45,15 @@ static inline __m512i broadcast4_512(const int8_t* p) {
     _mm512_and_si512((v) <= 4 ? _mm512_slli_epi16((planes), 4 - (v)) : _mm512_srli_epi16((planes), (v) - 4), \
                      _mm512_set1_epi8(0x10))
 #define NO_FIFTH_BITS(lo, hi, i)
+// iq4: each nibble becomes its level + 128 (IQ4X8_DOTS), then less 128 x the activations' sums.
+#define IQ4X8_PAIR_DOTS(R)                                                                           \
+    const __m512i biased = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_LEVELS)), \
+                                           _mm512_set1_epi8((char)128));                             \
+    NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, IQ4_BIASED_LEVELS)                                           \
+    for (int t = 0; t < R; t++) dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(128 * xsum[t * x_stride + b]));
+#define IQ4_BIASED_LEVELS(lo, hi, i)                                                                 \
+    lo = _mm512_shuffle_epi8(biased, lo);                                                            \
+    hi = _mm512_shuffle_epi8(biased, hi);
 #define Q5_FIFTH_BITS(lo, hi, i)                                                                     \
     lo = _mm512_or_si512(lo, Q5_FIFTH_BIT_512(planes, 2 * (i)));                                     \
     hi = _mm512_or_si512(hi, Q5_FIFTH_BIT_512(planes, 2 * (i) + 1));
@@ -84,6 +93,12 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
 // The formats without offsets (q8sx8, q5x8): acc += float(idot) * (d_w * d_x).
 #define APPLY_PAIR_F16_SCALES(R)                                                                     \
     const __m512 d = pair_load_ph(b0->d, b1->d);                                                     \
+    for (int t = 0; t < R; t++) {                                                                    \
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d));                \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);                         \
+    }
+#define APPLY_PAIR_F32_SCALES(R)                                                                     \
+    const __m512 d = pair_load_ps(b0->d, b1->d);                                                     \
     for (int t = 0; t < R; t++) {                                                                    \
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d));                \
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);                         \
@@ -137,6 +152,7 @@ PAIR_KERNEL(q4hx8_pair_rows, block_q4hx8, Q4X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES_
 PAIR_KERNEL(q5x8_pair_rows, block_q5x8, Q5X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
 PAIR_KERNEL(q8x8_pair_rows, block_q8x8, Q8X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
 PAIR_KERNEL(q8sx8_pair_rows, block_q8sx8, Q8X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
+PAIR_KERNEL(iq4x8_pair_rows, block_iq4x8, IQ4X8_PAIR_DOTS, APPLY_PAIR_F32_SCALES)
 #define PAIR_KERNELS_512 1
 #endif
 
@@ -153,6 +169,7 @@ PAIR_OF_GROUPS(q4hx8_pair_rows, block_q4hx8, q4hx8_rows)
 PAIR_OF_GROUPS(q8x8_pair_rows, block_q8x8, q8x8_rows)
 PAIR_OF_GROUPS(q8sx8_pair_rows, block_q8sx8, q8sx8_rows)
 PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
+PAIR_OF_GROUPS(iq4x8_pair_rows, block_iq4x8, iq4x8_rows)
 #endif
 #ifndef PAIR_ROWS
 #define PAIR_ROWS TILE_ROWS
@@ -160,3 +177,15 @@ PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
 #else
 #define Q4_PAIR_ROWS PAIR_ROWS
 #endif
+
+// iq4x8 has no AMX kernel (amx_tiles.c): where pair calls take a whole chunk of rows, it runs its
+// pair kernel PAIR_ROWS rows at a time.
+static inline void iq4x8_stepped_rows(const block_iq4x8* w0, const block_iq4x8* w1, const block_x8* x,
+                                      const int32_t* xsum, int64_t x_stride, float* y, int64_t y_stride, int rows,
+                                      int64_t nb) {
+    for (int m0 = 0; m0 < rows; m0 += PAIR_ROWS) {
+        const int r = rows - m0 < PAIR_ROWS ? rows - m0 : PAIR_ROWS;
+        iq4x8_pair_rows(w0, w1, x + m0 * x_stride, xsum != NULL ? xsum + m0 * x_stride : NULL, x_stride,
+                        y + m0 * y_stride, y_stride, r, nb);
+    }
+}

@@ -57,6 +57,8 @@ def quantizable(shape: tuple[int, ...]) -> bool:
 def target_kind(mode: Literal["int8", "q4"], source_type: str) -> Kind:
     exact = EXACT_SOURCES.get(source_type)
     if mode == "int8":
+        if exact == "iq4":  # the levels as int8: IQ4_NL's f16 scale fits q8s, IQ4_XS's needs q8's f32
+            return "q8s" if source_type == "IQ4_NL" else "q8"
         if exact == "q6k":
             return "q8s"  # rounded: q8s has one scale per 32 weights, Q6_K two
         return "q8" if exact in ("q4", "q4h", "q8", "q4k") else "q8s"  # sources with offsets keep them in q8
