@@ -66,7 +66,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count(kind: str, matmul_path: str) 
 
 
 @pytest.mark.skipif("amx_tile" not in kernel_isa(), reason="the AMX tiles need a CPU with AMX and kernels built for it")
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k", "q6k", "iq4"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q5", "q8", "q8s", "q4k", "q6k"])  # iq4 has no AMX kernel
 def test_amx_tiles_give_the_vector_kernels_bits(kind: str) -> None:
     """From 16 rows (q4, q4h, q5: 32) the matmuls multiply whole tiles of 16 rows in AMX and apply
     each block's scales as the vector kernels do, so a prompt's rows get the bits a decode step gets."""
