@@ -39,3 +39,16 @@ def iq4_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
     blocks = rng.integers(0, 256, size=(n, k // 256, 136), dtype=np.uint8)
     blocks[..., 0:2] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
     return from_gguf_blocks("IQ4_XS", blocks.reshape(n, -1), "iq4")
+
+
+def random_q5k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of valid Q5_K bytes [n, k / 256 * 176]: random 6-bit scales and mins, fifth bits and nibbles."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
+    blocks[..., 2:4] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def q5m_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    return from_gguf_blocks("Q5_K", random_q5k(n, k, seed), "q5m")

@@ -1,4 +1,5 @@
-"""q4k / q6k: GGUF's Q4_K and Q6_K super-blocks kept as the file has them (kernels/k_quants.c)."""
+"""q4k / q6k: GGUF's Q4_K and Q6_K super-blocks kept as the file has them (kernels/k_quants.c); Q5_K
+in q5m blocks (kernels/interleaved.c)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from kvgen.kernels import load
 from kvgen.kernels.formats import from_gguf_blocks, to_q8
 from kvgen.models.quantized_linear import QuantizedLinear
-from tests.support.k_quants import q4k_weight, q6k_weight, random_q4k, random_q6k
+from tests.support.k_quants import q4k_weight, q6k_weight, random_q4k, random_q5k, random_q6k
 from tests.support.matmul_paths import matmul_path  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.skipif(load() is None, reason="quantized kernels need a C compiler")
@@ -25,6 +26,15 @@ def test_dequantized_weights_are_ggufs_values_bit_for_bit() -> None:
     assert torch.equal(linear.dequantized(dtype=torch.bfloat16), torch.from_numpy(ours).bfloat16())  # bf16 prefill GEMM
     as_q8 = QuantizedLinear(from_gguf_blocks("Q4_K", raw, "q8")).dequantized().numpy()
     assert np.array_equal(as_q8, expected)  # --weights int8: the same integers in q8 blocks
+
+
+def test_q5k_keeps_ggufs_values_bit_for_bit_in_q5m_and_q8_blocks() -> None:
+    raw = random_q5k(100, 512)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K).astype(np.float32)
+    for kind in ("q5m", "q8"):  # --weights q4 (the default) and int8
+        ours = QuantizedLinear(from_gguf_blocks("Q5_K", raw, kind)).dequantized().numpy()
+        assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), kind
+    assert np.array_equal(QuantizedLinear(to_q8(from_gguf_blocks("Q5_K", raw, "q5m"))).dequantized().numpy(), expected)
 
 
 def test_q6k_dequantizes_to_ggufs_values_and_computes_their_integer_dots() -> None:

@@ -17,7 +17,7 @@ from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.quality import score
 from tests.support.models import model_path
-from tests.support.k_quants import iq4_weight, q4k_weight, q6k_weight
+from tests.support.k_quants import iq4_weight, q4k_weight, q5m_weight, q6k_weight
 from tests.support.matmul_paths import matmul_path  # noqa: F401  (a fixture)
 from tests.support.shakespeare import play_text
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -38,12 +38,12 @@ def integer_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
 
 def random_weight(kind: str, n: int, k: int) -> QuantizedWeight:
     """A weight of `kind`: floats rounded to it, or random valid GGUF blocks for the formats that only
-    come from files (q4k, q6k, iq4)."""
-    from_file = {"q4k": q4k_weight, "q6k": q6k_weight, "iq4": iq4_weight}.get(kind)
+    come from files (q4k, q6k, iq4, q5m)."""
+    from_file = {"q4k": q4k_weight, "q6k": q6k_weight, "iq4": iq4_weight, "q5m": q5m_weight}.get(kind)
     return from_file(n, k) if from_file else requantize(torch.randn(n, k) * 0.05, kind)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5", "iq4"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5", "iq4", "q5m"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.manual_seed(rows)
@@ -54,7 +54,7 @@ def test_kernel_matches_its_integer_arithmetic(kind: str, rows: int) -> None:
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5", "iq4"])
+@pytest.mark.parametrize("kind", ["q4", "q4h", "q8", "q8s", "q5", "iq4", "q5m"])
 def test_a_row_gets_the_same_bits_at_any_row_count(kind: str, matmul_path: str) -> None:
     """Decode, batched decode, verify and prefill multiply a row with the same sums in the same order."""
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
     exact = reference.layers[0].attn.qkv.weight
     ours = quantized.layers[0].attn.qkv.dequantized()
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-6)  # same integers and scales, f32 rounding only
-    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0") else "q8")
+    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0") else "q8")  # Q5_1: q5m
     assert quantized.layers[0].attn.qkv.kind == expected_kind
 
 
@@ -238,7 +238,7 @@ def test_avx2_and_portable_builds_give_the_native_builds_bits(tmp_path: Path) ->
         subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", str(target), "-lm"],
                        check=True)  # fmt: skip
         other = ctypes.CDLL(str(target))
-        for kind in ("q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4"):
+        for kind in ("q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4", "q5m"):
             linear = QuantizedLinear(random_weight(kind, 100, 256))
             function = getattr(other, f"kvgen_linear_{kind}x8")
             function.argtypes = [pointer] * 4 + [count] * 3

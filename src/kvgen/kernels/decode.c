@@ -14,7 +14,7 @@
 #include <omp.h>
 
 typedef struct {
-    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks, 6: q4h blocks, 7: iq4 blocks
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks, 6: q4h blocks, 7: iq4 blocks, 8: q5m blocks
     int32_t has_bias;
     const void* blocks;
     const float* bias;
@@ -119,6 +119,8 @@ static void linear_team(const qlinear* l, const float* x, block_x8* xq, int32_t*
         kvgen_linear_q4hx8_team((const block_q4hx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else if (l->kind == 7) {
         kvgen_linear_iq4x8_team((const block_iq4x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
+    } else if (l->kind == 8) {
+        kvgen_linear_q5mx8_team((const block_q5mx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     } else {
         kvgen_linear_q6kx8_team((const block_q6kx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
     }

@@ -118,6 +118,8 @@ static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
         kvgen_gemm_q4hx8_team((const block_q4hx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else if (l->kind == 7) {
         kvgen_gemm_iq4x8_team((const block_iq4x8*)l->blocks, xq, IQ4_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
+    } else if (l->kind == 8) {
+        kvgen_gemm_q5mx8_team((const block_q5mx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     } else {
         kvgen_gemm_q6kx8_team((const block_q6kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
     }

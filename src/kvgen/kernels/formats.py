@@ -13,9 +13,11 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
   q6k: GGUF's Q6_K super-block of 256 weights, byte for byte: 6-bit u, an int8 scale sc per 16
        weights, f16 d (w = d * sc * (u - 32))                                  -> 210 bytes per 8 blocks
   iq4: f32 d, 4-bit indices into IQ4_LEVELS (w = d * level), packed as q4's  -> 20 bytes per block
+  q5m: f32 d, f32 m, 5-bit u in [0, 31] (w = d * u + m): fifth bits, then nibbles as q5's -> 28 bytes
 
 GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
-and Q5_1 onto q8 (same integers, same scales); IQ4_NL and IQ4_XS onto iq4 (the same indices, their
+Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per 32 weights are exact as f32), or onto q8
+(same integers, same scales); IQ4_NL and IQ4_XS onto iq4 (the same indices, their
 scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with the levels as int8. Other sources (K-quants, float weights) are requantized per block, which is
 lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
@@ -31,17 +33,17 @@ import torch
 
 QK = 32
 QK_K = 256  # weights per K-quant super-block
-Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4"]
+Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4", "q5m"]
 # Row-major bytes per 32 weights (the K-quants: per 256, their GGUF super-block, SUPER_BLOCK_BYTES).
 BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q4h": 4 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2,
-                               "iq4": 4 + QK // 2}  # fmt: skip
+                               "iq4": 4 + QK // 2, "q5m": 8 + 4 + QK // 2}  # fmt: skip
 SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 # The kernels' interleaved layout (kernels/interleaved.c, k_quants.c): bytes per 8 rows x 32
 # weights; q4kx8 unpacks the 6-bit scales and mins to a byte each (1,184 bytes per 8 rows x 256).
 X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
-EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q8", "Q4_K": "q4k",
-                                  "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}  # fmt: skip
+EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q5m", "Q4_K": "q4k",
+                                  "Q5_K": "q5m", "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}  # fmt: skip
 # IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl, IQ4_LEVELS in interleaved.c).
 # They are int8 values, so a block is also an exact 8-bit block with the same scale.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
@@ -130,6 +132,13 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
             raise ValueError("Q4_K has offsets: it maps to q4k or q8, not q8s")
         d, m, q = _q4k_values(raw)
         return _pack("q8", d, m, q.astype(np.int8)) if kind == "q8" else _pack("q4", d, m, q[..., :16] | (q[..., 16:] << 4))
+    if type_name == "Q5_K":
+        d, m, u = _q5k_values(raw)
+        if kind == "q5m":
+            return _pack_q5m(d, m, u)
+        if kind == "q8s":
+            raise ValueError("Q5_K has offsets: it maps to q5m or q8, not q8s")
+        return _pack("q8", d, m, u.astype(np.int8)) if kind == "q8" else _requantize_from(d[..., None] * u + m[..., None], kind)
     if type_name in ("IQ4_NL", "IQ4_XS"):
         d, packed = _iq4_nl_parts(raw, n) if type_name == "IQ4_NL" else _iq4_xs_parts(raw, n)
         if kind == "iq4":
@@ -172,7 +181,9 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
             if kind == "q8s":  # symmetric: the f16 scale carries over unchanged
                 return _pack("q8s", _f16_bits(b, 0), None, q.astype(np.int8))
         elif kind == "q8s":
-            raise ValueError("Q5_1 has offsets: it maps to q8, not q8s")
+            raise ValueError("Q5_1 has offsets: it maps to q5m or q8, not q8s")
+        elif kind == "q5m":
+            return _pack_q5m(d, m, q.astype(np.uint8))
         return _pack("q8", d, m, q.astype(np.int8))
     else:
         raise ValueError(f"{type_name} has no exact kernel format; use requantize()")
@@ -199,6 +210,28 @@ def _iq4_xs_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     ls = low | (((scales_h >> (2 * sub)) & 3) << 4)
     d = _f16(b, 0)[..., None] * (ls - 32).astype(np.float32)  # [N, S, 8]
     return d.reshape(n, -1), b[..., 8:].reshape(n, -1, QK // 2)
+
+
+def _pack_q5m(d: np.ndarray, m: np.ndarray, u: np.ndarray) -> QuantizedWeight:
+    """d, m [N, nb] float32, u [N, nb, 32] in [0, 31] -> q5m blocks: d, m, fifth bits (bit j of a
+    little-endian u32 is u[j]'s), nibbles (byte j: u[j]'s low nibble, u[j + 16]'s high)."""
+    n, nb = d.shape
+    out = np.empty((n, nb, BLOCK_BYTES["q5m"]), dtype=np.uint8)
+    out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
+    out[..., 4:8] = m.astype(np.float32)[..., None].view(np.uint8)
+    high = ((u >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    out[..., 8:12] = high[..., None].view(np.uint8)
+    low = u & 0x0F
+    out[..., 12:] = low[..., : QK // 2] | (low[..., QK // 2 :] << 4)
+    return QuantizedWeight("q5m", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
+
+
+def _q5m_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q5m -> d, m [N, nb] float32 and u [N, nb, 32] uint8."""
+    b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q5m"])
+    d, m = b[..., 0:4].copy().view(np.float32)[..., 0], b[..., 4:8].copy().view(np.float32)[..., 0]
+    high = ((b[..., 8:12].copy().view(np.uint32) >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+    return d, m, _nibbles(b[..., 12:]) | (high << 4)
 
 
 def _pack_iq4(d: np.ndarray, packed: np.ndarray) -> QuantizedWeight:
@@ -284,19 +317,37 @@ def _q5_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     return _f16_bits(b, 0), (u.astype(np.int16) - 16).astype(np.int8)
 
 
+def _k_scales_offsets(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks [N, S, bytes] (f16 d, f16 dmin, 12 bytes of 6-bit sc and mn at 4)
+    -> per 32-weight block d * sc and -dmin * mn [N, S * 8] (float32, both exact)."""
+    n = b.shape[0]
+    d, dmin, s = _f16(b, 0), _f16(b, 2), b[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    return scale, -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+
+
 def _q4k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF Q4_K rows [N, bytes] -> per 32-weight block d = d * sc and m = -dmin * mn (float32, both
     exact) [N, nb], and q [N, nb, 32] uint8 in [0, 15]: w = d * q + m."""
     n = raw.shape[0]
     b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, 144)
-    d, dmin, s = _f16(b, 0), _f16(b, 2), b[..., 4:16].astype(np.uint8)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
     qs = b[..., 16:].reshape(n, -1, 4, 32)  # 32 bytes per pair of sub-blocks: low nibbles, then high
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, QK)  # [N, nb, 32]
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    offset = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
-    return scale, offset, q
+    return (*_k_scales_offsets(b), q)
+
+
+def _q5k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q5_K rows [N, bytes] -> d * sc, -dmin * mn [N, nb] as Q4_K's and u [N, nb, 32] uint8 in
+    [0, 31]: sub-block s takes the low (s even) or high nibbles of bytes 32 (s // 2) .. of qs and bit
+    s of each of the 32 qh bytes."""
+    n = raw.shape[0]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, 176)
+    qh, qs = b[..., 16:48], b[..., 48:].reshape(n, -1, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, QK)  # [N, S, 8, 32]
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, S, 8, 32]
+    return (*_k_scales_offsets(b), (low | (high << 4)).reshape(n, -1, QK))
 
 
 def _q6k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -327,10 +378,13 @@ def _q6k_as_q8s(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 / q4h / q8s / q5 / q4k / iq4 -> q8 with the same integers and scales (exact), for fusing with
-    q8 rows; q6k (two scales per 32 weights) is rounded to q8."""
+    """q4 / q4h / q8s / q5 / q4k / iq4 / q5m -> q8 with the same integers and scales (exact), for fusing
+    with q8 rows; q6k (two scales per 32 weights) is rounded to q8."""
     if weight.kind == "q8":
         return weight
+    if weight.kind == "q5m":
+        d, m, u = _q5m_values(weight)
+        return _pack("q8", d, m, u.astype(np.int8))
     if weight.kind == "iq4":
         b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["iq4"])
         d = b[..., :4].copy().view(np.float32)[..., 0]

@@ -17,6 +17,8 @@
 //          nibbles of u laid out as q4x8's, then their fifth bits in 32 bytes of bit planes: bit v
 //          of byte c is the fifth bit of byte c of unpacked vector v (v = 2i: q4x8's low nibbles of
 //          load i, v = 2i + 1: its high nibbles), so one shift and one mask give a vector's bits.
+//   q5mx8: 5-bit u in [0, 31] with f32 scales and offsets (w = d * u + m; GGUF's Q5_K, whose
+//          d * sc and dmin * mn per 32 weights are exact in f32, and Q5_1): q5x8's nibbles and planes
 //   iq4x8: IQ4_NL / IQ4_XS's 4-bit indices into 16 int8 levels (IQ4_LEVELS), laid out as q4x8's
 //          nibbles, with f32 scales (w = d * level; IQ4_XS's d * (ls - 32) is exact in f32, not f16).
 // Rows are padded to a multiple of 8 (zero scales); the repacking is one pass at load.
@@ -40,6 +42,7 @@ typedef struct { float d[XROWS]; float m[XROWS]; int8_t qs[XROWS * QK]; } block_
 typedef struct { uint16_t d[XROWS]; int8_t qs[XROWS * QK]; } block_q8sx8;  // d: f16 bits
 typedef struct { uint16_t d[XROWS]; uint8_t qs[XROWS * QK / 2]; uint8_t qh[QK]; } block_q5x8;
 typedef struct { float d[XROWS]; uint8_t qs[XROWS * QK / 2]; } block_iq4x8;
+typedef struct { float d[XROWS]; float m[XROWS]; uint8_t qs[XROWS * QK / 2]; uint8_t qh[QK]; } block_q5mx8;
 
 // IQ4_NL and IQ4_XS's levels (llama.cpp's kvalues_iq4nl), indexed by a weight's 4 bits.
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -89,28 +92,19 @@ REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, o->d[r] = src->d; o->m[r] = src-
 REPACK(kvgen_repack_q8sx8, block_q8s, block_q8sx8, o->d[r] = src->d; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_iq4x8, block_iq4, block_iq4x8, o->d[r] = src->d; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 
-// Q5_0 -> q5x8: the nibbles move as q4's; fifth bit j of a row goes to its vector's plane.
-void kvgen_repack_q5x8(const block_q5_0* w, block_q5x8* out, int64_t n, int64_t k) {
-    const int64_t nb = k / QK, groups = x8_groups(n);
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t b = 0; b < nb; b++) {
-            block_q5x8* o = out + g * nb + b;
-            memset(o, 0, sizeof *o);
-            for (int r = 0; r < XROWS && g * XROWS + r < n; r++) {
-                const block_q5_0* src = w + (g * XROWS + r) * nb + b;
-                uint32_t high;
-                memcpy(&high, src->qh, sizeof high);
-                o->d[r] = src->d;
-                for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];
-                for (int j = 0; j < QK; j++) {  // element j: load i = (j % 16) / 4, high nibble if j >= 16
-                    const int v = 2 * ((j % 16) / 4) + (j >= 16), c = r * 4 + j % 4;
-                    o->qh[c] |= (uint8_t)(((high >> j) & 1) << v);
-                }
-            }
-        }
+// A 5-bit row's block into an interleaved one (row r): the nibbles move as q4's; fifth bit j goes to
+// its vector's plane.
+static inline void repack_q5_row(const uint8_t* src_qh, const uint8_t* src_qs, int r, uint8_t* qs, uint8_t* qh) {
+    uint32_t high;
+    memcpy(&high, src_qh, sizeof high);
+    for (int j = 0; j < QK / 2; j++) qs[(j / 4) * 32 + r * 4 + j % 4] = src_qs[j];
+    for (int j = 0; j < QK; j++) {  // element j: load i = (j % 16) / 4, high nibble if j >= 16
+        const int v = 2 * ((j % 16) / 4) + (j >= 16), c = r * 4 + j % 4;
+        qh[c] |= (uint8_t)(((high >> j) & 1) << v);
     }
 }
+REPACK(kvgen_repack_q5x8, block_q5_0, block_q5x8, o->d[r] = src->d; repack_q5_row(src->qh, src->qs, r, o->qs, o->qh);)
+REPACK(kvgen_repack_q5mx8, block_q5m, block_q5mx8, o->d[r] = src->d; o->m[r] = src->m; repack_q5_row(src->qh, src->qs, r, o->qs, o->qh);)
 
 // Element j of row r in a block (dequantizing and the portable path).
 static inline int nibble_value(const uint8_t* qs, int r, int j) {
@@ -125,11 +119,13 @@ static inline int iq4x8_value(const block_iq4x8* blk, int r, int j) { return IQ4
 
 static inline int q8x8_value(const block_q8x8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
 static inline int q8sx8_value(const block_q8sx8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
-static inline int q5x8_value(const block_q5x8* blk, int r, int j) {  // the signed u - 16
+static inline int five_bit_value(const uint8_t* qs, const uint8_t* qh, int r, int j) {  // u in [0, 31]
     const int v = 2 * ((j % 16) / 4) + (j >= 16), c = r * 4 + j % 4;
-    const int low = j < QK / 2 ? blk->qs[((j % 16) / 4) * 32 + c] & 0x0F : blk->qs[((j % 16) / 4) * 32 + c] >> 4;
-    return (low | (((blk->qh[c] >> v) & 1) << 4)) - 16;
+    const int low = j < QK / 2 ? qs[((j % 16) / 4) * 32 + c] & 0x0F : qs[((j % 16) / 4) * 32 + c] >> 4;
+    return low | (((qh[c] >> v) & 1) << 4);
 }
+static inline int q5x8_value(const block_q5x8* blk, int r, int j) { return five_bit_value(blk->qs, blk->qh, r, j) - 16; }
+static inline int q5mx8_value(const block_q5mx8* blk, int r, int j) { return five_bit_value(blk->qs, blk->qh, r, j); }
 
 // Weight j of row r as a float (dequantizing).
 static inline float q4x8_weight(const block_q4x8* blk, int r, int j) { return blk->d[r] * (float)q4x8_value(blk, r, j) + blk->m[r]; }
@@ -140,6 +136,7 @@ static inline float q8x8_weight(const block_q8x8* blk, int r, int j) { return bl
 static inline float q8sx8_weight(const block_q8sx8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q8sx8_value(blk, r, j); }
 static inline float q5x8_weight(const block_q5x8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q5x8_value(blk, r, j); }
 static inline float iq4x8_weight(const block_iq4x8* blk, int r, int j) { return blk->d[r] * (float)iq4x8_value(blk, r, j); }
+static inline float q5mx8_weight(const block_q5mx8* blk, int r, int j) { return blk->d[r] * (float)q5mx8_value(blk, r, j) + blk->m[r]; }
 
 #ifdef __AVX2__
 static inline __m256i broadcast4(const int8_t* p) {
@@ -202,9 +199,13 @@ static inline __m256i broadcast4(const int8_t* p) {
     }
 
 // q5: u = nibble | fifth bit << 4 is the u8 side; one pair reaches 2 * 31 * 127, so AVX2 widens
-// every multiply-add. The 16 * sum(x) of the offset is subtracted as an integer (xsum, per block).
+// every multiply-add. The 16 * sum(x) of the offset is subtracted as an integer (xsum, per block);
+// q5m's offset is a float, applied with its scale (APPLY_SCALES_OFFSETS).
 #define Q5_FIFTH_BIT(planes, v) _mm256_and_si256((v) <= 4 ? _mm256_slli_epi16((planes), 4 - (v)) : _mm256_srli_epi16((planes), (v) - 4), _mm256_set1_epi8(0x10))
 #define Q5X8_DOTS(R)                                                                                 \
+    FIVE_BIT_DOTS(R)                                                                                 \
+    for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * xsum[t * x_stride + b]));
+#define FIVE_BIT_DOTS(R)                                                                             \
     const __m256i planes = _mm256_loadu_si256((const __m256i*)blk->qh);                              \
     for (int i = 0; i < 4; i++) {                                                                    \
         const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
@@ -216,8 +217,7 @@ static inline __m256i broadcast4(const int8_t* p) {
             DOT32_BCAST(dot[t], lo, xq + 4 * i);                                                     \
             DOT32_BCAST(dot[t], hi, xq + 16 + 4 * i);                                                \
         }                                                                                            \
-    }                                                                                                \
-    for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * xsum[t * x_stride + b]));
+    }
 
 // iq4: each nibble looks up its level (vpshufb over the 16 levels). With VNNI the u8 side is
 // level + 128 (1..241) and 128 * sum(x) comes off after (xsum); AVX2's u8 x s8 pairs would overflow
@@ -347,6 +347,7 @@ ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS, APPLY_SCALES_OFFSETS)
 ROWS_KERNEL(q8sx8_rows, block_q8sx8, Q8X8_DOTS, APPLY_F16_SCALES)
 ROWS_KERNEL(q5x8_rows, block_q5x8, Q5X8_DOTS, APPLY_F16_SCALES)
 ROWS_KERNEL(iq4x8_rows, block_iq4x8, IQ4X8_DOTS, APPLY_F32_SCALES)
+ROWS_KERNEL(q5mx8_rows, block_q5mx8, FIVE_BIT_DOTS, APPLY_SCALES_OFFSETS)
 #else
 // Portable path: the same sums in the same order, one lane at a time.
 #define ROWS_KERNEL_SCALAR(NAME, BLOCK, VALUE, APPLY)                                                \
@@ -376,6 +377,7 @@ ROWS_KERNEL_SCALAR(q8sx8_rows, block_q8sx8, q8sx8_value, SCALAR_F16_SCALES)
 ROWS_KERNEL_SCALAR(q5x8_rows, block_q5x8, q5x8_value, SCALAR_F16_SCALES)
 #define SCALAR_F32_SCALES acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc);
 ROWS_KERNEL_SCALAR(iq4x8_rows, block_iq4x8, iq4x8_value, SCALAR_F32_SCALES)
+ROWS_KERNEL_SCALAR(q5mx8_rows, block_q5mx8, q5mx8_value, SCALAR_SCALES_OFFSETS)
 #define IQ4_SUMS 0
 #endif
 
@@ -493,6 +495,8 @@ GEMM_X8_GROUPED(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_
                 CALL_ROWS(PAIR_ROWS))
 GEMM_X8_GROUPED(kvgen_gemm_iq4x8, kvgen_linear_iq4x8, block_iq4x8, iq4x8_rows, iq4x8_stepped_rows, IQ4_SUMS, nb,
                 TILE_ROWS, CALL_ROWS(PAIR_ROWS))
+GEMM_X8_GROUPED(kvgen_gemm_q5mx8, kvgen_linear_q5mx8, block_q5mx8, q5mx8_rows, q5mx8_stepped_rows, 0, nb, TILE_ROWS,
+                CALL_ROWS(PAIR_ROWS))
 
 #include "k_quants.c"
 

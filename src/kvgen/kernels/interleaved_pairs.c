@@ -36,11 +36,14 @@ static inline __m512i broadcast4_512(const int8_t* p) {
 
 // q4: as Q4X8_DOTS, 16 rows per vector (VNNI: the nibble sums go straight into int32).
 #define Q4X8_PAIR_DOTS(R) NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, NO_FIFTH_BITS)
-// q5: the same with each unpacked vector's fifth bits (Q5X8_DOTS), then less 16 x the activations' sums.
+// q5: the same with each unpacked vector's fifth bits (Q5X8_DOTS), then less 16 x the activations' sums
+// (q5m: not, its offset is a float).
 #define Q5X8_PAIR_DOTS(R)                                                                            \
-    const __m512i planes = pair_load(b0->qh, b1->qh);                                                \
-    NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, Q5_FIFTH_BITS)                                               \
+    FIVE_BIT_PAIR_DOTS(R)                                                                            \
     for (int t = 0; t < R; t++) dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(16 * xsum[t * x_stride + b]));
+#define FIVE_BIT_PAIR_DOTS(R)                                                                        \
+    const __m512i planes = pair_load(b0->qh, b1->qh);                                                \
+    NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, Q5_FIFTH_BITS)
 #define Q5_FIFTH_BIT_512(planes, v)                                                                  \
     _mm512_and_si512((v) <= 4 ? _mm512_slli_epi16((planes), 4 - (v)) : _mm512_srli_epi16((planes), (v) - 4), \
                      _mm512_set1_epi8(0x10))
@@ -153,6 +156,7 @@ PAIR_KERNEL(q5x8_pair_rows, block_q5x8, Q5X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
 PAIR_KERNEL(q8x8_pair_rows, block_q8x8, Q8X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
 PAIR_KERNEL(q8sx8_pair_rows, block_q8sx8, Q8X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
 PAIR_KERNEL(iq4x8_pair_rows, block_iq4x8, IQ4X8_PAIR_DOTS, APPLY_PAIR_F32_SCALES)
+PAIR_KERNEL(q5mx8_pair_rows, block_q5mx8, FIVE_BIT_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
 #define PAIR_KERNELS_512 1
 #endif
 
@@ -170,6 +174,7 @@ PAIR_OF_GROUPS(q8x8_pair_rows, block_q8x8, q8x8_rows)
 PAIR_OF_GROUPS(q8sx8_pair_rows, block_q8sx8, q8sx8_rows)
 PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
 PAIR_OF_GROUPS(iq4x8_pair_rows, block_iq4x8, iq4x8_rows)
+PAIR_OF_GROUPS(q5mx8_pair_rows, block_q5mx8, q5mx8_rows)
 #endif
 #ifndef PAIR_ROWS
 #define PAIR_ROWS TILE_ROWS
@@ -178,14 +183,16 @@ PAIR_OF_GROUPS(iq4x8_pair_rows, block_iq4x8, iq4x8_rows)
 #define Q4_PAIR_ROWS PAIR_ROWS
 #endif
 
-// iq4x8 has no AMX kernel (amx_tiles.c): where pair calls take a whole chunk of rows, it runs its
-// pair kernel PAIR_ROWS rows at a time.
-static inline void iq4x8_stepped_rows(const block_iq4x8* w0, const block_iq4x8* w1, const block_x8* x,
-                                      const int32_t* xsum, int64_t x_stride, float* y, int64_t y_stride, int rows,
-                                      int64_t nb) {
-    for (int m0 = 0; m0 < rows; m0 += PAIR_ROWS) {
-        const int r = rows - m0 < PAIR_ROWS ? rows - m0 : PAIR_ROWS;
-        iq4x8_pair_rows(w0, w1, x + m0 * x_stride, xsum != NULL ? xsum + m0 * x_stride : NULL, x_stride,
-                        y + m0 * y_stride, y_stride, r, nb);
+// The formats without an AMX kernel (iq4x8, q5mx8; amx_tiles.c): where pair calls take a whole
+// chunk of rows, they run their pair kernel PAIR_ROWS rows at a time.
+#define STEPPED_PAIRS(NAME, BLOCK, PAIR_FN)                                                          \
+    static inline void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* x, const int32_t* xsum, \
+                            int64_t x_stride, float* y, int64_t y_stride, int rows, int64_t nb) {    \
+        for (int m0 = 0; m0 < rows; m0 += PAIR_ROWS) {                                               \
+            const int r = rows - m0 < PAIR_ROWS ? rows - m0 : PAIR_ROWS;                             \
+            PAIR_FN(w0, w1, x + m0 * x_stride, xsum != NULL ? xsum + m0 * x_stride : NULL, x_stride, \
+                    y + m0 * y_stride, y_stride, r, nb);                                             \
+        }                                                                                            \
     }
-}
+STEPPED_PAIRS(iq4x8_stepped_rows, block_iq4x8, iq4x8_pair_rows)
+STEPPED_PAIRS(q5mx8_stepped_rows, block_q5mx8, q5mx8_pair_rows)

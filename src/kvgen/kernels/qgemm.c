@@ -21,6 +21,7 @@ typedef struct { float d; float m; int8_t qs[QK]; } block_q8;       // w = d * q
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8s;           // w = d * q, d f16: GGUF's Q8_0 block
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;  // GGUF's Q5_0: w = d * (u - 16)
 typedef struct { float d; uint8_t qs[QK / 2]; } block_iq4;  // w = d * IQ4_LEVELS[index]: IQ4_NL / IQ4_XS's indices
+typedef struct { float d; float m; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5m;  // w = d * u + m, u in [0, 31]: Q5_K, Q5_1
 typedef struct { float d; float s; int8_t qs[QK]; } block_x8;       // x = d * q, s = d * sum(q)
 
 // f16 bits -> float, exactly (every f16 is a float); the portable twin of F16C's vcvtph2ps.
@@ -142,12 +143,14 @@ DEQUANTIZE_X8(kvgen_dequantize_q8x8, block_q8x8, q8x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8, block_q8sx8, q8sx8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q5x8, block_q5x8, q5x8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_iq4x8, block_iq4x8, iq4x8_weight, float, as_fp32)
+DEQUANTIZE_X8(kvgen_dequantize_q5mx8, block_q5mx8, q5mx8_weight, float, as_fp32)
 DEQUANTIZE_X8(kvgen_dequantize_q4x8_bf16, block_q4x8, q4x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q4hx8_bf16, block_q4hx8, q4hx8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8x8_bf16, block_q8x8, q8x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q8sx8_bf16, block_q8sx8, q8sx8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_q5x8_bf16, block_q5x8, q5x8_weight, uint16_t, as_bf16)
 DEQUANTIZE_X8(kvgen_dequantize_iq4x8_bf16, block_iq4x8, iq4x8_weight, uint16_t, as_bf16)
+DEQUANTIZE_X8(kvgen_dequantize_q5mx8_bf16, block_q5mx8, q5mx8_weight, uint16_t, as_bf16)
 DEQUANTIZE_Q4KX8(kvgen_dequantize_q4kx8, float, as_fp32)
 DEQUANTIZE_Q4KX8(kvgen_dequantize_q4kx8_bf16, uint16_t, as_bf16)
 DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8, float, as_fp32)

@@ -61,7 +61,7 @@ def target_kind(mode: Literal["int8", "q4"], source_type: str) -> Kind:
             return "q8s" if source_type == "IQ4_NL" else "q8"
         if exact == "q6k":
             return "q8s"  # rounded: q8s has one scale per 32 weights, Q6_K two
-        return "q8" if exact in ("q4", "q4h", "q8", "q4k") else "q8s"  # sources with offsets keep them in q8
+        return "q8" if exact in ("q4", "q4h", "q8", "q4k", "q5m") else "q8s"  # sources with offsets keep them in q8
     if exact is not None:
         return exact
     return "q4" if source_type in _FOUR_BIT_OR_LESS else "q8s"
