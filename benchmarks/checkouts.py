@@ -141,7 +141,8 @@ def main() -> None:
     config = vars(args) | {"base_sha": base_sha, "head_sha": head_sha}
     for pair in pairs:
         pair["base"].pop("tokens"), pair["head"].pop("tokens")
-    path = write_results(f"{args.name or default_name}-{args.model}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
+    label = Path(args.model).stem if args.model.endswith(".gguf") else args.model  # a file's name, in results names
+    path = write_results(f"{args.name or default_name}-{label}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
     print(f"wrote {path}")
 
 
