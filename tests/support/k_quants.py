@@ -7,25 +7,38 @@ import numpy as np
 from kvgen.kernels.formats import QuantizedWeight, from_gguf_blocks
 
 
-def random_q4k(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """n rows of valid Q4_K bytes [n, k / 256 * 144]: random 6-bit scales, mins and nibbles."""
+def random_super_blocks(n: int, k: int, block_bytes: int, f16_at: tuple[int, ...], low: float = 1e-4, seed: int = 0) -> np.ndarray:
+    """n rows of random GGUF super-blocks [n, k / 256 * block_bytes] whose f16 fields (at byte offsets
+    `f16_at`) hold small finite scales drawn from [low, 10 low) and every other byte is random: valid
+    for the K-quants and IQ4_XS, whose other fields take any bits."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
-    blocks[..., 2:4] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
+    blocks = rng.integers(0, 256, size=(n, k // 256, block_bytes), dtype=np.uint8)
+    for at in f16_at:
+        blocks[..., at : at + 2] = (rng.uniform(low, 10 * low, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
     return blocks.reshape(n, -1)
+
+
+def random_q4k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Q4_K: f16 d and dmin, then random 6-bit scales, mins and nibbles."""
+    return random_super_blocks(n, k, 144, (0, 2), seed=seed)
 
 
 def q4k_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
     return from_gguf_blocks("Q4_K", random_q4k(n, k, seed), "q4k")
 
 
+def random_q5k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Q5_K: f16 d and dmin, then random 6-bit scales and mins, fifth bits and nibbles."""
+    return random_super_blocks(n, k, 176, (0, 2), seed=seed)
+
+
+def q5m_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    return from_gguf_blocks("Q5_K", random_q5k(n, k, seed), "q5m")
+
+
 def random_q6k(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """n rows of valid Q6_K bytes [n, k / 256 * 210]: random 6-bit integers and int8 scales."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
-    blocks[..., 208:210] = (rng.uniform(1e-5, 1e-4, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
-    return blocks.reshape(n, -1)
+    """Q6_K: random 6-bit integers and int8 scales, f16 d last."""
+    return random_super_blocks(n, k, 210, (208,), low=1e-5, seed=seed)
 
 
 def q6k_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -33,22 +46,6 @@ def q6k_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
 
 
 def iq4_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """n rows of IQ4_XS (k a multiple of 256) as the iq4 kernels hold them: random indices, 6-bit
-    sub-block scales (some negative) and an f16 d per super-block."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // 256, 136), dtype=np.uint8)
-    blocks[..., 0:2] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
-    return from_gguf_blocks("IQ4_XS", blocks.reshape(n, -1), "iq4")
-
-
-def random_q5k(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """n rows of valid Q5_K bytes [n, k / 256 * 176]: random 6-bit scales and mins, fifth bits and nibbles."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
-    blocks[..., 0:2] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
-    blocks[..., 2:4] = (rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16))[..., None].view(np.uint8)
-    return blocks.reshape(n, -1)
-
-
-def q5m_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    return from_gguf_blocks("Q5_K", random_q5k(n, k, seed), "q5m")
+    """IQ4_XS (k a multiple of 256) as the iq4 kernels hold it: random indices, 6-bit sub-block scales
+    (some negative) and an f16 d per super-block."""
+    return from_gguf_blocks("IQ4_XS", random_super_blocks(n, k, 136, (0,), seed=seed), "iq4")
