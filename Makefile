@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench bench-avx2-emulated peers eagle clean
+.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types peers eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,15 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/prefix_persistence.py --weights auto fp32
 	$(PY) benchmarks/window_pool.py --tokens 4096
+
+# GGUF types no installable model ships in, written by llama.cpp's llama-quantize from SmolLM2's file,
+# decoded by kvgen's blocks for them against llama.cpp on the same file (docs/benchmarks.md).
+GGUF_TYPES := IQ4_XS Q5_K_M
+bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps
+	for type in $(GGUF_TYPES); do \
+		file=$$($(PY) benchmarks/quantize_gguf.py --model smollm2 --type $$type 2>/dev/null | tail -1) && \
+		$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 5 || exit 1; \
+	done
 
 # The AVX2 tables' decode and prefill commands on an AVX-512 machine, every engine that can be held to AVX2
 # held to it (benchmarks/emulate_avx2.sh); results named <class>-on-<this CPU's class>.
