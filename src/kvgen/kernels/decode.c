@@ -101,29 +101,29 @@ static void rms_norm(const float* x, const float* w, float eps, int64_t n, float
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
+// Each weight kind's interleaved kernels, by qlinear.kind: CALL(STEM, SUMS) with the kernels' name
+// stem (kvgen_linear_<STEM>_team, block_<STEM>, ...) and whether they take the activations' block
+// sums (the q5 and, with VNNI, iq4 offsets). A new kind is one line here.
+#define FOR_KIND(kind, CALL)                                                                         \
+    switch (kind) {                                                                                  \
+        case 0: CALL(q4x8, 0) break;                                                                 \
+        case 1: CALL(q8x8, 0) break;                                                                 \
+        case 2: CALL(q8sx8, 0) break;                                                                \
+        case 3: CALL(q5x8, Q5_SUMS) break;                                                           \
+        case 4: CALL(q4kx8, 0) break;                                                                \
+        case 6: CALL(q4hx8, 0) break;                                                                \
+        case 7: CALL(iq4x8, IQ4_SUMS) break;                                                         \
+        case 8: CALL(q5mx8, 0) break;                                                                \
+        default: CALL(q6kx8, 0) break; /* 5 */                                                       \
+    }
+
 // One row through the linear l, by every thread of a team: each quantizes x into its own scratch
 // (xq, sums) and computes its share of y (bias added), the closing barrier making y whole.
 static void linear_team(const qlinear* l, const float* x, block_x8* xq, int32_t* sums, float* y) {
     const float* bias = l->has_bias ? l->bias : NULL;
-    if (l->kind == 0) {
-        kvgen_linear_q4x8_team((const block_q4x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 1) {
-        kvgen_linear_q8x8_team((const block_q8x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 2) {
-        kvgen_linear_q8sx8_team((const block_q8sx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 3) {
-        kvgen_linear_q5x8_team((const block_q5x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 4) {
-        kvgen_linear_q4kx8_team((const block_q4kx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 6) {
-        kvgen_linear_q4hx8_team((const block_q4hx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 7) {
-        kvgen_linear_iq4x8_team((const block_iq4x8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else if (l->kind == 8) {
-        kvgen_linear_q5mx8_team((const block_q5mx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    } else {
-        kvgen_linear_q6kx8_team((const block_q6kx8*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
-    }
+#define LINEAR_OF(STEM, SUMS) kvgen_linear_##STEM##_team((const block_##STEM*)l->blocks, x, xq, sums, y, l->n, l->k, bias);
+    FOR_KIND(l->kind, LINEAR_OF)
+#undef LINEAR_OF
 }
 
 #include "lora_delta.c"

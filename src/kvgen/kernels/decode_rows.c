@@ -89,13 +89,19 @@ typedef struct {
     rows_codes codes;
 } rows_step;
 
+static inline int kind_takes_sums(int32_t kind) {
+#define SUMS_OF(STEM, SUMS) return (SUMS);
+    FOR_KIND(kind, SUMS_OF)
+#undef SUMS_OF
+}
+
 // Row r of x [rows, l->k] as the activation blocks linear l reads (s->xq [rows, l->k / 32]), with
 // their code sums where its kernel takes them: each block's codes depend on its 32 values alone.
 static void quantize_row(const rows_step* st, const qlinear* l, const float* x, int64_t r) {
     const int64_t nb = l->k / QK;
     block_x8* xq = (block_x8*)st->s->xq;
     quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
-    if ((l->kind == 3 && Q5_SUMS) || (l->kind == 7 && IQ4_SUMS)) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
+    if (kind_takes_sums(l->kind)) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
 }
 
 // y [rows, l->n] = linear l of the quantized rows (s->xq) + its bias, by the team; returns after
@@ -104,25 +110,10 @@ static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
     const block_x8* xq = (const block_x8*)st->s->xq;
     const float* bias = l->has_bias ? l->bias : NULL;
     const int64_t rows = st->rows;
-    if (l->kind == 0) {
-        kvgen_gemm_q4x8_team((const block_q4x8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 1) {
-        kvgen_gemm_q8x8_team((const block_q8x8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 2) {
-        kvgen_gemm_q8sx8_team((const block_q8sx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 3) {
-        kvgen_gemm_q5x8_team((const block_q5x8*)l->blocks, xq, Q5_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 4) {
-        kvgen_gemm_q4kx8_team((const block_q4kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 6) {
-        kvgen_gemm_q4hx8_team((const block_q4hx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 7) {
-        kvgen_gemm_iq4x8_team((const block_iq4x8*)l->blocks, xq, IQ4_SUMS ? st->sums : NULL, y, rows, l->n, l->k, bias);
-    } else if (l->kind == 8) {
-        kvgen_gemm_q5mx8_team((const block_q5mx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    } else {
-        kvgen_gemm_q6kx8_team((const block_q6kx8*)l->blocks, xq, NULL, y, rows, l->n, l->k, bias);
-    }
+#define GEMM_OF(STEM, SUMS) \
+    kvgen_gemm_##STEM##_team((const block_##STEM*)l->blocks, xq, (SUMS) ? st->sums : NULL, y, rows, l->n, l->k, bias);
+    FOR_KIND(l->kind, GEMM_OF)
+#undef GEMM_OF
 }
 
 // A linear of the rows, then the LoRA delta of each row with an adapter (x: the linear's input).
