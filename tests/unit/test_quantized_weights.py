@@ -166,6 +166,27 @@ def test_iq4_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path
     assert (quantized.attn.qkv.kind, quantized.mlp.down.kind) == expected  # down: 128-weight rows, IQ4_NL in both files
 
 
+@pytest.mark.parametrize("type_name", ["IQ4_XS", "Q5_1"])
+def test_iq4_and_q5m_models_decode_alike_in_c_in_torch_and_in_the_engine(type_name: str, tmp_path: Path) -> None:
+    """A model whose weights are iq4 (IQ4_XS, IQ4_NL) or q5m (Q5_1) blocks: the C decode step, the
+    torch path over the same kernels and the engine's batched rows step give the same greedy tokens."""
+    from kvgen import SamplingParams
+    from kvgen.engine import EngineConfig, LLMEngine
+
+    llm = LLM.load(write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name], hidden=256), progress=False)
+    kinds = {layer.kind for block in llm.model.layers for layer in (block.attn.qkv, block.mlp.gate_up, block.mlp.down)}
+    assert kinds == ({"iq4"} if type_name == "IQ4_XS" else {"q5m"}) and llm.model.fast_decoder() is not None
+    params, prompts = SamplingParams(max_new_tokens=24, ignore_eos=True), ["The cat", "Once upon a time there", "Tea"]
+    alone = [llm.generate(p, params).token_ids for p in prompts]
+    llm.model.use_fast_decode = False
+    try:
+        assert [llm.generate(p, params).token_ids for p in prompts] == alone
+    finally:
+        llm.model.use_fast_decode = True
+    engine = LLMEngine(llm, EngineConfig(num_blocks=64, max_tokens_per_step=12))  # chunked prefill, batched rows
+    assert [r.output_ids for r in engine.generate(prompts, params)] == alone
+
+
 def test_corrupted_scales_are_caught_in_quantized_mode(tmp_path: Path) -> None:
     from kvgen import ModelLoadError
     from kvgen.loading.gguf_file import GGUFFile
