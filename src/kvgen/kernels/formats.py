@@ -15,11 +15,12 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
   iq4: f32 d, 4-bit indices into IQ4_LEVELS (w = d * level), packed as q4's  -> 20 bytes per block
   q5m: f32 d, f32 m, 5-bit u in [0, 31] (w = d * u + m): fifth bits, then nibbles as q5's -> 28 bytes
 
-GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s, Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k
-Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per 32 weights are exact as f32), or onto q8
-(same integers, same scales); IQ4_NL and IQ4_XS onto iq4 (the same indices, their
-scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with the levels as int8. Other sources (K-quants, float weights) are requantized per block, which is
-lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
+GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s,
+Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k; Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per
+32 weights are exact as f32), or onto q8 (same integers, same scales); IQ4_NL and IQ4_XS onto iq4
+(the same indices, the scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with
+the levels as int8. Other sources (Q2_K, Q3_K: scales per 16 weights; float weights) are
+requantized per block, which is lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
 
