@@ -121,6 +121,8 @@ bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps
 		file=$$($(PY) benchmarks/quantize_gguf.py --model smollm2 --type $$type 2>/dev/null | tail -1) && \
 		$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 5 || exit 1; \
 	done
+	file=$$($(PY) benchmarks/quantize_gguf.py --model gemma3-270m --type IQ4_XS 2>/dev/null | tail -1) && \
+	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
 
 # The AVX2 tables' decode and prefill commands on an AVX-512 machine, every engine that can be held to AVX2
 # held to it (benchmarks/emulate_avx2.sh); results named <class>-on-<this CPU's class>.
