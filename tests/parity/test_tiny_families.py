@@ -167,7 +167,8 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
 
 def test_moving_a_yarn_key_turns_it_without_the_attention_factor(tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A context shift moves cached keys, which already carry YaRN's attention factor: a key placed
-    at position 5 and moved by 7 must equal the key placed at 12 (scaled once, not twice)."""
+    at position 5 and moved by 7 must equal the key placed at 12 (scaled once, not twice); the
+    caches that store keys before RoPE turn them with the bare rotation too."""
     from kvgen.models.rotary import apply_rotary
 
     _, llm, _ = get(tiny, "qwen3-yarn", tmp_path_factory)
@@ -179,3 +180,11 @@ def test_moving_a_yarn_key_turns_it_without_the_attention_factor(tiny: dict, tmp
         return apply_rotary(key, *rope(torch.tensor([[position]]), torch.float32))
 
     assert torch.allclose(llm.model.rerotate(0, placed(5), 7), placed(12), atol=1e-5)
+    # Caches that store keys before RoPE turn them back and forth with these tables: a bare rotation
+    # each way, so a key comes back as it went in.
+    from kvgen.kv.rotation import turn
+    from kvgen.kvquant_calibration import key_rope_of
+
+    cos, sin = key_rope_of(llm.model)(0, torch.arange(40))  # [40, 32]
+    keys = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(turn(turn(keys, cos, sin, inverse=True), cos, sin), keys, atol=1e-5)
