@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cpu_class, write_results  # noqa: E402
+from common import cpu_class, model_label, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,8 +147,7 @@ def main() -> None:
     config = vars(args) | {"base_sha": base_sha, "head_sha": head_sha}
     for pair in pairs:
         pair["base"].pop("tokens"), pair["head"].pop("tokens")
-    label = Path(args.model).stem if args.model.endswith(".gguf") else args.model  # a file's name, in results names
-    path = write_results(f"{args.name or default_name}-{label}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
+    path = write_results(f"{args.name or default_name}-{model_label(args.model)}-{cpu_class()}", {"config": config, "summary": summary, "pairs": pairs})
     print(f"wrote {path}")
 
 

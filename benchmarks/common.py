@@ -128,6 +128,11 @@ def git_sha() -> str:
         return "unknown"
 
 
+def model_label(model: str) -> str:
+    """The model's name in results names: a short name as given, a .gguf path by its file's name."""
+    return Path(model).stem if model.endswith(".gguf") else model
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

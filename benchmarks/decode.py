@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, cpu_class, llama_class, print_table, prompt_ids, timed, write_results  # noqa: E402
+from common import best_of, cpu_class, llama_class, model_label, print_table, prompt_ids, timed, write_results  # noqa: E402
 from peers.runners import PEER_RUNNERS, PeerUnavailable  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
@@ -212,7 +212,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")
     path = resolve_model_path(args.model)
-    label = path.stem if Path(args.model).suffix == ".gguf" else args.model  # a file's name, in results names
+    label = model_label(args.model)
     bandwidth = memory_bandwidth_gbs()
     threads = torch.get_num_threads()
     engines: list[tuple[dict[str, Any], Generate]] = []  # (row, generate), all loaded first

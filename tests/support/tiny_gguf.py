@@ -7,6 +7,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from kvgen.kernels.formats import IQ4_LEVELS
+
 BYTE_ALPHABET_SIZE = 256
 
 
@@ -22,14 +24,13 @@ def _byte_level_tokens() -> list[str]:
     return [chr(c) for _, c in sorted(zip(printable, codes))]
 
 
-IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 
 def _iq4_nibbles(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """Blocks [.., 32] / scales [..] -> the nearest IQ4 levels' indices packed as llama.cpp packs
     them: byte j holds element j (low nibble) and j + 16 (high) -> [.., 16] uint8."""
     safe = np.where(scales != 0, scales, 1.0)[..., None]
-    index = np.abs(values[..., None] / safe[..., None] - IQ4_LEVELS).argmin(axis=-1).astype(np.uint8)
+    index = np.abs(values[..., None] / safe[..., None] - IQ4_LEVELS.astype(np.float32)).argmin(axis=-1).astype(np.uint8)
     return index[..., :16] | (index[..., 16:] << 4)
 
 

@@ -172,9 +172,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         b = raw.reshape(n, -1, header + 4 + QK // 2)
         d = _f16(b, 0)
         m = _f16(b, 2) if type_name == "Q5_1" else np.zeros_like(d)
-        high_bits = b[..., header : header + 4].copy().view(np.uint32)  # [N, nb, 1]
-        high = ((high_bits >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
-        q = (_nibbles(b[..., header + 4 :]) | (high << 4)).astype(np.int16)
+        q = _five_bit_integers(b[..., header:]).astype(np.int16)
         if type_name == "Q5_0":
             q = q - 16
             if kind == "q5":  # the file's blocks as they are
@@ -214,16 +212,12 @@ def _iq4_xs_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pack_q5m(d: np.ndarray, m: np.ndarray, u: np.ndarray) -> QuantizedWeight:
-    """d, m [N, nb] float32, u [N, nb, 32] in [0, 31] -> q5m blocks: d, m, fifth bits (bit j of a
-    little-endian u32 is u[j]'s), nibbles (byte j: u[j]'s low nibble, u[j + 16]'s high)."""
+    """d, m [N, nb] float32, u [N, nb, 32] in [0, 31] -> q5m blocks: d, m, then GGUF's 5-bit bytes."""
     n, nb = d.shape
     out = np.empty((n, nb, BLOCK_BYTES["q5m"]), dtype=np.uint8)
     out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
     out[..., 4:8] = m.astype(np.float32)[..., None].view(np.uint8)
-    high = ((u >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
-    out[..., 8:12] = high[..., None].view(np.uint8)
-    low = u & 0x0F
-    out[..., 12:] = low[..., : QK // 2] | (low[..., QK // 2 :] << 4)
+    out[..., 8:] = _five_bit_bytes(u)
     return QuantizedWeight("q5m", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
 
 
@@ -231,8 +225,7 @@ def _q5m_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.nda
     """q5m -> d, m [N, nb] float32 and u [N, nb, 32] uint8."""
     b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q5m"])
     d, m = b[..., 0:4].copy().view(np.float32)[..., 0], b[..., 4:8].copy().view(np.float32)[..., 0]
-    high = ((b[..., 8:12].copy().view(np.uint32) >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
-    return d, m, _nibbles(b[..., 12:]) | (high << 4)
+    return d, m, _five_bit_integers(b[..., 8:])
 
 
 def _pack_iq4(d: np.ndarray, packed: np.ndarray) -> QuantizedWeight:
@@ -297,24 +290,34 @@ def _holds_f16(values: np.ndarray) -> bool:
     return bool(np.isfinite(halves).all() and (halves.astype(values.dtype) == values).all())
 
 
+def _five_bit_bytes(u: np.ndarray) -> np.ndarray:
+    """u [N, nb, 32] in [0, 31] -> GGUF's 5-bit bytes [N, nb, 20] (Q5_0 / Q5_1 after their scales, and
+    q5m's): the fifth bits as a little-endian u32 (bit j: u[j]'s), then nibbles (byte j: u[j]'s low
+    nibble, u[j + 16]'s high)."""
+    high = ((u >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    low = u & 0x0F
+    return np.concatenate([high[..., None].view(np.uint8), low[..., : QK // 2] | (low[..., QK // 2 :] << 4)], axis=-1)
+
+
+def _five_bit_integers(tail: np.ndarray) -> np.ndarray:
+    """GGUF's 5-bit bytes [N, nb, 20] -> u [N, nb, 32] uint8 (the inverse of _five_bit_bytes)."""
+    high = ((tail[..., 0:4].copy().view(np.uint32) >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _nibbles(tail[..., 4:]) | (high << 4)
+
+
 def _q5_blocks(d: np.ndarray, u: np.ndarray) -> QuantizedWeight:
     """d [N, nb] f16, u [N, nb, 32] in [0, 31] -> GGUF Q5_0 blocks (d, fifth bits, nibbles)."""
     n, nb = d.shape
     out = np.empty((n, nb, BLOCK_BYTES["q5"]), dtype=np.uint8)
     out[..., 0:2] = d[..., None].view(np.uint8)
-    high = ((u >> 4).astype(np.uint32) << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
-    out[..., 2:6] = high[..., None].view(np.uint8)
-    low = u & 0x0F
-    out[..., 6:] = low[..., : QK // 2] | (low[..., QK // 2 :] << 4)
+    out[..., 2:] = _five_bit_bytes(u)
     return QuantizedWeight("q5", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
 
 
 def _q5_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     """q5 -> (f16 d [N, nb], signed integers u - 16 [N, nb, 32] int8)."""
     b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["q5"])
-    high_bits = b[..., 2:6].copy().view(np.uint32)  # [N, nb, 1]
-    high = ((high_bits >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
-    u = _nibbles(b[..., 6:]) | (high << 4)
+    u = _five_bit_integers(b[..., 2:])
     return _f16_bits(b, 0), (u.astype(np.int16) - 16).astype(np.int8)
 
 

@@ -207,11 +207,18 @@ static inline __m256i broadcast4(const int8_t* p) {
     for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * xsum[t * x_stride + b]));
 #define FIVE_BIT_DOTS(R)                                                                             \
     const __m256i planes = _mm256_loadu_si256((const __m256i*)blk->qh);                              \
+    UNPACKED_NIBBLE_DOTS(R, Q5_FIFTH_BITS_256)
+#define Q5_FIFTH_BITS_256(lo, hi, i)                                                                 \
+    lo = _mm256_or_si256(lo, Q5_FIFTH_BIT(planes, 2 * (i)));                                         \
+    hi = _mm256_or_si256(hi, Q5_FIFTH_BIT(planes, 2 * (i) + 1));
+// The block's nibbles, load i's low and high ones each turned into the u8 side by UNPACK(lo, hi, i)
+// (q5's fifth bits, iq4's levels), dotted with every activation row, widened as DOT32 widens.
+#define UNPACKED_NIBBLE_DOTS(R, UNPACK)                                                              \
     for (int i = 0; i < 4; i++) {                                                                    \
         const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, _mm256_set1_epi8(0x0F)), Q5_FIFTH_BIT(planes, 2 * i)); \
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F)), \
-                                           Q5_FIFTH_BIT(planes, 2 * i + 1));                         \
+        __m256i lo = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));                               \
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));        \
+        UNPACK(lo, hi, i)                                                                            \
         for (int t = 0; t < R; t++) {                                                                \
             const int8_t* xq = x[t * x_stride + b].qs;                                               \
             DOT32_BCAST(dot[t], lo, xq + 4 * i);                                                     \
@@ -226,17 +233,11 @@ static inline __m256i broadcast4(const int8_t* p) {
 #define IQ4_SUMS 1
 #define IQ4X8_DOTS(R)                                                                                \
     const __m256i biased = _mm256_add_epi8(iq4_levels_256(), _mm256_set1_epi8((char)128));           \
-    for (int i = 0; i < 4; i++) {                                                                    \
-        const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
-        const __m256i lo = _mm256_shuffle_epi8(biased, _mm256_and_si256(packed, _mm256_set1_epi8(0x0F))); \
-        const __m256i hi = _mm256_shuffle_epi8(biased, _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F))); \
-        for (int t = 0; t < R; t++) {                                                                \
-            const int8_t* xq = x[t * x_stride + b].qs;                                               \
-            DOT32_BCAST(dot[t], lo, xq + 4 * i);                                                     \
-            DOT32_BCAST(dot[t], hi, xq + 16 + 4 * i);                                                \
-        }                                                                                            \
-    }                                                                                                \
+    UNPACKED_NIBBLE_DOTS(R, IQ4_BIASED_LEVELS_256)                                                   \
     for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(128 * xsum[t * x_stride + b]));
+#define IQ4_BIASED_LEVELS_256(lo, hi, i)                                                             \
+    lo = _mm256_shuffle_epi8(biased, lo);                                                            \
+    hi = _mm256_shuffle_epi8(biased, hi);
 #else
 #define IQ4_SUMS 0
 #define IQ4X8_DOTS(R)                                                                                \
@@ -328,14 +329,10 @@ static inline __m256i iq4_levels_256(void) {  // the 16 levels in each 128-bit l
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
         acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), acc[t]);                                  \
     }
-#define APPLY_F32_SCALES(R)                                                                          \
-    const __m256 d = _mm256_loadu_ps(blk->d);                                                        \
-    for (int t = 0; t < R; t++) {                                                                    \
-        const block_x8* xb = x + t * x_stride + b;                                                   \
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \
-    }
-#define APPLY_F16_SCALES(R)                                                                          \
-    const __m256 d = f16x8_to_f32(blk->d);                                                           \
+#define APPLY_F32_SCALES(R) APPLY_GIVEN_SCALES(R, _mm256_loadu_ps(blk->d))
+#define APPLY_F16_SCALES(R) APPLY_GIVEN_SCALES(R, f16x8_to_f32(blk->d))
+#define APPLY_GIVEN_SCALES(R, D)                                                                     \
+    const __m256 d = (D);                                                                            \
     for (int t = 0; t < R; t++) {                                                                    \
         const block_x8* xb = x + t * x_stride + b;                                                   \
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[t]); \

@@ -93,15 +93,11 @@ static inline __m512 pair_load_ph(const uint16_t* a, const uint16_t* b) {
                                                    _mm_loadu_si128((const __m128i*)b), 1));
 }
 
-// The formats without offsets (q8sx8, q5x8): acc += float(idot) * (d_w * d_x).
-#define APPLY_PAIR_F16_SCALES(R)                                                                     \
-    const __m512 d = pair_load_ph(b0->d, b1->d);                                                     \
-    for (int t = 0; t < R; t++) {                                                                    \
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d));                \
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);                         \
-    }
-#define APPLY_PAIR_F32_SCALES(R)                                                                     \
-    const __m512 d = pair_load_ps(b0->d, b1->d);                                                     \
+// The formats without offsets (q8sx8, q5x8: f16 scales; iq4x8: f32): acc += float(idot) * (d_w * d_x).
+#define APPLY_PAIR_F16_SCALES(R) APPLY_PAIR_GIVEN_SCALES(R, pair_load_ph(b0->d, b1->d))
+#define APPLY_PAIR_F32_SCALES(R) APPLY_PAIR_GIVEN_SCALES(R, pair_load_ps(b0->d, b1->d))
+#define APPLY_PAIR_GIVEN_SCALES(R, D)                                                                \
+    const __m512 d = (D);                                                                            \
     for (int t = 0; t < R; t++) {                                                                    \
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t * x_stride + b].d));                \
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, acc[t]);                         \

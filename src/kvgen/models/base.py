@@ -57,7 +57,7 @@ class DecoderLM(nn.Module):
         if scaling is not None and scaling.kind == "longrope":
             return LongRopeEmbedding(rotary_dim, theta, scaling)
         inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
-        attention_factor = scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
+        attention_factor = scaling.attention_factor if scaling is not None else 1.0  # YaRN's; 1 for the others
         return RotaryEmbedding(inv_freq / divisors if divisors is not None else inv_freq, attention_factor)
 
     def rerotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
