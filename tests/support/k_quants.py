@@ -18,6 +18,15 @@ def random_super_blocks(n: int, k: int, block_bytes: int, f16_at: tuple[int, ...
     return blocks.reshape(n, -1)
 
 
+def random_q3k(n: int, k: int, seed: int = 0, fits_int8: bool = False) -> np.ndarray:
+    """Q3_K: random high bits, bit pairs and 6-bit scales, f16 d last. With `fits_int8` every 6-bit
+    scale is odd, so no sc - 32 is -32 and every product (sc - 32) * q fits int8."""
+    blocks = random_super_blocks(n, k, 110, (108,), low=1e-2, seed=seed).reshape(n, -1, 110)
+    if fits_int8:
+        blocks[..., 96:104] |= 0x11  # each scale's low four bits: odd
+    return blocks.reshape(n, -1)
+
+
 def random_q4k(n: int, k: int, seed: int = 0) -> np.ndarray:
     """Q4_K: f16 d and dmin, then random 6-bit scales, mins and nibbles."""
     return random_super_blocks(n, k, 144, (0, 2), seed=seed)

@@ -10,6 +10,7 @@ import numpy as np
 from kvgen.kernels.formats import IQ4_LEVELS
 
 BYTE_ALPHABET_SIZE = 256
+Q = gguf.GGMLQuantizationType
 
 
 def _byte_level_tokens() -> list[str]:
@@ -59,6 +60,29 @@ def quantize_iq4(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.nda
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
+def quantize_q3k(values: np.ndarray) -> np.ndarray:
+    """A plain Q3_K encoder (gguf-py has only its decoder): each 16 weights' extreme maps to q = +-4
+    (clipped to 3), those scales round to 6 bits (sc - 32 in [0, 31]) of a super-block's f16 d.
+    Rows [N, K] -> GGUF bytes [N, K / 256 * 110]: high bits, bit pairs, packed scales, d."""
+    n = values.shape[0]
+    sub = values.reshape(n, -1, 16, 16).astype(np.float32)  # [N, S, 16 scales, 16 weights]
+    scales = np.abs(sub).max(axis=-1) / 4.0
+    d = (scales.max(axis=-1) / 31.0).astype(np.float16)  # [N, S]
+    sc = np.clip(np.rint(scales / np.where(d != 0, d, 1.0).astype(np.float32)[..., None]), 0, 31).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc.astype(np.float32)
+    q = np.clip(np.rint(sub / np.where(step != 0, step, 1.0)[..., None]), -4, 3).astype(np.int8).reshape(n, -1, 256)
+    top = (q >= 0).astype(np.uint8)  # the high bit set: no -4
+    pairs = (q + 4 * (1 - top.astype(np.int8))).astype(np.uint8)  # q's low two bits
+    hmask = (top.reshape(n, -1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)
+    qs = (pairs.reshape(n, -1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=3, dtype=np.uint8)
+    six = sc + 32
+    packed = np.zeros(six.shape[:2] + (12,), dtype=np.uint8)
+    packed[..., 0:8] = (six[..., 0:8] & 0x0F) | ((six[..., 8:16] & 0x0F) << 4)
+    packed[..., 8:12] = ((six >> 4).reshape(n, -1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=2, dtype=np.uint8)
+    parts = [hmask, qs.reshape(n, -1, 64), packed, d[..., None].view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
 def write_tiny_gguf(
     path: Path,
     architecture: str = "llama",
@@ -92,10 +116,11 @@ def write_tiny_gguf(
         values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
         if name.endswith("norm.weight"):
             values = 1.0 + values
-        if quantize and weight_type in (gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.IQ4_XS):
+        if quantize and weight_type in (Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K):
             # llama-quantize's fallback: rows that are not whole 256-weight super-blocks take IQ4_NL
-            qtype = weight_type if shape[-1] % 256 == 0 else gguf.GGMLQuantizationType.IQ4_NL
-            writer.add_tensor(name, quantize_iq4(values, qtype), raw_dtype=qtype)
+            qtype = weight_type if shape[-1] % 256 == 0 else Q.IQ4_NL
+            packed = quantize_q3k(values) if qtype == Q.Q3_K else quantize_iq4(values, qtype)
+            writer.add_tensor(name, packed, raw_dtype=qtype)
         elif quantize and weight_type != gguf.GGMLQuantizationType.F32:
             packed = gguf.quants.quantize(values, weight_type)
             writer.add_tensor(name, packed, raw_dtype=weight_type)

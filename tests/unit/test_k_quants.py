@@ -1,5 +1,5 @@
-"""q4k / q6k: GGUF's Q4_K and Q6_K super-blocks kept as the file has them (kernels/k_quants.c); Q5_K
-in q5m blocks (kernels/interleaved.c)."""
+"""q4k / q6k: GGUF's Q4_K and Q6_K super-blocks kept as the file has them (kernels/k_quants.c), Q3_K
+in Q6_K's super-blocks; Q5_K in q5m blocks (kernels/interleaved.c)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from kvgen.kernels import load
 from kvgen.kernels.formats import from_gguf_blocks, to_q8
 from kvgen.models.quantized_linear import QuantizedLinear
-from tests.support.k_quants import q4k_weight, q6k_weight, random_q4k, random_q5k, random_q6k
+from tests.support.k_quants import q4k_weight, q6k_weight, random_q3k, random_q4k, random_q5k, random_q6k
 from tests.support.matmul_paths import matmul_path  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.skipif(load() is None, reason="quantized kernels need a C compiler")
@@ -35,6 +35,35 @@ def test_q5k_keeps_ggufs_values_bit_for_bit_in_q5m_and_q8_blocks() -> None:
         ours = QuantizedLinear(from_gguf_blocks("Q5_K", raw, kind)).dequantized().numpy()
         assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), kind
     assert np.array_equal(QuantizedLinear(to_q8(from_gguf_blocks("Q5_K", raw, "q5m"))).dequantized().numpy(), expected)
+
+
+def test_q3k_keeps_ggufs_values_bit_for_bit_in_q6k_blocks() -> None:
+    raw = random_q3k(100, 512, seed=5)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q3_K).astype(np.float32)
+    weight = from_gguf_blocks("Q3_K", raw, "q6k")
+    assert weight.kind == "q6k"
+    assert np.array_equal(QuantizedLinear(weight).dequantized().numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_q3k_in_eight_bit_blocks_is_exact_where_its_integers_fit_int8() -> None:
+    """--weights int8 and fused weights that meet in q8: a 32-weight block keeps the integers
+    (sc - 32) * q with the super-block's d, so its dots equal q6k's; a product of 128 (scale -32
+    times q = -4) does not fit, and only such blocks are rounded."""
+    raw = random_q3k(100, 512, seed=6, fits_int8=True)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q3_K).astype(np.float32)
+    q6k = from_gguf_blocks("Q3_K", raw, "q6k")
+    as_q6k = QuantizedLinear(q6k)
+    x = torch.randn(9, 512)
+    eight_bit = [from_gguf_blocks("Q3_K", raw, "q8s"), from_gguf_blocks("Q3_K", raw, "q8"), to_q8(q6k)]
+    assert [w.kind for w in eight_bit] == ["q8s", "q8", "q8"]
+    for weight in eight_bit:
+        linear = QuantizedLinear(weight)
+        assert np.array_equal(linear.dequantized().numpy(), expected), weight.kind
+        assert torch.equal(linear(x, row_invariant=True), as_q6k(x, row_invariant=True)), weight.kind
+    unfit = random_q3k(100, 512, seed=6)  # some scales -32: those blocks round, the others stay exact
+    blocks_equal = (QuantizedLinear(from_gguf_blocks("Q3_K", unfit, "q8")).dequantized().numpy()
+                    == gguf.quants.dequantize(unfit, gguf.GGMLQuantizationType.Q3_K)).reshape(100, -1, 32).all(-1)  # fmt: skip
+    assert 0.9 < blocks_equal.mean() < 1.0
 
 
 def test_q6k_dequantizes_to_ggufs_values_and_computes_their_integer_dots() -> None:

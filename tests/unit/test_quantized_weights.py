@@ -150,32 +150,34 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
     assert quantized.layers[0].attn.qkv.kind == expected_kind
 
 
-@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "Q3_K"])
 @pytest.mark.parametrize("mode", ["int8", "q4"])
-def test_iq4_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path) -> None:
+def test_iq4_and_q3k_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path) -> None:
     """IQ4's indices and scales move into iq4 blocks (q4) or its int8 levels into 8-bit blocks (int8)
-    unchanged; in an IQ4_XS file the rows shorter than a 256-weight super-block are IQ4_NL, as
-    llama-quantize writes them."""
+    unchanged, Q3_K's integers and scales into q6k super-blocks (q4) or, as their products, into q8s
+    blocks (int8); in IQ4_XS and Q3_K files the rows shorter than a 256-weight super-block are IQ4_NL,
+    as llama-quantize writes them."""
     path = write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name], hidden=256)
     reference = LLM.load(path, progress=False, weights="fp32").model.layers[0]
     quantized = LLM.load(path, progress=False, weights=mode).model.layers[0]
     linears = {"qkv": (reference.attn.qkv, quantized.attn.qkv), "down": (reference.mlp.down, quantized.mlp.down)}
     for name, (exact, ours) in linears.items():
         torch.testing.assert_close(ours.dequantized(), exact.weight, rtol=0, atol=1e-6, msg=name)
-    expected = {"q4": ("iq4", "iq4"), "int8": ("q8s" if type_name == "IQ4_NL" else "q8", "q8s")}[mode]
+    expected = {"q4": ("q6k" if type_name == "Q3_K" else "iq4", "iq4"), "int8": ("q8" if type_name == "IQ4_XS" else "q8s", "q8s")}[mode]
     assert (quantized.attn.qkv.kind, quantized.mlp.down.kind) == expected  # down: 128-weight rows, IQ4_NL in both files
 
 
-@pytest.mark.parametrize("type_name", ["IQ4_XS", "Q5_1"])
-def test_iq4_and_q5m_models_decode_alike_in_c_in_torch_and_in_the_engine(type_name: str, tmp_path: Path) -> None:
-    """A model whose weights are iq4 (IQ4_XS, IQ4_NL) or q5m (Q5_1) blocks: the C decode step, the
-    torch path over the same kernels and the engine's batched rows step give the same greedy tokens."""
+@pytest.mark.parametrize("type_name", ["IQ4_XS", "Q5_1", "Q3_K"])
+def test_iq4_q5m_and_q3k_models_decode_alike_in_c_in_torch_and_in_the_engine(type_name: str, tmp_path: Path) -> None:
+    """A model whose weights are iq4 (IQ4_XS, IQ4_NL), q5m (Q5_1) or Q3_K's q6k blocks: the C decode
+    step, the torch path over the same kernels and the engine's batched rows step give the same
+    greedy tokens."""
     from kvgen import SamplingParams
     from kvgen.engine import EngineConfig, LLMEngine
 
     llm = LLM.load(write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name], hidden=256), progress=False)
     kinds = {layer.kind for block in llm.model.layers for layer in (block.attn.qkv, block.mlp.gate_up, block.mlp.down)}
-    assert kinds == ({"iq4"} if type_name == "IQ4_XS" else {"q5m"}) and llm.model.fast_decoder() is not None
+    assert kinds == {"IQ4_XS": {"iq4"}, "Q5_1": {"q5m"}, "Q3_K": {"q6k", "iq4"}}[type_name] and llm.model.fast_decoder() is not None
     params, prompts = SamplingParams(max_new_tokens=24, ignore_eos=True), ["The cat", "Once upon a time there", "Tea"]
     alone = [llm.generate(p, params).token_ids for p in prompts]
     llm.model.use_fast_decode = False

@@ -16,10 +16,11 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
   q5m: f32 d, f32 m, 5-bit u in [0, 31] (w = d * u + m): fifth bits, then nibbles as q5's -> 28 bytes
 
 GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s,
-Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k; Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per
+Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k, Q3_K onto q6k too (its f16 d, its 6-bit scales less 32
+as the int8 scales, its integers q in [-4, 3] as u = q + 32); Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per
 32 weights are exact as f32), or onto q8 (same integers, same scales); IQ4_NL and IQ4_XS onto iq4
 (the same indices, the scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with
-the levels as int8. Other sources (Q2_K, Q3_K: scales per 16 weights; float weights) are
+the levels as int8. Other sources (Q2_K: a scale and an offset per 16 weights; float weights) are
 requantized per block, which is lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
@@ -44,10 +45,11 @@ SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
 EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q5m", "Q4_K": "q4k",
-                                  "Q5_K": "q5m", "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}  # fmt: skip
+                                  "Q3_K": "q6k", "Q5_K": "q5m", "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}  # fmt: skip
 # IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl, IQ4_LEVELS in interleaved.c).
 # They are int8 values, so a block is also an exact 8-bit block with the same scale.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+Q3K_BYTES = 110  # per 256 weights: 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit scales, f16 d
 IQ4_XS_BYTES = 136  # per 256 weights: f16 d, 16 bits of high scale bits, 4 bytes of low ones, 128 of nibbles
 # The smallest f16 with full precision and the largest: q8s scales outside [F16_TINY, F16_MAX] are
 # not made by requantize (they would lose bits); such weights stay q8.
@@ -123,8 +125,10 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         k = raw.shape[1] // 210 * QK_K
         if kind == "q6k":  # the file's super-blocks as they are
             return QuantizedWeight("q6k", torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)), n, k)
-        scale, q = _q6k_values(raw)  # two scales per 32 weights: other formats round (as before q6k)
-        return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(n, k)), kind)
+        return _q6k_eight_bit(raw, kind) if kind in ("q8s", "q8") else _requantize_from(_q6k_floats(raw), kind)
+    if type_name == "Q3_K":
+        q6k = _q3k_as_q6k(raw)  # the same integers and scales in Q6_K's super-blocks (exact)
+        return q6k if kind == "q6k" else from_gguf_blocks("Q6_K", q6k.blocks.numpy(), kind)
     if type_name == "Q4_K":
         k = raw.shape[1] // 144 * QK_K
         if kind == "q4k":  # the file's super-blocks as they are
@@ -367,6 +371,45 @@ def _q6k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.reshape(n, -1), q
 
 
+def _q3k_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q3_K rows [N, bytes] (32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, f16 d)
+    -> d as f16 [N, S], the signed scales sc - 32 [N, S, 16] int8 in [-32, 31] and the signed integers
+    [N, S, 256] int8 in [-4, 3]: w = d * (sc - 32) * q, gguf's order of rounding."""
+    n = raw.shape[0]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, Q3K_BYTES)
+    hmask, qs, packed = b[..., 0:32], b[..., 32:96], b[..., 96:108]
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)  # scale j's low four bits
+    high = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # [.., 4, 4]: j // 4, j % 4
+    sc = ((low | (high.reshape(n, -1, 16) << 4)).astype(np.int16) - 32).astype(np.int8)
+    pairs = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # weight 128 h + 32 s + l
+    top = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # weight 32 bit + l
+    q = pairs.reshape(n, -1, QK_K).astype(np.int8) - 4 * (1 - top.reshape(n, -1, QK_K)).astype(np.int8)
+    return _f16_bits(b, 108), sc, q
+
+
+def _q6k_super_blocks(d: np.ndarray, sc: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """d [N, S] f16, sc [N, S, 16] int8, u [N, S, 256] in [0, 63] -> GGUF Q6_K rows [N, S * 210]
+    (the inverse of _q6k_values): per half h, ql's 64 bytes hold weights 128 h + l (low nibble) and
+    + 64 (high), l < 64; qh's 32 bytes hold the top two bits of 128 h + 32 i + l at bits 2 i."""
+    n, s = d.shape
+    halves = u.reshape(n, s, 2, 4, 32)
+    ql = (halves[:, :, :, 0:2] & 0x0F) | ((halves[:, :, :, 2:4] & 0x0F) << 4)  # [N, S, 2, 2, 32]
+    qh = ((halves >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=3, dtype=np.uint8)  # [N, S, 2, 32]
+    out = np.empty((n, s, SUPER_BLOCK_BYTES["q6k"]), dtype=np.uint8)
+    out[..., 0:128] = ql.reshape(n, s, 128)
+    out[..., 128:192] = qh.reshape(n, s, 64)
+    out[..., 192:208] = sc.view(np.uint8)
+    out[..., 208:210] = d[..., None].view(np.uint8)
+    return out.reshape(n, -1)
+
+
+def _q3k_as_q6k(raw: np.ndarray) -> QuantizedWeight:
+    """Q3_K rows -> q6k with the same f16 d, scales sc - 32 and integers q (u = q + 32): exact."""
+    d, sc, q = _q3k_values(raw)
+    blocks = _q6k_super_blocks(d, sc, (q.astype(np.int16) + 32).astype(np.uint8))
+    return QuantizedWeight("q6k", torch.from_numpy(blocks), raw.shape[0], d.shape[1] * QK_K)
+
+
 def to_q8s(weight: QuantizedWeight) -> QuantizedWeight:
     """q5 -> q8s with the same integers and scales (exact), for fusing with q8s rows."""
     if weight.kind == "q8s":
@@ -376,9 +419,35 @@ def to_q8s(weight: QuantizedWeight) -> QuantizedWeight:
     return _pack("q8s", d, None, q)
 
 
+def _q6k_floats(raw: np.ndarray) -> np.ndarray:
+    """Q6_K rows -> their weights [N, k] float32, gguf's values."""
+    scale, q = _q6k_values(raw)
+    return (scale[..., None] * q.astype(np.float32)).reshape(raw.shape[0], -1)
+
+
+def _q6k_eight_bit(raw: np.ndarray, kind: Literal["q8s", "q8"]) -> QuantizedWeight:
+    """Q6_K rows -> 8-bit blocks. A 32-weight block whose integers sc * (u - 32) all fit int8 (every
+    block of a Q3_K source but for products of 128) keeps them with the super-block's d: exact, and
+    the same integer dots as q6k's. Other blocks (two 8-bit scales per 32 weights) are rounded."""
+    weight = _requantize_from(_q6k_floats(raw), kind)  # may widen q8s to q8 (scales beyond f16)
+    n = raw.shape[0]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, SUPER_BLOCK_BYTES["q6k"])
+    _, q = _q6k_values(raw)
+    products = (b[..., 192:208].view(np.int8).reshape(n, -1).astype(np.int16)[..., None] * q).reshape(n, -1, QK)
+    fits = (np.abs(products) <= 127).all(axis=-1)  # [N, nb]
+    d = np.repeat(_f16_bits(b, 208), QK_K // QK, axis=1)  # each block's super-block d
+    blocks = weight.blocks.numpy().reshape(n, -1, BLOCK_BYTES[weight.kind])
+    ints = 2 if weight.kind == "q8s" else 8
+    blocks[..., ints:][fits] = products[fits].astype(np.int8).view(np.uint8)
+    if weight.kind == "q8s":
+        blocks[..., 0:2][fits] = d[fits][:, None].view(np.uint8)
+    else:
+        blocks[..., 0:8][fits] = np.stack([d[fits].astype(np.float32), np.zeros(fits.sum(), np.float32)], axis=-1).view(np.uint8)
+    return weight
+
+
 def _q6k_as_q8s(weight: QuantizedWeight) -> QuantizedWeight:
-    scale, q = _q6k_values(weight.blocks.numpy())
-    return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(weight.out_features, -1)), "q8s")
+    return _q6k_eight_bit(weight.blocks.numpy(), "q8s")
 
 
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
@@ -394,8 +463,7 @@ def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
         d = b[..., :4].copy().view(np.float32)[..., 0]
         return _pack("q8", d, np.zeros_like(d), IQ4_LEVELS[_nibbles(b[..., 4:])])
     if weight.kind == "q6k":
-        scale, q = _q6k_values(weight.blocks.numpy())
-        return requantize(torch.from_numpy((scale[..., None] * q.astype(np.float32)).reshape(weight.out_features, -1)), "q8")
+        return _q6k_eight_bit(weight.blocks.numpy(), "q8")
     if weight.kind == "q4k":
         d, m, q = _q4k_values(weight.blocks.numpy())
         return _pack("q8", d, m, q.astype(np.int8))
