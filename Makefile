@@ -115,12 +115,14 @@ bench: $(VENV)/.models $(VENV)/.bench-deps $(VENV)/.peer-models $(SHAKESPEARE)/.
 
 # GGUF types no installable model ships in, written by llama.cpp's llama-quantize from SmolLM2's file,
 # decoded by kvgen's blocks for them against llama.cpp on the same file (docs/benchmarks.md).
-GGUF_TYPES := IQ4_XS Q5_K_M
-bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps
+GGUF_TYPES := IQ4_XS Q5_K_M Q3_K_S
+bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	for type in $(GGUF_TYPES); do \
 		file=$$($(PY) benchmarks/quantize_gguf.py --model smollm2 --type $$type 2>/dev/null | tail -1) && \
 		$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 5 || exit 1; \
 	done
+	file=$$($(PY) benchmarks/quantize_gguf.py --model smollm2 --type Q3_K_S 2>/dev/null | tail -1) && \
+	$(PY) benchmarks/weights_quality.py --models $$file --name weights_quality-smollm2-q3_k_s
 	file=$$($(PY) benchmarks/quantize_gguf.py --model gemma3-270m --type IQ4_XS 2>/dev/null | tail -1) && \
 	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
 

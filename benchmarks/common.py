@@ -162,6 +162,7 @@ def quality_arguments(doc: str | None) -> Any:
     parser.add_argument("--models", default="smollm2,gemma3-270m")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--play", default="hamlet")
+    parser.add_argument("--name", default=None, help="results file name (default: the benchmark's)")
     return parser.parse_args()
 
 

@@ -43,10 +43,10 @@ def main() -> None:
             rows.append({"model": name, "k": k, "v": v, **compared(exact, scores),
                          "bytes_per_token": factory(1).stored_bytes_per_token})  # fmt: skip
             print(rows[-1], flush=True)  # a long run shows (and keeps) its progress
-        write_results("kv_quality", {"config": vars(args), "rows": rows})
+        write_results(args.name or "kv_quality", {"config": vars(args), "rows": rows})
     print(f"\n{args.play}, {args.tokens} tokens, fp32 weights, 16-token chunks, 32-token full-precision window")
     print_table(rows, ["model", "k", "v", "perplexity", "delta_ppl_pct", "kld", "top1_agreement", "bytes_per_token"])
-    path = write_results("kv_quality", {"config": vars(args), "rows": rows})
+    path = write_results(args.name or "kv_quality", {"config": vars(args), "rows": rows})
     print(f"\nwrote {path}")
 
 

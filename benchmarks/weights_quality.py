@@ -3,6 +3,7 @@ agreement against fp32 weights, for each weight mode, decoded one token at a tim
 path) over the same tokens.
 
     python benchmarks/weights_quality.py --tokens 512
+    python benchmarks/weights_quality.py --models <a .gguf path> --name weights_quality-<label>
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from common import compared, print_table, quality_arguments, write_results  # noqa: E402
+from common import compared, model_label, print_table, quality_arguments, write_results  # noqa: E402
 
 from kvgen import LLM  # noqa: E402
 from kvgen.quality import score  # noqa: E402
@@ -28,15 +29,15 @@ def main() -> None:
         reference = LLM.load(name, progress=False, weights="fp32")
         ids = reference.tokenizer.encode(play_text(args.play))[: args.tokens + 1]
         exact = score(reference.model, reference.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
-        rows.append({"model": name, "weights": "fp32", "perplexity": exact.perplexity, "delta_ppl_pct": 0.0,
+        rows.append({"model": model_label(name), "weights": "fp32", "perplexity": exact.perplexity, "delta_ppl_pct": 0.0,
                      "kld": 0.0, "top1_agreement": 1.0})  # fmt: skip
         for mode in ("int8", "q4"):
             llm = LLM.load(name, progress=False, weights=mode)
             scores = score(llm.model, llm.generator.new_cache, ids, chunk_size=1, keep_distributions=True)
-            rows.append({"model": name, "weights": mode, **compared(exact, scores)})
+            rows.append({"model": model_label(name), "weights": mode, **compared(exact, scores)})
     print(f"\n{args.play}, {args.tokens} tokens, decoded one token at a time")
     print_table(rows, ["model", "weights", "perplexity", "delta_ppl_pct", "kld", "top1_agreement"])
-    path = write_results("weights_quality", {"config": vars(args), "rows": rows})
+    path = write_results(args.name or "weights_quality", {"config": vars(args), "rows": rows})
     print(f"\nwrote {path}")
 
 
