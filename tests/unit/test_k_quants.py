@@ -45,10 +45,11 @@ def test_q3k_keeps_ggufs_values_bit_for_bit_in_q6k_blocks() -> None:
     assert np.array_equal(QuantizedLinear(weight).dequantized().numpy().view(np.uint32), expected.view(np.uint32))
 
 
-def test_q3k_in_eight_bit_blocks_is_exact_where_its_integers_fit_int8() -> None:
+def test_q3k_in_eight_bit_blocks_keeps_its_values() -> None:
     """--weights int8 and fused weights that meet in q8: a 32-weight block keeps the integers
-    (sc - 32) * q with the super-block's d, so its dots equal q6k's; a product of 128 (scale -32
-    times q = -4) does not fit, and only such blocks are rounded."""
+    (sc - 32) * q with the super-block's d, so its dots equal q6k's. A product of 128 (scale -32
+    times q = -4) does not fit int8: q8 takes every product less 1 and d as the offset (exact), q8s
+    rounds such blocks."""
     raw = random_q3k(100, 512, seed=6, fits_int8=True)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q3_K).astype(np.float32)
     q6k = from_gguf_blocks("Q3_K", raw, "q6k")
@@ -60,10 +61,14 @@ def test_q3k_in_eight_bit_blocks_is_exact_where_its_integers_fit_int8() -> None:
         linear = QuantizedLinear(weight)
         assert np.array_equal(linear.dequantized().numpy(), expected), weight.kind
         assert torch.equal(linear(x, row_invariant=True), as_q6k(x, row_invariant=True)), weight.kind
-    unfit = random_q3k(100, 512, seed=6)  # some scales -32: those blocks round, the others stay exact
-    blocks_equal = (QuantizedLinear(from_gguf_blocks("Q3_K", unfit, "q8")).dequantized().numpy()
-                    == gguf.quants.dequantize(unfit, gguf.GGMLQuantizationType.Q3_K)).reshape(100, -1, 32).all(-1)  # fmt: skip
-    assert 0.9 < blocks_equal.mean() < 1.0
+    unfit = random_q3k(100, 512, seed=6)  # some scales -32
+    expected = gguf.quants.dequantize(unfit, gguf.GGMLQuantizationType.Q3_K)
+    offset = from_gguf_blocks("Q3_K", unfit, "q8")
+    assert np.array_equal(QuantizedLinear(offset).dequantized().numpy(), expected)
+    assert (offset.scales()[..., 1] != 0).any()  # some blocks needed the offset
+    symmetric = QuantizedLinear(from_gguf_blocks("Q3_K", unfit, "q8s")).dequantized().numpy()
+    blocks_equal = (symmetric == expected).reshape(100, -1, 32).all(-1)
+    assert 0.9 < blocks_equal.mean() < 1.0  # blocks with a 128 round, the others stay exact
 
 
 def test_q6k_dequantizes_to_ggufs_values_and_computes_their_integer_dots() -> None:

@@ -154,7 +154,7 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
 @pytest.mark.parametrize("mode", ["int8", "q4"])
 def test_iq4_and_q3k_sources_keep_their_values(type_name: str, mode: str, tmp_path: Path) -> None:
     """IQ4's indices and scales move into iq4 blocks (q4) or its int8 levels into 8-bit blocks (int8)
-    unchanged, Q3_K's integers and scales into q6k super-blocks (q4) or, as their products, into q8s
+    unchanged, Q3_K's integers and scales into q6k super-blocks (q4) or, as their products, into q8
     blocks (int8); in IQ4_XS and Q3_K files the rows shorter than a 256-weight super-block are IQ4_NL,
     as llama-quantize writes them."""
     path = write_tiny_gguf(tmp_path / "m.gguf", weight_type=Q[type_name], hidden=256)
@@ -163,7 +163,7 @@ def test_iq4_and_q3k_sources_keep_their_values(type_name: str, mode: str, tmp_pa
     linears = {"qkv": (reference.attn.qkv, quantized.attn.qkv), "down": (reference.mlp.down, quantized.mlp.down)}
     for name, (exact, ours) in linears.items():
         torch.testing.assert_close(ours.dequantized(), exact.weight, rtol=0, atol=1e-6, msg=name)
-    expected = {"q4": ("q6k" if type_name == "Q3_K" else "iq4", "iq4"), "int8": ("q8" if type_name == "IQ4_XS" else "q8s", "q8s")}[mode]
+    expected = {"q4": ("q6k" if type_name == "Q3_K" else "iq4", "iq4"), "int8": ("q8s" if type_name == "IQ4_NL" else "q8", "q8s")}[mode]
     assert (quantized.attn.qkv.kind, quantized.mlp.down.kind) == expected  # down: 128-weight rows, IQ4_NL in both files
 
 

@@ -426,23 +426,28 @@ def _q6k_floats(raw: np.ndarray) -> np.ndarray:
 
 
 def _q6k_eight_bit(raw: np.ndarray, kind: Literal["q8s", "q8"]) -> QuantizedWeight:
-    """Q6_K rows -> 8-bit blocks. A 32-weight block whose integers sc * (u - 32) all fit int8 (every
-    block of a Q3_K source but for products of 128) keeps them with the super-block's d: exact, and
-    the same integer dots as q6k's. Other blocks (two 8-bit scales per 32 weights) are rounded."""
+    """Q6_K rows -> 8-bit blocks. A 32-weight block keeps its integers p = sc * (u - 32) with the
+    super-block's d where they fit: in q8s where every p fits int8 (the same integer dots as q6k's),
+    in q8 where they span at most 254, less an integer c carried by the offset c d. Q3_K's products
+    (-124 .. 128) always fit q8 so; q8s only without a 128 (about 89% of a real file's blocks).
+    Other blocks (Q6_K's: two 8-bit scales per 32 weights) are rounded."""
     weight = _requantize_from(_q6k_floats(raw), kind)  # may widen q8s to q8 (scales beyond f16)
     n = raw.shape[0]
     b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, SUPER_BLOCK_BYTES["q6k"])
     _, q = _q6k_values(raw)
     products = (b[..., 192:208].view(np.int8).reshape(n, -1).astype(np.int16)[..., None] * q).reshape(n, -1, QK)
-    fits = (np.abs(products) <= 127).all(axis=-1)  # [N, nb]
+    low, high = products.min(axis=-1), products.max(axis=-1)  # [N, nb]
+    shift = np.zeros_like(low) if weight.kind == "q8s" else np.clip(0, high - 127, low + 127)
+    fits = (high - shift <= 127) & (low - shift >= -127)
     d = np.repeat(_f16_bits(b, 208), QK_K // QK, axis=1)  # each block's super-block d
     blocks = weight.blocks.numpy().reshape(n, -1, BLOCK_BYTES[weight.kind])
     ints = 2 if weight.kind == "q8s" else 8
-    blocks[..., ints:][fits] = products[fits].astype(np.int8).view(np.uint8)
+    blocks[..., ints:][fits] = (products - shift[..., None])[fits].astype(np.int8).view(np.uint8)
     if weight.kind == "q8s":
         blocks[..., 0:2][fits] = d[fits][:, None].view(np.uint8)
     else:
-        blocks[..., 0:8][fits] = np.stack([d[fits].astype(np.float32), np.zeros(fits.sum(), np.float32)], axis=-1).view(np.uint8)
+        d32 = d[fits].astype(np.float32)
+        blocks[..., 0:8][fits] = np.stack([d32, d32 * shift[fits].astype(np.float32)], axis=-1).view(np.uint8)
     return weight
 
 

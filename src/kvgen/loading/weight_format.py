@@ -1,9 +1,9 @@
 """Which weights kvgen keeps quantized, and in which kernel format.
 
   fp32  every weight dequantized to the compute dtype (exact reference behaviour)
-  int8  matmul weights in 8-bit blocks: exact for Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/IQ4 files and for
-        Q3_K's blocks whose integers fit int8, rounded otherwise (symmetric q8s blocks with f16
-        scales where the source has no offsets, q8 otherwise)
+  int8  matmul weights in 8-bit blocks: exact for Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q3_K/Q4_K/Q5_K/IQ4 files,
+        rounded otherwise (Q6_K, Q2_K, floats); symmetric q8s blocks with f16 scales where the
+        source has no offsets, q8 otherwise
   q4    matmul weights as the file has them where the kernels can (4-bit Q4_0/Q4_1, Q4_K, IQ4,
         5-bit Q5_x, Q6_K super-blocks and Q3_K in them, 8-bit Q8_0); Q2_K and float weights rounded
         to 4-bit
@@ -60,8 +60,10 @@ def target_kind(mode: Literal["int8", "q4"], source_type: str) -> Kind:
     if mode == "int8":
         if exact == "iq4":  # the levels as int8: IQ4_NL's f16 scale fits q8s, IQ4_XS's needs q8's f32
             return "q8s" if source_type == "IQ4_NL" else "q8"
+        if source_type == "Q3_K":
+            return "q8"  # its integer products with an offset: exact (formats._q6k_eight_bit)
         if exact == "q6k":
-            return "q8s"  # one scale per 32 weights, Q6_K two: rounded but where the integers fit int8
+            return "q8s"  # one scale per 32 weights, Q6_K two: rounded
         return "q8" if exact in ("q4", "q4h", "q8", "q4k", "q5m") else "q8s"  # sources with offsets keep them in q8
     if exact is not None:
         return exact
