@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LayerType = Literal["full", "sliding"]
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
@@ -71,6 +71,14 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     # Partial rotary (Phi-4-mini): RoPE turns only the first `rotary_dim` channels of each head.
     rotary_dim: int | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): in `moe_layers` the MLP is `num_experts` SwiGLU experts
+    # of width `expert_intermediate_size`; each token goes to the `experts_per_token` its router
+    # scores highest, their softmax weights renormalised to sum to 1 when `normalize_expert_weights`.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,6 +91,10 @@ class ModelConfig:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window size")
+        if self.moe_layers and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must be between 1 and num_experts ({self.num_experts})")
+        if self.moe_layers and self.expert_intermediate_size <= 0:
+            raise ValueError("mixture-of-experts layers need an expert_intermediate_size")
 
     @property
     def attention_scale(self) -> float:

@@ -1,4 +1,5 @@
-"""Qwen3 (also with YaRN), Phi-3 / Phi-4-mini and Gemma 2 against transformers on the same weights.
+"""Qwen3 (also with YaRN), Qwen3-MoE, Mixtral, Phi-3 / Phi-4-mini and Gemma 2 against transformers
+on the same weights.
 
 No real checkpoint of these families installs offline, so these are small random-weight models
 that transformers itself builds and saves (tests/support/tiny_hf.py): this is the evidence for
@@ -80,7 +81,7 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "phi3", "phi4-mini", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen3-moe", "mixtral", "phi3", "phi4-mini", "gemma2"])
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))
@@ -93,6 +94,30 @@ def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pyte
         expected = model(torch.tensor([ids])).logits[0, -1]
         actual = from_gguf.model(torch.tensor([ids]), from_gguf.generator.new_cache(len(ids)))[0, -1]
     assert (actual - expected).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_quantized_gguf_experts_keep_their_values(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A GGUF whose projections are Q8_0, the experts stacked [E, rows, columns] per layer as
+    llama.cpp writes them: each expert's rows load into its own 8-bit blocks (the default weights)
+    with the file's values, and the mixture's logits are the fp32 values' up to the int8 rounding
+    of the activations."""
+    import gguf
+
+    model, _, folder = get(tiny, name, tmp_path_factory)
+    path = write_gguf_from_hf(folder / "model-q8_0.gguf", model, model_path("smollm2"), gguf.GGMLQuantizationType.Q8_0)
+    exact, quantized = LLM.load(path, progress=False, weights="fp32"), LLM.load(path, progress=False)
+    experts = quantized.model.layers[0].mlp.experts
+    assert len(experts) == exact.config.num_experts and {e.gate_up.kind for e in experts} == {"q8s"}
+    for ours, reference in zip(experts, exact.model.layers[0].mlp.experts):
+        for part in ("gate_up", "down"):
+            torch.testing.assert_close(getattr(ours, part).dequantized(), getattr(reference, part).weight, rtol=0, atol=1e-6)
+    ids = exact.tokenizer.encode(PROMPTS[1])
+    with torch.inference_mode():
+        logits = [llm.model(torch.tensor([ids]), llm.generator.new_cache(len(ids)), logits_to_keep=len(ids))[0] for llm in (exact, quantized)]
+    # The 8-bit blocks round each activation row to int8 (measured: at most 0.03 apart, the logits'
+    # spread 0.3-0.4); an expert given the wrong rows or weights moves them by the whole spread.
+    assert (logits[0] - logits[1]).abs().max().item() < 0.1
 
 
 # Every cache kind, set up so it keeps every position exactly over a short sequence: each must give
@@ -135,7 +160,8 @@ def test_every_cache_kind_and_the_engine_decode_like_contiguous(name: str, tiny:
 @pytest.mark.parametrize("name", NAMES)
 def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """int8 weights: Qwen3 and Phi-3 decode in C (decode.c) and match the torch path on the same
-    weights; Gemma 2 (soft-capping) and Phi-4-mini (partial RoPE) fall back to the torch path."""
+    weights; Gemma 2 (soft-capping), Phi-4-mini (partial RoPE) and the mixtures of experts fall back
+    to the torch path."""
     from kvgen.kernels import load
 
     _, _, folder = get(tiny, name, tmp_path_factory)

@@ -153,7 +153,7 @@ _GGUF_LAYER_PARTS = {
     "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "post_attention_layernorm": "ffn_norm", "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
+    "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate": "ffn_gate_inp",
 }  # fmt: skip
 _GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}  # fmt: skip
@@ -184,19 +184,25 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
             writer.add_array(key, [v.decode("utf-8") if isinstance(v, bytes) else v for v in value])
 
 
-def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path) -> Path:
-    """An F32 GGUF of a transformers model (Qwen3, Phi-3, Gemma 2) with the metadata and tensor
-    layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`."""
+def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32) -> Path:
+    """A GGUF of a transformers model (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2) with the metadata
+    and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
+    projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
-    arch = {"qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}[config.model_type]
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2"}[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
+    if config.model_type in ("qwen3_moe", "mixtral"):
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
@@ -222,7 +228,24 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path) -> Path:
         values = tensor.detach().float().numpy().copy()
         if arch == "gemma2" and name.endswith("norm.weight"):
             values = values + 1.0  # llama.cpp stores Gemma norms as 1 + w
-        writer.add_tensor(gguf_tensor_name(name, arch), values)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
+        def add(gguf_name: str, values: np.ndarray, matmul: bool) -> None:
+            if matmul and matmul_type != Q.F32:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
+            else:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(values))
+
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts [E, 2 I, H]: gate rows first
+            layer = name.split(".")[2]
+            gate, up = np.split(values, 2, axis=1)
+            add(f"blk.{layer}.ffn_gate_exps.weight", gate, True)
+            add(f"blk.{layer}.ffn_up_exps.weight", up, True)
+        elif name.endswith("mlp.experts.down_proj"):
+            add(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", values, True)
+        else:
+            add(gguf_tensor_name(name, arch), values, name.endswith("_proj.weight") or name == "lm_head.weight")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,5 +1,6 @@
 """Small random-weight models that transformers itself builds and saves as HF folders, for the
-families no real weights exist for offline (Qwen3, Phi-3 / Phi-4-mini, Gemma 2, Mamba, T5)."""
+families no real weights exist for offline (Qwen3, Qwen3-MoE, Mixtral, Phi-3 / Phi-4-mini, Gemma 2,
+Mamba, T5)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     # LongRoPE switching to the long factors past position 64 (beyond prompt + 48 tokens; the decode test crosses it).
+    # Eight experts, two per token, the second layer dense (mlp_only_layers), renormalised top-2 weights.
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),

@@ -24,7 +24,7 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
@@ -41,6 +41,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
 }
 # Gemma's sandwich norms: llama.cpp's ffn_norm is the *pre*-feed-forward norm there.
 _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
@@ -54,6 +55,10 @@ _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# A mixture's experts: stacked [E, rows, columns] per layer (ffn_gate_exps), or one tensor each in
+# older Mixtral files (ffn_gate.3).
+_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_ONE_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def config_from_gguf(
@@ -64,7 +69,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3)"
+            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -78,10 +83,12 @@ def config_from_gguf(
     num_layers = int(get("block_count"))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     vocab = int(metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", []))))
+    experts = int(metadata.get(f"{arch}.expert_count", 0))
+    expert_width = int(metadata.get(f"{arch}.expert_feed_forward_length", 0) or (get("feed_forward_length") if experts else 0))
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(metadata.get(f"{arch}.feed_forward_length") or expert_width or get("feed_forward_length")),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
@@ -109,10 +116,17 @@ def config_from_gguf(
         )
     window = metadata.get(f"{arch}.attention.sliding_window")
     rotary = metadata.get(f"{arch}.rope.dimension_count")
+    if experts:  # Mixtral is llama.cpp's llama with experts
+        common.update(
+            num_experts=experts, experts_per_token=int(get("expert_used_count")), expert_intermediate_size=expert_width,
+            normalize_expert_weights=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+            moe_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
+        )  # fmt: skip
+    name = {"qwen3moe": "qwen3_moe", "llama": "mixtral" if experts else "llama"}.get(arch, arch)
     if rope_factors and arch == "phi3":
         common["rope_scaling"] = _longrope_from_gguf(metadata, arch, rope_factors, common["max_position_embeddings"])
     return ModelConfig(
-        architecture=arch,
+        architecture=name,
         attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         sliding_window=int(window) if window else None,
         layer_types=("sliding",) * num_layers if window and arch == "phi3" else (),
@@ -170,6 +184,9 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    if expert := _ONE_EXPERT.match(gguf_name):
+        layer, part, e = expert.groups()
+        return f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
     match = _LAYER_PATTERN.match(gguf_name)
     if not match:
         return None
@@ -204,6 +221,14 @@ def load_gguf(
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     infos = list(file.tensors.values())
     for info in tqdm(infos, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
+        if stacked := _STACKED_EXPERTS.match(info.name):  # [E, rows, columns]: one weight per expert
+            layer, part = stacked.groups()
+            for e in range(info.shape[0]):
+                target = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                quantized = mode != "fp32" and quantizable(info.shape[1:])
+                tensors[target] = _quantized_tensor(file, info, config, mode, e) if quantized else _float_tensor(file, info, config, dtype, e)
+                check_finite(f"{info.name}[{e}]", tensors[target], path)
+            continue
         name = "rope_freqs" if info.name == "rope_freqs.weight" else hf_name(info.name, config.architecture)
         if name is None:
             continue
@@ -218,32 +243,37 @@ def load_gguf(
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
 
 
-def _dequantized_raw(file: GGUFFile, info: TensorInfo) -> np.ndarray:
+def _raw(file: GGUFFile, info: TensorInfo, expert: int | None = None) -> np.ndarray:
+    """The tensor's byte rows, or one expert's of a stacked [E, rows, columns] tensor."""
+    return file.raw(info) if expert is None else file.raw(info)[expert]
+
+
+def _dequantized_raw(file: GGUFFile, info: TensorInfo, expert: int | None = None) -> np.ndarray:
     import gguf
 
-    return gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id))
+    return gguf.quants.dequantize(_raw(file, info, expert), gguf.GGMLQuantizationType(info.type_id))
 
 
-def _dequantized(file: GGUFFile, info: TensorInfo, config: ModelConfig) -> np.ndarray:
+def _dequantized(file: GGUFFile, info: TensorInfo, config: ModelConfig, expert: int | None = None) -> np.ndarray:
     """float32 values in HF layout (gguf-py's dequantization)."""
-    return _to_hf_layout(_dequantized_raw(file, info), info.name, config)
+    return _to_hf_layout(_dequantized_raw(file, info, expert), info.name, config)
 
 
-def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
-    array = _dequantized(file, info, config)
+def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+    array = _dequantized(file, info, config, expert)
     # F32 tensors come back as views of the read-only file map: copy so the weights own their memory.
     array = np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
     return torch.from_numpy(array).to(dtype)
 
 
-def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str) -> QuantizedWeight:
-    raw = _to_hf_layout(file.raw(info), info.name, config)  # Q/K row order fixed on whole block rows
-    dequantized = None if info.type_name in EXACT_SOURCES else _dequantized(file, info, config)
+def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str, expert: int | None = None) -> QuantizedWeight:
+    raw = _to_hf_layout(_raw(file, info, expert), info.name, config)  # Q/K row order fixed on whole block rows
+    dequantized = None if info.type_name in EXACT_SOURCES else _dequantized(file, info, config, expert)
     return quantize_gguf_rows(info.type_name, raw, dequantized, mode)  # type: ignore[arg-type]
 
 
 def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
-    if config.architecture == "llama":
+    if config.architecture in ("llama", "mixtral"):  # llama.cpp's llama architecture, experts or not
         if ".attn_q." in gguf_name:
             return unpermute_qk(array, config.num_heads)
         if ".attn_k." in gguf_name:

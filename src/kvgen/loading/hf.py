@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizabl
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
+    "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -74,8 +76,10 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     global_rope = rope.get("full_attention", rope)
     if arch in ("gemma2", "gemma3"):
         return _gemma_config(raw, arch, rope, common)
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3")) else None
     rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if arch in ("mixtral", "qwen3_moe"):
+        common.update(_experts(raw, arch, num_layers, common["intermediate_size"]))
     return ModelConfig(
         architecture=arch,
         rope_theta=float(global_rope.get("rope_theta", 10000.0)),
@@ -86,6 +90,23 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
         **common,
     )
+
+
+def _experts(raw: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> dict[str, Any]:
+    """Mixtral (every layer sparse, experts as wide as intermediate_size) and Qwen3-MoE (layers
+    (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers, experts moe_intermediate_size wide)."""
+    try:
+        if arch == "mixtral":
+            return dict(num_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
+                        expert_intermediate_size=intermediate, normalize_expert_weights=True, moe_layers=tuple(range(num_layers)))  # fmt: skip
+        step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or ())
+        experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])  # transformers 5 writes the latter
+        layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+        return dict(num_experts=experts, experts_per_token=int(raw["num_experts_per_tok"]),
+                    expert_intermediate_size=int(raw["moe_intermediate_size"]),
+                    normalize_expert_weights=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)  # fmt: skip
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete {arch} config") from error
 
 
 def _mamba_config(raw: dict[str, Any]) -> MambaConfig:
@@ -251,6 +272,8 @@ def load_hf_folder(
             raise
         except Exception as error:
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
+    if config.architecture in ("mixtral", "qwen3_moe"):
+        _name_experts(tensors)
     mode = resolve_mode(weights, file_is_quantized=False)
     if mode != "fp32" and config.architecture in ("mamba", "t5"):
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
@@ -266,6 +289,35 @@ def quantize_matmul_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], 
     for name, tensor in list(tensors.items()):
         if isinstance(tensor, torch.Tensor) and is_matmul_weight(name) and quantizable(tuple(tensor.shape)):
             tensors[name] = quantize_float(tensor, mode)  # type: ignore[arg-type]
+
+
+_MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight$")
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _name_experts(tensors: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+    """Expert weights under one naming, in place: mlp.gate.weight (the router) and
+    mlp.experts.{e}.{gate,up,down}_proj.weight. Mixtral's checkpoints name them
+    block_sparse_moe.gate and experts.{e}.w1 / w3 / w2; transformers 5 can hold each layer's experts
+    as two stacked tensors, experts.gate_up_proj [E, 2 I, H] (gate first) and experts.down_proj [E, H, I]."""
+    for name in list(tensors):
+        match = _MIXTRAL_EXPERT.match(name)
+        if match:
+            layer, part = match.groups()
+            if part != "gate":
+                expert, projection = part.rsplit(".", 1)
+                part = f"{expert}.{_MIXTRAL_PROJECTIONS[projection]}"
+            tensors[f"{layer}.mlp.{part}.weight"] = tensors.pop(name)
+        elif name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
+            stacked = tensors.pop(name)
+            assert isinstance(stacked, torch.Tensor)
+            prefix, projection = name.rsplit(".", 1)
+            for e, weight in enumerate(stacked):
+                if projection == "down_proj":
+                    tensors[f"{prefix}.{e}.down_proj.weight"] = weight.contiguous()
+                else:
+                    gate, up = weight.chunk(2, dim=0)
+                    tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"] = gate.contiguous(), up.contiguous()
 
 
 def _strip_prefix(name: str) -> str:

@@ -18,6 +18,8 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": Qwen3Model,
+    "qwen3_moe": Qwen3Model,
+    "mixtral": LlamaModel,
     "phi3": Phi3Model,
     "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,

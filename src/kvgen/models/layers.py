@@ -187,9 +187,9 @@ class GatedMLP(nn.Module):
     lora: LoraStacks | None = None  # set with `layer` while adapters are loaded
     layer: int = -1
 
-    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
+    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str, intermediate: int | None = None):
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.intermediate = intermediate or config.intermediate_size  # a mixture's experts have their own width
         if weights.has(f"{prefix}.gate_up_proj.weight"):  # Phi-3 stores gate and up fused (gate first)
             self.gate_up = linear(weights.take(f"{prefix}.gate_up_proj.weight"))
         else:

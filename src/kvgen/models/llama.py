@@ -1,4 +1,5 @@
-"""Llama family: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias). Pre-norm blocks, SwiGLU MLP."""
+"""Llama family: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias), Mixtral (experts). Pre-norm blocks,
+SwiGLU MLP or a mixture of SwiGLU experts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from kvgen.config import ModelConfig
 from kvgen.kv.interface import KVCache
 from kvgen.models.base import DecoderLM
 from kvgen.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
+from kvgen.models.moe import SparseMoE
 from kvgen.models.weights import WeightSource
 
 
@@ -22,7 +24,8 @@ class LlamaBlock(nn.Module):
         self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), eps)
         self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=self.qk_norm_offset)
         self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
-        self.mlp = GatedMLP(config, weights, f"{prefix}.mlp")
+        self.mlp = (SparseMoE(config, weights, f"{prefix}.mlp") if layer in config.moe_layers
+                    else GatedMLP(config, weights, f"{prefix}.mlp"))  # fmt: skip
 
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask

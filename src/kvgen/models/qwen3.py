@@ -1,5 +1,6 @@
-"""Qwen3 (dense): Llama blocks with an RMSNorm over each head's query and key before RoPE, and no
-QKV bias; head_dim is set by the config (not hidden / heads)."""
+"""Qwen3 (dense and MoE): Llama blocks with an RMSNorm over each head's query and key before RoPE,
+and no QKV bias; head_dim is set by the config (not hidden / heads). Qwen3-MoE's sparse layers
+take a mixture of experts for the MLP (LlamaBlock builds it from the config's moe_layers)."""
 
 from __future__ import annotations
 

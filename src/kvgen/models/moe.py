@@ -1,0 +1,48 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's best experts, whose
+SwiGLU outputs are summed with the router's weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import ModelConfig
+from kvgen.models.layers import GatedMLP
+from kvgen.models.weights import WeightSource, frozen
+
+
+class SparseMoE(nn.Module):
+    """softmax(router(x)) -> the top `experts_per_token` experts per token (their weights
+    renormalised to sum to 1 where the model does so) -> sum of weight * expert(x).
+
+    The router runs in fp32 (a near tie between two experts must not flip with the weights' dtype);
+    each expert is a GatedMLP over its own weights, fp32 or quantized, and runs once per step on
+    the rows routed to it."""
+
+    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
+        super().__init__()
+        self.router = frozen(weights.take_tensor(f"{prefix}.gate.weight").float())  # [E, H]
+        self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
+        self.experts = nn.ModuleList(
+            GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
+            for e in range(config.num_experts)
+        )  # fmt: skip
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> each token's expert weights [T, k] (fp32) and expert indices [T, k]."""
+        probs = torch.softmax(F.linear(x.float(), self.router), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(flat)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        for expert in chosen.unique().tolist():
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            y = self.experts[expert](flat[rows]).float()
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out.to(x.dtype).reshape(x.shape)
