@@ -96,6 +96,18 @@ def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pyte
     assert (actual - expected).abs().max().item() < TOLERANCE
 
 
+def test_older_mixtral_files_with_a_tensor_per_expert_load_the_same_model(tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model, llm, folder = get(tiny, "mixtral", tmp_path_factory)
+    path = write_gguf_from_hf(folder / "model-per-expert.gguf", model, model_path("smollm2"), stacked_experts=False)
+    from_gguf = LLM.load(path, progress=False, weights="fp32")
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps) == llm.config
+    ids = from_gguf.tokenizer.encode(PROMPTS[1])
+    with torch.inference_mode():
+        expected = model(torch.tensor([ids])).logits[0, -1]
+        actual = from_gguf.model(torch.tensor([ids]), from_gguf.generator.new_cache(len(ids)))[0, -1]
+    assert (actual - expected).abs().max().item() < TOLERANCE
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
 def test_quantized_gguf_experts_keep_their_values(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A GGUF whose projections are Q8_0, the experts stacked [E, rows, columns] per layer as

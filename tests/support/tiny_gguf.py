@@ -184,10 +184,13 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
             writer.add_array(key, [v.decode("utf-8") if isinstance(v, bytes) else v for v in value])
 
 
-def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32) -> Path:
+def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
+                       stacked_experts: bool = True) -> Path:  # fmt: skip
     """A GGUF of a transformers model (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2) with the metadata
     and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
-    projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32."""
+    projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32.
+    Without `stacked_experts`, each expert's weight is a tensor of its own, as older Mixtral files
+    have them (blk.N.ffn_gate.E.weight)."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
@@ -232,6 +235,10 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
         def add(gguf_name: str, values: np.ndarray, matmul: bool) -> None:
+            if gguf_name.endswith("_exps.weight") and not stacked_experts:
+                for e, expert in enumerate(values):
+                    add(gguf_name.replace("_exps.weight", f".{e}.weight"), expert, matmul)
+                return
             if matmul and matmul_type != Q.F32:
                 writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
             else:
