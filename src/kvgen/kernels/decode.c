@@ -3,7 +3,7 @@
 //
 //   kvgen_block_pre:  x = norm(h); q, k, v = qkv(x); QK-norm; RoPE     -> k, v handed to cache.update()
 //   kvgen_block_post: attention of q over the keys/values update() returned; o-proj; residual;
-//                     (Gemma: norms around each sublayer); gated MLP; residual.
+//                     (Gemma: norms around each sublayer); gated MLP, or a mixture of gated experts; residual.
 //
 // kvgen_decode_layers runs every block for one token in one call over fp32 storage; kvgen_decode_rows
 // (decode_rows.c) runs rows of tokens (decodes of many sequences, or several tokens of one: a verify, a prompt), each
@@ -37,6 +37,14 @@ typedef struct {
     float* qkv_out; // [(heads + 2 kv_heads) * head_dim]
     float* attn;    // [heads * head_dim]
     float* mlp;     // [2 * intermediate]
+    // A mixture of experts (Mixtral, Qwen3-MoE) when num_experts > 0, in place of gate_up / down:
+    // the router's fp32 rows [num_experts, hidden], each expert's gate_up and down (intermediate
+    // wide); a token runs its top_k experts, their softmax weights renormalised when normalize.
+    int64_t num_experts, top_k, normalize, pad2;
+    const float* router;
+    float* router_out;  // [num_experts]: the team's router scores
+    const qlinear* expert_gate_up;
+    const qlinear* expert_down;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -147,9 +155,10 @@ static void rotate_half(float* x, const float* cos, const float* sin, int64_t d)
 typedef struct {
     float* h;        // [hidden]: this thread's residual stream
     float* x;        // [widest]: a linear's input
-    float* y;        // [hidden]: a normed sublayer output (Gemma)
+    float* y;        // [hidden]: a normed sublayer output (Gemma); a mixture's sum of its experts
     block_x8* xq;    // [widest / 32]: x as activation blocks
     int32_t* sums;   // [widest / 32]: their code sums
+    float* act;      // [widest]: an expert's activation (x keeps the mixture's input)
     float* own;      // what this thread allocated
 } thread_scratch;
 
@@ -166,8 +175,9 @@ static thread_scratch thread_scratch_new(const block_t* blocks, int64_t num_laye
         widest = block_widest(&blocks[l]) > widest ? block_widest(&blocks[l]) : widest;
     }
     const int64_t nb = widest / QK + 1;
-    float* own = malloc(sizeof(float) * (size_t)(2 * hidden + widest) + (sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
-    thread_scratch t = {own, own + hidden, own + hidden + widest, (block_x8*)(own + 2 * hidden + widest), NULL, own};
+    float* own = malloc(sizeof(float) * (size_t)(2 * hidden + 2 * widest) + (sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
+    thread_scratch t = {own, own + hidden, own + hidden + widest, (block_x8*)(own + 2 * hidden + 2 * widest), NULL,
+                        own + 2 * hidden + widest, own};
     t.sums = (int32_t*)(t.xq + nb);
     if (omp_get_thread_num() == 0) {
         t.h = h;
@@ -570,6 +580,56 @@ static void add_residual_team(const thread_scratch* t, const float* y, const flo
     for (int64_t i = 0; i < hidden; i++) t->h[i] += y[i];
 }
 
+// A token's experts from its router scores [num_experts]: the top_k by softmax probability (ties:
+// the lower index), returned in ascending expert order (the order their outputs are summed in,
+// here, in the rows step and in models/moe.py), with their weights: the probabilities, divided by
+// their sum (taken from the most probable down, as torch sums topk's output) when normalize.
+static void route_experts(const block_t* b, const float* scores, int64_t* ids, float* weights) {
+    const int64_t n = b->num_experts, k = b->top_k;
+    float top = scores[0], total = 0.0f;
+    for (int64_t e = 1; e < n; e++) top = scores[e] > top ? scores[e] : top;
+    for (int64_t e = 0; e < n; e++) total += expf(scores[e] - top);
+    int64_t order[k];
+    for (int64_t j = 0; j < k; j++) {  // selection: the best not yet taken
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= order[i] == e;
+            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+        }
+        order[j] = best;
+    }
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; j++) chosen += expf(scores[order[j]] - top) / total;
+    for (int64_t j = 0; j < k; j++) {  // ascending expert order for the sum
+        int64_t at = 0;
+        for (int64_t i = 0; i < k; i++) at += order[i] < order[j];
+        ids[at] = order[j];
+        const float p = expf(scores[order[j]] - top) / total;
+        weights[at] = b->normalize ? p / chosen : p;
+    }
+}
+
+// The mixture for one token, by every thread of a team: x (each thread's copy) holds the normed
+// input; the sum of weight * expert(x) over its experts, in ascending expert order, goes to t->y.
+static void experts_team(const block_t* b, const thread_scratch* t) {
+#pragma omp for schedule(static)
+    for (int64_t e = 0; e < b->num_experts; e++) b->router_out[e] = dot(b->router + e * b->hidden, t->x, b->hidden);
+    int64_t ids[b->top_k];
+    float weights[b->top_k];
+    route_experts(b, b->router_out, ids, weights);
+    const int64_t n = b->intermediate;
+    for (int64_t i = 0; i < b->hidden; i++) t->y[i] = 0.0f;
+    for (int64_t j = 0; j < b->top_k; j++) {
+        // b->mlp and b->x are shared: every thread reads them before the next linear's closing
+        // barrier, after which the next expert writes them.
+        linear_team(&b->expert_gate_up[ids[j]], t->x, t->xq, t->sums, b->mlp);
+        gated_activation(b->mlp, b->mlp + n, t->act, n, b->gelu);
+        linear_team(&b->expert_down[ids[j]], t->act, t->xq, t->sums, b->x);
+        for (int64_t i = 0; i < b->hidden; i++) t->y[i] += weights[j] * b->x[i];
+    }
+}
+
 // Everything after attention (b->attn holds its output): o-proj, residual, MLP, residual, into each
 // thread's h. By every thread of a team; returns after a barrier (b->x, the sublayers' outputs, is
 // read by every thread before the next linear writes it: the barrier that closes gate_up).
@@ -580,6 +640,11 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     add_residual_team(t, b->x, b->attn_out_norm, b->eps, b->hidden);
 
     rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
+    if (b->num_experts > 0) {  // no adapters here (the LoRA registry refuses mixtures)
+        experts_team(b, t);
+        for (int64_t i = 0; i < b->hidden; i++) t->h[i] += t->y[i];  // no Gemma norm after a mixture
+        return;
+    }
     linear_team(&b->gate_up, t->x, t->xq, t->sums, b->mlp);
     lora_team(lora, LORA_GATE_UP, &b->gate_up, t->x, b->mlp, 1, slot, xa);
     const int64_t n = b->intermediate;

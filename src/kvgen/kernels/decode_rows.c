@@ -71,6 +71,18 @@ typedef struct {
     int64_t d, group;     // the widest head and head group (each thread's codes_scratch)
 } rows_codes;
 
+// A mixture's routing of the rows (blocks with experts): each row's top_k experts and weights, and
+// per expert the rows routed to it (ascending), where in their top_k, and their sums of outputs.
+typedef struct {
+    int64_t* ids;      // [rows, top_k] ascending, from route_experts
+    float* weights;    // [rows, top_k]
+    float* scores;     // [rows, most experts]: router scores
+    int64_t* starts;   // [most experts + 1]: expert e's rows are members[starts[e] .. starts[e + 1])
+    int64_t* fill;     // [most experts]: while listing them, where expert e's next member goes
+    int64_t* members;  // [rows * top_k]: row r * top_k + j
+    float* sum;        // [rows, hidden]: each row's weighted sum of its experts
+} rows_experts;
+
 // One rows step's arguments and shared scratch (see decode_rows).
 typedef struct {
     const block_t* blocks;
@@ -87,6 +99,7 @@ typedef struct {
     int32_t* sums;  // [rows, widest / 32]: activation blocks' code sums (the q5 and iq4 kernels' offsets)
     float* xa;      // [rows, widest LoRA]: A x of each row
     rows_codes codes;
+    rows_experts experts;
 } rows_step;
 
 static inline int kind_takes_sums(int32_t kind) {
@@ -104,16 +117,71 @@ static void quantize_row(const rows_step* st, const qlinear* l, const float* x, 
     if (kind_takes_sums(l->kind)) x8_sums_into(xq + r * nb, nb, st->sums + r * nb);
 }
 
-// y [rows, l->n] = linear l of the quantized rows (s->xq) + its bias, by the team; returns after
-// the GEMM's barrier. Each output is summed as any other row count sums it (interleaved.c).
-static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) {
+// y [rows, l->n] = linear l of the first `rows` quantized rows (s->xq) + its bias, by the team;
+// returns after the GEMM's barrier. Each output is summed as any other row count sums it (interleaved.c).
+static void gemm_rows_team(const rows_step* st, const qlinear* l, float* y, int64_t rows) {
     const block_x8* xq = (const block_x8*)st->s->xq;
     const float* bias = l->has_bias ? l->bias : NULL;
-    const int64_t rows = st->rows;
 #define GEMM_OF(STEM, SUMS) \
     kvgen_gemm_##STEM##_team((const block_##STEM*)l->blocks, xq, (SUMS) ? st->sums : NULL, y, rows, l->n, l->k, bias);
     FOR_KIND(l->kind, GEMM_OF)
 #undef GEMM_OF
+}
+
+static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) { gemm_rows_team(st, l, y, st->rows); }
+
+// One row of linear l's input (l->k values) quantized into slot `to` of s->xq (and its sums).
+static void quantize_row_into(const rows_step* st, const qlinear* l, const float* row, int64_t to) {
+    const int64_t nb = l->k / QK;
+    block_x8* xq = (block_x8*)st->s->xq + to * nb;
+    quantize_x8_range(row, 0, nb, xq);
+    if (kind_takes_sums(l->kind)) x8_sums_into(xq, nb, st->sums + to * nb);
+}
+
+// The mixture for every row, by the team (s->x: the rows' normed inputs; leaves each row's sum of
+// weight * expert in e->sum). Experts run in ascending order, each once over the rows routed to
+// it, gathered into one GEMM: a row's bits are the batch-1 step's (experts_team in decode.c).
+static void experts_rows_team(const rows_step* st, const block_t* b) {
+    const rows_scratch* s = st->s;
+    const rows_experts* e = &st->experts;
+    const int64_t rows = st->rows, hidden = b->hidden, inter = b->intermediate, k = b->top_k;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float* scores = e->scores + r * b->num_experts;
+        for (int64_t x = 0; x < b->num_experts; x++) scores[x] = dot(b->router + x * hidden, s->x + r * hidden, hidden);
+        route_experts(b, scores, e->ids + r * k, e->weights + r * k);
+        for (int64_t i = 0; i < hidden; i++) e->sum[r * hidden + i] = 0.0f;
+    }
+#pragma omp single
+    {  // per expert, its rows in ascending order
+        for (int64_t x = 0; x <= b->num_experts; x++) e->starts[x] = 0;
+        for (int64_t m = 0; m < rows * k; m++) e->starts[e->ids[m] + 1]++;
+        for (int64_t x = 0; x < b->num_experts; x++) e->starts[x + 1] += e->starts[x];
+        for (int64_t x = 0; x < b->num_experts; x++) e->fill[x] = e->starts[x];
+        for (int64_t m = 0; m < rows * k; m++) e->members[e->fill[e->ids[m]]++] = m;
+    }
+    for (int64_t x = 0; x < b->num_experts; x++) {
+        const int64_t first = e->starts[x], count = e->starts[x + 1] - first;
+        if (count == 0) continue;
+        const qlinear *gate_up = &b->expert_gate_up[x], *down = &b->expert_down[x];
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) quantize_row_into(st, gate_up, s->x + (e->members[first + i] / k) * hidden, i);
+        gemm_rows_team(st, gate_up, s->mlp, count);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {  // act(gate) * up in place of gate, then quantized for down()
+            float* gate = s->mlp + i * 2 * inter;
+            gated_activation(gate, gate + inter, gate, inter, b->gelu);
+            quantize_row_into(st, down, gate, i);
+        }
+        gemm_rows_team(st, down, s->y, count);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t m = e->members[first + i];
+            const float w = e->weights[m];
+            float* sum = e->sum + (m / k) * hidden;
+            for (int64_t c = 0; c < hidden; c++) sum[c] += w * s->y[i * hidden + c];
+        }
+    }
 }
 
 // A linear of the rows, then the LoRA delta of each row with an adapter (x: the linear's input).
@@ -289,7 +357,16 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
     for (int64_t r = 0; r < rows; r++) {
         add_residual(st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
         rms_norm(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
-        quantize_row(st, &b->gate_up, s->x, r);
+        if (b->num_experts == 0) quantize_row(st, &b->gate_up, s->x, r);
+    }
+    if (b->num_experts > 0) {
+        experts_rows_team(st, b);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t c = 0; c < hidden; c++) st->h[r * hidden + c] += st->experts.sum[r * hidden + c];
+            if (layer + 1 < st->num_layers) row_input(st, layer + 1, r);
+        }
+        return;
     }
     linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
 #pragma omp for schedule(static)
@@ -314,9 +391,11 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
                         int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, const rows_kv* kv,
                         const int64_t* positions, const rows_scratch* s, const lora_linear* lora,
                         const int64_t* lora_slots) {
-    int64_t widest = 0, nq = 0, kv_heads = 0, d = 0, group = 0;
+    int64_t widest = 0, nq = 0, kv_heads = 0, d = 0, group = 0, experts = 0, top_k = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const block_t* b = &blocks[l];
+        experts = b->num_experts > experts ? b->num_experts : experts;
+        top_k = b->top_k > top_k ? b->top_k : top_k;
         widest = block_widest(b) > widest ? block_widest(b) : widest;
         nq = b->num_heads * b->head_dim > nq ? b->num_heads * b->head_dim : nq;
         kv_heads = b->num_kv_heads > kv_heads ? b->num_kv_heads : kv_heads;
@@ -326,7 +405,17 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
     rows_step st = {blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, kv, positions, s, lora,
                     lora_slots, malloc(sizeof(int32_t) * (size_t)(rows * (widest / QK) + 1)),
                     malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1)),
-                    {NULL, NULL, NULL, NULL, d, group}};
+                    {NULL, NULL, NULL, NULL, d, group}, {NULL, NULL, NULL, NULL, NULL, NULL, NULL}};
+    rows_experts* routed = &st.experts;
+    if (experts > 0) {
+        routed->ids = malloc(sizeof(int64_t) * (size_t)(rows * top_k));
+        routed->weights = malloc(sizeof(float) * (size_t)(rows * top_k));
+        routed->scores = malloc(sizeof(float) * (size_t)(rows * experts));
+        routed->starts = malloc(sizeof(int64_t) * (size_t)(experts + 1));
+        routed->fill = malloc(sizeof(int64_t) * (size_t)experts);
+        routed->members = malloc(sizeof(int64_t) * (size_t)(rows * top_k));
+        routed->sum = malloc(sizeof(float) * (size_t)(rows * blocks[0].hidden));
+    }
     if (kv->key_codes != NULL) {
         st.codes.q = malloc(sizeof(float) * (size_t)(rows * nq));
         st.codes.plan = malloc(sizeof(int64_t) * (size_t)(5 * rows));
@@ -342,6 +431,13 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
         for (int64_t layer = 0; layer < num_layers; layer++) layer_rows_team(&st, layer, &t);
         codes_scratch_free(&t);
     }
+    free(routed->ids);
+    free(routed->weights);
+    free(routed->scores);
+    free(routed->starts);
+    free(routed->fill);
+    free(routed->members);
+    free(routed->sum);
     free(st.codes.q_offsets);
     free(st.codes.items);
     free(st.codes.plan);

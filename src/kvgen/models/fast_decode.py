@@ -31,6 +31,7 @@ from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
+from kvgen.models.moe import SparseMoE
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding
 
@@ -72,6 +73,9 @@ class BlockStruct(ctypes.Structure):
         ("q_norm", _ptr), ("k_norm", _ptr),
         ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
         ("x", _ptr), ("qkv_out", _ptr), ("attn", _ptr), ("mlp", _ptr),
+        # a mixture of experts (num_experts 0: the gated MLP above)
+        ("num_experts", _i64), ("top_k", _i64), ("normalize", _i64), ("pad2", _i64),
+        ("router", _ptr), ("router_out", _ptr), ("expert_gate_up", _ptr), ("expert_down", _ptr),
     ]  # fmt: skip
 
 
@@ -119,6 +123,7 @@ class FastDecoder:
         config = model.config
         self.hidden, self.num_kv_heads, self.head_dim = config.hidden_size, config.num_kv_heads, config.head_dim
         self._buffers: list[torch.Tensor] = []  # scratch memory the C structs point into
+        self._structs: list[ctypes.Array] = []  # the experts' qlinear arrays the block structs point into
         self.blocks = [self._describe(block) for block in model.layers]
         self.k_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)  # [B, H_kv, S, D]
         self.v_new = torch.empty(1, config.num_kv_heads, 1, config.head_dim)
@@ -154,9 +159,10 @@ class FastDecoder:
             return False
         for block in model.layers:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
-            if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP):
+            if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
-            linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
+            gated = mlp.experts if isinstance(mlp, SparseMoE) else [mlp]
+            linears = (attn.qkv, attn.o_proj, *(m.gate_up for m in gated), *(m.down for m in gated))
             if not all(isinstance(layer, QuantizedLinear) for layer in linears):
                 return False
         return True
@@ -170,8 +176,10 @@ class FastDecoder:
         config, attn, mlp = self.model.config, block.attn, block.mlp
         gemma = hasattr(block, "pre_mlp_norm")
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        return BlockStruct(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
+        experts = mlp.experts if isinstance(mlp, SparseMoE) else []
+        intermediate = experts[0].intermediate if experts else mlp.intermediate
+        struct = BlockStruct(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
             config.rms_norm_eps, attn.scale, int(config.hidden_act == "gelu_tanh"), 0,
             _norm_ptr(block.input_norm),
             _norm_ptr(block.post_attn_norm) if gemma else None,
@@ -179,10 +187,18 @@ class FastDecoder:
             _norm_ptr(block.post_mlp_norm) if gemma else None,
             _norm_ptr(attn.q_norm), _norm_ptr(attn.k_norm),
             qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj),
-            qlinear_struct(mlp.gate_up), qlinear_struct(mlp.down),
+            _QLinear() if experts else qlinear_struct(mlp.gate_up), _QLinear() if experts else qlinear_struct(mlp.down),
             self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
-            self._scratch(2 * config.intermediate_size),
+            self._scratch(2 * intermediate),
         )  # fmt: skip
+        if experts:
+            gate_ups = (_QLinear * len(experts))(*(qlinear_struct(e.gate_up) for e in experts))
+            downs = (_QLinear * len(experts))(*(qlinear_struct(e.down) for e in experts))
+            self._structs += [gate_ups, downs]  # the block struct points into them
+            struct.num_experts, struct.top_k, struct.normalize = len(experts), mlp.top_k, int(mlp.normalize)
+            struct.router, struct.router_out = mlp.router.data_ptr(), self._scratch(len(experts))
+            struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
+        return struct
 
     def lora(self, slots: list[int]) -> ctypes.Array | None:
         """The C description of the model's LoRA stacks when some row has an adapter (slots[r] >= 0),
@@ -356,7 +372,7 @@ class FastDecoder:
             config = self.model.config
             self._rows_buffers, self._rows_scratch = rows_scratch(
                 rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                config.intermediate_size,
+                max(config.intermediate_size, config.expert_intermediate_size),
             )  # fmt: skip
             self._rows_capacity = rows
         return self._rows_scratch

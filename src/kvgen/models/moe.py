@@ -22,7 +22,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
         super().__init__()
-        self.router = frozen(weights.take_tensor(f"{prefix}.gate.weight").float())  # [E, H]
+        self.router = frozen(weights.take_tensor(f"{prefix}.gate.weight").float().contiguous())  # [E, H]; decode.c reads it
         self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
         self.experts = nn.ModuleList(
             GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
