@@ -117,14 +117,17 @@ def llama_cpp_runner(path: Path, ids: list[int], threads: int) -> Generate:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes a decode step reads: every block matmul weight and the output head, in memory format."""
-    total = 0
-    for module in [*llm.model.layers.modules(), llm.model.lm_head]:
+    """Bytes a decode step reads: every block matmul weight and the output head, in memory format;
+    of a mixture's experts, the share a token runs (experts_per_token of num_experts)."""
+    config = llm.model.config
+    total = 0.0
+    for name, module in [*llm.model.layers.named_modules(), ("lm_head", llm.model.lm_head)]:
+        share = config.experts_per_token / config.num_experts if ".experts." in f".{name}." else 1.0
         if hasattr(module, "blocks"):
-            total += module.blocks.numel()
+            total += module.blocks.numel() * share
         elif isinstance(module, torch.nn.Linear):
-            total += module.weight.numel() * module.weight.element_size()
-    return total
+            total += module.weight.numel() * module.weight.element_size() * share
+    return int(total)
 
 
 def memory_bandwidth_gbs(size_mib: int = 1024) -> float:
