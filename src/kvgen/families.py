@@ -21,8 +21,8 @@ _SLIDING_KV = "all KV caches; compressed refused (sliding layers), sinks only in
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
     FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
-    FamilySupport("mixtral / qwen3_moe", "GGUF, HF", _ALL_KV, "no: torch path (top-k routed experts, each over "
-                  "int8 / q4 kernels); no LoRA", "yes", "random tiny (transformers)"),
+    FamilySupport("mixtral / qwen3_moe", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights; top-k routed experts); no LoRA",
+                  "yes", "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
                   "yes; torch path for partial RoPE (Phi-4-mini)", "yes", "random tiny (transformers)"),
     FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "no: torch path (attention soft-capping)", "yes",
