@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import model_label  # noqa: E402
 from peers.paths import peers_root  # noqa: E402
 
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
@@ -24,7 +25,7 @@ from kvgen.loading.registry import resolve_model_path  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default="smollm2", help="a known model's name or a .gguf path")
     parser.add_argument("--type", default="IQ4_XS", help="llama.cpp's file type name, e.g. IQ4_XS, IQ4_NL, Q4_K_M")
     args = parser.parse_args()
     import llama_cpp
@@ -33,7 +34,8 @@ def main() -> None:
     if ftype is None:
         parser.error(f"llama.cpp has no file type {args.type!r}")
     source = resolve_model_path(args.model)
-    out = peers_root() / args.model / f"{args.model}-{args.type.lower()}.gguf"
+    label = model_label(args.model).rsplit("-", 1)[0] if args.model.endswith(".gguf") else args.model  # a file: its stem less its type
+    out = peers_root() / label / f"{label}-{args.type.lower()}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
