@@ -223,6 +223,10 @@ def test_mixtures_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(n
     assert [r.output_ids for r in engine.generate(prompts, params)] == alone
     repeated = "the cat sat on the mat " * 4
     assert llm.generate(repeated, params, speculative=SpeculativeConfig("lookup")).token_ids == llm.generate(repeated, params).token_ids
+    # Logits bit for bit: decode steps, verify-sized forwards and the prompt, with 1, 2 or 3 threads.
+    from tests.support.step_invariance import assert_steps_give_the_prompts_bits
+
+    assert_steps_give_the_prompts_bits(llm, llm.tokenizer.encode(" ".join(PROMPTS))[:40])
 
 
 def test_moving_a_yarn_key_turns_it_without_the_attention_factor(tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:

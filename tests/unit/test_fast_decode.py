@@ -164,32 +164,10 @@ def test_decode_and_rows_steps_give_the_prompts_bits_with_1_2_or_3_threads(quant
     unit or in blocks of rows that share each key tile) and of the whole prompt (40 rows: the
     16-output kernels), are those of the prompt run at the default thread count."""
     from tests.support.models import PROMPTS
+    from tests.support.step_invariance import assert_steps_give_the_prompts_bits
 
     llm = get(quantized, name)
-    ids = llm.tokenizer.encode(" ".join(PROMPTS))[:40]
-
-    def forward(tokens: list[int], cache) -> torch.Tensor:
-        return llm.model(torch.tensor([tokens]), cache, logits_to_keep=len(tokens))[0]
-
-    with torch.inference_mode():
-        whole = forward(ids, llm.generator.new_cache(len(ids)))
-    threads = torch.get_num_threads()
-    for count in (1, 2, 3):
-        torch.set_num_threads(count)
-        try:
-            with torch.inference_mode():
-                cache = llm.generator.new_cache(len(ids))
-                llm.model(torch.tensor([ids[:8]]), cache)
-                steps = torch.stack([llm.model(torch.tensor([[token]]), cache)[0, -1] for token in ids[8:]])
-                cache = llm.generator.new_cache(len(ids))
-                starts = [8, 13, 21, 23, 31, 34, 40]  # verifies of 5, 8, 2, 8, 3 and 6 tokens
-                verified = torch.cat([forward(ids[:8], cache)] + [forward(ids[a:b], cache) for a, b in zip(starts, starts[1:])])
-                prompt = forward(ids, llm.generator.new_cache(len(ids)))
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(steps, whole[8:]), (count, (steps - whole[8:]).abs().max().item())
-        assert torch.equal(verified, whole), (count, (verified - whole).abs().max().item())
-        assert torch.equal(prompt, whole), (count, (prompt - whole).abs().max().item())
+    assert_steps_give_the_prompts_bits(llm, llm.tokenizer.encode(" ".join(PROMPTS))[:40])
 
 
 def test_gemma_keeps_the_files_q8_0_and_q5_0_blocks_exactly(quantized: dict, gemma3) -> None:
