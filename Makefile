@@ -121,8 +121,12 @@ bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 		file=$$($(PY) benchmarks/quantize_gguf.py --model smollm2 --type $$type 2>/dev/null | tail -1) && \
 		$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 5 || exit 1; \
 	done
-	file=$$($(PY) benchmarks/quantize_gguf.py --model smollm2 --type Q3_K_S 2>/dev/null | tail -1) && \
-	$(PY) benchmarks/weights_quality.py --models $$file --name weights_quality-smollm2-q3_k_s
+	for model in smollm2 gemma3-270m; do \
+		file=$$($(PY) benchmarks/quantize_gguf.py --model $$model --type Q3_K_S 2>/dev/null | tail -1) && \
+		$(PY) benchmarks/weights_quality.py --models $$file --name weights_quality-$$model-q3_k_s || exit 1; \
+	done
+	file=$$($(PY) benchmarks/quantize_gguf.py --model gemma3-270m --type Q3_K_S 2>/dev/null | tail -1) && \
+	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
 	file=$$($(PY) benchmarks/quantize_gguf.py --model gemma3-270m --type IQ4_XS 2>/dev/null | tail -1) && \
 	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
 
