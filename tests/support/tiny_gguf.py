@@ -227,6 +227,16 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+    def add(gguf_name: str, values: np.ndarray, matmul: bool) -> None:
+        if gguf_name.endswith("_exps.weight") and not stacked_experts:
+            for e, expert in enumerate(values):
+                add(gguf_name.replace("_exps.weight", f".{e}.weight"), expert, matmul)
+            return
+        if matmul and matmul_type != Q.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(values))
+
     for name, tensor in hf_model.state_dict().items():
         values = tensor.detach().float().numpy().copy()
         if arch == "gemma2" and name.endswith("norm.weight"):
@@ -234,16 +244,6 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
-        def add(gguf_name: str, values: np.ndarray, matmul: bool) -> None:
-            if gguf_name.endswith("_exps.weight") and not stacked_experts:
-                for e, expert in enumerate(values):
-                    add(gguf_name.replace("_exps.weight", f".{e}.weight"), expert, matmul)
-                return
-            if matmul and matmul_type != Q.F32:
-                writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
-            else:
-                writer.add_tensor(gguf_name, np.ascontiguousarray(values))
-
         if name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts [E, 2 I, H]: gate rows first
             layer = name.split(".")[2]
             gate, up = np.split(values, 2, axis=1)

@@ -599,14 +599,16 @@ static void route_experts(const block_t* b, const float* scores, int64_t* ids, f
         }
         order[j] = best;
     }
-    float chosen = 0.0f;
-    for (int64_t j = 0; j < k; j++) chosen += expf(scores[order[j]] - top) / total;
+    float p[k], chosen = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        p[j] = expf(scores[order[j]] - top) / total;
+        chosen += p[j];
+    }
     for (int64_t j = 0; j < k; j++) {  // ascending expert order for the sum
         int64_t at = 0;
         for (int64_t i = 0; i < k; i++) at += order[i] < order[j];
         ids[at] = order[j];
-        const float p = expf(scores[order[j]] - top) / total;
-        weights[at] = b->normalize ? p / chosen : p;
+        weights[at] = b->normalize ? p[j] / chosen : p[j];
     }
 }
 
@@ -642,7 +644,7 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
     if (b->num_experts > 0) {  // no adapters here (the LoRA registry refuses mixtures)
         experts_team(b, t);
-        for (int64_t i = 0; i < b->hidden; i++) t->h[i] += t->y[i];  // no Gemma norm after a mixture
+        add_residual_team(t, t->y, b->mlp_out_norm, b->eps, b->hidden);
         return;
     }
     linear_team(&b->gate_up, t->x, t->xq, t->sums, b->mlp);

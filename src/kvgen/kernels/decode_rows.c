@@ -359,25 +359,22 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
         rms_norm(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
         if (b->num_experts == 0) quantize_row(st, &b->gate_up, s->x, r);
     }
+    float* out = s->y;  // the MLP's output rows
     if (b->num_experts > 0) {
         experts_rows_team(st, b);
+        out = st->experts.sum;
+    } else {
+        linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t c = 0; c < hidden; c++) st->h[r * hidden + c] += st->experts.sum[r * hidden + c];
-            if (layer + 1 < st->num_layers) row_input(st, layer + 1, r);
+        for (int64_t r = 0; r < rows; r++) {  // act(gate) * up, packed [rows, inter] into x for down()
+            gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
+            quantize_row(st, &b->down, s->x, r);
         }
-        return;
+        linear_lora_rows_team(st, layer, LORA_DOWN, &b->down, s->x, s->y);
     }
-    linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {  // act(gate) * up, packed [rows, inter] into x for down()
-        gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
-        quantize_row(st, &b->down, s->x, r);
-    }
-    linear_lora_rows_team(st, layer, LORA_DOWN, &b->down, s->x, s->y);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        add_residual(st->h + r * hidden, s->y + r * hidden, b->mlp_out_norm, b->eps, hidden);
+        add_residual(st->h + r * hidden, out + r * hidden, b->mlp_out_norm, b->eps, hidden);
         if (layer + 1 < st->num_layers) row_input(st, layer + 1, r);
     }
 }

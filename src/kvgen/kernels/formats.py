@@ -431,10 +431,10 @@ def _q6k_eight_bit(raw: np.ndarray, kind: Literal["q8s", "q8"]) -> QuantizedWeig
     in q8 where they span at most 254, less an integer c carried by the offset c d. Q3_K's products
     (-124 .. 128) always fit q8 so; q8s only without a 128 (about 89% of a real file's blocks).
     Other blocks (Q6_K's: two 8-bit scales per 32 weights) are rounded."""
-    weight = _requantize_from(_q6k_floats(raw), kind)  # may widen q8s to q8 (scales beyond f16)
     n = raw.shape[0]
+    scale, q = _q6k_values(raw)
+    weight = _requantize_from(scale[..., None] * q.astype(np.float32), kind)  # may widen q8s to q8 (scales beyond f16)
     b = np.asarray(raw, dtype=np.uint8).reshape(n, -1, SUPER_BLOCK_BYTES["q6k"])
-    _, q = _q6k_values(raw)
     products = (b[..., 192:208].view(np.int8).reshape(n, -1).astype(np.int16)[..., None] * q).reshape(n, -1, QK)
     low, high = products.min(axis=-1), products.max(axis=-1)  # [N, nb]
     shift = np.zeros_like(low) if weight.kind == "q8s" else np.clip(0, high - 127, low + 127)

@@ -84,7 +84,8 @@ def config_from_gguf(
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     vocab = int(metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", []))))
     experts = int(metadata.get(f"{arch}.expert_count", 0))
-    expert_width = int(metadata.get(f"{arch}.expert_feed_forward_length", 0) or (get("feed_forward_length") if experts else 0))
+    # Mixtral's experts are feed_forward_length wide; Qwen3-MoE gives theirs apart
+    expert_width = int(metadata.get(f"{arch}.expert_feed_forward_length") or get("feed_forward_length")) if experts else 0
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
