@@ -26,7 +26,7 @@ from peers.paths import peers_root  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--type", default="Q4_0", help="gguf-py's type for the projections: Q4_0, Q4_1, Q5_0, Q8_0")
+    parser.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q4_1", "Q5_0", "Q8_0"), help="the projections' type (gguf-py writes these)")
     args = parser.parse_args()
     import gguf
     import transformers
