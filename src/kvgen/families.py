@@ -24,7 +24,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("mixtral / qwen3_moe", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights; top-k routed experts); no LoRA",
                   "yes", "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
-                  "yes; torch path for partial RoPE (Phi-4-mini)", "yes", "random tiny (transformers)"),
+                  "yes (int8 / q4 weights; partial RoPE too)", "yes", "random tiny (transformers)"),
     FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "no: torch path (attention soft-capping)", "yes",
                   "random tiny (transformers)"),
     FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights)", "yes", "Gemma 3 270M (real)"),

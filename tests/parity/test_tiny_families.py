@@ -171,14 +171,14 @@ def test_every_cache_kind_and_the_engine_decode_like_contiguous(name: str, tiny:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """int8 weights: Qwen3, Phi-3 and the mixtures of experts decode in C (decode.c) and match the
-    torch path on the same weights; Gemma 2 (soft-capping) and Phi-4-mini (partial RoPE) fall back
-    to the torch path."""
+    """int8 weights: Qwen3, Phi-3, Phi-4-mini (partial RoPE) and the mixtures of experts decode in C
+    (decode.c) and match the torch path on the same weights; Gemma 2 (soft-capping) falls back to
+    the torch path."""
     from kvgen.kernels import load
 
     _, _, folder = get(tiny, name, tmp_path_factory)
     llm = LLM.load(folder, progress=False, weights="int8")
-    in_c = name in ("qwen3", "qwen3-yarn", "qwen3-moe", "mixtral", "phi3")
+    in_c = name in ("qwen3", "qwen3-yarn", "qwen3-moe", "mixtral", "phi3", "phi4-mini")
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
     assert (llm.model.fast_decoder() is not None) == in_c
@@ -203,12 +203,12 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
             llm.model.rerotate(0, torch.zeros(1, 2, 1, 16), 1)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
-def test_mixtures_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(name: str, tiny: dict,
-                                                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
-    """int8 weights: the batch-1 C step, the engine's batched rows step (each expert once over the
-    rows routed to it) and a speculative verify (several rows of one sequence) give a row the same
-    routing and bits, so greedy tokens are equal all three ways."""
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "phi4-mini"])
+def test_c_steps_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(name: str, tiny: dict,
+                                                                              tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+    """int8 weights: the batch-1 C step, the engine's batched rows step (a mixture: each expert once
+    over the rows routed to it) and a speculative verify (several rows of one sequence) give a row
+    the same bits (routing, partial RoPE), so greedy tokens are equal all three ways."""
     from kvgen.kernels import load
     from kvgen.speculative import SpeculativeConfig
 

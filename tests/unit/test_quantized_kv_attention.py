@@ -40,20 +40,26 @@ class SinkInt8(Int8KeyCodec):
     sink_tokens = 1
 
 
-def toy_rope(layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama-style RoPE tables [N, 64], a different base per layer (as Gemma's local/global layers)."""
-    inverse = 1.0 / (10000.0 * (1 + layer)) ** (torch.arange(0, 64, 2).float() / 64)
+def toy_rope(layer: int, positions: torch.Tensor, rotary: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style RoPE tables [N, rotary] (64: whole heads; fewer: partial rotary, Phi-4-mini), a
+    different base per layer (as Gemma's local/global layers)."""
+    inverse = 1.0 / (10000.0 * (1 + layer)) ** (torch.arange(0, rotary, 2).float() / rotary)
     angles = positions.float()[:, None] * inverse
     return torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
 
 
-def kvquant3_cache(spec: CacheSpec, capacity: int, max_capacity: int) -> QuantizedCache:
+def partial_rope(layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE over the first 48 of 64 channels."""
+    return toy_rope(layer, positions, 48)
+
+
+def kvquant3_cache(spec: CacheSpec, capacity: int, max_capacity: int, rope=toy_rope) -> QuantizedCache:
     """kvquant3 keys (per-channel codebook, 1 exact outlier per position, before RoPE) and values,
     with made-up sorted codebooks: the kernel must read whatever levels calibration produced."""
     levels = torch.rand(spec.num_layers, 8, generator=torch.Generator().manual_seed(1)).sort(-1).values
     levels[:, 0], levels[:, -1] = 0.0, 1.0
     keys, values = KVQuantKeyCodec(levels.contiguous(), outliers=1), KVQuantValueCodec(levels.flip(-1).neg().add(1).contiguous())
-    return QuantizedCache(spec, capacity, max_capacity, keys, values, key_rope=toy_rope)
+    return QuantizedCache(spec, capacity, max_capacity, keys, values, key_rope=rope)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
@@ -78,8 +84,8 @@ def filled_cache(k_dtype, v_dtype, length: int, keys: torch.Tensor, values: torc
     """A 2-layer cache holding keys/values [1, 3, length, D] of layer 1, the last position written
     as the C step writes it (uncommitted), and the kernel's view of it."""
     spec = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=keys.shape[-1])
-    if k_dtype == "kvquant3":
-        cache = kvquant3_cache(spec, 64, 1024)
+    if k_dtype in ("kvquant3", "kvquant3-partial"):
+        cache = kvquant3_cache(spec, 64, 1024, partial_rope if k_dtype == "kvquant3-partial" else toy_rope)
     else:
         cache = QuantizedCache(spec, 64, 4096, k_dtype, v_dtype)
     for layer in range(2):
@@ -97,7 +103,8 @@ def attend(cache: QuantizedCache, attention: QuantizedDecodeView, q: torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("k_dtype,v_dtype", [*READABLE, (SinkInt8(), "int4"), ("int8", "fp32"), ("fp32", "int8"), ("kvquant3", "kvquant3")])
+@pytest.mark.parametrize("k_dtype,v_dtype", [*READABLE, (SinkInt8(), "int4"), ("int8", "fp32"), ("fp32", "int8"), ("kvquant3", "kvquant3"),
+                                         ("kvquant3-partial", "kvquant3")])
 @pytest.mark.parametrize("length,start", [(1, 0), (7, 0), (64, 0), (100, 0), (333, 0), (333, 280), (333, 150)])
 def test_attention_over_codes_equals_attention_over_the_decoded_history(k_dtype, v_dtype, length: int, start: int) -> None:
     torch.manual_seed(length + start)

@@ -24,8 +24,8 @@ typedef struct {
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
-    int32_t gelu;  // 0: SiLU (SwiGLU), 1: tanh-GELU (GeGLU)
-    int32_t pad;
+    int32_t gelu;        // 0: SiLU (SwiGLU), 1: tanh-GELU (GeGLU)
+    int32_t rotary_dim;  // the channels of a head RoPE turns: head_dim, or fewer (partial rotary, Phi-4-mini)
     const float* input_norm;
     const float* attn_out_norm;  // Gemma's post-attention norm; NULL for Llama
     const float* mlp_in_norm;    // Llama's post_attention_layernorm / Gemma's pre-feedforward norm
@@ -136,8 +136,10 @@ static void linear_team(const qlinear* l, const float* x, block_x8* xq, int32_t*
 
 #include "lora_delta.c"
 
-static void rotate_half(float* x, const float* cos, const float* sin, int64_t d) {
-    const int64_t half = d / 2;
+// RoPE over a head's first `rotary` channels (all of them, or fewer: partial rotary), channel i
+// turned with channel i + rotary / 2; cos and sin hold the angles of those channels.
+static void rotate_half(float* x, const float* cos, const float* sin, int64_t rotary) {
+    const int64_t half = rotary / 2;
     for (int64_t i = 0; i < half; i++) {
         const float a = x[i], b = x[i + half];
         x[i] = a * cos[i] - b * sin[i];
@@ -222,11 +224,11 @@ static void block_pre_team(const block_t* b, const thread_scratch* t, const floa
         const float* v = b->qkv_out + nq + nkv;
         for (int64_t head = 0; head < b->num_heads; head++) {
             if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
-            rotate_half(q + head * d, cos, sin, d);
+            rotate_half(q + head * d, cos, sin, b->rotary_dim);
         }
         for (int64_t head = 0; head < b->num_kv_heads; head++) {
             if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
-            rotate_half(k + head * d, cos, sin, d);
+            rotate_half(k + head * d, cos, sin, b->rotary_dim);
             memcpy(k_out + head * out_head_stride, k + head * d, (size_t)d * sizeof(float));
             memcpy(v_out + head * out_head_stride, v + head * d, (size_t)d * sizeof(float));
         }

@@ -214,11 +214,11 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
     const kv_layout vl = row_layout(kv, layer_store(kv, kv->v_base, layer), layer, rows, r);
     for (int64_t head = 0; head < b->num_heads; head++) {
         if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
-        rotate_half(q + head * d, cos, cos + d, d);
+        rotate_half(q + head * d, cos, cos + d, b->rotary_dim);
     }
     for (int64_t head = 0; head < b->num_kv_heads; head++) {
         if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
-        rotate_half(k + head * d, cos, cos + d, d);
+        rotate_half(k + head * d, cos, cos + d, b->rotary_dim);
         memcpy((float*)kv_at(&kl, head, kv->write_pos[r]), k + head * d, (size_t)d * sizeof(float));
         memcpy((float*)kv_at(&vl, head, kv->write_pos[r]), v + head * d, (size_t)d * sizeof(float));
     }

@@ -39,7 +39,8 @@ static inline int64_t key_byte(int64_t i, int64_t j, int64_t d, int64_t G) {
 
 // One codec's stored tensors for one layer (PackedStore.parts[name][layer]: [H, max_blocks, ...]).
 typedef struct {
-    int32_t kind, pad;
+    int32_t kind;
+    int32_t rope_width;                           // pre-RoPE keys: the channels RoPE turns (rope_cos's width)
     const uint8_t* codes;     // codes (or the fp16/bf16/fp32 values)
     const uint16_t* step;     // fp16 scale / step, or NULL
     const uint16_t* low;      // fp16 offset, or NULL
@@ -50,7 +51,7 @@ typedef struct {
     const uint8_t* outlier_index;                 // kvquant3: [.., B, outliers] channel of each exact value
     const uint16_t* outlier_value;                // its fp16 value
     int64_t outliers, outlier_head_stride, outlier_block_stride;  // elements
-    const float* rope_cos;                        // keys stored before RoPE: [positions, d] tables
+    const float* rope_cos;                        // keys stored before RoPE: [positions, rope_width] tables
     const float* rope_sin;
 } packed_codes;
 
@@ -162,7 +163,8 @@ static void decode_kvquant3(const packed_codes* c, const uint8_t* codes, const u
             const int64_t at = outliers + (first + p) * c->outliers + k;
             x[c->outlier_index[at]] = half_to_float(c->outlier_value[at]);
         }
-        if (c->rope_cos) rotate_half(x, c->rope_cos + (position + p) * d, c->rope_sin + (position + p) * d, d);
+        const int64_t w = c->rope_width;
+        if (c->rope_cos) rotate_half(x, c->rope_cos + (position + p) * w, c->rope_sin + (position + p) * w, w);
     }
 }
 

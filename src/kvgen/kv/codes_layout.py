@@ -21,7 +21,7 @@ MAX_HEAD_DIM = 512  # its per-channel scale buffer
 
 
 class PackedCodes(ctypes.Structure):  # quantized_attention.c packed_codes
-    _fields_ = [("kind", _i32), ("pad", _i32), ("codes", _ptr), ("step", _ptr), ("low", _ptr), ("lut", _ptr),
+    _fields_ = [("kind", _i32), ("rope_width", _i32), ("codes", _ptr), ("step", _ptr), ("low", _ptr), ("lut", _ptr),
                 ("code_head_stride", _i64), ("code_block_stride", _i64),
                 ("step_head_stride", _i64), ("step_block_stride", _i64),
                 ("codebook", _ptr), ("outlier_index", _ptr), ("outlier_value", _ptr),
@@ -74,7 +74,8 @@ def kernel_reads(key: Codec, value: Codec, head_dim: int, block_tokens: int) -> 
 
 
 def describe(store: PackedStore, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None) -> PackedCodes:
-    """The kernel's view of one layer of `store`; rope: cos/sin [positions, D] for pre-RoPE keys."""
+    """The kernel's view of one layer of `store`; rope: cos/sin [positions, rotary channels] for
+    pre-RoPE keys."""
     kind = codes_kind(store.codec)
     assert kind is not None
     parts = store.parts
@@ -89,7 +90,7 @@ def describe(store: PackedStore, layer: int, rope: tuple[torch.Tensor, torch.Ten
         return t[layer].data_ptr() if t is not None else None
 
     return PackedCodes(
-        kind, 0, address(codes), address(step), address(low), FP8_VALUES.data_ptr(),
+        kind, rope[0].shape[1] if rope else 0, address(codes), address(step), address(low), FP8_VALUES.data_ptr(),
         codes.stride(1) * codes.element_size(), codes.stride(2) * codes.element_size(),
         step.stride(1) if step is not None else 0, step.stride(2) if step is not None else 0,
         address(codebook), address(index), address(value), index.shape[-1] if index is not None else 0,

@@ -13,5 +13,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def turn(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """keys [..., N, D] turned by RoPE at cos/sin [N, D] (inverse: turned back to before RoPE)."""
+    """keys [..., N, D] turned by RoPE at cos/sin [N, R] (inverse: turned back to before RoPE); R < D
+    (partial rotary) turns the first R channels and keeps the rest."""
+    rotary = cos.shape[-1]
+    if rotary < keys.shape[-1]:
+        return torch.cat((turn(keys[..., :rotary], cos, sin, inverse), keys[..., rotary:]), dim=-1)
     return keys * cos - rotate_half(keys) * sin if inverse else keys * cos + rotate_half(keys) * sin

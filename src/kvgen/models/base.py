@@ -205,10 +205,12 @@ class DecoderLM(nn.Module):
         return True
 
     def _rows_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """cos/sin of each kernel row's position for every RoPE kind: [rows, kinds, 2, head_dim]."""
-        return torch.stack(
+        """cos/sin of each kernel row's position for every RoPE kind: [rows, kinds, 2, head_dim]
+        (partial rotary: the turned channels' angles first, zeros after)."""
+        table = torch.stack(
             [torch.stack([t[:, 0, 0] for t in rope(positions[:, None], dtype)], dim=1) for rope in self.ropes], dim=1
-        ).contiguous()
+        )
+        return F.pad(table, (0, self.config.head_dim - table.shape[-1])).contiguous()
 
     def forward(
         self,
