@@ -25,7 +25,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "yes", "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
                   "yes (int8 / q4 weights; partial RoPE too)", "yes", "random tiny (transformers)"),
-    FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "no: torch path (attention soft-capping)", "yes",
+    FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights; soft-capped attention)", "yes",
                   "random tiny (transformers)"),
     FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights)", "yes", "Gemma 3 270M (real)"),
     FamilySupport("mamba", "HF (fp32 weights)", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",

@@ -171,44 +171,92 @@ def test_every_cache_kind_and_the_engine_decode_like_contiguous(name: str, tiny:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """int8 weights: Qwen3, Phi-3, Phi-4-mini (partial RoPE) and the mixtures of experts decode in C
-    (decode.c) and match the torch path on the same weights; Gemma 2 (soft-capping) falls back to
-    the torch path."""
+    """int8 weights: every family decodes in C (decode.c) and matches the torch path on the same
+    weights: Qwen3, Phi-3, Phi-4-mini (partial RoPE), Gemma 2 (soft-capped attention scores) and
+    the mixtures of experts."""
     from kvgen.kernels import load
 
     _, _, folder = get(tiny, name, tmp_path_factory)
     llm = LLM.load(folder, progress=False, weights="int8")
-    in_c = name in ("qwen3", "qwen3-yarn", "qwen3-moe", "mixtral", "phi3", "phi4-mini")
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
-    assert (llm.model.fast_decoder() is not None) == in_c
-    ids = llm.tokenizer.encode(PROMPTS[0])
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    fast = llm.generate(ids, params).token_ids
-    llm.model.use_fast_decode = False
-    assert llm.generate(ids, params).token_ids == fast
-    with torch.inference_mode():
-        logits = []
-        for use_fast in (True, False):
-            llm.model.use_fast_decode = use_fast
-            cache = llm.generator.new_cache(len(ids) + len(fast))
-            llm.model(torch.tensor([ids]), cache)
-            logits.append(torch.stack([llm.model(torch.tensor([[t]]), cache)[0, -1] for t in fast]))
-    # Per decoded token, C vs torch: float rounding apart, except where a last-bit difference flips
-    # one int8 activation rounding inside a linear (measured: one of 48 Phi-3 tokens at 5e-3).
-    per_token = (logits[0] - logits[1]).abs().amax(-1)
-    assert (per_token < TOLERANCE).float().mean() >= 0.9 and per_token.max() < 0.05, per_token.tolist()
+    assert llm.model.fast_decoder() is not None
+    assert_c_step_matches_the_torch_path(llm, llm.tokenizer.encode(PROMPTS[0]))
     if name.startswith("phi"):  # LongRoPE keys cannot be moved (context shift): a clear error
         with pytest.raises(ValueError, match="LongRoPE"):
             llm.model.rerotate(0, torch.zeros(1, 2, 1, 16), 1)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "phi4-mini"])
+def assert_c_step_matches_the_torch_path(llm: LLM, ids: list[int], tolerance: float = TOLERANCE) -> None:
+    """Greedy tokens of the C step equal the torch path's on llm's cache, and so do the logits of
+    each decoded token, up to float rounding (`tolerance`)."""
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    fast = llm.generate(ids, params).token_ids
+    llm.model.use_fast_decode = False
+    try:
+        assert llm.generate(ids, params).token_ids == fast
+        with torch.inference_mode():
+            logits = []
+            for use_fast in (True, False):
+                llm.model.use_fast_decode = use_fast
+                cache = llm.generator.new_cache(len(ids) + len(fast))
+                llm.model(torch.tensor([ids]), cache)
+                logits.append(torch.stack([llm.model(torch.tensor([[t]]), cache)[0, -1] for t in fast]))
+    finally:
+        llm.model.use_fast_decode = True
+    # Per decoded token, C vs torch: float rounding apart, except where a last-bit difference flips
+    # one int8 activation rounding inside a linear (measured: one of 48 Phi-3 tokens at 5e-3).
+    per_token = (logits[0] - logits[1]).abs().amax(-1)
+    assert (per_token < tolerance).float().mean() >= 0.9 and per_token.max() < 0.05, per_token.tolist()
+
+
+def test_gemma2_c_steps_over_kv_codes_soft_cap_as_the_torch_path(tiny: dict, tmp_path_factory: pytest.TempPathFactory,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """int8 weights over K/V codes: the C steps soft-cap the scores they compute from the codes as
+    the torch path does from the decoded values: one sequence's int8 codes (kvgen_decode_layers_over_codes),
+    and the engine's pool (its rows step over codes, rows of different lengths) holding fp32 codes,
+    where nothing but the summation order differs."""
+    from kvgen.kernels import load
+    from kvgen.kv.paged_codes_batch import StorageDescriptors
+
+    if load() is None:
+        pytest.skip("the C decode path needs a C compiler")
+    _, _, folder = get(tiny, "gemma2", tmp_path_factory)
+    llm = LLM.load(folder, progress=False, weights="int8")
+    llm.generator.cache_config = CacheConfig("quantized", k_dtype="int8", v_dtype="int8")
+    # The kernel scores int8 keys against the query rounded to int16 codes, the torch path the keys' values.
+    assert_c_step_matches_the_torch_path(llm, llm.tokenizer.encode(PROMPTS[1]), tolerance=2e-3)
+    codes = CacheConfig("quantized", k_dtype="fp32", v_dtype="fp32")
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+
+    def pool_logits(fed: list[list[int]]) -> torch.Tensor:
+        """Each prompt prefilled, then the tokens `fed` (or the greedy ones) decoded side by side."""
+        engine = LLMEngine(llm, EngineConfig(num_blocks=64), codes)
+        caches = [engine.scheduler.new_cache() for _ in prompts]
+        logits, rows = [], [list(p) for p in prompts]
+        with torch.inference_mode():
+            for step in range(8):
+                logits.append(llm.model.forward_batch(rows, caches))  # [B, V]
+                rows = [[int(t)] for t in (logits[-1].argmax(-1) if not fed else torch.tensor(fed[step]))]
+        for cache in caches:
+            cache.release()
+        return torch.stack(logits)
+
+    kernel = pool_logits([])
+    llm.model.use_fast_decode = False
+    monkeypatch.setattr(StorageDescriptors, "for_storage", staticmethod(lambda storage: None))
+    reference = pool_logits(kernel.argmax(-1).tolist())
+    llm.model.use_fast_decode = True
+    assert (kernel - reference).abs().max() < 1e-4, (kernel - reference).abs().amax(-1).tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "phi4-mini", "gemma2"])
 def test_c_steps_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(name: str, tiny: dict,
                                                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """int8 weights: the batch-1 C step, the engine's batched rows step (a mixture: each expert once
     over the rows routed to it) and a speculative verify (several rows of one sequence) give a row
-    the same bits (routing, partial RoPE), so greedy tokens are equal all three ways."""
+    the same bits (routing, partial RoPE, soft-capped scores), so greedy tokens are equal all three
+    ways."""
     from kvgen.kernels import load
     from kvgen.speculative import SpeculativeConfig
 

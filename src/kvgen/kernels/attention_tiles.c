@@ -277,8 +277,29 @@ static float exp_shifted(float* s, int64_t n, float max) {
     return sum;
 }
 
-// Softmax-weighted sums of one query head over some tiles: out = sum p_i v_i, with max m and sum l.
-typedef struct { float max, sum; } softmax_state;
+// Softmax-weighted sums of one query head over some tiles: out = sum p_i v_i, with max m and sum l;
+// cap > 0 soft-caps the scores first (Gemma 2: s -> cap tanh(s / cap)), 0 leaves them.
+typedef struct { float max, sum, cap; } softmax_state;
+
+// s[i] = cap tanh(s[i] / cap) for i < n, as cap (e - 1) / (e + 1) with e = e^(2 s / cap): exp8's
+// lanes, or exp_lane one at a time (the same operations), so every build and tile position gives
+// a score the same bits. tanhf one score at a time would cost Gemma 2 2B ~30 ms a token at 8,192
+// positions.
+static void soft_cap(float* s, int64_t n, float cap) {
+    const float twice = 2.0f / cap;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(cap), t = _mm256_set1_ps(twice);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(s + i), t));
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_div_ps(_mm256_sub_ps(e, one), _mm256_add_ps(e, one)), c));
+    }
+#endif
+    for (; i < n; i++) {
+        const float e = exp_lane(s[i] * twice);
+        s[i] = (e - 1.0f) / (e + 1.0f) * cap;
+    }
+}
 
 // The largest of n scores (-inf for none): a maximum is the same in any order.
 static inline float tile_maximum(const float* s, int64_t n) {
@@ -299,6 +320,7 @@ static inline float tile_maximum(const float* s, int64_t n) {
 // factor for what was accumulated under the old maximum, or -1 when the maximum held (an exp is
 // never negative).
 static inline float softmax_tile(float* s, int64_t n, softmax_state* st) {
+    if (st->cap > 0.0f) soft_cap(s, n, st->cap);
     const float tile_max = tile_maximum(s, n);
     float correction = -1.0f;
     if (tile_max > st->max) {

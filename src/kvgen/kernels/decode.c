@@ -24,8 +24,10 @@ typedef struct {
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
+    float softcap;       // attention scores soft-capped to cap tanh(s / cap) (Gemma 2); 0: not
     int32_t gelu;        // 0: SiLU (SwiGLU), 1: tanh-GELU (GeGLU)
     int32_t rotary_dim;  // the channels of a head RoPE turns: head_dim, or fewer (partial rotary, Phi-4-mini)
+    int32_t pad;
     const float* input_norm;
     const float* attn_out_norm;  // Gemma's post-attention norm; NULL for Llama
     const float* mlp_in_norm;    // Llama's post_attention_layernorm / Gemma's pre-feedforward norm
@@ -301,9 +303,9 @@ static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int6
 // attend_begin and attend_end open and close the heads' sums; the rows step's blocks of rows
 // (decode_rows.c, attend_row_block) take the tiles between them row by row in turn.
 #define MAX_HEAD_RUN MAX_HEAD_TILE
-static void attend_begin(float* out, int64_t count, int64_t d, softmax_state* st) {
+static void attend_begin(float* out, int64_t count, int64_t d, float cap, softmax_state* st) {
     for (int64_t h = 0; h < count; h++) {
-        st[h] = (softmax_state){-INFINITY, 0.0f};
+        st[h] = (softmax_state){-INFINITY, 0.0f, cap};
         for (int64_t j = 0; j < d; j++) out[h * d + j] = 0.0f;
     }
 }
@@ -387,7 +389,7 @@ static void attend_heads(const float* q, float* out, int64_t count, const kv_lay
                          int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d, int cached) {
     softmax_state st[MAX_HEAD_RUN];
     tile_rows listed = {.first = -1};
-    attend_begin(out, count, d, st);
+    attend_begin(out, count, d, 0.0f, st);  // the torch path's paged kernel: Gemma 2's soft-capping runs in torch
     for (int64_t first = start; first < end; first += 32)
         attend_listed_tile(&listed, q, out, count, keys, values, kv_head, first, end, scale, d, cached, st);
     attend_end(out, count, d, st);
@@ -429,7 +431,7 @@ static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, i
 // the contiguous cache's speed). By every thread of a team, which shares `work`
 // (attention_work floats); returns after a barrier, with out whole for every thread.
 static void attend_split_team(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                              const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
+                              float cap, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
     const int64_t group = heads / kv_heads;
     const int64_t len = end - start, tiles = (len + 31) / 32;
     float* p = work;  // scores, then weights: [heads, len]
@@ -451,7 +453,7 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
-        softmax_state st = {-INFINITY, 0.0f};
+        softmax_state st = {-INFINITY, 0.0f, cap};
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = len - 32 * t < 32 ? len - 32 * t : 32;
             rescale[h * tiles + t] = softmax_tile(p + h * len + 32 * t, n, &st);
@@ -506,7 +508,7 @@ void kvgen_decode_attention(const float* q, float* out, const float* k_base, con
     const kv_layout v = {v_base, head_stride, pos_stride, 0, 1, NULL};
     float* work = malloc(sizeof(float) * (size_t)attention_work(heads, end - start));
 #pragma omp parallel
-    attend_split_team(q, out, heads, kv_heads, d, scale, &k, &v, start, end, work);
+    attend_split_team(q, out, heads, kv_heads, d, scale, 0.0f, &k, &v, start, end, work);
     free(work);
 }
 
@@ -668,7 +670,7 @@ void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_h
 #pragma omp parallel
     {
         const thread_scratch t = thread_scratch_new(b, 1, h);
-        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, &k, &v, start,
+        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, &k, &v, start,
                           end, work);
         block_finish_team(b, &t, lora, &slot, work + attention_work(b->num_heads, end - start));
         free(t.own);
@@ -703,7 +705,7 @@ void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, co
             block_pre_team(b, &t, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position),
                            head_stride, layer_lora, &slot, work + attention_floats);
             const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, &k, &v, start,
+            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, &k, &v, start,
                               position + 1, work);
             block_finish_team(b, &t, layer_lora, &slot, work + attention_floats);
         }

@@ -289,7 +289,7 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
         start[i] = window > 0 && end[i] > window ? end[i] - window : 0;
         kl[i] = row_layout(kv, k_layer, layer, rows, r), vl[i] = row_layout(kv, v_layer, layer, rows, r);
         cached[i] = row_keys_cached(kv, layer, rows, r, end[i], n);
-        attend_begin(st->s->attn + r * nq + head * d, count, d, state[i]);
+        attend_begin(st->s->attn + r * nq + head * d, count, d, b->softcap, state[i]);
         const int64_t row_tiles = (end[i] - start[i] + 31) / 32;
         tiles = row_tiles > tiles ? row_tiles : tiles;
     }
@@ -321,7 +321,7 @@ static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scr
     if (kv->key_codes != NULL) {
         const rows_codes* c = &st->codes;
         paged_codes_attention_team(c->items, rows * b->num_kv_heads, c->q, st->s->attn, c->q_offsets, c->plan + rows,
-                                   b->num_heads, b->num_kv_heads, b->head_dim, b->scale, st->window[layer],
+                                   b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, st->window[layer],
                                    &kv->key_codes[layer], &kv->value_codes[layer], kv->code_block_size,
                                    kv->code_tables, kv->code_table_width, kv->num_code_blocks, c->plan + 2 * rows,
                                    c->plan + 3 * rows, c->plan + 4 * rows, t);

@@ -202,10 +202,11 @@ static void int8_key_scores(const group_query* gq, int64_t group, const int8_t* 
     }
 }
 
-// Folds a tile's n scores into one head's running softmax: s becomes p = e^(s - max) (0 past n,
+// Folds a tile's n scores (soft-capped where st->cap > 0) into one head's running softmax: s becomes p = e^(s - max) (0 past n,
 // up to a multiple of 8), and the head's sum and unnormalised output `out` [d] are rescaled when
 // the maximum grows.
 static void softmax_fold(float* s, int64_t n, softmax_state* st, float* out, int64_t d) {
+    if (st->cap > 0.0f) soft_cap(s, n, st->cap);
     const float tile_max = tile_maximum(s, n);
     if (tile_max > st->max) {
         const float correction = exp_lane(st->max - tile_max);

@@ -304,7 +304,7 @@ static int64_t split_positions(int64_t start, int64_t end, int64_t kv_heads) {
 // Where one layer's keys and values live for the attention of one step.
 typedef struct {
     int64_t heads, kv_heads, d;
-    float scale;
+    float scale, softcap;  // softcap: see softmax_state
     const float *sink_k, *sink_v;
     int64_t sink_head_stride, sink_len;
     const packed_codes *key_codes, *value_codes;
@@ -416,7 +416,7 @@ static void attend_codes_range(const codes_attention* a, const group_query* gq, 
             float* s = scores + g * MAX_TILE;
             if (!scored)
                 for (int64_t i = 0; i < n; i++) s[i] = dot(gq->q + g * d, key_rows[i], d) * a->scale;
-            softmax_state st = {acc[g * stride], acc[g * stride + 1]};
+            softmax_state st = {acc[g * stride], acc[g * stride + 1], a->softcap};
             softmax_fold(s, n, &st, acc + g * stride + 2, d);
             acc[g * stride] = st.max, acc[g * stride + 1] = st.sum;
         }
@@ -529,7 +529,7 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
                                       int64_t sink_len, const packed_codes* key_codes, const packed_codes* value_codes,
                                       int64_t num_blocks, int64_t block_size, const float* tail_k, const float* tail_v,
                                       int64_t tail_head_stride, int64_t start, int64_t end) {
-    const codes_attention a = {heads, kv_heads, d, scale, sink_k, sink_v, sink_head_stride, sink_len, key_codes,
+    const codes_attention a = {heads, kv_heads, d, scale, 0.0f, sink_k, sink_v, sink_head_stride, sink_len, key_codes,
                                value_codes, num_blocks, block_size, tail_k, tail_v, tail_head_stride};
     const codes_shared c = codes_shared_new(heads, d);
 #pragma omp parallel
@@ -592,7 +592,7 @@ void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, f
             const int64_t out_stride = position < kv->sink_len ? kv->sink_head_stride : kv->tail_head_stride;
             block_pre_team(b, &t, cos, cos + d, k_out, v_out, out_stride, layer_lora, &slot, xa);
             const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-            const codes_attention a = {b->num_heads, b->num_kv_heads, d, b->scale, sink, sink + kv->sink_kv_stride,
+            const codes_attention a = {b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, sink, sink + kv->sink_kv_stride,
                                        kv->sink_head_stride, kv->sink_len, &kv->key_codes[layer],
                                        &kv->value_codes[layer], num_blocks, kv->block_size, tail,
                                        tail + kv->tail_kv_stride, kv->tail_head_stride};

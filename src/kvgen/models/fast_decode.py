@@ -68,7 +68,7 @@ class BlockStruct(ctypes.Structure):
 
     _fields_ = [
         ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-        ("eps", _f32), ("scale", _f32), ("gelu", _i32), ("rotary_dim", _i32),
+        ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("gelu", _i32), ("rotary_dim", _i32), ("pad", _i32),
         ("input_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
         ("q_norm", _ptr), ("k_norm", _ptr),
         ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
@@ -154,9 +154,6 @@ class FastDecoder:
     def supports(model: nn.Module) -> bool:
         if load() is None or model.dtype != torch.float32:
             return False
-        # decode.c has no attention soft-capping (Gemma 2).
-        if model.config.attn_logit_softcapping is not None:
-            return False
         for block in model.layers:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):
@@ -180,7 +177,8 @@ class FastDecoder:
         intermediate = experts[0].intermediate if experts else mlp.intermediate
         struct = BlockStruct(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
-            config.rms_norm_eps, attn.scale, int(config.hidden_act == "gelu_tanh"), config.rotary_dim or config.head_dim,
+            config.rms_norm_eps, attn.scale, config.attn_logit_softcapping or 0.0, int(config.hidden_act == "gelu_tanh"),
+            config.rotary_dim or config.head_dim, 0,
             _norm_ptr(block.input_norm),
             _norm_ptr(block.post_attn_norm) if gemma else None,
             _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),

@@ -1,6 +1,6 @@
 """Gemma 2: Gemma 3's sandwich blocks without QK-norm, sliding and global layers alternating
 (one RoPE base for both), attention scores soft-capped (cap * tanh(s / cap)) and the final logits
-too. The C decode path has no soft-capping, so Gemma 2 always decodes on the torch path."""
+too (the C steps soft-cap the scores as they fold them into the softmax: attention_tiles.c)."""
 
 from __future__ import annotations
 

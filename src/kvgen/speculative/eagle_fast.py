@@ -57,7 +57,7 @@ class FastHeadCache(HeadCache):
         self._scratch = [torch.zeros(width) for width in widths]
         block = BlockStruct(
             head.hidden_size, head.heads, head.kv_heads, head.head_dim, head.inner_size, RMS_EPS, head.head_dim**-0.5,
-            0, head.head_dim, head.attn_norm.data_ptr(), None, head.mlp_norm.data_ptr(), None, None, None,
+            0.0, 0, head.head_dim, 0, head.attn_norm.data_ptr(), None, head.mlp_norm.data_ptr(), None, None, None,
             *(qlinear_struct(linear) for linear in weights.block_linears), *(buffer.data_ptr() for buffer in self._scratch),
         )  # fmt: skip
         self._block = (BlockStruct * 1)(block)
