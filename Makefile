@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types bench-moe peers eagle clean
+.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types bench-moe bench-families peers eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -133,11 +133,18 @@ bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 # A random-weight Qwen3-MoE (no mixture installs offline), Q4_0 and re-quantized to Q4_K_M, against
 # llama.cpp on the same files, and its blocks against the files' fp32 values (docs/benchmarks.md).
 bench-moe: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
-	file=$$($(PY) benchmarks/random_moe_gguf.py | tail -1) && \
+	file=$$($(PY) benchmarks/random_gguf.py --family qwen3-moe | tail -1) && \
 	kquant=$$($(PY) benchmarks/quantize_gguf.py --model $$file --type Q4_K_M 2>/dev/null | tail -1) && \
 	for f in $$file $$kquant; do \
 		$(PY) benchmarks/decode.py --model $$f --weights q4 --peers llama.cpp --new-tokens 64 --repeats 5 --name decode-moe && \
 		$(PY) benchmarks/weights_quality.py --models $$f --tokens 128 --name weights_quality-$$(basename $$f .gguf) || exit 1; \
+	done
+
+# Gemma 2 and Phi-4-mini (soft-capped scores, partial RoPE) at random weights against llama.cpp on the same files.
+bench-families: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
+	for family in gemma2 phi4-mini; do \
+		file=$$($(PY) benchmarks/random_gguf.py --family $$family | tail -1) && \
+		$(PY) benchmarks/decode.py --model $$file --weights q4 --peers llama.cpp --new-tokens 64 --repeats 5 || exit 1; \
 	done
 
 # The AVX2 tables' decode and prefill commands on an AVX-512 machine, every engine that can be held to AVX2

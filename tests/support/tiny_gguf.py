@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -223,7 +224,10 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3":
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original  # convert_hf_to_gguf.py's attention factor (llama.cpp reads it)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
@@ -238,6 +242,8 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             writer.add_tensor(gguf_name, np.ascontiguousarray(values))
 
     for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the head is the embedding: llama.cpp's converter writes no output.weight (Gemma refuses one)
         values = tensor.detach().float().numpy().copy()
         if arch == "gemma2" and name.endswith("norm.weight"):
             values = values + 1.0  # llama.cpp stores Gemma norms as 1 + w

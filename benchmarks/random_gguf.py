@@ -1,0 +1,79 @@
+"""Writes a random-weight GGUF of a family no real checkpoint of installs offline, for timing its C
+path against llama.cpp and against kvgen's torch path: transformers builds the model (seeded) at a
+scaled-down shape of the family's common size, and the file gets llama.cpp's names and metadata with
+SmolLM2's tokenizer (tests/support/tiny_gguf.py). Its tokens mean nothing; its step reads and
+computes what such a model's does.
+
+    python benchmarks/random_gguf.py --family qwen3-moe     # prints the path
+    python benchmarks/decode.py --model <that path> --weights q4 --peers llama.cpp --new-tokens 64 --name decode-random
+
+Shapes (vocabulary 49,152; projections `--type`, Q4_0 by default; the rest F32):
+- qwen3-moe: a scaled-down Qwen3-30B-A3B: 12 layers, hidden 768, 12 query / 4 KV heads of 64, 32
+  experts of width 384, 4 per token (normalised).
+- gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
+  width 4608, sliding (4,096) and global layers alternating, scores soft-capped at 50, logits at 30.
+- phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
+  over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from peers.paths import peers_root  # noqa: E402
+
+_COMMON = {"vocab_size": 49152, "num_hidden_layers": 12}
+# family -> (transformers config class, its settings)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-moe": ("Qwen3MoeConfig", {
+        "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 4,
+        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 384,
+        "norm_topk_prob": True, "tie_word_embeddings": False, "max_position_embeddings": 4096}),
+    "gemma2": ("Gemma2Config", {
+        "hidden_size": 1152, "intermediate_size": 4608, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "max_position_embeddings": 8192}),
+    "phi4-mini": ("Phi3Config", {
+        "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "original_max_position_embeddings": 4096,
+                            "short_factor": [1.0] * 48, "long_factor": [1.0 + i / 8 for i in range(48)]}}),
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q4_1", "Q5_0", "Q8_0"), help="the projections' type (gguf-py writes these)")
+    args = parser.parse_args()
+    import gguf
+    import transformers
+
+    from tests.support.models import model_path
+    from tests.support.tiny_gguf import write_gguf_from_hf
+
+    class_name, settings = SHAPES[args.family]
+    config = getattr(transformers, class_name)(**_COMMON, **settings)
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).eval()
+    with torch.no_grad():  # transformers' init is tiny (std 0.02); wider weights keep a router's choices spread
+        for name, parameter in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                parameter.normal_(0, 0.05)
+    out = peers_root() / f"random-{args.family}" / f"random-{args.family}-{args.type.lower()}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type])
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
