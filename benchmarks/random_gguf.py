@@ -7,7 +7,8 @@ computes what such a model's does.
     python benchmarks/random_gguf.py --family qwen3-moe     # prints the path
     python benchmarks/decode.py --model <that path> --weights q4 --peers llama.cpp --new-tokens 64 --name decode-random
 
-Shapes (vocabulary 49,152; projections `--type`, Q4_0 by default; the rest F32):
+Shapes (vocabulary 49,152; projections `--type`, Q4_0 by default; a tied embedding (the head) Q8_0;
+the rest F32):
 - qwen3-moe: a scaled-down Qwen3-30B-A3B: 12 layers, hidden 768, 12 query / 4 KV heads of 64, 32
   experts of width 384, 4 per token (normalised).
 - gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
@@ -71,7 +72,9 @@ def main() -> None:
                 parameter.normal_(0, 0.05)
     out = peers_root() / f"random-{args.family}" / f"random-{args.family}-{args.type.lower()}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type])
+    # A tied head is the embedding: Q8_0, as in SmolLM2's file (an F32 one would be most of a step's bytes).
+    embedding = gguf.GGMLQuantizationType.Q8_0 if config.tie_word_embeddings else gguf.GGMLQuantizationType.F32
+    write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding)
     print(out)
 
 

@@ -186,12 +186,13 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
 
 
 def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
-                       stacked_experts: bool = True) -> Path:  # fmt: skip
+                       stacked_experts: bool = True, embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
     """A GGUF of a transformers model (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2) with the metadata
     and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
     projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32.
     Without `stacked_experts`, each expert's weight is a tensor of its own, as older Mixtral files
-    have them (blk.N.ffn_gate.E.weight)."""
+    have them (blk.N.ffn_gate.E.weight). embedding_type: the token embedding's (a tied model's head:
+    llama-quantize leaves it 8-bit or more)."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
@@ -236,8 +237,9 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             for e, expert in enumerate(values):
                 add(gguf_name.replace("_exps.weight", f".{e}.weight"), expert, matmul)
             return
-        if matmul and matmul_type != Q.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
+        kind = embedding_type if gguf_name == "token_embd.weight" else matmul_type if matmul else Q.F32
+        if kind != Q.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(values))
 
