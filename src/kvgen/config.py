@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LayerType = Literal["full", "sliding"]
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss")
 STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
@@ -57,7 +57,10 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = True
     attention_bias: bool = False
-    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    # swiglu_oai (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    hidden_act: Literal["silu", "gelu_tanh", "swiglu_oai"] = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     rope_scaling: RopeScaling | None = None
     # Sliding-window attention: `layer_types[i]` says whether layer i sees the whole context or only
     # the last `sliding_window` positions (the query's own position included).
@@ -69,6 +72,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # Gemma 2: attention scores pass through cap * tanh(score / cap) before the softmax.
     attn_logit_softcapping: float | None = None
+    # gpt-oss: each query head's learned sink logit joins its softmax (weight to no value).
+    attention_sinks: bool = False
     # Partial rotary (Phi-4-mini): RoPE turns only the first `rotary_dim` channels of each head.
     rotary_dim: int | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): in `moe_layers` the MLP is `num_experts` SwiGLU experts

@@ -156,6 +156,8 @@ _GGUF_LAYER_PARTS = {
     "post_attention_layernorm": "ffn_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate": "ffn_gate_inp",
 }  # fmt: skip
+# gpt-oss: its post-attention norm keeps that name, and the router is mlp.router.
+_GPT_OSS_PARTS = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
 _GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}  # fmt: skip
 
@@ -167,6 +169,10 @@ def gguf_tensor_name(hf_name: str, architecture: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     part, suffix = rest.rsplit(".", 1)
     gemma = architecture.startswith("gemma")
+    if architecture == "gpt-oss" and rest == "self_attn.sinks":
+        return f"blk.{layer}.attn_sinks.weight"
+    if architecture == "gpt-oss" and part in _GPT_OSS_PARTS:
+        return f"blk.{layer}.{_GPT_OSS_PARTS[part]}.{suffix}"
     name = "post_attention_norm" if gemma and part == "post_attention_layernorm" else _GGUF_LAYER_PARTS[part]
     return f"blk.{layer}.{name}.{suffix}"
 
@@ -196,18 +202,24 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
-    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2"}[config.model_type]
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2",
+            "gpt_oss": "gpt-oss"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
-    if config.model_type in ("qwen3_moe", "mixtral"):
+    if config.model_type in ("qwen3_moe", "mixtral", "gpt_oss"):
         writer.add_expert_count(config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gpt-oss":
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+        if config.swiglu_limit != 7.0:  # llama.cpp's default; a test model's own limit, per layer
+            writer.add_swiglu_clamp_exp([config.swiglu_limit] * config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
@@ -252,7 +264,19 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
-        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts [E, 2 I, H]: gate rows first
+        if arch == "gpt-oss" and ".mlp.experts." in name:  # [E, H, 2 I] (gate, up columns interleaved), [E, I, H], x @ W
+            stem = f"blk.{name.split('.')[2]}"
+            if name.endswith("gate_up_proj"):
+                add(f"{stem}.ffn_gate_exps.weight", values[:, :, ::2].transpose(0, 2, 1), True)
+                add(f"{stem}.ffn_up_exps.weight", values[:, :, 1::2].transpose(0, 2, 1), True)
+            elif name.endswith("gate_up_proj_bias"):
+                add(f"{stem}.ffn_gate_exps.bias", values[:, ::2], False)
+                add(f"{stem}.ffn_up_exps.bias", values[:, 1::2], False)
+            elif name.endswith("down_proj"):
+                add(f"{stem}.ffn_down_exps.weight", values.transpose(0, 2, 1), True)
+            else:
+                add(f"{stem}.ffn_down_exps.bias", values, False)
+        elif name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts [E, 2 I, H]: gate rows first
             layer = name.split(".")[2]
             gate, up = np.split(values, 2, axis=1)
             add(f"blk.{layer}.ffn_gate_exps.weight", gate, True)

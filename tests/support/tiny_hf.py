@@ -26,6 +26,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # gpt-oss: biased projections, sink logits, 4 clamped-SwiGLU experts (2 per token) behind a biased
+    # router, sliding (window 8) and full layers, YaRN without truncation.
+    "gpt-oss": ("GptOssConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "swiglu_limit": 0.3,  # (7 in the released models) clamps many activations here
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),

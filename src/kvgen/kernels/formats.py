@@ -45,7 +45,11 @@ SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.items()} | {"q4k": 1184 // 8, "q6k": 210}
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
 EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q5m", "Q4_K": "q4k",
-                                  "Q3_K": "q6k", "Q5_K": "q5m", "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}  # fmt: skip
+                                  "Q3_K": "q6k", "Q5_K": "q5m", "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4",
+                                  "MXFP4": "q8s"}  # fmt: skip
+# MXFP4's 16 e2m1 levels doubled (llama.cpp's kvalues_mxfp4): integers, so a block is an exact 8-bit
+# block whose scale is its power of two halved.
+MXFP4_LEVELS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 # IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl, IQ4_LEVELS in interleaved.c).
 # They are int8 values, so a block is also an exact 8-bit block with the same scale.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
@@ -144,6 +148,8 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
         if kind == "q8s":
             raise ValueError("Q5_K has offsets: it maps to q5m or q8, not q8s")
         return _pack("q8", d, m, u.astype(np.int8)) if kind == "q8" else _requantize_from(d[..., None] * u + m[..., None], kind)
+    if type_name == "MXFP4":
+        return _mxfp4_eight_bit(raw, kind)
     if type_name in ("IQ4_NL", "IQ4_XS"):
         d, packed = _iq4_nl_parts(raw, n) if type_name == "IQ4_NL" else _iq4_xs_parts(raw, n)
         if kind == "iq4":
@@ -195,6 +201,23 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
     if kind == "q8s":
         raise ValueError(f"{type_name} has offsets: it maps to q4, q4h or q8, not q8s")
     return _pack("q8", d, m, _nibbles(qs).astype(np.int8))  # 4-bit integers fit int8 exactly
+
+
+def _mxfp4_eight_bit(raw: np.ndarray, kind: Kind) -> QuantizedWeight:
+    """MXFP4 rows (per 32 weights an e8m0 exponent byte, then 16 bytes of e2m1 codes, low nibbles
+    first) -> 8-bit blocks of the levels with scale 2^(e - 128): q8s (f16 scale) where every scale is
+    an f16, else q8 (f32 scale); exact either way. Other kinds round the values."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 17)
+    e = b[..., 0].astype(np.int32)
+    d = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)  # ggml's e8m0 "half" (e = 0, 1: f32 subnormals)
+    q = MXFP4_LEVELS[_nibbles(b[..., 1:])]
+    d = np.where((q == 0).all(axis=-1), np.float32(0.0), d)  # an all-zero block's scale is anything (llama.cpp writes e = 0)
+    if kind == "q8s" and _holds_f16(d):
+        return _pack("q8s", d.astype(np.float16), None, q)
+    if kind in ("q8s", "q8"):
+        return _pack("q8", d, np.zeros_like(d), q)
+    return _requantize_from(d[..., None] * q, kind)
 
 
 def _iq4_nl_parts(raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

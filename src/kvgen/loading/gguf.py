@@ -7,6 +7,7 @@ Llama's Q/K rows for its interleaved RoPE and stores Gemma norms as 1 + w).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -24,9 +25,10 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "MXFP4",
 )  # fmt: skip
 
 _LAYER_NAMES = {
@@ -51,13 +53,15 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
 }
 # Phi-3 keeps QKV fused, and gate/up fused under llama.cpp's ffn_up (no ffn_gate).
 _PHI3_LAYER_NAMES = _LAYER_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# gpt-oss: a post-attention norm where Llama has ffn_norm, and a sink logit per query head.
+_GPT_OSS_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A mixture's experts: stacked [E, rows, columns] per layer (ffn_gate_exps), or one tensor each in
 # older Mixtral files (ffn_gate.3).
-_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
 _ONE_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
@@ -69,7 +73,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3)"
+            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -115,6 +119,8 @@ def config_from_gguf(
             final_logit_softcapping=metadata.get(f"{arch}.final_logit_softcapping") if gemma2 else None,
             **common,
         )
+    if arch == "gpt-oss":
+        return _gpt_oss_from_gguf(metadata, arch, common, expert_width, get)
     window = metadata.get(f"{arch}.attention.sliding_window")
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if experts:  # Mixtral is llama.cpp's llama with experts
@@ -180,6 +186,24 @@ def _yarn_from_gguf(metadata: dict[str, Any], arch: str, factor: float) -> RopeS
     )  # fmt: skip
 
 
+def _gpt_oss_from_gguf(metadata: dict[str, Any], arch: str, common: dict[str, Any], expert_width: int, get: Any) -> ModelConfig:
+    """llama.cpp's gpt-oss: even layers slide, every layer a mixture behind a biased router; the
+    clamp of its SwiGLU is 7 unless the file says otherwise (swiglu_clamp_exp, one per layer)."""
+    num_layers = common["num_layers"]
+    limits = {float(v) for v in metadata.get(f"{arch}.swiglu_clamp_exp", [7.0])}
+    if len(limits) != 1:
+        raise UnsupportedModelError(f"this GGUF clamps its layers' SwiGLU differently ({sorted(limits)}); kvgen runs one limit")
+    rope = common.pop("rope_scaling")  # gpt-oss's YaRN ramp is not truncated (its config's truncate: false)
+    return ModelConfig(
+        architecture="gpt_oss", attention_bias=True, attention_sinks=True, hidden_act="swiglu_oai",
+        swiglu_limit=limits.pop(), sliding_window=int(get("attention.sliding_window")),
+        layer_types=alternating_layer_types(num_layers), num_experts=int(get("expert_count")),
+        experts_per_token=int(get("expert_used_count")), expert_intermediate_size=expert_width,
+        normalize_expert_weights=True, moe_layers=tuple(range(num_layers)),
+        rope_scaling=dataclasses.replace(rope, truncate=False) if rope is not None else None, **common,
+    )  # fmt: skip
+
+
 def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
     stem, _, suffix = gguf_name.rpartition(".")
@@ -192,7 +216,10 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if not match:
         return None
     layer, part, suffix = match.groups()
-    names = _GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    if arch == "gpt_oss" and part == "attn_sinks":
+        return f"model.layers.{layer}.self_attn.sinks"  # a parameter of its own, no .weight
+    names = (_GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _PHI3_LAYER_NAMES if arch == "phi3"
+             else _GPT_OSS_LAYER_NAMES if arch == "gpt_oss" else _LAYER_NAMES)  # fmt: skip
     return f"model.layers.{layer}.{names[part]}.{suffix}" if part in names else None
 
 
@@ -222,11 +249,11 @@ def load_gguf(
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     infos = list(file.tensors.values())
     for info in tqdm(infos, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
-        if stacked := _STACKED_EXPERTS.match(info.name):  # [E, rows, columns]: one weight per expert
-            layer, part = stacked.groups()
+        if stacked := _STACKED_EXPERTS.match(info.name):  # [E, rows, columns]: one weight (or bias) per expert
+            layer, part, kind = stacked.groups()
             for e in range(info.shape[0]):
-                target = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
-                quantized = mode != "fp32" and quantizable(info.shape[1:])
+                target = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.{kind}"
+                quantized = mode != "fp32" and kind == "weight" and quantizable(info.shape[1:])
                 tensors[target] = _quantized_tensor(file, info, config, mode, e) if quantized else _float_tensor(file, info, config, dtype, e)
                 check_finite(f"{info.name}[{e}]", tensors[target], path)
             continue

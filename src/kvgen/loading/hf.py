@@ -17,6 +17,7 @@ from kvgen.config import (
 )  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
+from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, name_gpt_oss_experts
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
@@ -24,7 +25,7 @@ from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizabl
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
-    "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -76,6 +77,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     global_rope = rope.get("full_attention", rope)
     if arch in ("gemma2", "gemma3"):
         return _gemma_config(raw, arch, rope, common)
+    if arch == "gpt_oss":
+        return _gpt_oss_config(raw, rope, common)
     window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3")) else None
     rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if arch in ("mixtral", "qwen3_moe"):
@@ -107,6 +110,27 @@ def _experts(raw: dict[str, Any], arch: str, num_layers: int, intermediate: int)
                     normalize_expert_weights=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)  # fmt: skip
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error}; it is not a complete {arch} config") from error
+
+
+def _gpt_oss_config(raw: dict[str, Any], rope: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """gpt-oss: sliding (even) and full layers, biased projections, a sink logit per query head, every
+    layer a mixture of clamped-SwiGLU experts (intermediate_size wide) behind a biased router."""
+    num_layers = common["num_layers"]
+    layer_types = raw.get("layer_types")
+    types = (tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types) if layer_types
+             else alternating_layer_types(num_layers))  # fmt: skip
+    try:
+        experts = dict(num_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]))
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete gpt_oss config") from error
+    return ModelConfig(
+        architecture="gpt_oss", rope_theta=float(rope.get("rope_theta", 150000.0)), rope_scaling=_rope_scaling(rope, raw),
+        attention_bias=bool(raw.get("attention_bias", True)), attention_sinks=True,
+        sliding_window=int(raw.get("sliding_window") or 128), layer_types=types,
+        hidden_act="swiglu_oai", swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)), expert_intermediate_size=common["intermediate_size"],
+        normalize_expert_weights=True, moe_layers=tuple(range(num_layers)), **experts, **common,
+    )  # fmt: skip
 
 
 def _mamba_config(raw: dict[str, Any]) -> MambaConfig:
@@ -265,7 +289,9 @@ def load_hf_folder(
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for key in tqdm(list(handle.keys()), desc=f"loading {file.name}", disable=not progress, leave=False):
-                    tensor = handle.get_tensor(key).to(dtype)
+                    tensor = handle.get_tensor(key)
+                    if not key.endswith(MXFP4_PARTS):  # MXFP4 experts' bytes stay bytes until decoded
+                        tensor = tensor.to(dtype)
                     check_finite(key, tensor, file)
                     tensors[_strip_prefix(key)] = tensor
         except ModelLoadError:
@@ -274,6 +300,8 @@ def load_hf_folder(
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
     if config.architecture in ("mixtral", "qwen3_moe"):
         _name_experts(tensors)
+    if config.architecture == "gpt_oss":
+        name_gpt_oss_experts(tensors, dtype)
     mode = resolve_mode(weights, file_is_quantized=False)
     if mode != "fp32" and config.architecture in ("mamba", "t5"):
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")

@@ -20,6 +20,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "qwen3": Qwen3Model,
     "qwen3_moe": Qwen3Model,
     "mixtral": LlamaModel,
+    "gpt_oss": LlamaModel,  # Llama blocks: biased projections, sink logits, clamped-SwiGLU experts
     "phi3": Phi3Model,
     "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,

@@ -434,9 +434,9 @@ class DecoderLM(nn.Module):
             spans = tuple(c.attention_span(i, window) for c in caches)
             key_starts = tuple(c.visible_start(i) for c in caches)
             if (spans, key_starts) not in masks:
-                # The in-place kernels know no attention soft-capping (Gemma 2): that runs the torch path.
-                capped = self.config.attn_logit_softcapping is not None
-                in_place = None if capped else view.in_place_starts(lengths, spans)  # type: ignore[attr-defined]
+                # The in-place kernels know no soft-capping (Gemma 2) or sinks (gpt-oss): those run the torch path.
+                explicit = self.config.attn_logit_softcapping is not None or self.config.attention_sinks
+                in_place = None if explicit else view.in_place_starts(lengths, spans)  # type: ignore[attr-defined]
                 if in_place is not None:
                     masks[spans, key_starts] = AttentionMask(None, False, in_place)
                 else:

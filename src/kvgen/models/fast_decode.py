@@ -154,6 +154,8 @@ class FastDecoder:
     def supports(model: nn.Module) -> bool:
         if load() is None or model.dtype != torch.float32:
             return False
+        if model.config.attention_sinks or model.config.hidden_act == "swiglu_oai":
+            return False  # gpt-oss: decode.c has no sink logits, clamped SwiGLU or router bias yet
         for block in model.layers:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):

@@ -114,8 +114,9 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.attention_scale
-        # Attention logit soft-capping (Gemma 2) needs the scores, so it runs outside SDPA.
+        # Attention logit soft-capping (Gemma 2) and sink logits (gpt-oss) need the scores, so they run outside SDPA.
         self.softcap = config.attn_logit_softcapping
+        self.sinks = frozen(weights.take_tensor(f"{prefix}.sinks").float()) if config.attention_sinks else None  # [H]
         if weights.has(f"{prefix}.qkv_proj.weight"):  # Phi-3 checkpoints store QKV fused already
             fused = f"{prefix}.qkv_proj"
             self.qkv = linear(weights.take(f"{fused}.weight"), weights.take_tensor(f"{fused}.bias") if weights.has(f"{fused}.bias") else None)
@@ -124,7 +125,7 @@ class Attention(nn.Module):
             self.qkv = fused_linear(
                 [weights.take(f"{n}.weight") for n in names], [weights.take_tensor(f"{n}.bias") if weights.has(f"{n}.bias") else None for n in names]
             )
-        self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"))
+        self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), _bias(weights, f"{prefix}.o_proj"))
         self.q_norm = self.k_norm = None
         if qk_norm_offset is not None:  # Gemma 3 and Qwen3 normalise each head's q and k before RoPE
             eps = config.rms_norm_eps
@@ -147,8 +148,8 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, S, D]
         k = apply_rotary(k.transpose(1, 2), *rope)  # [B, H_kv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
-        if self.softcap is not None:
-            out = self._softcapped(q, k, v, cache, mask)
+        if self.softcap is not None or self.sinks is not None:
+            out = self._explicit(q, k, v, cache, mask)
         elif mask.in_place_starts is not None:  # decodes over paged blocks, read where they are
             out = cache.attend_in_place(self.layer, q, k, v, self.scale, mask.in_place_starts)  # type: ignore[attr-defined]
         else:
@@ -161,24 +162,42 @@ class Attention(nn.Module):
         y = self.o_proj(out)
         return y if self.lora is None else self.lora.add_delta(self.layer, "o", out, y)
 
-    def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
-        """softmax(cap * tanh(q.k * scale / cap) + mask) v, the eager attention of Gemma 2."""
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
+        """softmax(cap * tanh(q.k * scale / cap) + mask) v, the eager attention of Gemma 2; with sinks
+        (gpt-oss), each head's sink logit joins the softmax as a key with no value."""
         keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
         groups = self.num_heads // self.num_kv_heads
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # [B, H, L, D]
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, H, S, L]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         seq, num_keys = q.shape[2], keys.shape[2]
         allowed = mask.mask
-        assert mask.in_place_starts is None, "soft-capped attention has no in-place kernel (see DecoderLM._forward_batch)"
+        assert mask.in_place_starts is None, "explicit attention has no in-place kernel (see DecoderLM._forward_batch)"
         if mask.is_causal:
             allowed = AttentionMask.allowed(0, seq, 0, num_keys, None)
         if allowed is not None and allowed.dtype == torch.bool:
             scores = scores.masked_fill(~allowed, float("-inf"))
         elif allowed is not None:
             scores = scores + allowed
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if self.sinks is None:
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        else:
+            sinks = self.sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat([scores.float(), sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
         return torch.matmul(probs, values)  # [B, H, S, D]
+
+
+def _bias(weights: WeightSource, name: str) -> torch.Tensor | None:
+    """Projection `name`'s bias where the checkpoint has one."""
+    return weights.take_tensor(f"{name}.bias") if weights.has(f"{name}.bias") else None
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g =
+    min(gate, limit)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class GatedMLP(nn.Module):
@@ -191,11 +210,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate or config.intermediate_size  # a mixture's experts have their own width
         if weights.has(f"{prefix}.gate_up_proj.weight"):  # Phi-3 stores gate and up fused (gate first)
-            self.gate_up = linear(weights.take(f"{prefix}.gate_up_proj.weight"))
+            self.gate_up = linear(weights.take(f"{prefix}.gate_up_proj.weight"), _bias(weights, f"{prefix}.gate_up_proj"))
         else:
-            self.gate_up = fused_linear([weights.take(f"{prefix}.gate_proj.weight"), weights.take(f"{prefix}.up_proj.weight")])
-        self.down = linear(weights.take(f"{prefix}.down_proj.weight"))
+            names = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
+            self.gate_up = fused_linear([weights.take(f"{n}.weight") for n in names], [_bias(weights, n) for n in names])
+        self.down = linear(weights.take(f"{prefix}.down_proj.weight"), _bias(weights, f"{prefix}.down_proj"))
         self.act = F.silu if config.hidden_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+        self.clamped = (config.swiglu_alpha, config.swiglu_limit) if config.hidden_act == "swiglu_oai" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -209,6 +230,6 @@ class GatedMLP(nn.Module):
             library.kvgen_swiglu_rows(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], self.intermediate, hidden.data_ptr())
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = self.act(gate) * up
+            hidden = self.act(gate) * up if self.clamped is None else clamped_swiglu(gate, up, *self.clamped)
         y = self.down(hidden)
         return y if self.lora is None else self.lora.add_delta(self.layer, "down", hidden, y)

@@ -23,6 +23,8 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
         super().__init__()
         self.router = frozen(weights.take_tensor(f"{prefix}.gate.weight").float().contiguous())  # [E, H]; decode.c reads it
+        bias = weights.take_tensor(f"{prefix}.gate.bias").float() if weights.has(f"{prefix}.gate.bias") else None
+        self.router_bias = frozen(bias) if bias is not None else None  # gpt-oss's router has one
         self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
         self.experts = nn.ModuleList(
             GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
@@ -31,7 +33,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> each token's expert weights [T, k] (fp32) and expert indices [T, k]."""
-        probs = torch.softmax(F.linear(x.float(), self.router), dim=-1)
+        probs = torch.softmax(F.linear(x.float(), self.router, self.router_bias), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
