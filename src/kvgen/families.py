@@ -24,7 +24,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("mixtral / qwen3_moe", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights; top-k routed experts); no LoRA",
                   "yes", "random tiny (transformers)"),
     FamilySupport("gpt_oss", "GGUF, HF (MXFP4 experts exact in 8-bit blocks)",
-                  _SLIDING_KV, "no: torch path (sink logits, clamped SwiGLU; quantized linears in C)", "yes",
+                  _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); no LoRA", "yes",
                   "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
                   "yes (int8 / q4 weights; partial RoPE too)", "yes", "random tiny (transformers)"),

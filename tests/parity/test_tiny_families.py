@@ -179,18 +179,15 @@ def test_every_cache_kind_and_the_engine_decode_like_contiguous(name: str, tiny:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """int8 weights: every family but gpt-oss decodes in C (decode.c) and matches the torch path on
-    the same weights: Qwen3, Phi-3, Phi-4-mini (partial RoPE), Gemma 2 (soft-capped attention
-    scores) and the mixtures of experts."""
+    """int8 weights: every family decodes in C (decode.c) and matches the torch path on the same
+    weights: Qwen3, Phi-3, Phi-4-mini (partial RoPE), Gemma 2 (soft-capped attention scores), the
+    mixtures of experts and gpt-oss (sink logits, a biased router, clamped SwiGLU experts)."""
     from kvgen.kernels import load
 
     _, _, folder = get(tiny, name, tmp_path_factory)
     llm = LLM.load(folder, progress=False, weights="int8")
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
-    if name == "gpt-oss":  # no sink logits, router bias or clamped SwiGLU in decode.c yet: the torch path
-        assert llm.model.fast_decoder() is None
-        return
     assert llm.model.fast_decoder() is not None
     assert_c_step_matches_the_torch_path(llm, llm.tokenizer.encode(PROMPTS[0]))
     if name.startswith("phi"):  # LongRoPE keys cannot be moved (context shift): a clear error
@@ -221,18 +218,19 @@ def assert_c_step_matches_the_torch_path(llm: LLM, ids: list[int], tolerance: fl
     assert (per_token < tolerance).float().mean() >= 0.9 and per_token.max() < 0.05, per_token.tolist()
 
 
-def test_gemma2_c_steps_over_kv_codes_soft_cap_as_the_torch_path(tiny: dict, tmp_path_factory: pytest.TempPathFactory,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """int8 weights over K/V codes: the C steps soft-cap the scores they compute from the codes as
-    the torch path does from the decoded values: one sequence's int8 codes (kvgen_decode_layers_over_codes),
-    and the engine's pool (its rows step over codes, rows of different lengths) holding fp32 codes,
-    where nothing but the summation order differs."""
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_c_steps_over_kv_codes_soft_cap_and_sink_as_the_torch_path(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """int8 weights over K/V codes: the C steps soft-cap (Gemma 2) the scores they compute from the
+    codes and fold in the sink logits (gpt-oss) as the torch path does over the decoded values: one
+    sequence's int8 codes (kvgen_decode_layers_over_codes), and the engine's pool (its rows step over
+    codes, rows of different lengths) holding fp32 codes, where nothing but the summation order differs."""
     from kvgen.kernels import load
     from kvgen.kv.paged_codes_batch import StorageDescriptors
 
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
-    _, _, folder = get(tiny, "gemma2", tmp_path_factory)
+    _, _, folder = get(tiny, name, tmp_path_factory)
     llm = LLM.load(folder, progress=False, weights="int8")
     llm.generator.cache_config = CacheConfig("quantized", k_dtype="int8", v_dtype="int8")
     # The kernel scores int8 keys against the query rounded to int16 codes, the torch path the keys' values.
@@ -261,13 +259,13 @@ def test_gemma2_c_steps_over_kv_codes_soft_cap_as_the_torch_path(tiny: dict, tmp
     assert (kernel - reference).abs().max() < 1e-4, (kernel - reference).abs().amax(-1).tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "phi4-mini", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "phi4-mini", "gemma2", "gpt-oss"])
 def test_c_steps_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(name: str, tiny: dict,
                                                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """int8 weights: the batch-1 C step, the engine's batched rows step (a mixture: each expert once
     over the rows routed to it) and a speculative verify (several rows of one sequence) give a row
-    the same bits (routing, partial RoPE, soft-capped scores), so greedy tokens are equal all three
-    ways."""
+    the same bits (routing, partial RoPE, soft-capped scores, sink logits), so greedy tokens are
+    equal all three ways."""
     from kvgen.kernels import load
     from kvgen.speculative import SpeculativeConfig
 

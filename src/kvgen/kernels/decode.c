@@ -25,7 +25,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
     float softcap;       // attention scores soft-capped to cap tanh(s / cap) (Gemma 2); 0: not
-    int32_t gelu;        // 0: SiLU (SwiGLU), 1: tanh-GELU (GeGLU)
+    int32_t act;         // the gate's activation: 0 SiLU (SwiGLU), 1 tanh-GELU (GeGLU), 2 clamped SwiGLU (gpt-oss)
     int32_t rotary_dim;  // the channels of a head RoPE turns: head_dim, or fewer (partial rotary, Phi-4-mini)
     int32_t pad;
     const float* input_norm;
@@ -47,6 +47,11 @@ typedef struct {
     float* router_out;  // [num_experts]: the team's router scores
     const qlinear* expert_gate_up;
     const qlinear* expert_down;
+    // gpt-oss: per query head a learned sink logit that joins its softmax as a key with no value
+    // (NULL: none); the router's bias (NULL: none); act 2's alpha and limit.
+    const float* sinks;
+    const float* router_bias;
+    float swiglu_alpha, swiglu_limit;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -303,9 +308,11 @@ static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int6
 // attend_begin and attend_end open and close the heads' sums; the rows step's blocks of rows
 // (decode_rows.c, attend_row_block) take the tiles between them row by row in turn.
 #define MAX_HEAD_RUN MAX_HEAD_TILE
-static void attend_begin(float* out, int64_t count, int64_t d, float cap, softmax_state* st) {
+// sinks: the heads' sink logits (NULL: none), each folded in first as a position of weight
+// e^(sink - max) and no value.
+static void attend_begin(float* out, int64_t count, int64_t d, float cap, const float* sinks, softmax_state* st) {
     for (int64_t h = 0; h < count; h++) {
-        st[h] = (softmax_state){-INFINITY, 0.0f, cap};
+        st[h] = sinks ? (softmax_state){sinks[h], 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
         for (int64_t j = 0; j < d; j++) out[h * d + j] = 0.0f;
     }
 }
@@ -389,7 +396,7 @@ static void attend_heads(const float* q, float* out, int64_t count, const kv_lay
                          int64_t kv_head, int64_t start, int64_t end, float scale, int64_t d, int cached) {
     softmax_state st[MAX_HEAD_RUN];
     tile_rows listed = {.first = -1};
-    attend_begin(out, count, d, 0.0f, st);  // the torch path's paged kernel: Gemma 2's soft-capping runs in torch
+    attend_begin(out, count, d, 0.0f, NULL, st);  // the torch path's paged kernel: soft-capping and sinks run in torch
     for (int64_t first = start; first < end; first += 32)
         attend_listed_tile(&listed, q, out, count, keys, values, kv_head, first, end, scale, d, cached, st);
     attend_end(out, count, d, st);
@@ -431,7 +438,7 @@ static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, i
 // the contiguous cache's speed). By every thread of a team, which shares `work`
 // (attention_work floats); returns after a barrier, with out whole for every thread.
 static void attend_split_team(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                              float cap, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
+                              float cap, const float* sinks, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
     const int64_t group = heads / kv_heads;
     const int64_t len = end - start, tiles = (len + 31) / 32;
     float* p = work;  // scores, then weights: [heads, len]
@@ -453,7 +460,7 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
-        softmax_state st = {-INFINITY, 0.0f, cap};
+        softmax_state st = sinks ? (softmax_state){sinks[h], 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = len - 32 * t < 32 ? len - 32 * t : 32;
             rescale[h * tiles + t] = softmax_tile(p + h * len + 32 * t, n, &st);
@@ -508,7 +515,7 @@ void kvgen_decode_attention(const float* q, float* out, const float* k_base, con
     const kv_layout v = {v_base, head_stride, pos_stride, 0, 1, NULL};
     float* work = malloc(sizeof(float) * (size_t)attention_work(heads, end - start));
 #pragma omp parallel
-    attend_split_team(q, out, heads, kv_heads, d, scale, 0.0f, &k, &v, start, end, work);
+    attend_split_team(q, out, heads, kv_heads, d, scale, 0.0f, NULL, &k, &v, start, end, work);
     free(work);
 }
 
@@ -533,7 +540,6 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
 
 
 // out[i] = silu(gate[i]) * up[i] (SwiGLU) or gelu_tanh(gate[i]) * up[i] (GeGLU), n values.
-static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu);
 
 // tanh-GELU as a sigmoid: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
 // so GeGLU takes SwiGLU's vectorised exp (tanhf one lane at a time cost Gemma 3 270M ~0.5 ms a
@@ -542,30 +548,41 @@ static inline float gelu_tanh(float x) {
     return x / (1.0f + expf(-1.5957691216057308f * (x + 0.044715f * x * x * x)));
 }
 
-static void gated_activation(const float* gate, const float* up, float* out, int64_t n, int gelu) {
+// out = act(gate) * up over n values, act as block b says (b->act); gpt-oss's clamped SwiGLU (act
+// 2) is (clamp(up, -limit, limit) + 1) g / (1 + e^(-alpha g)) with g = min(gate, limit).
+static void gated_activation(const float* gate, const float* up, float* out, int64_t n, const block_t* b) {
+    const int act = b->act;
+    const float alpha = b->swiglu_alpha, limit = b->swiglu_limit;
     int64_t i = 0;
 #ifdef __AVX2__
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        // SiLU: g / (1 + e^-g); tanh-GELU: g / (1 + e^(-2u)) with -2u = c g (1 + 0.044715 g^2)
-        const __m256 z = gelu ? _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f), g),
-                                              _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(0.044715f), one))
-                              : _mm256_sub_ps(_mm256_setzero_ps(), g);
-        const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, exp8(z)));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+        __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+        if (act == 2) {  // clamped: g = min(gate, limit), u = clamp(up, -limit, limit) + 1
+            g = _mm256_min_ps(g, _mm256_set1_ps(limit));
+            u = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-limit)), _mm256_set1_ps(limit)), one);
+        }
+        // SiLU: g / (1 + e^-g); tanh-GELU: g / (1 + e^(-2u)) with -2u = c g (1 + 0.044715 g^2); clamped: e^(-alpha g)
+        const __m256 z = act == 1 ? _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f), g),
+                                                  _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(0.044715f), one))
+                         : act == 2 ? _mm256_mul_ps(_mm256_set1_ps(-alpha), g)
+                                    : _mm256_sub_ps(_mm256_setzero_ps(), g);
+        const __m256 activated = _mm256_div_ps(g, _mm256_add_ps(one, exp8(z)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(activated, u));
     }
 #else
     for (; i + 8 <= n; i += 8)  // exp8's lanes one at a time, z as above: the AVX2 build's bits
         for (int64_t l = i; l < i + 8; l++) {
-            const float g = gate[l];
-            const float z = gelu ? (-1.5957691216057308f * g) * fmaf(g * g, 0.044715f, 1.0f) : 0.0f - g;
-            out[l] = g / (1.0f + exp_lane(z)) * up[l];
+            const float g = act == 2 ? fminf(gate[l], limit) : gate[l];
+            const float u = act == 2 ? fminf(fmaxf(up[l], -limit), limit) + 1.0f : up[l];
+            const float z = act == 1 ? (-1.5957691216057308f * g) * fmaf(g * g, 0.044715f, 1.0f) : act == 2 ? -alpha * g : 0.0f - g;
+            out[l] = g / (1.0f + exp_lane(z)) * u;
         }
 #endif
     for (; i < n; i++) {
-        const float g = gate[i];
-        out[i] = (gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * up[i];
+        const float g = act == 2 ? fminf(gate[i], limit) : gate[i];
+        const float u = act == 2 ? fminf(fmaxf(up[i], -limit), limit) + 1.0f : up[i];
+        out[i] = (act == 1 ? gelu_tanh(g) : g / (1.0f + expf(act == 2 ? -alpha * g : -g))) * u;
     }
 }
 
@@ -582,6 +599,12 @@ static void add_residual_team(const thread_scratch* t, const float* y, const flo
         y = t->y;
     }
     for (int64_t i = 0; i < hidden; i++) t->h[i] += y[i];
+}
+
+// Expert e's router score for input x (normed h), its bias added where the router has one.
+static inline float router_score(const block_t* b, int64_t e, const float* x) {
+    const float score = dot(b->router + e * b->hidden, x, b->hidden);
+    return b->router_bias ? score + b->router_bias[e] : score;
 }
 
 // A token's experts from its router scores [num_experts]: the top_k by softmax probability (ties:
@@ -620,7 +643,7 @@ static void route_experts(const block_t* b, const float* scores, int64_t* ids, f
 // input; the sum of weight * expert(x) over its experts, in ascending expert order, goes to t->y.
 static void experts_team(const block_t* b, const thread_scratch* t) {
 #pragma omp for schedule(static)
-    for (int64_t e = 0; e < b->num_experts; e++) b->router_out[e] = dot(b->router + e * b->hidden, t->x, b->hidden);
+    for (int64_t e = 0; e < b->num_experts; e++) b->router_out[e] = router_score(b, e, t->x);
     int64_t ids[b->top_k];
     float weights[b->top_k];
     route_experts(b, b->router_out, ids, weights);
@@ -630,7 +653,7 @@ static void experts_team(const block_t* b, const thread_scratch* t) {
         // b->mlp and b->x are shared: every thread reads them before the next linear's closing
         // barrier, after which the next expert writes them.
         linear_team(&b->expert_gate_up[ids[j]], t->x, t->xq, t->sums, b->mlp);
-        gated_activation(b->mlp, b->mlp + n, t->act, n, b->gelu);
+        gated_activation(b->mlp, b->mlp + n, t->act, n, b);
         linear_team(&b->expert_down[ids[j]], t->act, t->xq, t->sums, b->x);
         for (int64_t i = 0; i < b->hidden; i++) t->y[i] += weights[j] * b->x[i];
     }
@@ -654,7 +677,7 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     linear_team(&b->gate_up, t->x, t->xq, t->sums, b->mlp);
     lora_team(lora, LORA_GATE_UP, &b->gate_up, t->x, b->mlp, 1, slot, xa);
     const int64_t n = b->intermediate;
-    gated_activation(b->mlp, b->mlp + n, t->x, n, b->gelu);
+    gated_activation(b->mlp, b->mlp + n, t->x, n, b);
     linear_team(&b->down, t->x, t->xq, t->sums, b->x);
     lora_team(lora, LORA_DOWN, &b->down, t->x, b->x, 1, slot, xa);
     add_residual_team(t, b->x, b->mlp_out_norm, b->eps, b->hidden);
@@ -670,7 +693,7 @@ void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_h
 #pragma omp parallel
     {
         const thread_scratch t = thread_scratch_new(b, 1, h);
-        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, &k, &v, start,
+        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, b->sinks, &k, &v, start,
                           end, work);
         block_finish_team(b, &t, lora, &slot, work + attention_work(b->num_heads, end - start));
         free(t.own);
@@ -705,7 +728,7 @@ void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, co
             block_pre_team(b, &t, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position),
                            head_stride, layer_lora, &slot, work + attention_floats);
             const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, &k, &v, start,
+            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, b->sinks, &k, &v, start,
                               position + 1, work);
             block_finish_team(b, &t, layer_lora, &slot, work + attention_floats);
         }

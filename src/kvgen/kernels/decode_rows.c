@@ -148,7 +148,7 @@ static void experts_rows_team(const rows_step* st, const block_t* b) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float* scores = e->scores + r * b->num_experts;
-        for (int64_t x = 0; x < b->num_experts; x++) scores[x] = dot(b->router + x * hidden, s->x + r * hidden, hidden);
+        for (int64_t x = 0; x < b->num_experts; x++) scores[x] = router_score(b, x, s->x + r * hidden);
         route_experts(b, scores, e->ids + r * k, e->weights + r * k);
         for (int64_t i = 0; i < hidden; i++) e->sum[r * hidden + i] = 0.0f;
     }
@@ -170,7 +170,7 @@ static void experts_rows_team(const rows_step* st, const block_t* b) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {  // act(gate) * up in place of gate, then quantized for down()
             float* gate = s->mlp + i * 2 * inter;
-            gated_activation(gate, gate + inter, gate, inter, b->gelu);
+            gated_activation(gate, gate + inter, gate, inter, b);
             quantize_row_into(st, down, gate, i);
         }
         gemm_rows_team(st, down, s->y, count);
@@ -289,7 +289,7 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
         start[i] = window > 0 && end[i] > window ? end[i] - window : 0;
         kl[i] = row_layout(kv, k_layer, layer, rows, r), vl[i] = row_layout(kv, v_layer, layer, rows, r);
         cached[i] = row_keys_cached(kv, layer, rows, r, end[i], n);
-        attend_begin(st->s->attn + r * nq + head * d, count, d, b->softcap, state[i]);
+        attend_begin(st->s->attn + r * nq + head * d, count, d, b->softcap, b->sinks ? b->sinks + head : NULL, state[i]);
         const int64_t row_tiles = (end[i] - start[i] + 31) / 32;
         tiles = row_tiles > tiles ? row_tiles : tiles;
     }
@@ -321,7 +321,7 @@ static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scr
     if (kv->key_codes != NULL) {
         const rows_codes* c = &st->codes;
         paged_codes_attention_team(c->items, rows * b->num_kv_heads, c->q, st->s->attn, c->q_offsets, c->plan + rows,
-                                   b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, st->window[layer],
+                                   b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, b->sinks, st->window[layer],
                                    &kv->key_codes[layer], &kv->value_codes[layer], kv->code_block_size,
                                    kv->code_tables, kv->code_table_width, kv->num_code_blocks, c->plan + 2 * rows,
                                    c->plan + 3 * rows, c->plan + 4 * rows, t);
@@ -367,7 +367,7 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
         linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {  // act(gate) * up, packed [rows, inter] into x for down()
-            gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b->gelu);
+            gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b);
             quantize_row(st, &b->down, s->x, r);
         }
         linear_lora_rows_team(st, layer, LORA_DOWN, &b->down, s->x, s->y);

@@ -60,7 +60,7 @@ static group_query item_query(const codes_scratch* t, const float* q, int64_t i,
 // One work item: queries first_query.. of a row, one kv head (its whole query group).
 static void attend_codes_item(const codes_work* w, const float* q, float* out, const int64_t* q_offsets,
                               const int64_t* q_first, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                              float cap, int64_t window, const packed_codes* key_codes, const packed_codes* value_codes,
+                              float cap, const float* sinks, int64_t window, const packed_codes* key_codes, const packed_codes* value_codes,
                               int64_t block_size, const int64_t* table, int64_t num_code_blocks,
                               const float* recent_k, const float* recent_v, int64_t recent_head_stride,
                               const codes_scratch* t) {
@@ -74,7 +74,8 @@ static void attend_codes_item(const codes_work* w, const float* q, float* out, c
     float* key_tile = t->tiles;
     float* value_tile = t->tiles + MAX_TILE * d;
     for (int64_t i = 0; i < nq * group; i++) {
-        states[i] = (softmax_state){-INFINITY, 0.0f, cap};
+        const float* sink = sinks ? sinks + w->kv_head * group + i % group : NULL;  // query i / group's head i % group
+        states[i] = sink ? (softmax_state){*sink, 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
         for (int64_t j = 0; j < d; j++) acc[i * d + j] = 0.0f;
     }
     const float* queries = q + ((q_offsets[w->row] + w->first_query) * heads + w->kv_head * group) * d;  // query i: + i heads d
@@ -141,7 +142,8 @@ static void attend_codes_item(const codes_work* w, const float* q, float* out, c
 // 1] each row's first query.
 static void paged_codes_attention_team(const codes_work* items, int64_t num_items, const float* q, float* out,
                                        const int64_t* q_offsets, const int64_t* q_first, int64_t heads,
-                                       int64_t kv_heads, int64_t d, float scale, float cap, int64_t window,
+                                       int64_t kv_heads, int64_t d, float scale, float cap, const float* sinks,
+                                       int64_t window,
                                        const packed_codes* key_codes, const packed_codes* value_codes,
                                        int64_t block_size, const int64_t* tables, int64_t table_width,
                                        const int64_t* num_code_blocks, const int64_t* recent_k,
@@ -150,7 +152,7 @@ static void paged_codes_attention_team(const codes_work* items, int64_t num_item
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; i++) {
         const int64_t r = items[i].row;
-        attend_codes_item(&items[i], q, out, q_offsets, q_first, heads, kv_heads, d, scale, cap, window, key_codes,
+        attend_codes_item(&items[i], q, out, q_offsets, q_first, heads, kv_heads, d, scale, cap, sinks, window, key_codes,
                           value_codes, block_size, tables + r * table_width, num_code_blocks[r],
                           (const float*)(intptr_t)recent_k[r], (const float*)(intptr_t)recent_v[r],
                           recent_head_stride[r], t);
@@ -182,7 +184,7 @@ void kvgen_paged_codes_attention(const float* q, float* out, int64_t rows, const
 #pragma omp parallel
     {
         const codes_scratch t = codes_scratch_new(d, heads / kv_heads);
-        paged_codes_attention_team(items, num_items, q, out, q_offsets, q_first, heads, kv_heads, d, scale, 0.0f, window,
+        paged_codes_attention_team(items, num_items, q, out, q_offsets, q_first, heads, kv_heads, d, scale, 0.0f, NULL, window,
                                    key_codes, value_codes, block_size, tables, table_width, num_code_blocks,
                                    recent_k, recent_v, recent_head_stride, &t);
         codes_scratch_free(&t);

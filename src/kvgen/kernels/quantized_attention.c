@@ -305,6 +305,7 @@ static int64_t split_positions(int64_t start, int64_t end, int64_t kv_heads) {
 typedef struct {
     int64_t heads, kv_heads, d;
     float scale, softcap;  // softcap: see softmax_state
+    const float* sinks;    // the query heads' sink logits (block_t), or NULL
     const float *sink_k, *sink_v;
     int64_t sink_head_stride, sink_len;
     const packed_codes *key_codes, *value_codes;
@@ -503,12 +504,13 @@ static void quantized_attention_team(const float* q, float* out, const codes_att
 #pragma omp for schedule(static)
     for (int64_t head = 0; head < heads; head++) {  // its partial softmaxes merged in position order
         const int64_t kv_head = head / group, g = head % group;
-        float max = -INFINITY, sum = 0.0f;
+        float max = a->sinks ? a->sinks[head] : -INFINITY, sum = 0.0f;
         float* o = out + head * d;
         for (int64_t split = 0; split < splits; split++) {
             const float m = c->partial[((kv_head * splits + split) * group + g) * stride];
             if (m > max) max = m;
         }
+        if (a->sinks) sum = exp_lane(a->sinks[head] - max);  // the sink first: weight, no value
         for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
         for (int64_t split = 0; split < splits; split++) {
             const float* p = c->partial + ((kv_head * splits + split) * group + g) * stride;
@@ -529,7 +531,7 @@ void kvgen_quantized_decode_attention(const float* q, float* out, int64_t heads,
                                       int64_t sink_len, const packed_codes* key_codes, const packed_codes* value_codes,
                                       int64_t num_blocks, int64_t block_size, const float* tail_k, const float* tail_v,
                                       int64_t tail_head_stride, int64_t start, int64_t end) {
-    const codes_attention a = {heads, kv_heads, d, scale, 0.0f, sink_k, sink_v, sink_head_stride, sink_len, key_codes,
+    const codes_attention a = {heads, kv_heads, d, scale, 0.0f, NULL, sink_k, sink_v, sink_head_stride, sink_len, key_codes,
                                value_codes, num_blocks, block_size, tail_k, tail_v, tail_head_stride};
     const codes_shared c = codes_shared_new(heads, d);
 #pragma omp parallel
@@ -592,7 +594,7 @@ void kvgen_decode_layers_over_codes(const block_t* blocks, int64_t num_layers, f
             const int64_t out_stride = position < kv->sink_len ? kv->sink_head_stride : kv->tail_head_stride;
             block_pre_team(b, &t, cos, cos + d, k_out, v_out, out_stride, layer_lora, &slot, xa);
             const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-            const codes_attention a = {b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, sink, sink + kv->sink_kv_stride,
+            const codes_attention a = {b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, b->sinks, sink, sink + kv->sink_kv_stride,
                                        kv->sink_head_stride, kv->sink_len, &kv->key_codes[layer],
                                        &kv->value_codes[layer], num_blocks, kv->block_size, tail,
                                        tail + kv->tail_kv_stride, kv->tail_head_stride};

@@ -11,8 +11,9 @@ void kvgen_rms_norm_rows(const float* x, const float* w, float eps, int64_t rows
 
 // out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], rows x n values.
 void kvgen_swiglu_rows(const float* gate_up, int64_t rows, int64_t n, float* out) {
+    static const block_t swiglu = {.act = 0};  // SiLU
 #pragma omp parallel for schedule(static) if (rows * n > 32768)
-    for (int64_t r = 0; r < rows; r++) gated_activation(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n, 0);
+    for (int64_t r = 0; r < rows; r++) gated_activation(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n, &swiglu);
 }
 
 // RoPE over x [batch, heads, seq, d] (strides sb, sh, ss in floats; d contiguous) into out, contiguous:

@@ -68,7 +68,7 @@ class BlockStruct(ctypes.Structure):
 
     _fields_ = [
         ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-        ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("gelu", _i32), ("rotary_dim", _i32), ("pad", _i32),
+        ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("act", _i32), ("rotary_dim", _i32), ("pad", _i32),
         ("input_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
         ("q_norm", _ptr), ("k_norm", _ptr),
         ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
@@ -76,6 +76,8 @@ class BlockStruct(ctypes.Structure):
         # a mixture of experts (num_experts 0: the gated MLP above)
         ("num_experts", _i64), ("top_k", _i64), ("normalize", _i64), ("pad2", _i64),
         ("router", _ptr), ("router_out", _ptr), ("expert_gate_up", _ptr), ("expert_down", _ptr),
+        # gpt-oss (NULL / unused elsewhere)
+        ("sinks", _ptr), ("router_bias", _ptr), ("swiglu_alpha", _f32), ("swiglu_limit", _f32),
     ]  # fmt: skip
 
 
@@ -84,7 +86,8 @@ class _LoraLinear(ctypes.Structure):
                 ("part_out", _i64 * 4)]  # fmt: skip
 
 
-LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's lora_linear order in kernels/lora_delta.c
+LORA_LINEARS = ("qkv", "o", "gate_up", "down")
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # decode.c block_t's act  # a layer's lora_linear order in kernels/lora_delta.c
 
 
 def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
@@ -154,8 +157,6 @@ class FastDecoder:
     def supports(model: nn.Module) -> bool:
         if load() is None or model.dtype != torch.float32:
             return False
-        if model.config.attention_sinks or model.config.hidden_act == "swiglu_oai":
-            return False  # gpt-oss: decode.c has no sink logits, clamped SwiGLU or router bias yet
         for block in model.layers:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):
@@ -179,7 +180,7 @@ class FastDecoder:
         intermediate = experts[0].intermediate if experts else mlp.intermediate
         struct = BlockStruct(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
-            config.rms_norm_eps, attn.scale, config.attn_logit_softcapping or 0.0, int(config.hidden_act == "gelu_tanh"),
+            config.rms_norm_eps, attn.scale, config.attn_logit_softcapping or 0.0, _ACTIVATIONS[config.hidden_act],
             config.rotary_dim or config.head_dim, 0,
             _norm_ptr(block.input_norm),
             _norm_ptr(block.post_attn_norm) if gemma else None,
@@ -191,7 +192,10 @@ class FastDecoder:
             self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
             self._scratch(2 * intermediate),
         )  # fmt: skip
+        struct.sinks = attn.sinks.data_ptr() if attn.sinks is not None else None
+        struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
         if experts:
+            struct.router_bias = mlp.router_bias.data_ptr() if mlp.router_bias is not None else None
             gate_ups = (_QLinear * len(experts))(*(qlinear_struct(e.gate_up) for e in experts))
             downs = (_QLinear * len(experts))(*(qlinear_struct(e.down) for e in experts))
             self._structs += [gate_ups, downs]  # the block struct points into them
