@@ -13,6 +13,9 @@ the rest F32):
   experts of width 384, 4 per token (normalised).
 - gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
   width 4608, sliding (4,096) and global layers alternating, scores soft-capped at 50, logits at 30.
+- gpt-oss: a scaled-down gpt-oss-20b: 12 layers, hidden 768, 12 query / 4 KV heads of 64 with sink
+  logits, sliding (128) and full layers, 32 clamped-SwiGLU experts of width 768, 4 per token, as
+  OpenAI ships them in MXFP4 (`--type` sets the other projections).
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -42,6 +45,12 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "hidden_size": 1152, "intermediate_size": 4608, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0, "max_position_embeddings": 8192}),
+    "gpt-oss": ("GptOssConfig", {
+        "hidden_size": 768, "intermediate_size": 768, "num_attention_heads": 12, "num_key_value_heads": 4,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "tie_word_embeddings": False, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}),
     "phi4-mini": ("Phi3Config", {
         "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
         "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "tie_word_embeddings": True,
@@ -74,7 +83,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # A tied head is the embedding: Q8_0, as in SmolLM2's file (an F32 one would be most of a step's bytes).
     embedding = gguf.GGMLQuantizationType.Q8_0 if config.tie_word_embeddings else gguf.GGMLQuantizationType.F32
-    write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding)
+    experts = gguf.GGMLQuantizationType.MXFP4 if args.family == "gpt-oss" else None
+    write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding,
+                       expert_type=experts)
     print(out)
 
 

@@ -192,13 +192,14 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
 
 
 def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
-                       stacked_experts: bool = True, embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
+                       stacked_experts: bool = True, embedding_type: gguf.GGMLQuantizationType = Q.F32,
+                       expert_type: gguf.GGMLQuantizationType | None = None) -> Path:  # fmt: skip
     """A GGUF of a transformers model (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2) with the metadata
     and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
     projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32.
     Without `stacked_experts`, each expert's weight is a tensor of its own, as older Mixtral files
     have them (blk.N.ffn_gate.E.weight). embedding_type: the token embedding's (a tied model's head:
-    llama-quantize leaves it 8-bit or more)."""
+    llama-quantize leaves it 8-bit or more); expert_type: the stacked experts' (matmul_type when None)."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
@@ -249,7 +250,8 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             for e, expert in enumerate(values):
                 add(gguf_name.replace("_exps.weight", f".{e}.weight"), expert, matmul)
             return
-        kind = embedding_type if gguf_name == "token_embd.weight" else matmul_type if matmul else Q.F32
+        expert = gguf_name.endswith("_exps.weight") and expert_type is not None
+        kind = embedding_type if gguf_name == "token_embd.weight" else expert_type if expert else matmul_type if matmul else Q.F32
         if kind != Q.F32:
             writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
         else:
