@@ -114,12 +114,13 @@ def test_older_mixtral_files_with_a_tensor_per_expert_load_the_same_model(tiny: 
     assert (actual - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("name,file_type", [("qwen3-moe", "Q8_0"), ("mixtral", "Q8_0"), ("gpt-oss", "MXFP4")])
-def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("name,file_type,kind", [("qwen3-moe", "Q8_0", "q8s"), ("mixtral", "Q8_0", "q8s"), ("gpt-oss", "MXFP4", "mx4")])
+def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, kind: str, tiny: dict,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """A GGUF whose projections are Q8_0 (gpt-oss: MXFP4, as OpenAI ships it), the experts stacked
-    [E, rows, columns] per layer as llama.cpp writes them: each expert's rows load into its own 8-bit
-    blocks (the default weights) with the file's values, and the mixture's logits are the fp32
-    values' up to the int8 rounding of the activations."""
+    [E, rows, columns] per layer as llama.cpp writes them: each expert's rows load into its own
+    blocks (the default weights: 8-bit, or MXFP4's own codes in mx4) with the file's values, and the
+    mixture's logits are the fp32 values' up to the int8 rounding of the activations."""
     import gguf
 
     model, _, folder = get(tiny, name, tmp_path_factory)
@@ -127,7 +128,7 @@ def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, tin
                               gguf.GGMLQuantizationType[file_type])  # fmt: skip
     exact, quantized = LLM.load(path, progress=False, weights="fp32"), LLM.load(path, progress=False)
     experts = quantized.model.layers[0].mlp.experts
-    assert len(experts) == exact.config.num_experts and {e.gate_up.kind for e in experts} == {"q8s"}
+    assert len(experts) == exact.config.num_experts and {e.gate_up.kind for e in experts} == {kind}
     for ours, reference in zip(experts, exact.model.layers[0].mlp.experts):
         for part in ("gate_up", "down"):
             torch.testing.assert_close(getattr(ours, part).dequantized(), getattr(reference, part).weight, rtol=0, atol=1e-6)
@@ -137,6 +138,7 @@ def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, tin
     # The 8-bit blocks round each activation row to int8 (measured: at most 0.03 apart, the logits'
     # spread 0.3-0.4); an expert given the wrong rows or weights moves them by the whole spread.
     assert (logits[0] - logits[1]).abs().max().item() < 0.1
+    assert_c_step_matches_the_torch_path(quantized, ids)  # the C steps over these blocks
 
 
 # Every cache kind, set up so it keeps every position exactly over a short sequence: each must give

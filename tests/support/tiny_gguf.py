@@ -123,8 +123,9 @@ def write_tiny_gguf(
             packed = quantize_q3k(values) if qtype == Q.Q3_K else quantize_iq4(values, qtype)
             writer.add_tensor(name, packed, raw_dtype=qtype)
         elif quantize and weight_type != gguf.GGMLQuantizationType.F32:
-            packed = gguf.quants.quantize(values, weight_type)
-            writer.add_tensor(name, packed, raw_dtype=weight_type)
+            block = gguf.GGML_QUANT_SIZES[weight_type][0]
+            qtype = weight_type if shape[-1] % block == 0 else Q.Q8_0  # the ternary types' 256-weight blocks
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, values)
 

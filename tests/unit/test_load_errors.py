@@ -74,8 +74,8 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quantization_type(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "mxfp4.gguf", weight_type=gguf.GGMLQuantizationType.MXFP4)
-    with pytest.raises(UnsupportedModelError, match=r"uses quantization MXFP4.*supported: F32.*llama-quantize"):
+    path = write_tiny_gguf(tmp_path / "tq2_0.gguf", weight_type=gguf.GGMLQuantizationType.TQ2_0, hidden=256)
+    with pytest.raises(UnsupportedModelError, match=r"uses quantization TQ2_0.*supported: F32.*llama-quantize"):
         LLM.load(path, progress=False)
 
 

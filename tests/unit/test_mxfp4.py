@@ -1,5 +1,7 @@
-"""MXFP4 (gpt-oss's experts): GGUF rows into exact 8-bit blocks, checked against gguf-py's
-dequantization, and the Hugging Face checkpoints' packed bytes decoded as transformers decodes them."""
+"""MXFP4 (gpt-oss's experts): GGUF rows into mx4 blocks (the file's codes and scales, at its 4.25
+bits) or exact 8-bit blocks, checked against gguf-py's dequantization; the kernels' products over
+mx4 against the same integers in 8-bit blocks; the Hugging Face checkpoints' packed bytes decoded
+as transformers decodes them."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ def file_values(rows: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
 
 
-@pytest.mark.parametrize("kind", ["q8s", "q8"])
-def test_gguf_rows_become_exact_eight_bit_blocks(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["mx4", "q8s", "q8"])
+def test_gguf_rows_keep_their_values(kind: str) -> None:
     rows = mxfp4_rows(0)
     weight = from_gguf_blocks("MXFP4", rows, kind)  # type: ignore[arg-type]
     assert weight.kind == kind
@@ -41,6 +43,18 @@ def test_a_scale_beyond_f16_keeps_f32_scales() -> None:
     weight = from_gguf_blocks("MXFP4", rows, "q8s")
     assert weight.kind == "q8"
     assert np.array_equal(QuantizedLinear(weight, None).dequantized().numpy(), file_values(rows))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_mx4_products_equal_the_eight_bit_blocks(rows: int) -> None:
+    """The batch-1 linear and the many-row GEMM over mx4 give the products of the same integers and
+    scales in q8s blocks (exact integer dots, the same float steps)."""
+    weights = mxfp4_rows(3)
+    mx4 = QuantizedLinear(from_gguf_blocks("MXFP4", weights, "mx4"), None)
+    q8s = QuantizedLinear(from_gguf_blocks("MXFP4", weights, "q8s"), None)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        torch.testing.assert_close(mx4(x), q8s(x), rtol=0, atol=0)
 
 
 def test_four_bit_blocks_round_the_values() -> None:

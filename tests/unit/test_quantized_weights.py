@@ -146,7 +146,7 @@ def test_exact_sources_keep_their_values(type_name: str, mode: str, tmp_path: Pa
     exact = reference.layers[0].attn.qkv.weight
     ours = quantized.layers[0].attn.qkv.dequantized()
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-6)  # same integers and scales, f32 rounding only
-    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0") else "q8")  # Q5_1: q5m
+    expected_kind = EXACT_SOURCES[type_name] if mode == "q4" else ("q8s" if type_name in ("Q8_0", "Q5_0", "MXFP4") else "q8")  # Q5_1: q5m
     assert quantized.layers[0].attn.qkv.kind == expected_kind
 
 

@@ -168,7 +168,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.kvgen_quantize_x8.argtypes = [pointer, count, count, pointer]
-    kinds = ("q4x8", "q4hx8", "q8x8", "q8sx8", "q5x8", "q4kx8", "q6kx8", "iq4x8", "q5mx8")
+    kinds = ("q4x8", "q4hx8", "q8x8", "q8sx8", "q5x8", "q4kx8", "q6kx8", "iq4x8", "q5mx8", "mx4x8")
     for name in (f"kvgen_gemm_{kind}" for kind in kinds):
         getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
     for name in (f"kvgen_repack_{kind}" for kind in kinds):

@@ -14,7 +14,7 @@
 #include <omp.h>
 
 typedef struct {
-    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks, 6: q4h blocks, 7: iq4 blocks, 8: q5m blocks
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks, 6: q4h blocks, 7: iq4 blocks, 8: q5m blocks, 9: mx4 blocks
     int32_t has_bias;
     const void* blocks;
     const float* bias;
@@ -129,6 +129,7 @@ static void rms_norm(const float* x, const float* w, float eps, int64_t n, float
         case 6: CALL(q4hx8, 0) break;                                                                \
         case 7: CALL(iq4x8, IQ4_SUMS) break;                                                         \
         case 8: CALL(q5mx8, 0) break;                                                                \
+        case 9: CALL(mx4x8, IQ4_SUMS) break;                                                         \
         default: CALL(q6kx8, 0) break; /* 5 */                                                       \
     }
 

@@ -13,6 +13,7 @@ Each block holds 32 consecutive weights of a row, matching the structs in qgemm.
   q6k: GGUF's Q6_K super-block of 256 weights, byte for byte: 6-bit u, an int8 scale sc per 16
        weights, f16 d (w = d * sc * (u - 32))                                  -> 210 bytes per 8 blocks
   iq4: f32 d, 4-bit indices into IQ4_LEVELS (w = d * level), packed as q4's  -> 20 bytes per block
+  mx4: iq4's layout with MXFP4_LEVELS (e2m1 doubled) and d a power of two   -> 20 bytes per block
   q5m: f32 d, f32 m, 5-bit u in [0, 31] (w = d * u + m): fifth bits, then nibbles as q5's -> 28 bytes
 
 GGUF's Q4_1 maps onto q4h exactly (Q4_0 too: its offset -8 d is an f16 as well), Q8_0 onto q8s,
@@ -20,7 +21,7 @@ Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k, Q3_K onto q6k too (its f16 d, its 6-
 as the int8 scales, its integers q in [-4, 3] as u = q + 32); Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per
 32 weights are exact as f32), or onto q8 (same integers, same scales); IQ4_NL and IQ4_XS onto iq4
 (the same indices, the scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with
-the levels as int8. Other sources (Q2_K: a scale and an offset per 16 weights; float weights) are
+the levels as int8; MXFP4 onto mx4 (its codes, the scale 2^(e - 128) as f32), or onto q8s / q8. Other sources (Q2_K: a scale and an offset per 16 weights; float weights) are
 requantized per block, which is lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
@@ -35,10 +36,10 @@ import torch
 
 QK = 32
 QK_K = 256  # weights per K-quant super-block
-Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4", "q5m"]
+Kind = Literal["q4", "q4h", "q8", "q8s", "q5", "q4k", "q6k", "iq4", "q5m", "mx4"]
 # Row-major bytes per 32 weights (the K-quants: per 256, their GGUF super-block, SUPER_BLOCK_BYTES).
 BLOCK_BYTES: dict[str, int] = {"q4": 8 + QK // 2, "q4h": 4 + QK // 2, "q8": 8 + QK, "q8s": 2 + QK, "q5": 2 + 4 + QK // 2,
-                               "iq4": 4 + QK // 2, "q5m": 8 + 4 + QK // 2}  # fmt: skip
+                               "iq4": 4 + QK // 2, "q5m": 8 + 4 + QK // 2, "mx4": 4 + QK // 2}  # fmt: skip
 SUPER_BLOCK_BYTES: dict[str, int] = {"q4k": 144, "q6k": 210}
 # The kernels' interleaved layout (kernels/interleaved.c, k_quants.c): bytes per 8 rows x 32
 # weights; q4kx8 unpacks the 6-bit scales and mins to a byte each (1,184 bytes per 8 rows x 256).
@@ -46,9 +47,9 @@ X8_GROUP_BYTES: dict[str, int] = {kind: 8 * size for kind, size in BLOCK_BYTES.i
 # GGUF types whose integers carry over unchanged, and the format they carry over to.
 EXACT_SOURCES: dict[str, Kind] = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q5_0": "q5", "Q5_1": "q5m", "Q4_K": "q4k",
                                   "Q3_K": "q6k", "Q5_K": "q5m", "Q6_K": "q6k", "IQ4_NL": "iq4", "IQ4_XS": "iq4",
-                                  "MXFP4": "q8s"}  # fmt: skip
-# MXFP4's 16 e2m1 levels doubled (llama.cpp's kvalues_mxfp4): integers, so a block is an exact 8-bit
-# block whose scale is its power of two halved.
+                                  "MXFP4": "mx4"}  # fmt: skip
+# MXFP4's 16 e2m1 levels doubled (llama.cpp's kvalues_mxfp4, MXFP4_LEVELS in interleaved.c): integers,
+# so a block is also an exact 8-bit block whose scale is its power of two halved.
 MXFP4_LEVELS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 # IQ4_NL and IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl, IQ4_LEVELS in interleaved.c).
 # They are int8 values, so a block is also an exact 8-bit block with the same scale.
@@ -79,7 +80,7 @@ class QuantizedWeight:
         if self.kind in ("q8s", "q5"):
             d = _f16(b, 0)
             return np.stack([d, np.zeros_like(d)], axis=-1)
-        if self.kind == "iq4":
+        if self.kind in ("iq4", "mx4"):
             d = b[..., :4].copy().view(np.float32)[..., 0]
             return np.stack([d, np.zeros_like(d)], axis=-1)
         if self.kind == "q4h":
@@ -149,11 +150,11 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
             raise ValueError("Q5_K has offsets: it maps to q5m or q8, not q8s")
         return _pack("q8", d, m, u.astype(np.int8)) if kind == "q8" else _requantize_from(d[..., None] * u + m[..., None], kind)
     if type_name == "MXFP4":
-        return _mxfp4_eight_bit(raw, kind)
+        return _mxfp4_blocks(raw, kind)
     if type_name in ("IQ4_NL", "IQ4_XS"):
         d, packed = _iq4_nl_parts(raw, n) if type_name == "IQ4_NL" else _iq4_xs_parts(raw, n)
         if kind == "iq4":
-            return _pack_iq4(d, packed)
+            return _pack_levels("iq4", d, packed)
         q = IQ4_LEVELS[_nibbles(packed)]
         if kind == "q8s" and type_name == "IQ4_NL":  # the file's f16 scale and the levels as int8
             return _pack("q8s", d.astype(np.float16), None, q)
@@ -203,14 +204,17 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, kind: Kind) -> QuantizedWe
     return _pack("q8", d, m, _nibbles(qs).astype(np.int8))  # 4-bit integers fit int8 exactly
 
 
-def _mxfp4_eight_bit(raw: np.ndarray, kind: Kind) -> QuantizedWeight:
+def _mxfp4_blocks(raw: np.ndarray, kind: Kind) -> QuantizedWeight:
     """MXFP4 rows (per 32 weights an e8m0 exponent byte, then 16 bytes of e2m1 codes, low nibbles
-    first) -> 8-bit blocks of the levels with scale 2^(e - 128): q8s (f16 scale) where every scale is
-    an f16, else q8 (f32 scale); exact either way. Other kinds round the values."""
+    first) -> mx4 (the codes as they are, the scale 2^(e - 128) as f32), or 8-bit blocks of the
+    levels with that scale: q8s (f16 scale) where every scale is an f16, else q8 (f32); exact every
+    way. Other kinds round the values."""
     n = raw.shape[0]
     b = raw.reshape(n, -1, 17)
     e = b[..., 0].astype(np.int32)
     d = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)  # ggml's e8m0 "half" (e = 0, 1: f32 subnormals)
+    if kind == "mx4":
+        return _pack_levels("mx4", d, np.ascontiguousarray(b[..., 1:]))
     q = MXFP4_LEVELS[_nibbles(b[..., 1:])]
     d = np.where((q == 0).all(axis=-1), np.float32(0.0), d)  # an all-zero block's scale is anything (llama.cpp writes e = 0)
     if kind == "q8s" and _holds_f16(d):
@@ -255,13 +259,13 @@ def _q5m_values(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.nda
     return d, m, _five_bit_integers(b[..., 8:])
 
 
-def _pack_iq4(d: np.ndarray, packed: np.ndarray) -> QuantizedWeight:
-    """d [N, nb] float32, packed indices [N, nb, 16] -> iq4 blocks."""
+def _pack_levels(kind: Kind, d: np.ndarray, packed: np.ndarray) -> QuantizedWeight:
+    """d [N, nb] float32, packed level indices [N, nb, 16] -> iq4 or mx4 blocks."""
     n, nb = d.shape
-    out = np.empty((n, nb, BLOCK_BYTES["iq4"]), dtype=np.uint8)
+    out = np.empty((n, nb, BLOCK_BYTES[kind]), dtype=np.uint8)
     out[..., 0:4] = d.astype(np.float32)[..., None].view(np.uint8)
     out[..., 4:] = packed
-    return QuantizedWeight("iq4", torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
+    return QuantizedWeight(kind, torch.from_numpy(out.reshape(n, -1)), n, nb * QK)
 
 
 def _requantize_from(values: np.ndarray, kind: Kind) -> QuantizedWeight:
@@ -479,17 +483,18 @@ def _q6k_as_q8s(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def to_q8(weight: QuantizedWeight) -> QuantizedWeight:
-    """q4 / q4h / q8s / q5 / q4k / iq4 / q5m -> q8 with the same integers and scales (exact), for fusing
+    """q4 / q4h / q8s / q5 / q4k / iq4 / mx4 / q5m -> q8 with the same integers and scales (exact), for fusing
     with q8 rows; q6k (two scales per 32 weights) is rounded to q8."""
     if weight.kind == "q8":
         return weight
     if weight.kind == "q5m":
         d, m, u = _q5m_values(weight)
         return _pack("q8", d, m, u.astype(np.int8))
-    if weight.kind == "iq4":
-        b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES["iq4"])
+    if weight.kind in ("iq4", "mx4"):
+        b = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES[weight.kind])
         d = b[..., :4].copy().view(np.float32)[..., 0]
-        return _pack("q8", d, np.zeros_like(d), IQ4_LEVELS[_nibbles(b[..., 4:])])
+        levels = IQ4_LEVELS if weight.kind == "iq4" else MXFP4_LEVELS
+        return _pack("q8", d, np.zeros_like(d), levels[_nibbles(b[..., 4:])])
     if weight.kind == "q6k":
         return _q6k_eight_bit(weight.blocks.numpy(), "q8")
     if weight.kind == "q4k":

@@ -46,6 +46,10 @@ typedef struct { float d[XROWS]; float m[XROWS]; uint8_t qs[XROWS * QK / 2]; uin
 
 // IQ4_NL and IQ4_XS's levels (llama.cpp's kvalues_iq4nl), indexed by a weight's 4 bits.
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's e2m1 levels doubled (llama.cpp's kvalues_mxfp4). mx4x8 is iq4x8's layout with these levels,
+// its f32 scale a power of two: gpt-oss's experts, as OpenAI ships them, at the file's 4.25 bits.
+static const int8_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+typedef block_iq4x8 block_mx4x8;
 
 static inline int64_t x8_groups(int64_t n) { return (n + XROWS - 1) / XROWS; }
 
@@ -91,6 +95,7 @@ REPACK(kvgen_repack_q4hx8, block_q4h, block_q4hx8, o->d[r] = src->d; o->m[r] = s
 REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_q8sx8, block_q8s, block_q8sx8, o->d[r] = src->d; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_iq4x8, block_iq4, block_iq4x8, o->d[r] = src->d; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+REPACK(kvgen_repack_mx4x8, block_iq4, block_mx4x8, o->d[r] = src->d; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 
 // A 5-bit row's block into an interleaved one (row r): the nibbles move as q4's; fifth bit j goes to
 // its vector's plane.
@@ -116,6 +121,7 @@ static inline int nibble_value(const uint8_t* qs, int r, int j) {
 static inline int q4x8_value(const block_q4x8* blk, int r, int j) { return nibble_value(blk->qs, r, j); }
 static inline int q4hx8_value(const block_q4hx8* blk, int r, int j) { return nibble_value(blk->qs, r, j); }
 static inline int iq4x8_value(const block_iq4x8* blk, int r, int j) { return IQ4_LEVELS[nibble_value(blk->qs, r, j)]; }
+static inline int mx4x8_value(const block_mx4x8* blk, int r, int j) { return MXFP4_LEVELS[nibble_value(blk->qs, r, j)]; }
 
 static inline int q8x8_value(const block_q8x8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
 static inline int q8sx8_value(const block_q8sx8* blk, int r, int j) { return blk->qs[(j / 4) * 32 + r * 4 + j % 4]; }
@@ -136,6 +142,7 @@ static inline float q8x8_weight(const block_q8x8* blk, int r, int j) { return bl
 static inline float q8sx8_weight(const block_q8sx8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q8sx8_value(blk, r, j); }
 static inline float q5x8_weight(const block_q5x8* blk, int r, int j) { return f16_to_f32(blk->d[r]) * (float)q5x8_value(blk, r, j); }
 static inline float iq4x8_weight(const block_iq4x8* blk, int r, int j) { return blk->d[r] * (float)iq4x8_value(blk, r, j); }
+static inline float mx4x8_weight(const block_mx4x8* blk, int r, int j) { return blk->d[r] * (float)mx4x8_value(blk, r, j); }
 static inline float q5mx8_weight(const block_q5mx8* blk, int r, int j) { return blk->d[r] * (float)q5mx8_value(blk, r, j) + blk->m[r]; }
 
 #ifdef __AVX2__
@@ -226,13 +233,16 @@ static inline __m256i broadcast4(const int8_t* p) {
         }                                                                                            \
     }
 
-// iq4: each nibble looks up its level (vpshufb over the 16 levels). With VNNI the u8 side is
-// level + 128 (1..241) and 128 * sum(x) comes off after (xsum); AVX2's u8 x s8 pairs would overflow
-// int16 there, so it takes q8's sign trick: |level| the u8 side, x negated where the level is.
+// iq4 and mx4: each nibble looks up its level in TABLE (vpshufb over the 16 levels). With VNNI the
+// u8 side is level + 128 (1..241) and 128 * sum(x) comes off after (xsum); AVX2's u8 x s8 pairs
+// would overflow int16 there, so it takes q8's sign trick: |level| the u8 side, x negated where the
+// level is. IQ4_SUMS: whether the level formats take the activations' sums.
+#define IQ4X8_DOTS(R) LEVEL_DOTS(R, IQ4_LEVELS)
+#define MX4X8_DOTS(R) LEVEL_DOTS(R, MXFP4_LEVELS)
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define IQ4_SUMS 1
-#define IQ4X8_DOTS(R)                                                                                \
-    const __m256i biased = _mm256_add_epi8(iq4_levels_256(), _mm256_set1_epi8((char)128));           \
+#define LEVEL_DOTS(R, TABLE)                                                                         \
+    const __m256i biased = _mm256_add_epi8(levels_256(TABLE), _mm256_set1_epi8((char)128));          \
     UNPACKED_NIBBLE_DOTS(R, IQ4_BIASED_LEVELS_256)                                                   \
     for (int t = 0; t < R; t++) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(128 * xsum[t * x_stride + b]));
 #define IQ4_BIASED_LEVELS_256(lo, hi, i)                                                             \
@@ -240,8 +250,8 @@ static inline __m256i broadcast4(const int8_t* p) {
     hi = _mm256_shuffle_epi8(biased, hi);
 #else
 #define IQ4_SUMS 0
-#define IQ4X8_DOTS(R)                                                                                \
-    const __m256i levels = iq4_levels_256();                                                         \
+#define LEVEL_DOTS(R, TABLE)                                                                         \
+    const __m256i levels = levels_256(TABLE);                                                        \
     for (int i = 0; i < 4; i++) {                                                                    \
         const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk->qs + 32 * i));              \
         const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(packed, _mm256_set1_epi8(0x0F))); \
@@ -254,8 +264,8 @@ static inline __m256i broadcast4(const int8_t* p) {
         }                                                                                            \
     }
 #endif
-static inline __m256i iq4_levels_256(void) {  // the 16 levels in each 128-bit lane, as vpshufb reads
-    const __m128i levels = _mm_loadu_si128((const __m128i*)IQ4_LEVELS);
+static inline __m256i levels_256(const int8_t* table) {  // the 16 levels in each 128-bit lane, as vpshufb reads
+    const __m128i levels = _mm_loadu_si128((const __m128i*)table);
     return _mm256_broadcastsi128_si256(levels);
 }
 
@@ -344,6 +354,7 @@ ROWS_KERNEL(q8x8_rows, block_q8x8, Q8X8_DOTS, APPLY_SCALES_OFFSETS)
 ROWS_KERNEL(q8sx8_rows, block_q8sx8, Q8X8_DOTS, APPLY_F16_SCALES)
 ROWS_KERNEL(q5x8_rows, block_q5x8, Q5X8_DOTS, APPLY_F16_SCALES)
 ROWS_KERNEL(iq4x8_rows, block_iq4x8, IQ4X8_DOTS, APPLY_F32_SCALES)
+ROWS_KERNEL(mx4x8_rows, block_mx4x8, MX4X8_DOTS, APPLY_F32_SCALES)
 ROWS_KERNEL(q5mx8_rows, block_q5mx8, FIVE_BIT_DOTS, APPLY_SCALES_OFFSETS)
 #else
 // Portable path: the same sums in the same order, one lane at a time.
@@ -374,6 +385,7 @@ ROWS_KERNEL_SCALAR(q8sx8_rows, block_q8sx8, q8sx8_value, SCALAR_F16_SCALES)
 ROWS_KERNEL_SCALAR(q5x8_rows, block_q5x8, q5x8_value, SCALAR_F16_SCALES)
 #define SCALAR_F32_SCALES acc = fmaf((float)dot, wg[b].d[r] * xb->d, acc);
 ROWS_KERNEL_SCALAR(iq4x8_rows, block_iq4x8, iq4x8_value, SCALAR_F32_SCALES)
+ROWS_KERNEL_SCALAR(mx4x8_rows, block_mx4x8, mx4x8_value, SCALAR_F32_SCALES)
 ROWS_KERNEL_SCALAR(q5mx8_rows, block_q5mx8, q5mx8_value, SCALAR_SCALES_OFFSETS)
 #define IQ4_SUMS 0
 #endif
@@ -491,6 +503,8 @@ GEMM_X8_GROUPED(kvgen_gemm_q8sx8, kvgen_linear_q8sx8, block_q8sx8, q8sx8_rows, q
 GEMM_X8_GROUPED(kvgen_gemm_q5x8, kvgen_linear_q5x8, block_q5x8, q5x8_rows, q5x8_amx_rows, Q5_SUMS, nb, TILE_ROWS,
                 CALL_ROWS(PAIR_ROWS))
 GEMM_X8_GROUPED(kvgen_gemm_iq4x8, kvgen_linear_iq4x8, block_iq4x8, iq4x8_rows, iq4x8_stepped_rows, IQ4_SUMS, nb,
+                TILE_ROWS, CALL_ROWS(PAIR_ROWS))
+GEMM_X8_GROUPED(kvgen_gemm_mx4x8, kvgen_linear_mx4x8, block_mx4x8, mx4x8_rows, mx4x8_stepped_rows, IQ4_SUMS, nb,
                 TILE_ROWS, CALL_ROWS(PAIR_ROWS))
 GEMM_X8_GROUPED(kvgen_gemm_q5mx8, kvgen_linear_q5mx8, block_q5mx8, q5mx8_rows, q5mx8_stepped_rows, 0, nb, TILE_ROWS,
                 CALL_ROWS(PAIR_ROWS))

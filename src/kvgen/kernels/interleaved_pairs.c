@@ -48,9 +48,11 @@ static inline __m512i broadcast4_512(const int8_t* p) {
     _mm512_and_si512((v) <= 4 ? _mm512_slli_epi16((planes), 4 - (v)) : _mm512_srli_epi16((planes), (v) - 4), \
                      _mm512_set1_epi8(0x10))
 #define NO_FIFTH_BITS(lo, hi, i)
-// iq4: each nibble becomes its level + 128 (IQ4X8_DOTS), then less 128 x the activations' sums.
-#define IQ4X8_PAIR_DOTS(R)                                                                           \
-    const __m512i biased = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_LEVELS)), \
+// iq4 and mx4: each nibble becomes its level + 128 (LEVEL_DOTS), then less 128 x the activations' sums.
+#define IQ4X8_PAIR_DOTS(R) LEVEL_PAIR_DOTS(R, IQ4_LEVELS)
+#define MX4X8_PAIR_DOTS(R) LEVEL_PAIR_DOTS(R, MXFP4_LEVELS)
+#define LEVEL_PAIR_DOTS(R, TABLE)                                                                    \
+    const __m512i biased = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(TABLE))), \
                                            _mm512_set1_epi8((char)128));                             \
     NIBBLE_PAIR_DOTS(R, b0->qs, b1->qs, IQ4_BIASED_LEVELS)                                           \
     for (int t = 0; t < R; t++) dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(128 * xsum[t * x_stride + b]));
@@ -152,6 +154,7 @@ PAIR_KERNEL(q5x8_pair_rows, block_q5x8, Q5X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
 PAIR_KERNEL(q8x8_pair_rows, block_q8x8, Q8X8_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
 PAIR_KERNEL(q8sx8_pair_rows, block_q8sx8, Q8X8_PAIR_DOTS, APPLY_PAIR_F16_SCALES)
 PAIR_KERNEL(iq4x8_pair_rows, block_iq4x8, IQ4X8_PAIR_DOTS, APPLY_PAIR_F32_SCALES)
+PAIR_KERNEL(mx4x8_pair_rows, block_mx4x8, MX4X8_PAIR_DOTS, APPLY_PAIR_F32_SCALES)
 PAIR_KERNEL(q5mx8_pair_rows, block_q5mx8, FIVE_BIT_PAIR_DOTS, APPLY_PAIR_SCALES_OFFSETS)
 #define PAIR_KERNELS_512 1
 #endif
@@ -170,6 +173,7 @@ PAIR_OF_GROUPS(q8x8_pair_rows, block_q8x8, q8x8_rows)
 PAIR_OF_GROUPS(q8sx8_pair_rows, block_q8sx8, q8sx8_rows)
 PAIR_OF_GROUPS(q5x8_pair_rows, block_q5x8, q5x8_rows)
 PAIR_OF_GROUPS(iq4x8_pair_rows, block_iq4x8, iq4x8_rows)
+PAIR_OF_GROUPS(mx4x8_pair_rows, block_mx4x8, mx4x8_rows)
 PAIR_OF_GROUPS(q5mx8_pair_rows, block_q5mx8, q5mx8_rows)
 #endif
 #ifndef PAIR_ROWS
@@ -179,7 +183,7 @@ PAIR_OF_GROUPS(q5mx8_pair_rows, block_q5mx8, q5mx8_rows)
 #define Q4_PAIR_ROWS PAIR_ROWS
 #endif
 
-// The formats without an AMX kernel (iq4x8, q5mx8; amx_tiles.c): where pair calls take a whole
+// The formats without an AMX kernel (iq4x8, mx4x8, q5mx8; amx_tiles.c): where pair calls take a whole
 // chunk of rows, they run their pair kernel PAIR_ROWS rows at a time.
 #define STEPPED_PAIRS(NAME, BLOCK, PAIR_FN)                                                          \
     static inline void NAME(const BLOCK* w0, const BLOCK* w1, const block_x8* x, const int32_t* xsum, \
@@ -191,4 +195,5 @@ PAIR_OF_GROUPS(q5mx8_pair_rows, block_q5mx8, q5mx8_rows)
         }                                                                                            \
     }
 STEPPED_PAIRS(iq4x8_stepped_rows, block_iq4x8, iq4x8_pair_rows)
+STEPPED_PAIRS(mx4x8_stepped_rows, block_mx4x8, mx4x8_pair_rows)
 STEPPED_PAIRS(q5mx8_stepped_rows, block_q5mx8, q5mx8_pair_rows)

@@ -104,7 +104,7 @@ def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
     return table
 
 
-_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6, "iq4": 7, "q5m": 8}  # qlinear.kind in decode.c
+_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6, "iq4": 7, "q5m": 8, "mx4": 9}  # qlinear.kind in decode.c
 
 
 def qlinear_struct(layer: nn.Module) -> _QLinear:
