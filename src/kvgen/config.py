@@ -76,7 +76,7 @@ class ModelConfig:
     attention_sinks: bool = False
     # Partial rotary (Phi-4-mini): RoPE turns only the first `rotary_dim` channels of each head.
     rotary_dim: int | None = None
-    # Mixture of experts (Mixtral, Qwen3-MoE): in `moe_layers` the MLP is `num_experts` SwiGLU experts
+    # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): in `moe_layers` the MLP is `num_experts` SwiGLU experts
     # of width `expert_intermediate_size`; each token goes to the `experts_per_token` its router
     # scores highest, their softmax weights renormalised to sum to 1 when `normalize_expert_weights`.
     num_experts: int = 0

@@ -86,8 +86,8 @@ class _LoraLinear(ctypes.Structure):
                 ("part_out", _i64 * 4)]  # fmt: skip
 
 
-LORA_LINEARS = ("qkv", "o", "gate_up", "down")
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # decode.c block_t's act  # a layer's lora_linear order in kernels/lora_delta.c
+LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's lora_linear order in kernels/lora_delta.c
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # decode.c block_t's act
 
 
 def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:

@@ -119,13 +119,11 @@ class Attention(nn.Module):
         self.sinks = frozen(weights.take_tensor(f"{prefix}.sinks").float()) if config.attention_sinks else None  # [H]
         if weights.has(f"{prefix}.qkv_proj.weight"):  # Phi-3 checkpoints store QKV fused already
             fused = f"{prefix}.qkv_proj"
-            self.qkv = linear(weights.take(f"{fused}.weight"), weights.take_tensor(f"{fused}.bias") if weights.has(f"{fused}.bias") else None)
+            self.qkv = linear(weights.take(f"{fused}.weight"), bias_of(weights, fused))
         else:
             names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
-            self.qkv = fused_linear(
-                [weights.take(f"{n}.weight") for n in names], [weights.take_tensor(f"{n}.bias") if weights.has(f"{n}.bias") else None for n in names]
-            )
-        self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), _bias(weights, f"{prefix}.o_proj"))
+            self.qkv = fused_linear([weights.take(f"{n}.weight") for n in names], [bias_of(weights, n) for n in names])
+        self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), bias_of(weights, f"{prefix}.o_proj"))
         self.q_norm = self.k_norm = None
         if qk_norm_offset is not None:  # Gemma 3 and Qwen3 normalise each head's q and k before RoPE
             eps = config.rms_norm_eps
@@ -188,7 +186,7 @@ class Attention(nn.Module):
         return torch.matmul(probs, values)  # [B, H, S, D]
 
 
-def _bias(weights: WeightSource, name: str) -> torch.Tensor | None:
+def bias_of(weights: WeightSource, name: str) -> torch.Tensor | None:
     """Projection `name`'s bias where the checkpoint has one."""
     return weights.take_tensor(f"{name}.bias") if weights.has(f"{name}.bias") else None
 
@@ -210,11 +208,11 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate or config.intermediate_size  # a mixture's experts have their own width
         if weights.has(f"{prefix}.gate_up_proj.weight"):  # Phi-3 stores gate and up fused (gate first)
-            self.gate_up = linear(weights.take(f"{prefix}.gate_up_proj.weight"), _bias(weights, f"{prefix}.gate_up_proj"))
+            self.gate_up = linear(weights.take(f"{prefix}.gate_up_proj.weight"), bias_of(weights, f"{prefix}.gate_up_proj"))
         else:
             names = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
-            self.gate_up = fused_linear([weights.take(f"{n}.weight") for n in names], [_bias(weights, n) for n in names])
-        self.down = linear(weights.take(f"{prefix}.down_proj.weight"), _bias(weights, f"{prefix}.down_proj"))
+            self.gate_up = fused_linear([weights.take(f"{n}.weight") for n in names], [bias_of(weights, n) for n in names])
+        self.down = linear(weights.take(f"{prefix}.down_proj.weight"), bias_of(weights, f"{prefix}.down_proj"))
         self.act = F.silu if config.hidden_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
         self.clamped = (config.swiglu_alpha, config.swiglu_limit) if config.hidden_act == "swiglu_oai" else None
 

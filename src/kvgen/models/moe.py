@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's best experts, whose
-SwiGLU outputs are summed with the router's weights."""
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's best experts,
+whose gated-MLP outputs are summed with the router's weights."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig
-from kvgen.models.layers import GatedMLP
+from kvgen.models.layers import GatedMLP, bias_of
 from kvgen.models.weights import WeightSource, frozen
 
 
@@ -23,8 +23,8 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
         super().__init__()
         self.router = frozen(weights.take_tensor(f"{prefix}.gate.weight").float().contiguous())  # [E, H]; decode.c reads it
-        bias = weights.take_tensor(f"{prefix}.gate.bias").float() if weights.has(f"{prefix}.gate.bias") else None
-        self.router_bias = frozen(bias) if bias is not None else None  # gpt-oss's router has one
+        bias = bias_of(weights, f"{prefix}.gate")
+        self.router_bias = frozen(bias.float()) if bias is not None else None  # gpt-oss's router has one
         self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
         self.experts = nn.ModuleList(
             GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
