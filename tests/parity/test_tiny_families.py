@@ -102,11 +102,15 @@ def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pyte
     assert (actual - expected).abs().max().item() < TOLERANCE
 
 
-def test_older_mixtral_files_with_a_tensor_per_expert_load_the_same_model(tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
-    model, llm, folder = get(tiny, "mixtral", tmp_path_factory)
-    path = write_gguf_from_hf(folder / "model-per-expert.gguf", model, model_path("smollm2"), stacked_experts=False)
+@pytest.mark.parametrize("name,layout", [("mixtral", {"stacked_experts": False}), ("gpt-oss", {"fused_gate_up": True})])
+def test_other_expert_layouts_load_the_same_model(name: str, layout: dict, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Older Mixtral files with a tensor per expert; gpt-oss files with each layer's expert gate and
+    up fused in one ffn_gate_up_exps (weights and biases)."""
+    model, llm, folder = get(tiny, name, tmp_path_factory)
+    path = write_gguf_from_hf(folder / "model-layout.gguf", model, model_path("smollm2"), **layout)
     from_gguf = LLM.load(path, progress=False, weights="fp32")
-    assert dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps) == llm.config
+    config = from_gguf.config
+    assert dataclasses.replace(config, rms_norm_eps=llm.config.rms_norm_eps, swiglu_limit=llm.config.swiglu_limit) == llm.config
     ids = from_gguf.tokenizer.encode(PROMPTS[1])
     with torch.inference_mode():
         expected = model(torch.tensor([ids])).logits[0, -1]

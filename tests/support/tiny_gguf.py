@@ -194,13 +194,15 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
 
 def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
                        stacked_experts: bool = True, embedding_type: gguf.GGMLQuantizationType = Q.F32,
-                       expert_type: gguf.GGMLQuantizationType | None = None) -> Path:  # fmt: skip
+                       expert_type: gguf.GGMLQuantizationType | None = None, fused_gate_up: bool = False) -> Path:  # fmt: skip
     """A GGUF of a transformers model (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2) with the metadata
     and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
     projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32.
     Without `stacked_experts`, each expert's weight is a tensor of its own, as older Mixtral files
     have them (blk.N.ffn_gate.E.weight). embedding_type: the token embedding's (a tied model's head:
-    llama-quantize leaves it 8-bit or more); expert_type: the stacked experts' (matmul_type when None)."""
+    llama-quantize leaves it 8-bit or more); expert_type: the stacked experts' (matmul_type when None).
+    fused_gate_up (gpt-oss): the experts' gate and up as one ffn_gate_up_exps (gate rows first), as
+    llama.cpp's converter writes them when asked to fuse."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
@@ -270,11 +272,18 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         if arch == "gpt-oss" and ".mlp.experts." in name:  # [E, H, 2 I] (gate, up columns interleaved), [E, I, H], x @ W
             stem = f"blk.{name.split('.')[2]}"
             if name.endswith("gate_up_proj"):
-                add(f"{stem}.ffn_gate_exps.weight", values[:, :, ::2].transpose(0, 2, 1), True)
-                add(f"{stem}.ffn_up_exps.weight", values[:, :, 1::2].transpose(0, 2, 1), True)
+                gate, up = values[:, :, ::2].transpose(0, 2, 1), values[:, :, 1::2].transpose(0, 2, 1)
+                if fused_gate_up:
+                    add(f"{stem}.ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1), True)
+                else:
+                    add(f"{stem}.ffn_gate_exps.weight", gate, True)
+                    add(f"{stem}.ffn_up_exps.weight", up, True)
             elif name.endswith("gate_up_proj_bias"):
-                add(f"{stem}.ffn_gate_exps.bias", values[:, ::2], False)
-                add(f"{stem}.ffn_up_exps.bias", values[:, 1::2], False)
+                if fused_gate_up:
+                    add(f"{stem}.ffn_gate_up_exps.bias", np.concatenate([values[:, ::2], values[:, 1::2]], axis=1), False)
+                else:
+                    add(f"{stem}.ffn_gate_exps.bias", values[:, ::2], False)
+                    add(f"{stem}.ffn_up_exps.bias", values[:, 1::2], False)
             elif name.endswith("down_proj"):
                 add(f"{stem}.ffn_down_exps.weight", values.transpose(0, 2, 1), True)
             else:
