@@ -355,3 +355,10 @@ def test_gpt_oss_folders_with_mxfp4_experts_load_their_decoded_values(tiny: dict
         unpacked = model(torch.tensor([ids])).logits[0]
     assert (actual - expected).abs().max().item() < TOLERANCE
     assert (unpacked - expected).abs().max().item() > 10 * TOLERANCE  # MXFP4 moved the logits: the test can tell
+    # By default such a folder loads quantized, as a GGUF does: the experts keep MXFP4's codes (mx4).
+    quantized = LLM.load(packed_folder, progress=False)
+    ours, exact = quantized.model.layers[1].mlp.experts[3], llm.model.layers[1].mlp.experts[3]
+    assert quantized.weights == "q4" and ours.gate_up.kind == ours.down.kind == "mx4"
+    for part in ("gate_up", "down"):
+        torch.testing.assert_close(getattr(ours, part).dequantized(), getattr(exact, part).weight, rtol=0, atol=0)
+        torch.testing.assert_close(getattr(ours, part).bias, getattr(exact, part).bias, rtol=0, atol=0)

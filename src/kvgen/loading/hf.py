@@ -17,7 +17,7 @@ from kvgen.config import (
 )  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
-from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, name_gpt_oss_experts
+from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
@@ -300,9 +300,10 @@ def load_hf_folder(
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
     if config.architecture in ("mixtral", "qwen3_moe"):
         _name_experts(tensors)
+    # OpenAI's gpt-oss folders ship MXFP4 experts: quantized weights by default, as a quantized GGUF is.
+    mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors))
     if config.architecture == "gpt_oss":
-        name_gpt_oss_experts(tensors, dtype)
-    mode = resolve_mode(weights, file_is_quantized=False)
+        name_gpt_oss_experts(tensors, dtype, mode)
     if mode != "fp32" and config.architecture in ("mamba", "t5"):
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
     if mode != "fp32":
