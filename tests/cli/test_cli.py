@@ -58,8 +58,8 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
     Q = gguf.GGMLQuantizationType
-    path = write_tiny_gguf(tmp_path / "mxfp4.gguf", weight_type=Q.MXFP4)
-    assert_one_line_error(kvgen("generate", "hi", "--model", str(path), "--no-progress"), "MXFP4")
+    path = write_tiny_gguf(tmp_path / "tq2_0.gguf", weight_type=Q.TQ2_0, hidden=256)
+    assert_one_line_error(kvgen("generate", "hi", "--model", str(path), "--no-progress"), "TQ2_0")
 
 
 def test_prompt_too_long(tiny: Path) -> None:
