@@ -281,6 +281,12 @@ static float exp_shifted(float* s, int64_t n, float max) {
 // cap > 0 soft-caps the scores first (Gemma 2: s -> cap tanh(s / cap)), 0 leaves them.
 typedef struct { float max, sum, cap; } softmax_state;
 
+// A head's running softmax before its first tile; sink: its sink logit (gpt-oss), folded in first as
+// a position of weight e^(sink - max) and no value, or NULL.
+static inline softmax_state softmax_start(float cap, const float* sink) {
+    return sink ? (softmax_state){*sink, 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
+}
+
 // s[i] = cap tanh(s[i] / cap) for i < n, as cap (e - 1) / (e + 1) with e = e^(2 s / cap): exp8's
 // lanes, or exp_lane one at a time (the same operations), so every build and tile position gives
 // a score the same bits. tanhf one score at a time would cost Gemma 2 2B ~30 ms a token at 8,192

@@ -309,11 +309,10 @@ static inline void kv_rows(const kv_layout* l, int64_t head, int64_t first, int6
 // attend_begin and attend_end open and close the heads' sums; the rows step's blocks of rows
 // (decode_rows.c, attend_row_block) take the tiles between them row by row in turn.
 #define MAX_HEAD_RUN MAX_HEAD_TILE
-// sinks: the heads' sink logits (NULL: none), each folded in first as a position of weight
-// e^(sink - max) and no value.
+// sinks: the heads' sink logits (NULL: none; softmax_start).
 static void attend_begin(float* out, int64_t count, int64_t d, float cap, const float* sinks, softmax_state* st) {
     for (int64_t h = 0; h < count; h++) {
-        st[h] = sinks ? (softmax_state){sinks[h], 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
+        st[h] = softmax_start(cap, sinks ? sinks + h : NULL);
         for (int64_t j = 0; j < d; j++) out[h * d + j] = 0.0f;
     }
 }
@@ -439,7 +438,8 @@ static inline int64_t unit_heads(const head_units* h, int64_t u, int64_t* row, i
 // the contiguous cache's speed). By every thread of a team, which shares `work`
 // (attention_work floats); returns after a barrier, with out whole for every thread.
 static void attend_split_team(const float* q, float* attn, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                              float cap, const float* sinks, const kv_layout* keys, const kv_layout* values, int64_t start, int64_t end, float* work) {
+                              float cap, const float* sinks, const kv_layout* keys, const kv_layout* values,
+                              int64_t start, int64_t end, float* work) {
     const int64_t group = heads / kv_heads;
     const int64_t len = end - start, tiles = (len + 31) / 32;
     float* p = work;  // scores, then weights: [heads, len]
@@ -461,7 +461,7 @@ static void attend_split_team(const float* q, float* attn, int64_t heads, int64_
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < heads; h++) {  // attend_tile_heads' softmax, tile by tile
-        softmax_state st = sinks ? (softmax_state){sinks[h], 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
+        softmax_state st = softmax_start(cap, sinks ? sinks + h : NULL);
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = len - 32 * t < 32 ? len - 32 * t : 32;
             rescale[h * tiles + t] = softmax_tile(p + h * len + 32 * t, n, &st);
@@ -538,9 +538,6 @@ void kvgen_paged_decode_attention(const float* q, float* out, const float* k_bas
                      starts[r], ends[r], scale, d, 0);
     }
 }
-
-
-// out[i] = silu(gate[i]) * up[i] (SwiGLU) or gelu_tanh(gate[i]) * up[i] (GeGLU), n values.
 
 // tanh-GELU as a sigmoid: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
 // so GeGLU takes SwiGLU's vectorised exp (tanhf one lane at a time cost Gemma 3 270M ~0.5 ms a
@@ -694,8 +691,8 @@ void kvgen_block_post(const block_t* b, float* h, const float* keys, int64_t k_h
 #pragma omp parallel
     {
         const thread_scratch t = thread_scratch_new(b, 1, h);
-        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, b->sinks, &k, &v, start,
-                          end, work);
+        attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, b->head_dim, b->scale, b->softcap, b->sinks,
+                          &k, &v, start, end, work);
         block_finish_team(b, &t, lora, &slot, work + attention_work(b->num_heads, end - start));
         free(t.own);
     }
@@ -729,8 +726,8 @@ void kvgen_decode_layers(const block_t* blocks, int64_t num_layers, float* h, co
             block_pre_team(b, &t, cos, cos + d, (float*)kv_at(&k, 0, position), (float*)kv_at(&v, 0, position),
                            head_stride, layer_lora, &slot, work + attention_floats);
             const int64_t start = window[layer] > 0 && position + 1 > window[layer] ? position + 1 - window[layer] : 0;
-            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, b->sinks, &k, &v, start,
-                              position + 1, work);
+            attend_split_team(b->qkv_out, b->attn, b->num_heads, b->num_kv_heads, d, b->scale, b->softcap, b->sinks,
+                              &k, &v, start, position + 1, work);
             block_finish_team(b, &t, layer_lora, &slot, work + attention_floats);
         }
         free(t.own);

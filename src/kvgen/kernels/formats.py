@@ -21,8 +21,9 @@ Q5_0 onto q5, Q4_K onto q4k, Q6_K onto q6k, Q3_K onto q6k too (its f16 d, its 6-
 as the int8 scales, its integers q in [-4, 3] as u = q + 32); Q5_1 and Q5_K onto q5m (Q5_K's d * sc and dmin * mn per
 32 weights are exact as f32), or onto q8 (same integers, same scales); IQ4_NL and IQ4_XS onto iq4
 (the same indices, the scales as f32: IQ4_XS's d * (ls - 32) is exact there), or onto q8s / q8 with
-the levels as int8; MXFP4 onto mx4 (its codes, the scale 2^(e - 128) as f32), or onto q8s / q8. Other sources (Q2_K: a scale and an offset per 16 weights; float weights) are
-requantized per block, which is lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
+the levels as int8; MXFP4 onto mx4 (its codes, the scale 2^(e - 128) as f32), or onto q8s / q8.
+Other sources (Q2_K: a scale and an offset per 16 weights; float weights) are requantized per
+block, which is lossy. Fused weights whose parts differ meet in q8s (q5 + q8s) or q8 (anything with offsets), both
 exact for every part.
 """
 

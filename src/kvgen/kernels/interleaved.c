@@ -95,7 +95,7 @@ REPACK(kvgen_repack_q4hx8, block_q4h, block_q4hx8, o->d[r] = src->d; o->m[r] = s
 REPACK(kvgen_repack_q8x8, block_q8, block_q8x8, o->d[r] = src->d; o->m[r] = src->m; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_q8sx8, block_q8s, block_q8sx8, o->d[r] = src->d; for (int j = 0; j < QK; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
 REPACK(kvgen_repack_iq4x8, block_iq4, block_iq4x8, o->d[r] = src->d; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
-REPACK(kvgen_repack_mx4x8, block_iq4, block_mx4x8, o->d[r] = src->d; for (int j = 0; j < QK / 2; j++) o->qs[(j / 4) * 32 + r * 4 + j % 4] = src->qs[j];)
+void kvgen_repack_mx4x8(const block_iq4* w, block_mx4x8* out, int64_t n, int64_t k) { kvgen_repack_iq4x8(w, out, n, k); }
 
 // A 5-bit row's block into an interleaved one (row r): the nibbles move as q4's; fifth bit j goes to
 // its vector's plane.

@@ -74,8 +74,8 @@ static void attend_codes_item(const codes_work* w, const float* q, float* out, c
     float* key_tile = t->tiles;
     float* value_tile = t->tiles + MAX_TILE * d;
     for (int64_t i = 0; i < nq * group; i++) {
-        const float* sink = sinks ? sinks + w->kv_head * group + i % group : NULL;  // query i / group's head i % group
-        states[i] = sink ? (softmax_state){*sink, 1.0f, cap} : (softmax_state){-INFINITY, 0.0f, cap};
+        // query i / group's head i % group of the kv head's group
+        states[i] = softmax_start(cap, sinks ? sinks + w->kv_head * group + i % group : NULL);
         for (int64_t j = 0; j < d; j++) acc[i * d + j] = 0.0f;
     }
     const float* queries = q + ((q_offsets[w->row] + w->first_query) * heads + w->kv_head * group) * d;  // query i: + i heads d

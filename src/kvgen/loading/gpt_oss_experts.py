@@ -18,6 +18,9 @@ from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.weight_format import quantize_gguf_rows
 
 MXFP4_PARTS = ("_blocks", "_scales")
+# Each stacked projection's rows (nn.Linear's [out, in]) per expert weight: gate_up's interleave.
+_PROJECTION_ROWS = {"gate_up_proj": (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))),
+                    "down_proj": (("down_proj", slice(None)),)}  # fmt: skip
 # e2m1's 16 codes: sign bit, then 2 exponent and 1 mantissa bits.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
@@ -27,16 +30,20 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                          f"{scales.dtype} do not pair: expected uint8 [..., G, 16] and uint8 [..., G]")  # fmt: skip
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32], low nibble first
-    values = torch.ldexp(E2M1_VALUES[codes], scales.to(torch.int32)[..., None] - 127)
+    values = torch.ldexp(E2M1_VALUES[_codes(blocks).long()], scales.to(torch.int32)[..., None] - 127)
     return values.flatten(-2)
+
+
+def _codes(blocks: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's MXFP4 bytes [..., G, 16] -> its codes [..., G, 32] in value order (low nibble first)."""
+    return torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)
 
 
 def gguf_mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """A checkpoint's MXFP4 rows [rows, G, 16] + [rows, G] -> GGUF's MXFP4 rows [rows, G * 17]: per
     32 values the exponent byte, then the codes with values j and j + 16 sharing byte j (the
     checkpoint pairs values 2j and 2j + 1)."""
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [rows, G, 32] in value order
+    codes = _codes(blocks)
     packed = codes[..., :16] | (codes[..., 16:] << 4)
     return torch.cat((scales[..., None], packed), dim=-1).reshape(blocks.shape[0], -1).numpy()
 
@@ -67,13 +74,9 @@ def name_gpt_oss_experts(tensors: dict[str, torch.Tensor | QuantizedWeight], dty
         assert isinstance(stacked, torch.Tensor) and isinstance(bias, torch.Tensor)
         prefix, projection = name.rsplit(".", 1)
         for e in range(stacked.shape[0]):
-            if projection == "down_proj":
-                tensors[f"{prefix}.{e}.down_proj.weight"] = stacked[e].T.contiguous()
-                tensors[f"{prefix}.{e}.down_proj.bias"] = bias[e].contiguous()
-                continue
-            for part, columns in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
-                tensors[f"{prefix}.{e}.{part}.weight"] = stacked[e][:, columns].T.contiguous()
-                tensors[f"{prefix}.{e}.{part}.bias"] = bias[e][columns].contiguous()
+            for part, rows in _PROJECTION_ROWS[projection]:
+                tensors[f"{prefix}.{e}.{part}.weight"] = stacked[e].T[rows].contiguous()  # x @ W -> nn.Linear's rows
+                tensors[f"{prefix}.{e}.{part}.bias"] = bias[e][rows].contiguous()
 
 
 def _keep_mxfp4(tensors: dict[str, torch.Tensor | QuantizedWeight], stem: str, blocks: torch.Tensor,
@@ -83,10 +86,8 @@ def _keep_mxfp4(tensors: dict[str, torch.Tensor | QuantizedWeight], stem: str, b
     prefix, projection = stem.rsplit(".", 1)
     bias = tensors.pop(f"{stem}_bias")
     assert isinstance(bias, torch.Tensor)
-    parts = ((("down_proj", slice(None)),) if projection == "down_proj"
-             else (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))))  # fmt: skip
     for e in range(blocks.shape[0]):
-        for part, rows in parts:
+        for part, rows in _PROJECTION_ROWS[projection]:
             raw = gguf_mxfp4_rows(blocks[e][rows], scales[e][rows])
             tensors[f"{prefix}.{e}.{part}.weight"] = quantize_gguf_rows("MXFP4", raw, None, mode)  # type: ignore[arg-type]
             tensors[f"{prefix}.{e}.{part}.bias"] = bias[e][rows].contiguous()

@@ -210,7 +210,8 @@ class DecoderLM(nn.Module):
         table = torch.stack(
             [torch.stack([t[:, 0, 0] for t in rope(positions[:, None], dtype)], dim=1) for rope in self.ropes], dim=1
         )
-        return F.pad(table, (0, self.config.head_dim - table.shape[-1])).contiguous()
+        narrower = self.config.head_dim - table.shape[-1]
+        return (F.pad(table, (0, narrower)) if narrower else table).contiguous()
 
     def forward(
         self,
