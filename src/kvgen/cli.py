@@ -16,6 +16,7 @@ from kvgen.errors import KvgenError
 from kvgen.result import GenerationResult
 from kvgen.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
 from kvgen.loading.weight_format import WEIGHT_MODES
+from kvgen.replies.formats import REPLY_FORMATS, reply_parser
 from kvgen.sampling.grammar import StructuredOutput
 from kvgen.sampling.params import SamplingParams
 
@@ -29,6 +30,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def _add_template_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template-file", default=None, metavar="PATH",
+                        help="format conversations with this Jinja chat template instead of the model's own")  # fmt: skip
 
 
 def _add_device_option(parser: argparse.ArgumentParser) -> None:
@@ -96,12 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user turn of the chat template")
     _add_model_options(generate)
+    _add_template_option(generate)
     _add_device_option(generate)
     _add_kv_options(generate)
     _add_sampling_options(generate)
     chat = commands.add_parser("chat", help="interactive multi-turn chat that keeps its KV cache between turns")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_options(chat)
+    _add_template_option(chat)
     _add_device_option(chat)
     _add_kv_options(chat)
     _add_sampling_options(chat)
@@ -122,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-runtime-lora", action="store_true",
                        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (the server then reads "
                             "adapter paths that clients name; guard it with --api-key)")  # fmt: skip
+    serve.add_argument("--reply-format", choices=REPLY_FORMATS, default="auto",
+                       help="how chat replies split into reasoning_content, content and tool calls: <think> blocks (think), "
+                            "gpt-oss's channels (harmony), none (plain); auto reads the model's vocabulary and chat template")  # fmt: skip
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most max_tokens a request may ask for")
     serve.add_argument("--max-concurrent", type=int, default=256, help="requests served at once; more get HTTP 429")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
@@ -142,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-disk-budget-mb", type=float, default=None,
                        help="the most MB of block files in --kv-cache-dir (default 1024); least recently used go first")
     _add_model_options(serve)
+    _add_template_option(serve)
     _add_kv_options(serve)  # the engine's pool: fp32 blocks (contiguous, paged) or quantized blocks
     _add_replica_options(serve)
     return parser
@@ -215,11 +227,27 @@ def _load(args: argparse.Namespace, engine: bool = False):  # -> LLM; imported l
         from kvgen.cache_factory import check_engine_cache
 
         check_engine_cache(cache)
-    return LLM.load(
+    template = _read_template(getattr(args, "chat_template_file", None))
+    llm = LLM.load(
         args.model, dtype=args.dtype, progress=not args.no_progress, max_context=args.max_context,
         weights=args.weights, cache=cache, device=getattr(args, "device", "cpu"),
         torch_compile=getattr(args, "torch_compile", False),
     )  # fmt: skip
+    if template is not None:
+        try:
+            llm.use_chat_template(template)
+        except ValueError as error:
+            raise ValueError(f"--chat-template-file {args.chat_template_file}: {error}") from None
+    return llm
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return open(path, encoding="utf-8").read()
+    except OSError as error:
+        raise ValueError(f"--chat-template-file {path}: cannot read it ({error.strerror})") from None
 
 
 def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
@@ -298,11 +326,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not line:
             continue
+        parser = reply_parser(session.reply_format, session.generator.tokenizer.apply_chat_template(
+            session.messages + [{"role": "user", "content": line}]))  # fmt: skip
         for chunk in session.chat(line, params, speculative):
-            print(chunk.text, end="", flush=True)
+            _print_parts(parser.feed(chunk.text))
+        _print_parts(parser.feed("", final=True))
         print()
         assert session.last_result is not None
         print(stats_line(session.last_result), file=sys.stderr)
+
+
+def _print_parts(parts: list) -> None:
+    """A chat reply as it streams: reasoning on stderr (so stdout holds only answers), the rest on stdout."""
+    for part in parts:
+        if part.kind == "reasoning":
+            print(part.text, end="", file=sys.stderr, flush=True)
+        elif part.kind == "call":
+            print(f"\n[call {part.text}] ", end="", flush=True)
+        else:
+            print(part.text, end="", flush=True)
 
 
 def cmd_models(_: argparse.Namespace) -> int:
@@ -357,6 +399,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
         if adapters or args.lora_budget_mb is not None:
             raise ValueError("--lora is not supported with --replicas yet: serve adapters from one server (drop --replicas)")
+        if args.chat_template_file is not None:
+            raise ValueError("--chat-template-file is not supported with --replicas yet: serve from one server (drop --replicas)")
         return _serve_replicas(args, config)
     _refuse_replica_options(args)
     llm = _load(args, engine=True)

@@ -140,8 +140,14 @@ class LLM:
             self._batch = BatchGenerator(self)
         return self._batch.generate(prompts, params)
 
-    def session(self, system_prompt: str | None = None) -> Session:
-        return Session(self.generator, system_prompt)
+    def use_chat_template(self, source: str) -> None:
+        """Format conversations with `source` (Jinja) instead of the model's own chat template."""
+        self.tokenizer = self.generator.tokenizer = self.tokenizer.with_chat_template(source)
+
+    def session(self, system_prompt: str | None = None, reply_format: str = "auto") -> Session:
+        """A conversation that keeps its cache between turns; `reply_format` says how its chat
+        replies split into reasoning and content (auto: found from the model, see kvgen.replies)."""
+        return Session(self.generator, system_prompt, reply_format)
 
 
 load_model = LLM.load

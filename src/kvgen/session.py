@@ -6,9 +6,11 @@ common prefix is prefilled. That holds for chat templates that re-render the who
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from kvgen.generate import Chunk, ChunkCallback, GenerationResult, GenerationStream, Generator
+from kvgen.replies import REPLY_FORMATS, ParsedReply, ReplyFormat, detect_reply_format, parse_reply, reply_parser
 from kvgen.token_ids import common_prefix_length
 from kvgen.sampling.params import SamplingParams
 
@@ -26,10 +28,15 @@ class Session:
     `rewind()` drops tokens or turns from the end.
     """
 
-    def __init__(self, generator: Generator, system_prompt: str | None = None):
+    def __init__(self, generator: Generator, system_prompt: str | None = None, reply_format: str = "auto"):
+        if reply_format not in REPLY_FORMATS:
+            raise ValueError(f"reply_format must be one of {', '.join(REPLY_FORMATS)}, got {reply_format!r}")
         self.generator = generator
+        # How chat replies split into reasoning and content (chat() records the content as the turn).
+        self.reply_format: ReplyFormat = detect_reply_format(generator.tokenizer) if reply_format == "auto" else reply_format  # type: ignore[assignment]
+        self.last_reply: ParsedReply | None = None
         self.cache = generator.new_cache(INITIAL_CAPACITY)
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
         self._last: GenerationStream | None = None
@@ -66,18 +73,30 @@ class Session:
     def chat(
         self, user_message: str, params: SamplingParams | None = None, speculative: "SpeculativeConfig | None" = None
     ) -> Iterator[Chunk]:
-        """Add a user turn, stream the assistant's answer, and record it in `messages` when done."""
+        """Add a user turn, stream the assistant's answer, and record it in `messages` when done:
+        its content, and its reasoning as `reasoning_content` (and `thinking`, gpt-oss's name) for
+        the chat template to show again or drop. `last_reply` holds the parsed reply. The chunks are
+        the raw text; for a harmony model (gpt-oss) it keeps the channels' special tokens."""
+        params = params or SamplingParams()
+        if self.reply_format == "harmony" and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         messages = self.messages + [{"role": "user", "content": user_message}]
-        stream = self.stream(self._encode(messages, add_generation_prompt=True), params, speculative=speculative)
+        prompt = self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        stream = self.stream(self.generator.tokenizer.encode(prompt, add_special_tokens=False), params, speculative=speculative)
         yield from stream
-        self.messages = messages + [{"role": "assistant", "content": stream.result.text}]
-        self.last_result = stream.result
+        reply = parse_reply(reply_parser(self.reply_format, prompt), stream.result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.reasoning is not None:
+            message["reasoning_content"] = message["thinking"] = reply.reasoning
+        self.messages = messages + [message]
+        self.last_result, self.last_reply = stream.result, reply
 
     def fork(self) -> "Session":
         """An independent copy that shares the cached prefix (copy-on-write where the cache allows)."""
         twin = Session.__new__(Session)
         twin.generator, twin.cache = self.generator, self.cache.fork()
         twin.messages = [dict(m) for m in self.messages]
+        twin.reply_format, twin.last_reply = self.reply_format, self.last_reply
         twin._last, twin._ids, twin.last_result = None, self.cached_ids, self.last_result
         twin._adapter = self._adapter
         return twin
@@ -111,6 +130,6 @@ class Session:
         self.cache.release()
         self._last, self._ids = None, []
 
-    def _encode(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         prompt = self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.generator.tokenizer.encode(prompt, add_special_tokens=False)

@@ -124,3 +124,18 @@ def test_generate_with_regex_and_stop(default_continuation: str) -> None:
     stop = " " + default_continuation.split(" ")[3]  # a word in the middle of what the model says
     result = kvgen("generate", STORY, "-n", "12", "--stop", stop, "--no-progress")
     assert result.stdout == STORY + default_continuation[: default_continuation.index(stop)] + "\n"
+
+
+def test_chat_prints_reasoning_on_stderr_and_answers_on_stdout(tmp_path: Path) -> None:
+    """Under a template that opens a <think> block, SmolLM2's whole reply is reasoning: it goes to
+    stderr, stdout gets only the prompts and an empty answer."""
+    model_path("smollm2")
+    template = Path(__file__).parents[1] / "replies" / "think_template.jinja"
+    result = kvgen("chat", "-n", "8", "--no-progress", "--chat-template-file", str(template), stdin="Hi\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.replace("> ", "").strip() == ""
+    reasoning = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith(("[prompt", "kvgen chat"))]
+    assert reasoning, result.stderr
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if %}")
+    assert_one_line_error(kvgen("chat", "--no-progress", "--chat-template-file", str(bad), stdin=""), "--chat-template-file .*does not compile")

@@ -52,13 +52,14 @@ def tokenizer_folder(folder: Path) -> Path:
     return folder
 
 
-def save_tiny_decoder(name: str, folder: Path, tokenizer_files: Path, std: float = 0.2) -> Any:
-    """Build, widen and save family `name`'s random model with the tokenizer files -> the HF model."""
+def save_tiny_decoder(name: str, folder: Path, tokenizer_files: Path, std: float = 0.2, vocab_size: int = 49152) -> Any:
+    """Build, widen and save family `name`'s random model with the tokenizer files -> the HF model
+    (`vocab_size`: more than SmolLM2's 49,152 for a tokenizer with added tokens)."""
     import transformers
 
     config_class, extra = FAMILIES[name]
     config = getattr(transformers, config_class)(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=False, **{"max_position_embeddings": 256, **extra},
     )  # fmt: skip
     torch.manual_seed(0)
@@ -103,3 +104,44 @@ def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: f
     )  # fmt: skip
     torch.manual_seed(0)
     return _widen_and_save(transformers.T5ForConditionalGeneration(config), folder, tokenizer_files, std)
+
+
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+# A chat template of kvgen's tests in OpenAI's harmony format (gpt-oss): system and developer
+# messages, the tools as a TypeScript-like namespace, past tool calls and results, the reasoning
+# effort, and the generation prompt `<|start|>assistant`. Shorter than gpt-oss's own; the same format.
+HARMONY_TEMPLATE = """<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}
+# Valid channels: analysis, commentary, final.<|end|>
+{%- set rest = messages[1:] if messages[0].role in ('system', 'developer') else messages -%}
+{%- if messages[0].role in ('system', 'developer') or tools -%}
+<|start|>developer<|message|>
+{%- if messages[0].role in ('system', 'developer') %}# Instructions\n\n{{ messages[0].content }}\n\n{% endif -%}
+{%- if tools %}# Tools\n\nnamespace functions {\n{% for tool in tools %}type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;\n{% endfor %}}{% endif -%}
+<|end|>
+{%- endif -%}
+{%- for message in rest -%}
+{%- if message.role == 'assistant' and message.tool_calls -%}
+{%- if message.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>{% endif -%}
+<|start|>assistant to=functions.{{ message.tool_calls[0].function.name }}<|channel|>commentary json<|message|>{{ message.tool_calls[0].function.arguments | tojson }}<|call|>
+{%- elif message.role == 'assistant' -%}
+<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>
+{%- elif message.role == 'tool' -%}
+<|start|>functions.{{ message.name or 'tool' }} to=assistant<|channel|>commentary<|message|>{{ message.content }}<|end|>
+{%- else -%}
+<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|start|>assistant{% endif -%}"""
+
+
+def harmony_tokenizer_folder(folder: Path) -> Path:
+    """SmolLM2's tokenizer with harmony's special tokens added (ids 49152 on) and HARMONY_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    path = model_path("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
+    tokenizer.eos_token = "<|return|>"
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder

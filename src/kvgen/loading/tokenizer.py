@@ -7,7 +7,9 @@ sources behave alike, and knows every token id that should stop generation.
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -40,6 +42,21 @@ END_OF_GENERATION_TOKENS = (
     "<|end_of_text|>",
     "<end_of_utterance>",
 )
+
+# The harmony format (gpt-oss) ends a message with <|end|> and goes on with the next one; only
+# <|return|> (the final answer) and <|call|> (a tool call) end generation, as in llama.cpp.
+HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|return|>", "<|call|>")
+
+
+def end_of_generation_ids(declared: list[int | None], special: Mapping[str, int]) -> list[int]:
+    """The ids that end generation: those the model declares (EOS, EOT, EOM, generation_config) and
+    the vocabulary's special end-of-turn tokens; a harmony vocabulary's <|end|> is not one of them."""
+    ids = [i for i in declared if i is not None]
+    ids += [special[name] for name in END_OF_GENERATION_TOKENS if name in special]
+    if all(marker in special for marker in HARMONY_MARKERS) and "<|end|>" in special:
+        ids = [i for i in ids if i != special["<|end|>"]]
+    return list(dict.fromkeys(ids))
+
 
 # Gemma 3's chat template, verbatim (google/gemma-3-*-it tokenizer_config.json). Gemma 3 GGUFs
 # often ship without one; the system message is folded into the first user turn, as Gemma has no system role.
@@ -122,7 +139,7 @@ class Tokenizer:
         types = token_types(metadata, len(tokens))
         control = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_TYPE_CONTROL}
         eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        eos_ids += [control[name] for name in END_OF_GENERATION_TOKENS if name in control]
+        eos_ids = end_of_generation_ids(eos_ids, control)
         template = metadata.get("tokenizer.chat_template") or None
         if template is None and "<start_of_turn>" in tokens:
             template = GEMMA_CHAT_TEMPLATE
@@ -131,7 +148,7 @@ class Tokenizer:
         return cls(
             backend,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[i for i in eos_ids if i is not None],
+            eos_token_ids=eos_ids,
             pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
             add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", bos_default)),
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
@@ -162,13 +179,13 @@ class Tokenizer:
 
         eos_ids = [token_id("eos_token"), *_generation_eos_ids(folder)]
         added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-        eos_ids += [added[name] for name in END_OF_GENERATION_TOKENS if name in added]
+        eos_ids = end_of_generation_ids(eos_ids, added)
         explicit = "add_bos_token" in config or "add_eos_token" in config
         processor = backend.post_processor
         return cls(
             backend,
             bos_token_id=token_id("bos_token"),
-            eos_token_ids=[i for i in eos_ids if i is not None],
+            eos_token_ids=eos_ids,
             pad_token_id=token_id("pad_token"),
             add_bos=bool(config.get("add_bos_token", False)),
             add_eos=bool(config.get("add_eos_token", False)),
@@ -248,16 +265,36 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- chat
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """The same tokenizer with another chat template (Jinja source, checked to compile)."""
+        try:
+            _compile_template(source)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the chat template does not compile: {error}") from error
+        twin = copy.copy(self)
+        twin._chat_template = source
+        return twin
+
+    def chat_template_reads(self, name: str) -> bool:
+        """Whether the chat template names the variable `name` (so passing it can change the prompt)."""
+        return self._chat_template is not None and re.search(rf"\b{re.escape(name)}\b", self._chat_template) is not None
+
     @property
     def chat_template_supports_tools(self) -> bool:
         """Whether the chat template renders a `tools` list (else callers describe tools themselves)."""
         return self._chat_template is not None and "tools" in self._chat_template
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
         """The prompt text for a conversation, rendered with the model's own chat template (`tools`
-        in the OpenAI/transformers form, for templates that render them)."""
+        in the OpenAI/transformers form, for templates that render them). `template_kwargs` are
+        further variables the template reads (`enable_thinking`, `reasoning_effort`); one the
+        template never names is a ValueError, as it would change nothing."""
+        unread = [name for name in template_kwargs if not self.chat_template_reads(name)]
+        if unread:
+            raise ValueError(f"the model's chat template does not use {', '.join(map(repr, unread))}: leave it out")
         if self._chat_template is None:
             raise ValueError(
                 "this model has no chat template, so a conversation cannot be formatted for it; "
@@ -270,6 +307,7 @@ class Tokenizer:
                 tools=tools,
                 documents=None,
                 **self._special_token_texts(),
+                **template_kwargs,
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the model's chat template rejected the conversation: {error}") from error

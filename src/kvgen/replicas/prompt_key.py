@@ -16,7 +16,7 @@ from kvgen.kv.prefix import PrefixIndex, PrefixNode
 from kvgen.server.config import ServerConfig, tenant_salt
 from kvgen.server.errors import APIError
 from kvgen.server.limits import parse_json
-from kvgen.server.prepare import chat_tools, message_dict, render_chat_prompt
+from kvgen.server.prepare import chat_tools, message_dict, render_chat_prompt, template_variables
 from kvgen.server.protocol import REFUSED_CHAT, ChatCompletionRequest, parse
 
 _NO_LIMIT = 1 << 30  # the replica enforces the prompt limit; routing only reads the prompt
@@ -54,7 +54,9 @@ def request_prompt_ids(tokenizer, path: str, body: dict[str, Any], config: Serve
         if path.endswith("/chat/completions"):
             request = parse(ChatCompletionRequest, body, REFUSED_CHAT)
             plan = chat_tools(request.tools, request.tool_choice, request.parallel_tool_calls, config.limits)
-            return render_chat_prompt(tokenizer, [message_dict(m) for m in request.messages], plan, _NO_LIMIT)
+            variables = template_variables(tokenizer, request.chat_template_kwargs, request.reasoning_effort)
+            return render_chat_prompt(tokenizer, [message_dict(m) for m in request.messages], plan, _NO_LIMIT,
+                                      template_kwargs=variables)[0]  # fmt: skip
         if path.endswith("/completions"):
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):

@@ -35,7 +35,7 @@ class OutputTracker:
         constraint: _Finishable | None = None,
     ):  # fmt: skip
         self.params, self.stop_ids, self.budget, self.constraint = params, stop_ids, budget, constraint
-        self.detokenizer = tokenizer.detokenizer()
+        self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop)
         self.num_tokens = 0
         self.finish_reason: str | None = None  # "stop" or "length"

@@ -52,6 +52,8 @@ class SamplingParams:
     context_keep: int = 4
     # The loaded LoRA adapter to run with (LLM.load_adapter's name); None: the base model.
     adapter: str | None = None
+    # Whether the text leaves out special tokens (<|im_end|>, <|channel|>); the token ids keep them.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -77,6 +79,7 @@ class SamplingParams:
                f"structured must be a StructuredOutput (e.g. StructuredOutput.json_schema(schema)), got {type(self.structured).__name__}")  # fmt: skip
         _check(self.adapter is None or (isinstance(self.adapter, str) and self.adapter != ""),
                f"adapter must be a loaded adapter's name or None, got {self.adapter!r}")  # fmt: skip
+        _check(isinstance(self.skip_special_tokens, bool), f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

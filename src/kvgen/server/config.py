@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgen.replies.formats import REPLY_FORMATS
 from kvgen.server.limits import ServerLimits
 
 
@@ -22,6 +23,9 @@ class ServerConfig:
     # POST /v1/load_lora_adapter reads any path the server can read: off unless asked for.
     allow_runtime_lora: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # How chat replies are parsed into reasoning, content and tool calls: auto (from the model's
+    # vocabulary and chat template), plain, think (<think> blocks) or harmony (gpt-oss).
+    reply_format: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -32,6 +36,8 @@ class ServerConfig:
                 raise ValueError(f"server option {name} must be a positive integer, got {value!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"server option max_prompt_tokens must be positive, got {self.max_prompt_tokens}")
+        if self.reply_format not in REPLY_FORMATS:
+            raise ValueError(f"server option reply_format must be one of {', '.join(REPLY_FORMATS)}, got {self.reply_format!r}")
         for key in self.keys:
             if not key or len(key) > 512 or any(c.isspace() for c in key):
                 raise ValueError("an API key must be 1 to 512 characters without whitespace")

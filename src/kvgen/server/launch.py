@@ -28,7 +28,8 @@ def server_config(args: argparse.Namespace, env_key: str | None) -> ServerConfig
         keys = (env_key,)
     name = Path(str(args.model)).stem if Path(str(args.model)).suffix else str(args.model)
     return ServerConfig(name, None, args.max_tokens_limit, max_concurrent=args.max_concurrent, api_keys=keys,
-                        allow_priority=args.allow_priority, allow_runtime_lora=args.allow_runtime_lora)  # fmt: skip
+                        allow_priority=args.allow_priority, allow_runtime_lora=args.allow_runtime_lora,
+                        reply_format=args.reply_format)  # fmt: skip
 
 
 def lora_specs(values: list[str] | None, model_name: str) -> list[tuple[str, Path]]:

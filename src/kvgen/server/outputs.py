@@ -7,9 +7,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from kvgen.replies import ReplyFormat, reply_parser
 from kvgen.result import GenerationResult
 from kvgen.server.logprobs import chat_logprobs, completion_logprobs
-from kvgen.server.tools import ToolCallStream, ToolPlan, message_fields
+from kvgen.server.replies import ReplyStream, reasoning_tokens
+from kvgen.server.tools import ToolPlan
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,17 @@ class OutputSpec:
     echo: list[str] | None = None  # completions: each prompt's text, written before its choices
     prompt_logprobs: list[dict] | None = None  # completions echo + logprobs: each prompt's columns
     include_usage: bool = False
+    reply_format: ReplyFormat = "plain"  # chat: how the model writes reasoning and calls
+    prompt_text: str = ""  # chat: the rendered prompt (a generation prompt may open the reasoning)
+
+    def reply_stream(self) -> ReplyStream:
+        """A fresh parser of one chat choice's text."""
+        return ReplyStream(reply_parser(self.reply_format, self.prompt_text), self.plan)
+
+    def reasoning_tokens(self, result: GenerationResult) -> int:
+        if not self.chat or self.reply_format == "plain":
+            return 0
+        return reasoning_tokens(self.tokenizer, self.reply_stream(), result.token_ids, self.reply_format != "harmony")
 
     def logprobs_body(self, logprobs: list, offset: int = 0) -> dict | None:
         if not self.logprobs:
@@ -32,13 +45,16 @@ class OutputSpec:
         return "tool_calls" if called_tools and reason == "stop" else reason
 
 
-def usage_body(results: list[GenerationResult], n: int) -> dict:
+def usage_body(results: list[GenerationResult], spec: OutputSpec) -> dict:
     """The prompt counted once per prompt (choices i*n .. i*n+n-1 share prompt i)."""
-    firsts = results[::n]
+    firsts = results[:: spec.n]
     prompt = sum(r.usage.prompt_tokens for r in firsts)
     completion = sum(r.usage.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in firsts)}}  # fmt: skip
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in firsts)}}  # fmt: skip
+    if spec.chat:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(spec.reasoning_tokens(r) for r in results)}
+    return usage
 
 
 def _echoed_logprobs(spec: OutputSpec, prompt: int, generated: dict | None) -> dict | None:
@@ -56,17 +72,18 @@ def full_response(results: list[GenerationResult], head: dict, spec: OutputSpec)
     if spec.chat:
         choices = []
         for index, r in enumerate(results):
-            fields, called = message_fields(r.text, spec.plan) if spec.plan else ({"content": r.text}, False)
+            fields = spec.reply_stream().message(r.text)
+            called = "tool_calls" in fields
             choices.append({"index": index, "message": {"role": "assistant", **fields},
                             "finish_reason": spec.finish_reason(r.finish_reason, called), "logprobs": spec.logprobs_body(r.logprobs or [])})  # fmt: skip
-        return head | {"object": "chat.completion", "choices": choices, "usage": usage_body(results, spec.n)}
+        return head | {"object": "chat.completion", "choices": choices, "usage": usage_body(results, spec)}
     choices = []
     for index, r in enumerate(results):
         prompt = index // spec.n
         echo = spec.echo[prompt] if spec.echo else ""
         logprobs = _echoed_logprobs(spec, prompt, spec.logprobs_body(r.logprobs or [], len(echo)))
         choices.append({"index": index, "text": echo + r.text, "finish_reason": r.finish_reason, "logprobs": logprobs})
-    return head | {"object": "text_completion", "choices": choices, "usage": usage_body(results, spec.n)}
+    return head | {"object": "text_completion", "choices": choices, "usage": usage_body(results, spec)}
 
 
 async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[str]:
@@ -76,7 +93,7 @@ async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[
     results: dict[int, GenerationResult] = {}
     started: set[int] = set()
     offsets: dict[int, int] = {}  # completions' text_offset goes on across chunks
-    tool_streams: dict[int, ToolCallStream] = {}
+    replies: dict[int, ReplyStream] = {}
 
     def event(choice: dict | None, usage: dict | None = None) -> str:
         body = head | {"object": kind, "choices": [choice] if choice else []}
@@ -98,7 +115,8 @@ async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[
             logprobs = spec.logprobs_body(output.logprobs, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(output.text)
             if spec.chat:
-                delta, called = _chat_delta(spec, tool_streams, index, output.text, output.finished)
+                reply = replies.setdefault(index, spec.reply_stream())
+                delta, called = reply.feed(output.text, output.finished), bool(reply.calls)
             else:
                 delta, called = output.text, False
             text_key = "delta" if spec.chat else "text"
@@ -111,7 +129,7 @@ async def stream_events(choices, head: dict, spec: OutputSpec) -> AsyncIterator[
     finally:  # also when the client went away: cancels what still runs
         await choices.aclose()
     if spec.include_usage:
-        yield event(None, usage_body([results[i] for i in sorted(results)], spec.n))
+        yield event(None, usage_body([results[i] for i in sorted(results)], spec))
     yield "data: [DONE]\n\n"
 
 
@@ -124,10 +142,3 @@ def _first_chunk(spec: OutputSpec, index: int) -> dict | None:
         logprobs = spec.prompt_logprobs[prompt] if spec.prompt_logprobs else None
         return {"index": index, "text": spec.echo[prompt], "logprobs": logprobs, "finish_reason": None}
     return None
-
-
-def _chat_delta(spec: OutputSpec, streams: dict[int, ToolCallStream], index: int, text: str, final: bool) -> tuple[dict, bool]:
-    if spec.plan is None or not spec.plan.active:
-        return ({"content": text} if text else {}), False
-    stream = streams.setdefault(index, ToolCallStream())
-    return stream.feed(text, final), bool(stream.is_calls)

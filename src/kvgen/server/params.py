@@ -34,6 +34,7 @@ class Sampling:
     top_logprobs: int = 0
     ignore_eos: bool = False
     adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
+    skip_special_tokens: bool = True  # False: the text keeps special tokens (harmony's channels)
 
 
 def _not_supported(field: str) -> APIError:
@@ -60,6 +61,8 @@ def build_params(sampling: Sampling, endpoint: str, max_tokens_limit: int, engin
         fields["ignore_eos"] = True
     if sampling.adapter is not None:
         fields["adapter"] = sampling.adapter
+    if not sampling.skip_special_tokens:
+        fields["skip_special_tokens"] = False
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(sampling, name):
             fields[name] = getattr(sampling, name)

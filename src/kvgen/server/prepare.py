@@ -6,26 +6,49 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgen.replies.formats import starts_in_reasoning
 from kvgen.server.choices import Job
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, encode_bounded
 from kvgen.server.outputs import OutputSpec
 from kvgen.server.params import Sampling, build_params, structured_output
 from kvgen.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from kvgen.server.reply_grammar import reply_grammar
 from kvgen.server.tools import Tool, ToolPlan, make_plan, render_conversation
 
 
-def render_chat_prompt(tokenizer, messages: list[dict[str, Any]], plan: ToolPlan, limit: int, param: str = "messages") -> list[int]:
-    """The conversation through the model's chat template (tools shown per `plan`) -> prompt ids.
-    A template that rejects the conversation (e.g. roles that do not alternate) is a 400."""
+def render_chat_prompt(tokenizer, messages: list[dict[str, Any]], plan: ToolPlan, limit: int, param: str = "messages",
+                       template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:  # fmt: skip
+    """The conversation through the model's chat template (tools shown per `plan`) -> (prompt ids,
+    prompt text). A template that rejects the conversation (e.g. roles that do not alternate) is a 400."""
     rendered, template_tools = render_conversation(messages, plan, tokenizer.chat_template_supports_tools)
     try:
-        text = tokenizer.apply_chat_template(rendered, tools=template_tools)
+        text = tokenizer.apply_chat_template(rendered, tools=template_tools, **(template_kwargs or {}))
     except Exception as error:  # noqa: BLE001 - a template may raise anything on unexpected input
         message = str(error).removeprefix("the model's chat template rejected the conversation: ")
         raise APIError(400, f"the model's chat template rejected these messages: {message[:500]}", param=param,
                        code="invalid_messages") from None  # fmt: skip
-    return encode_bounded(tokenizer, text, limit, param, add_special_tokens=False)
+    return encode_bounded(tokenizer, text, limit, param, add_special_tokens=False), text
+
+
+def template_variables(tokenizer, extra: dict[str, Any] | None, reasoning_effort: str | None,
+                       effort_param: str = "reasoning_effort") -> dict[str, Any]:  # fmt: skip
+    """chat_template_kwargs plus the reasoning effort, each checked to be a variable the chat
+    template reads (else it could not change the prompt: a 400 naming it)."""
+    variables = dict(extra or {})
+    for name in variables:
+        if name in _TEMPLATE_OWN or not tokenizer.chat_template_reads(name):
+            raise APIError(400, f"chat_template_kwargs: the model's chat template does not take {name!r}: leave it out",
+                           param="chat_template_kwargs", code="unsupported_parameter")  # fmt: skip
+    if reasoning_effort is not None:
+        if not tokenizer.chat_template_reads("reasoning_effort"):
+            raise APIError(400, f"{effort_param} is not supported: the served model's chat template takes no reasoning effort",
+                           param=effort_param, code="unsupported_parameter")  # fmt: skip
+        variables["reasoning_effort"] = reasoning_effort
+    return variables
+
+
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token", "pad_token")
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -36,6 +59,8 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    if message.reasoning_content is not None:  # under both names chat templates read it by
+        out["reasoning_content"] = out["thinking"] = message.reasoning_content
     return out
 
 
@@ -53,20 +78,25 @@ def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = Non
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     plan = chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls, limits)
-    structured = plan.structured()
-    if body.response_format is not None and body.response_format.type != "text" and structured is not None:
+    answer = structured_output(body.response_format)
+    if answer is not None and plan.active:
         raise APIError(400, "response_format cannot be combined with tools (unless tool_choice is 'none')", param="response_format")
-    structured = structured or structured_output(body.response_format)
-    ids = render_chat_prompt(engine.tokenizer, [message_dict(m) for m in body.messages], plan, serving.prompt_limit)
+    reply_format = serving.reply_format
+    variables = template_variables(engine.tokenizer, body.chat_template_kwargs, body.reasoning_effort)
+    ids, prompt_text = render_chat_prompt(engine.tokenizer, [message_dict(m) for m in body.messages], plan, serving.prompt_limit,
+                                          template_kwargs=variables)  # fmt: skip
+    structured = reply_grammar(reply_format, plan, answer, starts_in_reasoning(prompt_text))
     sampling = Sampling(
         max_tokens=body.max_completion_tokens or body.max_tokens, temperature=body.temperature, top_p=body.top_p,
         n=body.n or 1, seed=body.seed, stop=body.stop, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
+        skip_special_tokens=reply_format != "harmony",  # harmony's channels are special tokens
     )  # fmt: skip
     params = build_params(sampling, "chat", serving.config.max_tokens_limit, engine, limits, structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    spec = OutputSpec(True, len(params), engine.tokenizer, bool(body.logprobs), plan, include_usage=include_usage)
+    spec = OutputSpec(True, len(params), engine.tokenizer, bool(body.logprobs), plan, include_usage=include_usage,
+                      reply_format=reply_format, prompt_text=prompt_text)  # fmt: skip
     return [(ids, p) for p in params], spec
 
 
@@ -102,6 +132,7 @@ def prepare_completions(serving, body: CompletionRequest, adapter: str | None = 
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, n=n, seed=body.seed, stop=body.stop,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
+        skip_special_tokens=body.skip_special_tokens,
     )  # fmt: skip
     structured = structured_output(body.response_format)
     params = build_params(sampling, "completions", serving.config.max_tokens_limit, engine, limits, structured)

@@ -131,6 +131,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1, le=16)
+    skip_special_tokens: bool = True  # extension (as vLLM's): False keeps special tokens in the text
 
 
 class ChatMessage(Strict):
@@ -140,11 +141,16 @@ class ChatMessage(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = Field(default=None, max_length=256)
     refusal: None = None
+    # An earlier reply's reasoning, as this server returns it: handed to the chat template, which
+    # decides whether the model sees it again (gpt-oss's shows it before a tool call, Qwen3's drops it).
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> "ChatMessage":
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -166,6 +172,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     store: Literal[False] | None = None  # stored completions are OpenAI's dashboard feature
     modalities: list[Literal["text"]] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # for chat templates that read it (gpt-oss)
+    # extension (as vLLM's): more variables for the chat template (Qwen3's enable_thinking); each must be one it reads
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # Known fields refused with a reason (a 400 naming the field when present and not null).
@@ -178,7 +187,6 @@ REFUSED_CHAT = REFUSED_COMMON | {
     "functions": "the deprecated functions field is not supported: use tools",
     "function_call": "the deprecated function_call field is not supported: use tool_choice",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "the served model has no reasoning mode",
     "verbosity": "the served model has no verbosity setting",
     "web_search_options": "this server has no web search",
 }

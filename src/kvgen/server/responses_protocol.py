@@ -45,7 +45,29 @@ class FunctionCallOutputItem(Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class ReasoningText(Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """An earlier response's reasoning, handed back: it goes to the chat template with the
+    assistant turn that follows it (the template decides whether the model sees it)."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[Any] | None = None
+    id: str | None = None
+    encrypted_content: None = None  # kvgen never encrypts reasoning
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class ReasoningConfig(Strict):
+    effort: Literal["low", "medium", "high"] | None = None  # for chat templates that read it (gpt-oss)
+    summary: None = None  # kvgen returns the reasoning itself, never a summary of it
 
 
 class ResponseTool(Strict):
@@ -97,6 +119,7 @@ class ResponsesRequest(Strict):
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # kvgen extension
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # kvgen extension
     speculative: SpeculativeOptions | None = None  # kvgen extension
+    reasoning: ReasoningConfig | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -115,7 +138,6 @@ REFUSED_RESPONSES = REFUSED_COMMON | {
     "conversation": "conversations are not stored by this server: use previous_response_id",
     "max_tool_calls": "a bound on built-in tool calls does not apply: this server has function tools only",
     "prompt": "stored prompt templates are not supported",
-    "reasoning": "the served model has no reasoning mode",
     "top_logprobs": "logprobs are not returned by the Responses API here: use chat completions",
     "stream_options": "the Responses stream has no options here",
 }

@@ -5,6 +5,7 @@ request counted in the metrics however it ends."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.engine.request import Request as EngineRequest
 from kvgen.lora.adapter import UnknownAdapterError
+from kvgen.replies import ReplyFormat, detect_reply_format
 from kvgen.result import GenerationResult
 from kvgen.server.choices import Job, collect, run_choices
 from kvgen.server.config import ServerConfig, tenant_salt
@@ -28,6 +30,13 @@ class Serving:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.limits = config.limits
         self.in_flight = 0
+
+    @functools.cached_property
+    def reply_format(self) -> ReplyFormat:
+        """How the served model writes its replies (the config's, or found from the model)."""
+        if self.config.reply_format != "auto":
+            return self.config.reply_format  # type: ignore[return-value]
+        return detect_reply_format(self.engine.engine.tokenizer)
 
     @property
     def prompt_limit(self) -> int:

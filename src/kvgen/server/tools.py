@@ -24,6 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgen.replies.parts import held_tail
 from kvgen.sampling.grammar import StructuredOutput
 from kvgen.server.errors import APIError
 
@@ -66,18 +67,34 @@ class ToolPlan:
 
     def structured(self) -> StructuredOutput | None:
         """The grammar of the output, or None when tools are off."""
-        if not self.active:
-            return None
-        allowed = [t for t in self.tools if self.choice in ("auto", "required") or t.name == self.choice]
-        rules = [f"call_{i}: {_lark_string(_header(t.name))} %json {json.dumps(_compact(t.parameters))} {_lark_string(_END)}"
+        return compile_rules(["start: answer", *self.rules()], "tools", "a tool's parameters schema") if self.active else None
+
+    def allowed(self) -> list[Tool]:
+        """The tools the model may call under `choice`."""
+        return [t for t in self.tools if self.choice in ("auto", "required") or t.name == self.choice]
+
+    def rules(self) -> list[str]:
+        """Lark rules whose top rule `answer` is the output when tools are on: calls in the tagged
+        format (or, under "auto", text that does not start one)."""
+        allowed = self.allowed()
+        rules = [f"call_{i}: {_lark_string(_header(t.name))} {json_rule(t.parameters)} {_lark_string(_END)}"
                  for i, t in enumerate(allowed)]  # fmt: skip
-        start = "start: calls | TEXT" if self.choice == "auto" else "start: calls"
-        lines = [start, "calls: call+" if self.parallel else "calls: call", "call: " + " | ".join(f"call_{i}" for i in range(len(allowed))),
-                 *rules, r"TEXT: /(.|\n)+/ & ~(/<tool_call>(.|\n)*/)"]  # fmt: skip
-        try:
-            return StructuredOutput.lark("\n".join(lines))
-        except ValueError as error:
-            raise APIError(400, f"a tool's parameters schema cannot be enforced: {error}", param="tools") from error
+        return ["answer: calls | TEXT" if self.choice == "auto" else "answer: calls", "calls: call+" if self.parallel else "calls: call",
+                "call: " + " | ".join(f"call_{i}" for i in range(len(allowed))), *rules,
+                r"TEXT: /(.|\n)+/ & ~(/<tool_call>(.|\n)*/)"]  # fmt: skip
+
+
+def json_rule(schema: dict[str, Any]) -> str:
+    """A Lark expression for JSON text that follows `schema`, written without free whitespace."""
+    return f"%json {json.dumps(_compact(schema))}"
+
+
+def compile_rules(lines: list[str], param: str, what: str) -> StructuredOutput:
+    """Lark rules -> the StructuredOutput; `what` llguidance cannot enforce is a 400 naming `param`."""
+    try:
+        return StructuredOutput.lark("\n".join(lines))
+    except ValueError as error:
+        raise APIError(400, f"{what} cannot be enforced: {error}", param=param) from error
 
 
 def _header(name: str) -> str:
@@ -185,19 +202,11 @@ def parse_calls(text: str, final: bool) -> tuple[bool | None, list[ParsedCall]]:
         if end < 0:
             rest = text[start:]
             if not final:
-                rest = rest[: len(rest) - _held_back(rest)]
+                rest = rest[: len(rest) - held_tail(rest, (_END,))]
             calls.append(ParsedCall(header.group(1), rest, False))
             return True, calls
         calls.append(ParsedCall(header.group(1), text[start:end], True))
         position = end + len(_END)
-
-
-def _held_back(text: str) -> int:
-    """Length of the longest tail of `text` that starts the closing `}` + tag."""
-    for size in range(min(len(text), len(_END)), 0, -1):
-        if _END.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ToolCallStream:
@@ -231,16 +240,6 @@ class ToolCallStream:
                 self.sent_args[index] = len(call.arguments)
                 deltas.append({"index": index, "function": {"arguments": new}})
         return {"tool_calls": deltas} if deltas else {}
-
-
-def message_fields(text: str, plan: ToolPlan) -> tuple[dict[str, Any], bool]:
-    """(the assistant message's content / tool_calls, whether it called tools) for a whole output."""
-    if not plan.active:
-        return {"content": text}, False
-    is_calls, calls = parse_calls(text, final=True)
-    if not is_calls:
-        return {"content": text}, False
-    return {"content": None, "tool_calls": [tool_call_body(c) for c in calls]}, True
 
 
 def tool_call_body(call: ParsedCall) -> dict[str, Any]:
