@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LayerType = Literal["full", "sliding"]
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
+                           "gpt_oss")
 STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
@@ -84,6 +85,9 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: beside the routed experts, a shared SwiGLU expert of this width runs on every token,
+    # its output scaled by sigmoid(shared_expert_gate . x) (0: none).
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -21,7 +21,8 @@ _SLIDING_KV = "all KV caches; compressed refused (sliding layers), sinks only in
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
     FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
-    FamilySupport("mixtral / qwen3_moe", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights; top-k routed experts); no LoRA",
+    FamilySupport("mixtral / qwen2_moe / qwen3_moe", "GGUF, HF", _ALL_KV,
+                  "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); no LoRA",
                   "yes", "random tiny (transformers)"),
     FamilySupport("gpt_oss", "GGUF, HF (MXFP4 experts exact in 8-bit blocks)",
                   _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); no LoRA", "yes",

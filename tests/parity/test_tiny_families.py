@@ -81,7 +81,7 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen3-moe", "mixtral", "phi3", "phi4-mini", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "phi3", "phi4-mini", "gemma2", "gpt-oss"])
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))
@@ -118,7 +118,7 @@ def test_other_expert_layouts_load_the_same_model(name: str, layout: dict, tiny:
     assert (actual - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("name,file_type,kind", [("qwen3-moe", "Q8_0", "q8s"), ("mixtral", "Q8_0", "q8s"), ("gpt-oss", "MXFP4", "mx4")])
+@pytest.mark.parametrize("name,file_type,kind", [("qwen2-moe", "Q8_0", "q8s"), ("qwen3-moe", "Q8_0", "q8s"), ("mixtral", "Q8_0", "q8s"), ("gpt-oss", "MXFP4", "mx4")])
 def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, kind: str, tiny: dict,
                                                   tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """A GGUF whose projections are Q8_0 (gpt-oss: MXFP4, as OpenAI ships it), the experts stacked
@@ -142,7 +142,10 @@ def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, kin
     # The 8-bit blocks round each activation row to int8 (measured: at most 0.03 apart, the logits'
     # spread 0.3-0.4); an expert given the wrong rows or weights moves them by the whole spread.
     assert (logits[0] - logits[1]).abs().max().item() < 0.1
-    assert_c_step_matches_the_torch_path(quantized, ids)  # the C steps over these blocks
+    # The C steps over these blocks. Qwen2-MoE's shared expert runs for every token: one more int8
+    # rounding per layer for a last-bit difference to flip (measured: 5 of 48 tokens 4e-3 to 1.2e-2
+    # apart, the 38 before them within 3e-7).
+    assert_c_step_matches_the_torch_path(quantized, ids, agree=0.85 if name == "qwen2-moe" else 0.9)
 
 
 # Every cache kind, set up so it keeps every position exactly over a short sequence: each must give
@@ -201,9 +204,9 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
             llm.model.rerotate(0, torch.zeros(1, 2, 1, 16), 1)
 
 
-def assert_c_step_matches_the_torch_path(llm: LLM, ids: list[int], tolerance: float = TOLERANCE) -> None:
+def assert_c_step_matches_the_torch_path(llm: LLM, ids: list[int], tolerance: float = TOLERANCE, agree: float = 0.9) -> None:
     """Greedy tokens of the C step equal the torch path's on llm's cache, and so do the logits of
-    each decoded token, up to float rounding (`tolerance`)."""
+    each decoded token, up to float rounding (`tolerance`) for at least `agree` of them."""
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     fast = llm.generate(ids, params).token_ids
     llm.model.use_fast_decode = False
@@ -221,7 +224,7 @@ def assert_c_step_matches_the_torch_path(llm: LLM, ids: list[int], tolerance: fl
     # Per decoded token, C vs torch: float rounding apart, except where a last-bit difference flips
     # one int8 activation rounding inside a linear (measured: one of 48 Phi-3 tokens at 5e-3).
     per_token = (logits[0] - logits[1]).abs().amax(-1)
-    assert (per_token < tolerance).float().mean() >= 0.9 and per_token.max() < 0.05, per_token.tolist()
+    assert (per_token < tolerance).float().mean() >= agree and per_token.max() < 0.05, per_token.tolist()
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
@@ -265,7 +268,7 @@ def test_c_steps_over_kv_codes_soft_cap_and_sink_as_the_torch_path(name: str, ti
     assert (kernel - reference).abs().max() < 1e-4, (kernel - reference).abs().amax(-1).tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "phi4-mini", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe", "mixtral", "phi4-mini", "gemma2", "gpt-oss"])
 def test_c_steps_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(name: str, tiny: dict,
                                                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """int8 weights: the batch-1 C step, the engine's batched rows step (a mixture: each expert once

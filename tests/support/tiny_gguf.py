@@ -156,6 +156,8 @@ _GGUF_LAYER_PARTS = {
     "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "post_attention_layernorm": "ffn_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
 # gpt-oss: its post-attention norm keeps that name, and the router is mlp.router.
 _GPT_OSS_PARTS = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
@@ -195,7 +197,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
 def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
                        stacked_experts: bool = True, embedding_type: gguf.GGMLQuantizationType = Q.F32,
                        expert_type: gguf.GGMLQuantizationType | None = None, fused_gate_up: bool = False) -> Path:  # fmt: skip
-    """A GGUF of a transformers model (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2) with the metadata
+    """A GGUF of a transformers model (Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Phi-3, Gemma 2, gpt-oss) with the metadata
     and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
     projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32.
     Without `stacked_experts`, each expert's weight is a tensor of its own, as older Mixtral files
@@ -206,19 +208,21 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
-    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma2": "gemma2",
-            "gpt_oss": "gpt-oss"}[config.model_type]  # fmt: skip
+    arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
+            "gemma2": "gemma2", "gpt_oss": "gpt-oss"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
-    if config.model_type in ("qwen3_moe", "mixtral", "gpt_oss"):
-        writer.add_expert_count(config.num_local_experts)
+    if config.model_type in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
+        writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gpt-oss":
         writer.add_expert_feed_forward_length(config.intermediate_size)
         writer.add_sliding_window(config.sliding_window)

@@ -26,6 +26,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Qwen2-MoE: QKV biases, eight experts (two per token, weights not renormalised) and a shared
+    # expert behind a sigmoid gate, the second layer dense.
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 96, "norm_topk_prob": False, "mlp_only_layers": [1]}),
     # gpt-oss: biased projections, sink logits, 4 clamped-SwiGLU experts (2 per token) behind a biased
     # router, sliding (window 8) and full layers, YaRN without truncation.
     "gpt-oss": ("GptOssConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,

@@ -52,6 +52,11 @@ typedef struct {
     const float* sinks;
     const float* router_bias;
     float swiglu_alpha, swiglu_limit;
+    // Qwen2-MoE: a shared expert every token runs beside its routed ones (shared_intermediate wide;
+    // 0: none), its output scaled by sigmoid(shared_gate . x), added after theirs.
+    int64_t shared_intermediate;
+    const float* shared_gate;  // [hidden]
+    qlinear shared_gate_up, shared_down;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -174,7 +179,8 @@ typedef struct {
 
 static int64_t block_widest(const block_t* b) {
     const int64_t attn = b->num_heads * b->head_dim, wide = b->hidden > attn ? b->hidden : attn;
-    return wide > b->intermediate ? wide : b->intermediate;
+    const int64_t mlp = b->intermediate > b->shared_intermediate ? b->intermediate : b->shared_intermediate;
+    return wide > mlp ? wide : mlp;
 }
 
 // This thread's scratch for `blocks`; h: the caller's residual stream (thread 0 works in it).
@@ -605,6 +611,11 @@ static inline float router_score(const block_t* b, int64_t e, const float* x) {
     return b->router_bias ? score + b->router_bias[e] : score;
 }
 
+// The weight of the shared expert's output for input x (Qwen2-MoE): sigmoid(shared_gate . x).
+static inline float shared_expert_gate(const block_t* b, const float* x) {
+    return 1.0f / (1.0f + expf(-dot(b->shared_gate, x, b->hidden)));
+}
+
 // A token's experts from its router scores [num_experts]: the top_k by softmax probability (ties:
 // the lower index), returned in ascending expert order (the order their outputs are summed in,
 // here, in the rows step and in models/moe.py), with their weights: the probabilities, divided by
@@ -654,6 +665,14 @@ static void experts_team(const block_t* b, const thread_scratch* t) {
         gated_activation(b->mlp, b->mlp + n, t->act, n, b);
         linear_team(&b->expert_down[ids[j]], t->act, t->xq, t->sums, b->x);
         for (int64_t i = 0; i < b->hidden; i++) t->y[i] += weights[j] * b->x[i];
+    }
+    if (b->shared_intermediate > 0) {
+        const int64_t m = b->shared_intermediate;
+        const float gate = shared_expert_gate(b, t->x);
+        linear_team(&b->shared_gate_up, t->x, t->xq, t->sums, b->mlp);
+        gated_activation(b->mlp, b->mlp + m, t->act, m, b);
+        linear_team(&b->shared_down, t->act, t->xq, t->sums, b->x);
+        for (int64_t i = 0; i < b->hidden; i++) t->y[i] += gate * b->x[i];
     }
 }
 

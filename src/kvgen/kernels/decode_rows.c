@@ -138,6 +138,29 @@ static void quantize_row_into(const rows_step* st, const qlinear* l, const float
     if (kind_takes_sums(l->kind)) x8_sums_into(xq, nb, st->sums + to * nb);
 }
 
+// Qwen2-MoE's shared expert over every row, by the team: added to each row's sum after its routed
+// experts, scaled by its gate, as the batch-1 step adds it.
+static void shared_expert_rows_team(const rows_step* st, const block_t* b) {
+    const rows_scratch* s = st->s;
+    const int64_t rows = st->rows, hidden = b->hidden, m = b->shared_intermediate;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) quantize_row_into(st, &b->shared_gate_up, s->x + r * hidden, r);
+    gemm_rows_team(st, &b->shared_gate_up, s->mlp, rows);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float* gate = s->mlp + r * 2 * m;
+        gated_activation(gate, gate + m, gate, m, b);
+        quantize_row_into(st, &b->shared_down, gate, r);
+    }
+    gemm_rows_team(st, &b->shared_down, s->y, rows);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float w = shared_expert_gate(b, s->x + r * hidden);
+        float* sum = st->experts.sum + r * hidden;
+        for (int64_t c = 0; c < hidden; c++) sum[c] += w * s->y[r * hidden + c];
+    }
+}
+
 // The mixture for every row, by the team (s->x: the rows' normed inputs; leaves each row's sum of
 // weight * expert in e->sum). Experts run in ascending order, each once over the rows routed to
 // it, gathered into one GEMM: a row's bits are the batch-1 step's (experts_team in decode.c).
@@ -182,6 +205,7 @@ static void experts_rows_team(const rows_step* st, const block_t* b) {
             for (int64_t c = 0; c < hidden; c++) sum[c] += w * s->y[i * hidden + c];
         }
     }
+    if (b->shared_intermediate > 0) shared_expert_rows_team(st, b);
 }
 
 // A linear of the rows, then the LoRA delta of each row with an adapter (x: the linear's input).

@@ -25,7 +25,7 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -44,6 +44,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma's sandwich norms: llama.cpp's ffn_norm is the *pre*-feed-forward norm there.
 _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
@@ -73,7 +77,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
+            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -126,10 +130,12 @@ def config_from_gguf(
     if experts:  # Mixtral is llama.cpp's llama with experts
         common.update(
             num_experts=experts, experts_per_token=int(get("expert_used_count")), expert_intermediate_size=expert_width,
-            normalize_expert_weights=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+            # llama.cpp renormalises the chosen experts' weights, except Qwen2-MoE's
+            normalize_expert_weights=bool(metadata.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
             moe_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
+            shared_expert_intermediate_size=int(metadata.get(f"{arch}.expert_shared_feed_forward_length", 0)),
         )  # fmt: skip
-    name = {"qwen3moe": "qwen3_moe", "llama": "mixtral" if experts else "llama"}.get(arch, arch)
+    name = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral" if experts else "llama"}.get(arch, arch)
     if rope_factors and arch == "phi3":
         common["rope_scaling"] = _longrope_from_gguf(metadata, arch, rope_factors, common["max_position_embeddings"])
     return ModelConfig(

@@ -25,7 +25,7 @@ from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizabl
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
-    "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
+    "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -81,13 +81,13 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return _gpt_oss_config(raw, rope, common)
     window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3")) else None
     rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
         common.update(_experts(raw, arch, num_layers, common["intermediate_size"]))
     return ModelConfig(
         architecture=arch,
         rope_theta=float(global_rope.get("rope_theta", 10000.0)),
         rope_scaling=_rope_scaling(global_rope, raw),
-        attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+        attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
         sliding_window=int(window) if window else None,
         layer_types=("sliding",) * num_layers if window else (),
         rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
@@ -96,8 +96,9 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _experts(raw: dict[str, Any], arch: str, num_layers: int, intermediate: int) -> dict[str, Any]:
-    """Mixtral (every layer sparse, experts as wide as intermediate_size) and Qwen3-MoE (layers
-    (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers, experts moe_intermediate_size wide)."""
+    """Mixtral (every layer sparse, experts as wide as intermediate_size) and Qwen2/3-MoE (layers
+    (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers, experts moe_intermediate_size wide;
+    Qwen2-MoE's shared expert shared_expert_intermediate_size wide)."""
     try:
         if arch == "mixtral":
             return dict(num_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
@@ -107,7 +108,8 @@ def _experts(raw: dict[str, Any], arch: str, num_layers: int, intermediate: int)
         layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
         return dict(num_experts=experts, experts_per_token=int(raw["num_experts_per_tok"]),
                     expert_intermediate_size=int(raw["moe_intermediate_size"]),
-                    normalize_expert_weights=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)  # fmt: skip
+                    normalize_expert_weights=bool(raw.get("norm_topk_prob", False)), moe_layers=layers,
+                    shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)) if arch == "qwen2_moe" else 0)  # fmt: skip
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error}; it is not a complete {arch} config") from error
 
@@ -298,7 +300,7 @@ def load_hf_folder(
             raise
         except Exception as error:
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
-    if config.architecture in ("mixtral", "qwen3_moe"):
+    if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe"):
         _name_experts(tensors)
     # OpenAI's gpt-oss folders ship MXFP4 experts: quantized weights by default, as a quantized GGUF is.
     mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors))

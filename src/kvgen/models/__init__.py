@@ -18,6 +18,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": Qwen3Model,
+    "qwen2_moe": LlamaModel,  # Qwen2 blocks (QKV biases) with routed and shared experts
     "qwen3_moe": Qwen3Model,
     "mixtral": LlamaModel,
     "gpt_oss": LlamaModel,  # Llama blocks: biased projections, sink logits, clamped-SwiGLU experts

@@ -78,6 +78,8 @@ class BlockStruct(ctypes.Structure):
         ("router", _ptr), ("router_out", _ptr), ("expert_gate_up", _ptr), ("expert_down", _ptr),
         # gpt-oss (NULL / unused elsewhere)
         ("sinks", _ptr), ("router_bias", _ptr), ("swiglu_alpha", _f32), ("swiglu_limit", _f32),
+        # Qwen2-MoE's shared expert (shared_intermediate 0: none)
+        ("shared_intermediate", _i64), ("shared_gate", _ptr), ("shared_gate_up", _QLinear), ("shared_down", _QLinear),
     ]  # fmt: skip
 
 
@@ -161,7 +163,7 @@ class FastDecoder:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
-            gated = mlp.experts if isinstance(mlp, SparseMoE) else [mlp]
+            gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
             linears = (attn.qkv, attn.o_proj, *(m.gate_up for m in gated), *(m.down for m in gated))
             if not all(isinstance(layer, QuantizedLinear) for layer in linears):
                 return False
@@ -178,6 +180,7 @@ class FastDecoder:
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         experts = mlp.experts if isinstance(mlp, SparseMoE) else []
         intermediate = experts[0].intermediate if experts else mlp.intermediate
+        shared = mlp.shared_expert if experts else None
         struct = BlockStruct(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
             config.rms_norm_eps, attn.scale, config.attn_logit_softcapping or 0.0, _ACTIVATIONS[config.hidden_act],
@@ -190,7 +193,7 @@ class FastDecoder:
             qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj),
             _QLinear() if experts else qlinear_struct(mlp.gate_up), _QLinear() if experts else qlinear_struct(mlp.down),
             self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
-            self._scratch(2 * intermediate),
+            self._scratch(2 * max(intermediate, shared.intermediate if shared is not None else 0)),
         )  # fmt: skip
         struct.sinks = attn.sinks.data_ptr() if attn.sinks is not None else None
         struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
@@ -202,6 +205,9 @@ class FastDecoder:
             struct.num_experts, struct.top_k, struct.normalize = len(experts), mlp.top_k, int(mlp.normalize)
             struct.router, struct.router_out = mlp.router.data_ptr(), self._scratch(len(experts))
             struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
+        if shared is not None:
+            struct.shared_intermediate, struct.shared_gate = shared.intermediate, mlp.shared_gate.data_ptr()
+            struct.shared_gate_up, struct.shared_down = qlinear_struct(shared.gate_up), qlinear_struct(shared.down)
         return struct
 
     def lora(self, slots: list[int]) -> ctypes.Array | None:
@@ -376,7 +382,7 @@ class FastDecoder:
             config = self.model.config
             self._rows_buffers, self._rows_scratch = rows_scratch(
                 rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                max(config.intermediate_size, config.expert_intermediate_size),
+                max(config.intermediate_size, config.expert_intermediate_size, config.shared_expert_intermediate_size),
             )  # fmt: skip
             self._rows_capacity = rows
         return self._rows_scratch

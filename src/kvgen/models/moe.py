@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's best experts,
-whose gated-MLP outputs are summed with the router's weights."""
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks each token's best
+experts, whose gated-MLP outputs are summed with the router's weights (Qwen2-MoE adds a shared
+expert that every token runs, scaled by its own sigmoid gate)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ class SparseMoE(nn.Module):
             GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
             for e in range(config.num_experts)
         )  # fmt: skip
+        self.shared_expert, self.shared_gate = None, None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(config, weights, f"{prefix}.shared_expert", intermediate=config.shared_expert_intermediate_size)
+            self.shared_gate = frozen(weights.take_tensor(f"{prefix}.shared_expert_gate.weight").float().reshape(-1).contiguous())  # [H]
+
+    def shared_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the shared expert's weight per token, sigmoid(gate . x) [T] (fp32)."""
+        return torch.sigmoid(x.float() @ self.shared_gate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> each token's expert weights [T, k] (fp32) and expert indices [T, k]."""
@@ -47,4 +56,6 @@ class SparseMoE(nn.Module):
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             y = self.experts[expert](flat[rows]).float()
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared_expert is not None:  # after the routed experts, as the C steps add it
+            out += self.shared_weight(flat)[:, None] * self.shared_expert(flat).float()
         return out.to(x.dtype).reshape(x.shape)
