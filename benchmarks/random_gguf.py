@@ -11,6 +11,9 @@ Shapes (vocabulary 49,152; projections `--type`, Q4_0 by default; a tied embeddi
 the rest F32):
 - qwen3-moe: a scaled-down Qwen3-30B-A3B: 12 layers, hidden 768, 12 query / 4 KV heads of 64, 32
   experts of width 384, 4 per token (normalised).
+- qwen2-moe: a scaled-down Qwen1.5-MoE-A2.7B: 12 layers, hidden 768, 12 query / 12 KV heads of 64
+  with QKV biases, 32 experts of width 384, 4 per token (not normalised), and a shared expert of
+  width 1536 behind its sigmoid gate.
 - gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
   width 4608, sliding (4,096) and global layers alternating, scores soft-capped at 50, logits at 30.
 - gpt-oss: a scaled-down gpt-oss-20b: 12 layers, hidden 768, 12 query / 4 KV heads of 64 with sink
@@ -41,6 +44,10 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 4,
         "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 384,
         "norm_topk_prob": True, "tie_word_embeddings": False, "max_position_embeddings": 4096}),
+    "qwen2-moe": ("Qwen2MoeConfig", {
+        "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 12,
+        "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 384, "shared_expert_intermediate_size": 1536,
+        "norm_topk_prob": False, "tie_word_embeddings": False, "max_position_embeddings": 4096}),
     "gemma2": ("Gemma2Config", {
         "hidden_size": 1152, "intermediate_size": 4608, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,

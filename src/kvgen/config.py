@@ -11,7 +11,7 @@ from typing import Literal
 
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
-                           "gpt_oss")
+                           "gpt_oss", "deepseek_v2")
 STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
@@ -85,9 +85,22 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True
     moe_layers: tuple[int, ...] = ()
-    # Qwen2-MoE: beside the routed experts, a shared SwiGLU expert of this width runs on every token,
-    # its output scaled by sigmoid(shared_expert_gate . x) (0: none).
+    # Qwen2-MoE, DeepSeek-V2: beside the routed experts, a shared SwiGLU expert of this width runs on
+    # every token (0: none), its output scaled by sigmoid(shared_expert_gate . x) where gated
+    # (Qwen2-MoE). DeepSeek scales the routed experts' weights by routed_scaling_factor.
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    routed_scaling_factor: float = 1.0
+    # DeepSeek-V2's multi-head latent attention (kv_lora_rank > 0, models/mla.py): keys and values
+    # come from one latent of kv_lora_rank values per token plus a shared RoPE key of
+    # qk_rope_head_dim; the cache holds that latent and RoPE key as one KV head (head_dim =
+    # qk_rope_head_dim + kv_lora_rank, the first qk_rope_head_dim channels turned: rotary_dim).
+    # Queries: q_proj, or q_a_proj -> norm -> q_b_proj where q_lora_rank > 0.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

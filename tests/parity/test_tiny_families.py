@@ -197,6 +197,9 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
     llm = LLM.load(folder, progress=False, weights="int8")
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
+    if name.startswith("deepseek"):  # latent attention runs the torch path, quantized weights too
+        assert llm.model.fast_decoder() is None
+        return
     assert llm.model.fast_decoder() is not None
     assert_c_step_matches_the_torch_path(llm, llm.tokenizer.encode(PROMPTS[0]))
     if name.startswith("phi"):  # LongRoPE keys cannot be moved (context shift): a clear error

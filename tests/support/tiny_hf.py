@@ -36,6 +36,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                 "swiglu_limit": 0.3,  # (7 in the released models) clamps many activations here
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}),
+    # DeepSeek-V2-Lite's shape, small: latent attention (a 48-wide latent, RoPE over 16 channels, no
+    # query latent), the first layer dense, then 8 routed experts (2 per token, weights x 2.5) and a
+    # shared one. The YaRN variant stretches 64 positions 4x with DeepSeek's mscales and a query latent.
+    "deepseek-v2": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 48, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+                    "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "n_shared_experts": 1, "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "topk_method": "greedy"}),
+    "deepseek-v2-yarn": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 48, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+                         "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                         "n_shared_experts": 2, "moe_intermediate_size": 32, "topk_method": "greedy",
+                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                                             "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "original_max_position_embeddings": 64}}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),
@@ -64,7 +76,7 @@ def save_tiny_decoder(name: str, folder: Path, tokenizer_files: Path, std: float
     config_class, extra = FAMILIES[name]
     config = getattr(transformers, config_class)(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, **{"max_position_embeddings": 256, **extra},
+        tie_word_embeddings=False, **{"max_position_embeddings": 256, "num_key_value_heads": 2, **extra},
     )  # fmt: skip
     torch.manual_seed(0)
     return _widen_and_save(transformers.AutoModelForCausalLM.from_config(config), folder, tokenizer_files, std)

@@ -55,7 +55,7 @@ typedef struct {
     // Qwen2-MoE: a shared expert every token runs beside its routed ones (shared_intermediate wide;
     // 0: none), its output scaled by sigmoid(shared_gate . x), added after theirs.
     int64_t shared_intermediate;
-    const float* shared_gate;  // [hidden]
+    const float* shared_gate;  // [hidden]; NULL: ungated
     qlinear shared_gate_up, shared_down;
 } block_t;
 
@@ -611,9 +611,10 @@ static inline float router_score(const block_t* b, int64_t e, const float* x) {
     return b->router_bias ? score + b->router_bias[e] : score;
 }
 
-// The weight of the shared expert's output for input x (Qwen2-MoE): sigmoid(shared_gate . x).
+// The weight of the shared expert's output for input x: sigmoid(shared_gate . x) (Qwen2-MoE), 1
+// where it has no gate.
 static inline float shared_expert_gate(const block_t* b, const float* x) {
-    return 1.0f / (1.0f + expf(-dot(b->shared_gate, x, b->hidden)));
+    return b->shared_gate ? 1.0f / (1.0f + expf(-dot(b->shared_gate, x, b->hidden))) : 1.0f;
 }
 
 // A token's experts from its router scores [num_experts]: the top_k by softmax probability (ties:

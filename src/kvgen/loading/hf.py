@@ -17,6 +17,7 @@ from kvgen.config import (
 )  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
+from kvgen.loading.deepseek import deepseek_config, prepare_deepseek_weights
 from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
@@ -25,7 +26,7 @@ from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizabl
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
-    "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
+    "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -79,6 +80,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return _gemma_config(raw, arch, rope, common)
     if arch == "gpt_oss":
         return _gpt_oss_config(raw, rope, common)
+    if arch == "deepseek_v2":
+        return deepseek_config(raw, common, global_rope, _rope_scaling(global_rope, raw))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3")) else None
     rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
@@ -302,6 +305,8 @@ def load_hf_folder(
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
     if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe"):
         _name_experts(tensors)
+    if config.architecture == "deepseek_v2":
+        prepare_deepseek_weights(tensors, config, _name_experts)
     # OpenAI's gpt-oss folders ship MXFP4 experts: quantized weights by default, as a quantized GGUF is.
     mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors))
     if config.architecture == "gpt_oss":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvgen.loading.checkpoint import Checkpoint
 from kvgen.models.base import DecoderLM
+from kvgen.models.deepseek import DeepseekModel
 from kvgen.models.gemma2 import Gemma2Model
 from kvgen.models.gemma3 import Gemma3Model
 from kvgen.models.llama import LlamaModel
@@ -22,6 +23,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "qwen3_moe": Qwen3Model,
     "mixtral": LlamaModel,
     "gpt_oss": LlamaModel,  # Llama blocks: biased projections, sink logits, clamped-SwiGLU experts
+    "deepseek_v2": DeepseekModel,  # latent attention, routed and shared experts
     "phi3": Phi3Model,
     "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,

@@ -163,6 +163,8 @@ class FastDecoder:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
+            if isinstance(mlp, SparseMoE) and mlp.scaling != 1.0:  # decode.c does not scale routed weights
+                return False
             gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
             linears = (attn.qkv, attn.o_proj, *(m.gate_up for m in gated), *(m.down for m in gated))
             if not all(isinstance(layer, QuantizedLinear) for layer in linears):
@@ -206,7 +208,8 @@ class FastDecoder:
             struct.router, struct.router_out = mlp.router.data_ptr(), self._scratch(len(experts))
             struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
         if shared is not None:
-            struct.shared_intermediate, struct.shared_gate = shared.intermediate, mlp.shared_gate.data_ptr()
+            struct.shared_intermediate = shared.intermediate
+            struct.shared_gate = mlp.shared_gate.data_ptr() if mlp.shared_gate is not None else None
             struct.shared_gate_up, struct.shared_down = qlinear_struct(shared.gate_up), qlinear_struct(shared.down)
         return struct
 

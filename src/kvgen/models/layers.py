@@ -104,7 +104,57 @@ class AttentionMask:
         return allowed[None, None]
 
 
-class Attention(nn.Module):
+class CachedAttention(nn.Module):
+    """Attention of queries over the cache once their keys and values are in it: what grouped-query
+    attention and DeepSeek's latent attention (models/mla.py) share. Subclasses set layer,
+    num_heads, num_kv_heads, scale, softcap and sinks."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
+        """The new keys and values into the cache, and q's attention over it: [B, H, S, D]."""
+        if self.softcap is not None or self.sinks is not None:
+            return self._explicit(q, k, v, cache, mask)
+        if mask.in_place_starts is not None:  # decodes over paged blocks, read where they are
+            return cache.attend_in_place(self.layer, q, k, v, self.scale, mask.in_place_starts)  # type: ignore[attr-defined]
+        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask.mask, is_causal=mask.is_causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # fmt: skip
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
+        """softmax(cap * tanh(q.k * scale / cap) + mask) v, the eager attention of Gemma 2; with sinks
+        (gpt-oss), each head's sink logit joins the softmax as a key with no value."""
+        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
+        groups = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # [B, H, L, D]
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, H, S, L]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        seq, num_keys = q.shape[2], keys.shape[2]
+        allowed = mask.mask
+        assert mask.in_place_starts is None, "explicit attention has no in-place kernel (see DecoderLM._forward_batch)"
+        if mask.is_causal:
+            allowed = AttentionMask.allowed(0, seq, 0, num_keys, None)
+        if allowed is not None and allowed.dtype == torch.bool:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        elif allowed is not None:
+            scores = scores + allowed
+        if self.sinks is None:
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        else:
+            sinks = self.sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat([scores.float(), sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        return torch.matmul(probs, values)  # [B, H, S, D]
+
+
+class Attention(CachedAttention):
     """Grouped-query attention with fused QKV; keys and values go through the cache contract."""
 
     lora: LoraStacks | None = None  # set while adapters are loaded (kvgen/lora/registry.py)
@@ -146,44 +196,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, S, D]
         k = apply_rotary(k.transpose(1, 2), *rope)  # [B, H_kv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
-        if self.softcap is not None or self.sinks is not None:
-            out = self._explicit(q, k, v, cache, mask)
-        elif mask.in_place_starts is not None:  # decodes over paged blocks, read where they are
-            out = cache.attend_in_place(self.layer, q, k, v, self.scale, mask.in_place_starts)  # type: ignore[attr-defined]
-        else:
-            keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask.mask, is_causal=mask.is_causal, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )  # fmt: skip
-        out = out.transpose(1, 2).reshape(batch, seq, q_size)
+        out = self.attend(q, k, v, cache, mask).transpose(1, 2).reshape(batch, seq, q_size)
         y = self.o_proj(out)
         return y if self.lora is None else self.lora.add_delta(self.layer, "o", out, y)
-
-    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, mask: AttentionMask) -> torch.Tensor:
-        """softmax(cap * tanh(q.k * scale / cap) + mask) v, the eager attention of Gemma 2; with sinks
-        (gpt-oss), each head's sink logit joins the softmax as a key with no value."""
-        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, L, D]
-        groups = self.num_heads // self.num_kv_heads
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # [B, H, L, D]
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, H, S, L]
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        seq, num_keys = q.shape[2], keys.shape[2]
-        allowed = mask.mask
-        assert mask.in_place_starts is None, "explicit attention has no in-place kernel (see DecoderLM._forward_batch)"
-        if mask.is_causal:
-            allowed = AttentionMask.allowed(0, seq, 0, num_keys, None)
-        if allowed is not None and allowed.dtype == torch.bool:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        elif allowed is not None:
-            scores = scores + allowed
-        if self.sinks is None:
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        else:
-            sinks = self.sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-            probs = torch.softmax(torch.cat([scores.float(), sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
-        return torch.matmul(probs, values)  # [B, H, S, D]
 
 
 def bias_of(weights: WeightSource, name: str) -> torch.Tensor | None:

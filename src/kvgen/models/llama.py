@@ -22,10 +22,13 @@ class LlamaBlock(nn.Module):
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.attn = Attention(config, layer, weights, f"{prefix}.self_attn", qk_norm_offset=self.qk_norm_offset)
+        self.attn = self.build_attention(config, layer, weights, f"{prefix}.self_attn")
         self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = (SparseMoE(config, weights, f"{prefix}.mlp") if layer in config.moe_layers
                     else GatedMLP(config, weights, f"{prefix}.mlp"))  # fmt: skip
+
+    def build_attention(self, config: ModelConfig, layer: int, weights: WeightSource, prefix: str) -> nn.Module:
+        return Attention(config, layer, weights, prefix, qk_norm_offset=self.qk_norm_offset)
 
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask

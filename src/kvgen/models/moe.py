@@ -27,6 +27,7 @@ class SparseMoE(nn.Module):
         bias = bias_of(weights, f"{prefix}.gate")
         self.router_bias = frozen(bias.float()) if bias is not None else None  # gpt-oss's router has one
         self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
+        self.scaling = config.routed_scaling_factor  # DeepSeek's; 1 elsewhere
         self.experts = nn.ModuleList(
             GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
             for e in range(config.num_experts)
@@ -34,10 +35,13 @@ class SparseMoE(nn.Module):
         self.shared_expert, self.shared_gate = None, None
         if config.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(config, weights, f"{prefix}.shared_expert", intermediate=config.shared_expert_intermediate_size)
-            self.shared_gate = frozen(weights.take_tensor(f"{prefix}.shared_expert_gate.weight").float().reshape(-1).contiguous())  # [H]
+            if config.shared_expert_gated:  # Qwen2-MoE's; DeepSeek adds its shared experts as they are
+                self.shared_gate = frozen(weights.take_tensor(f"{prefix}.shared_expert_gate.weight").float().reshape(-1).contiguous())  # [H]
 
     def shared_weight(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> the shared expert's weight per token, sigmoid(gate . x) [T] (fp32)."""
+        """x [T, H] -> the shared expert's weight per token, sigmoid(gate . x) [T] (fp32); 1 ungated."""
+        if self.shared_gate is None:
+            return torch.ones(x.shape[0])
         return torch.sigmoid(x.float() @ self.shared_gate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +50,7 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, chosen
+        return (weights * self.scaling if self.scaling != 1.0 else weights), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -1,0 +1,70 @@
+"""DeepSeek-V2 checkpoints (V2-Lite, V2): the config's latent-attention and mixture settings, and
+the weight renames and row orders kvgen's blocks read (models/mla.py, models/moe.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+
+from kvgen.config import ModelConfig, RopeScaling, yarn_mscale
+from kvgen.errors import ModelLoadError, UnsupportedModelError
+
+_SHARED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.shared_experts\.")
+
+
+def deepseek_config(raw: dict[str, Any], common: dict[str, Any], rope: dict[str, Any], scaling: RopeScaling | None) -> ModelConfig:
+    """The config of a DeepSeek-V2 folder: one KV head of qk_rope_head_dim + kv_lora_rank channels
+    (the latent and the RoPE key), RoPE over the first qk_rope_head_dim, DeepSeek's score scale; from
+    layer first_k_dense_replace on (every moe_layer_freq-th), n_routed_experts experts plus
+    n_shared_experts shared ones moe_intermediate_size wide each, chosen greedily."""
+    try:
+        rank, rope_dim = int(raw["kv_lora_rank"]), int(raw["qk_rope_head_dim"])
+        nope, v_dim = int(raw["qk_nope_head_dim"]), int(raw["v_head_dim"])
+        experts, width = int(raw["n_routed_experts"]), int(raw["moe_intermediate_size"])
+        per_token, shared = int(raw["num_experts_per_tok"]), int(raw.get("n_shared_experts") or 0)
+    except (KeyError, TypeError) as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete deepseek_v2 config") from error
+    method = raw.get("topk_method") or "greedy"
+    if method != "greedy" and int(raw.get("n_group") or 1) > 1:
+        raise UnsupportedModelError(f"DeepSeek expert routing {method!r} over expert groups is not supported yet; "
+                                    "kvgen routes greedily over all experts (DeepSeek-V2-Lite's)")  # fmt: skip
+    scale = float(nope + rope_dim) ** -0.5
+    if scaling is not None and scaling.kind == "yarn" and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(scaling.factor, float(rope["mscale_all_dim"])) ** 2
+    first_dense, frequency = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
+    layers = tuple(i for i in range(common["num_layers"]) if i >= first_dense and i % frequency == 0)
+    common = {**common, "head_dim": rope_dim + rank, "num_kv_heads": 1}
+    return ModelConfig(
+        architecture="deepseek_v2", rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        attention_bias=bool(raw.get("attention_bias", False)), rotary_dim=rope_dim, query_pre_attn_scalar=scale**-2,
+        kv_lora_rank=rank, q_lora_rank=int(raw.get("q_lora_rank") or 0), qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+        v_head_dim=v_dim, num_experts=experts, experts_per_token=per_token, expert_intermediate_size=width,
+        normalize_expert_weights=bool(raw.get("norm_topk_prob", False)), moe_layers=layers,
+        shared_expert_intermediate_size=width * shared, shared_expert_gated=False,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0), **common,
+    )  # fmt: skip
+
+
+def prepare_deepseek_weights(tensors: dict[str, Any], config: ModelConfig, name_experts: Callable[[dict], None]) -> None:
+    """In place, before any quantization: the shared experts under one MLP's names
+    (mlp.shared_experts -> mlp.shared_expert), the routed experts one weight each (`name_experts`),
+    and the RoPE rows of the queries and of kv_a_proj from DeepSeek's interleaved pairs (x0, x1),
+    (x2, x3)... into the halves kvgen's rotate-half turns together (x0 with x_{d/2})."""
+    for name in list(tensors):
+        if _SHARED_EXPERTS.match(name):
+            tensors[_SHARED_EXPERTS.sub(r"\1.shared_expert.", name)] = tensors.pop(name)
+    name_experts(tensors)
+    heads, nope, rope_dim, rank = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+    for name, tensor in list(tensors.items()):
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            rows = tensor.view(heads, nope + rope_dim, -1)
+            tensors[name] = torch.cat([rows[:, :nope], _halves(rows[:, nope:])], dim=1).reshape(tensor.shape).contiguous()
+        elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+            tensors[name] = torch.cat([tensor[:rank], _halves(tensor[rank:].unsqueeze(0))[0]], dim=0).contiguous()
+
+
+def _halves(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., d, columns] rows in interleaved pairs -> the even rows, then the odd ones."""
+    return torch.cat([pairs[:, 0::2], pairs[:, 1::2]], dim=1)
