@@ -8,8 +8,9 @@ makes every head attend over the same per-token vector [k_pe, c] with the query 
 one KV head of qk_rope_head_dim + kv_lora_rank channels, its first qk_rope_head_dim turned by RoPE
 (partial rotary), its value the same vector (the output's latent part is softmax . c). The cache
 therefore holds the latent, as DeepSeek's own inference and vLLM's MLA do, not each head's
-expanded keys and values (576 values a token and layer for DeepSeek-V2-Lite's 16 heads, against
-16 x (192 + 128) expanded), and every cache kind serves it as any one-KV-head model. The scores
+expanded keys and values (for DeepSeek-V2-Lite 2 x 576 values a token and layer, the key and value
+slots holding the same vector, against 16 x (192 + 128) expanded), and every cache kind serves it
+as any one-KV-head model. The scores
 keep DeepSeek's scale, 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) (times YaRN's mscale²).
 """
 
