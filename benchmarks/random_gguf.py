@@ -14,6 +14,10 @@ the rest F32):
 - qwen2-moe: a scaled-down Qwen1.5-MoE-A2.7B: 12 layers, hidden 768, 12 query / 12 KV heads of 64
   with QKV biases, 32 experts of width 384, 4 per token (not normalised), and a shared expert of
   width 1536 behind its sigmoid gate.
+- deepseek-v2: a scaled-down DeepSeek-V2-Lite: 27 layers (llama.cpp tells V2-Lite, which has no
+  query latent, by that count), hidden 768, 16 heads with latent
+  attention at V2-Lite's own widths (a 512-wide latent, RoPE keys of 64, nope 128, values 128), the
+  first layer dense (width 2048), then 32 experts of width 384, 6 per token, and 2 shared.
 - gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
   width 4608, sliding (4,096) and global layers alternating, scores soft-capped at 50, logits at 30.
 - gpt-oss: a scaled-down gpt-oss-20b: 12 layers, hidden 768, 12 query / 4 KV heads of 64 with sink
@@ -48,6 +52,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 12,
         "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 384, "shared_expert_intermediate_size": 1536,
         "norm_topk_prob": False, "tie_word_embeddings": False, "max_position_embeddings": 4096}),
+    "deepseek-v2": ("DeepseekV2Config", {
+        "num_hidden_layers": 27, "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "first_k_dense_replace": 1, "n_routed_experts": 32, "num_experts_per_tok": 6, "n_shared_experts": 2,
+        "moe_intermediate_size": 384, "topk_method": "greedy", "tie_word_embeddings": False, "max_position_embeddings": 4096}),
     "gemma2": ("Gemma2Config", {
         "hidden_size": 1152, "intermediate_size": 4608, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
@@ -79,7 +88,7 @@ def main() -> None:
     from tests.support.tiny_gguf import write_gguf_from_hf
 
     class_name, settings = SHAPES[args.family]
-    config = getattr(transformers, class_name)(**_COMMON, **settings)
+    config = getattr(transformers, class_name)(**{**_COMMON, **settings})
     torch.manual_seed(0)
     model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).eval()
     with torch.no_grad():  # transformers' init is tiny (std 0.02); wider weights keep a router's choices spread

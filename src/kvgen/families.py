@@ -27,7 +27,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("gpt_oss", "GGUF, HF (MXFP4 experts exact in 8-bit blocks)",
                   _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); no LoRA", "yes",
                   "random tiny (transformers)"),
-    FamilySupport("deepseek_v2 (V2-Lite, V2)", "HF", _ALL_KV + " (the cache holds the latent: one KV head)",
+    FamilySupport("deepseek_v2 (V2-Lite, V2)", "GGUF, HF", _ALL_KV + " (the cache holds the latent: one KV head)",
                   "no: torch path (latent attention), int8 / q4 weights too; no LoRA", "yes",
                   "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",

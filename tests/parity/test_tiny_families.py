@@ -81,15 +81,18 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "phi3", "phi4-mini", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v2-yarn", "phi3",
+                                  "phi4-mini", "gemma2", "gpt-oss"])
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))
     from_gguf = LLM.load(path, progress=False, weights="fp32")
-    # GGUF stores eps, gpt-oss's SwiGLU clamp and LongRoPE's attention factor as float32; everything
-    # else must come out the same.
+    # GGUF stores eps, gpt-oss's SwiGLU clamp, LongRoPE's attention factor and DeepSeek's YaRN scale
+    # (its log multiplier) as float32; everything else must come out the same.
     assert math.isclose(from_gguf.config.swiglu_limit, llm.config.swiglu_limit, rel_tol=1e-6)
-    config = dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps, swiglu_limit=llm.config.swiglu_limit)
+    assert math.isclose(from_gguf.config.attention_scale, llm.config.attention_scale, rel_tol=1e-6)
+    config = dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps, swiglu_limit=llm.config.swiglu_limit,
+                                 query_pre_attn_scalar=llm.config.query_pre_attn_scalar)
     if config.rope_scaling is not None and config.rope_scaling.kind == "longrope":
         assert math.isclose(config.rope_scaling.attention_factor, llm.config.rope_scaling.attention_factor, rel_tol=1e-6)
         config = dataclasses.replace(config, rope_scaling=llm.config.rope_scaling)
@@ -102,10 +105,12 @@ def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pyte
     assert (actual - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("name,layout", [("mixtral", {"stacked_experts": False}), ("gpt-oss", {"fused_gate_up": True})])
+@pytest.mark.parametrize("name,layout", [("mixtral", {"stacked_experts": False}), ("gpt-oss", {"fused_gate_up": True}),
+                                         ("deepseek-v2", {"split_kv_b": False})])
 def test_other_expert_layouts_load_the_same_model(name: str, layout: dict, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Older Mixtral files with a tensor per expert; gpt-oss files with each layer's expert gate and
-    up fused in one ffn_gate_up_exps (weights and biases)."""
+    up fused in one ffn_gate_up_exps (weights and biases); DeepSeek-V2 files converted before MLA's
+    absorption (one attn_kv_b, key and value lengths per head)."""
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model-layout.gguf", model, model_path("smollm2"), **layout)
     from_gguf = LLM.load(path, progress=False, weights="fp32")
@@ -118,7 +123,8 @@ def test_other_expert_layouts_load_the_same_model(name: str, layout: dict, tiny:
     assert (actual - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("name,file_type,kind", [("qwen2-moe", "Q8_0", "q8s"), ("qwen3-moe", "Q8_0", "q8s"), ("mixtral", "Q8_0", "q8s"), ("gpt-oss", "MXFP4", "mx4")])
+@pytest.mark.parametrize("name,file_type,kind", [("qwen2-moe", "Q8_0", "q8s"), ("qwen3-moe", "Q8_0", "q8s"), ("mixtral", "Q8_0", "q8s"),
+                                                 ("deepseek-v2", "Q8_0", "q8s"), ("gpt-oss", "MXFP4", "mx4")])
 def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, kind: str, tiny: dict,
                                                   tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """A GGUF whose projections are Q8_0 (gpt-oss: MXFP4, as OpenAI ships it), the experts stacked
@@ -131,9 +137,10 @@ def test_quantized_gguf_experts_keep_their_values(name: str, file_type: str, kin
     path = write_gguf_from_hf(folder / f"model-{file_type.lower()}.gguf", model, model_path("smollm2"),
                               gguf.GGMLQuantizationType[file_type])  # fmt: skip
     exact, quantized = LLM.load(path, progress=False, weights="fp32"), LLM.load(path, progress=False)
-    experts = quantized.model.layers[0].mlp.experts
+    layer = exact.config.moe_layers[0]  # DeepSeek's first layer is dense
+    experts = quantized.model.layers[layer].mlp.experts
     assert len(experts) == exact.config.num_experts and {e.gate_up.kind for e in experts} == {kind}
-    for ours, reference in zip(experts, exact.model.layers[0].mlp.experts):
+    for ours, reference in zip(experts, exact.model.layers[layer].mlp.experts):
         for part in ("gate_up", "down"):
             torch.testing.assert_close(getattr(ours, part).dequantized(), getattr(reference, part).weight, rtol=0, atol=1e-6)
     ids = exact.tokenizer.encode(PROMPTS[1])

@@ -158,6 +158,11 @@ _GGUF_LAYER_PARTS = {
     "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp", "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
 }  # fmt: skip
 # gpt-oss: its post-attention norm keeps that name, and the router is mlp.router.
 _GPT_OSS_PARTS = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
@@ -180,6 +185,34 @@ def gguf_tensor_name(hf_name: str, architecture: str) -> str:
     return f"blk.{layer}.{name}.{suffix}"
 
 
+def _deepseek_metadata(writer: gguf.GGUFWriter, config, split_kv_b: bool) -> None:
+    """convert_hf_to_gguf.py's deepseek2 keys (split_kv_b: MLA as one KV head over the latent)."""
+    rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_vocab_size(config.vocab_size)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(rank)
+    if split_kv_b:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(rank + rope_dim)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(config.qk_nope_head_dim + rope_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+    else:
+        writer.add_head_count_kv(config.num_attention_heads)
+        writer.add_key_length(config.qk_nope_head_dim + rope_dim)
+        writer.add_value_length(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if config.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(rope_dim)
+
+
 def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
     for key, value in metadata.items():
         if not key.startswith("tokenizer."):
@@ -196,7 +229,8 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, metadata: dict) -> None:
 
 def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
                        stacked_experts: bool = True, embedding_type: gguf.GGMLQuantizationType = Q.F32,
-                       expert_type: gguf.GGMLQuantizationType | None = None, fused_gate_up: bool = False) -> Path:  # fmt: skip
+                       expert_type: gguf.GGMLQuantizationType | None = None, fused_gate_up: bool = False,
+                       split_kv_b: bool = True) -> Path:  # fmt: skip
     """A GGUF of a transformers model (Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Phi-3, Gemma 2, gpt-oss) with the metadata
     and tensor layout llama.cpp's converter writes, the tokenizer copied from `tokenizer_gguf`; the
     projections (experts included) in `matmul_type` (gguf-py can write Q8_0, Q4_0...), the rest F32.
@@ -204,12 +238,14 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     have them (blk.N.ffn_gate.E.weight). embedding_type: the token embedding's (a tied model's head:
     llama-quantize leaves it 8-bit or more); expert_type: the stacked experts' (matmul_type when None).
     fused_gate_up (gpt-oss): the experts' gate and up as one ffn_gate_up_exps (gate rows first), as
-    llama.cpp's converter writes them when asked to fuse."""
+    llama.cpp's converter writes them when asked to fuse. DeepSeek-V2: kv_b_proj split into attn_k_b
+    (transposed) and attn_v_b with one KV head of kv_lora_rank + rope values, as the converter has
+    written them since MLA's absorption; split_kv_b=False: one attn_kv_b, the earlier layout."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
     arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
-            "gemma2": "gemma2", "gpt_oss": "gpt-oss"}[config.model_type]  # fmt: skip
+            "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -229,12 +265,17 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         if config.swiglu_limit != 7.0:  # llama.cpp's default; a test model's own limit, per layer
             writer.add_swiglu_clamp_exp([config.swiglu_limit] * config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch == "deepseek2":
+        _deepseek_metadata(writer, config, split_kv_b)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "deepseek2" and rope.get("mscale_all_dim"):
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if arch == "gemma2":
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -259,6 +300,8 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             return
         expert = gguf_name.endswith("_exps.weight") and expert_type is not None
         kind = embedding_type if gguf_name == "token_embd.weight" else expert_type if expert else matmul_type if matmul else Q.F32
+        if values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:  # rows of no whole block stay float, as the converter keeps them
+            kind = Q.F32
         if kind != Q.F32:
             writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
         else:
@@ -299,6 +342,11 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             add(f"blk.{layer}.ffn_up_exps.weight", up, True)
         elif name.endswith("mlp.experts.down_proj"):
             add(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", values, True)
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:  # [H, nope + v, rank] -> k_b [H, rank, nope], v_b [H, v, rank]
+            layer, nope = name.split(".")[2], config.qk_nope_head_dim
+            kv_b = values.reshape(config.num_attention_heads, nope + config.v_head_dim, -1)
+            add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1), True)
+            add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:], True)
         else:
             add(gguf_tensor_name(name, arch), values, name.endswith("_proj.weight") or name == "lm_head.weight")
     writer.write_header_to_file()

@@ -3,9 +3,11 @@ the weight renames and row orders kvgen's blocks read (models/mla.py, models/moe
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from kvgen.config import ModelConfig, RopeScaling, yarn_mscale
@@ -45,6 +47,57 @@ def deepseek_config(raw: dict[str, Any], common: dict[str, Any], rope: dict[str,
         shared_expert_intermediate_size=width * shared, shared_expert_gated=False,
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0), **common,
     )  # fmt: skip
+
+
+def deepseek_config_from_gguf(metadata: dict[str, Any], get: Callable[..., Any], common: dict[str, Any]) -> ModelConfig:
+    """llama.cpp's deepseek2 files: as converted since MLA's absorption (one KV head of key_length =
+    kv_lora_rank + rope values, key_length_mla = nope + rope, value_length_mla = v, kv_b_proj split
+    into attn_k_b and attn_v_b) or before (key_length nope + rope, value_length v, one attn_kv_b).
+    YaRN's attention scale comes as rope.scaling.yarn_log_multiplier = 0.1 mscale_all_dim."""
+    rank, rope_dim = int(get("attention.kv_lora_rank")), int(get("rope.dimension_count"))
+    if metadata.get("deepseek2.attention.key_length_mla") is not None:
+        qk_dim, v_dim = int(get("attention.key_length_mla")), int(get("attention.value_length_mla"))
+    else:
+        qk_dim, v_dim = int(get("attention.key_length")), int(get("attention.value_length"))
+    if int(metadata.get("deepseek2.expert_group_count") or 1) > 1 or int(metadata.get("deepseek2.expert_gating_func") or 1) != 1:
+        raise UnsupportedModelError("this DeepSeek GGUF routes experts by groups or by sigmoid scores (DeepSeek-V2 236B, V3); "
+                                    "kvgen routes greedily over softmax scores (DeepSeek-V2-Lite's)")  # fmt: skip
+    scale, scaling = float(qk_dim) ** -0.5, None
+    factor = float(metadata.get("deepseek2.rope.scaling.factor") or 1.0)
+    if metadata.get("deepseek2.rope.scaling.type") == "yarn" and factor != 1.0:
+        original = int(get("rope.scaling.original_context_length"))
+        log_multiplier = float(metadata.get("deepseek2.rope.scaling.yarn_log_multiplier") or 0.0)
+        scale *= (1.0 + log_multiplier * math.log(factor)) ** 2  # mscale(factor, mscale_all_dim)²
+        scaling = RopeScaling(kind="yarn", factor=factor, original_max_position=original, attention_factor=1.0,  # mscale / mscale_all_dim
+                              beta_fast=float(metadata.get("deepseek2.rope.scaling.yarn_beta_fast", 32.0)),
+                              beta_slow=float(metadata.get("deepseek2.rope.scaling.yarn_beta_slow", 1.0)))  # fmt: skip
+    experts, width = int(get("expert_count")), int(get("expert_feed_forward_length"))
+    first_dense = int(metadata.get("deepseek2.leading_dense_block_count") or 0)
+    common = {**common, "head_dim": rope_dim + rank, "num_kv_heads": 1, "rope_scaling": scaling}
+    return ModelConfig(
+        architecture="deepseek_v2",
+        rotary_dim=rope_dim, query_pre_attn_scalar=scale**-2, kv_lora_rank=rank,
+        q_lora_rank=int(metadata.get("deepseek2.attention.q_lora_rank") or 0), qk_nope_head_dim=qk_dim - rope_dim,
+        qk_rope_head_dim=rope_dim, v_head_dim=v_dim, num_experts=experts, experts_per_token=int(get("expert_used_count")),
+        expert_intermediate_size=width, normalize_expert_weights=bool(metadata.get("deepseek2.expert_weights_norm", False)),
+        moe_layers=tuple(range(first_dense, common["num_layers"])),
+        shared_expert_intermediate_size=width * int(metadata.get("deepseek2.expert_shared_count") or 0), shared_expert_gated=False,
+        routed_scaling_factor=float(metadata.get("deepseek2.expert_weights_scale") or 1.0), **common,
+    )  # fmt: skip
+
+
+def rope_rows_order(gguf_name: str, config: ModelConfig) -> np.ndarray | None:
+    """The row order that turns a GGUF projection's RoPE rows from DeepSeek's interleaved pairs into
+    rotate-half's halves (queries: each head's last qk_rope_head_dim rows; kv_a: the last
+    qk_rope_head_dim), or None for other tensors."""
+    nope, rope_dim, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+    halves = np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
+    if ".attn_q." in gguf_name or ".attn_q_b." in gguf_name:
+        heads = np.arange(config.num_heads)[:, None] * (nope + rope_dim)
+        return (heads + np.concatenate([np.arange(nope), nope + halves])[None]).reshape(-1)
+    if ".attn_kv_a_mqa." in gguf_name:
+        return np.concatenate([np.arange(rank), rank + halves])
+    return None
 
 
 def prepare_deepseek_weights(tensors: dict[str, Any], config: ModelConfig, name_experts: Callable[[dict], None]) -> None:

@@ -20,12 +20,13 @@ from tqdm import tqdm
 from kvgen.config import ModelConfig, RopeScaling, alternating_layer_types, gemma3_layer_types, yarn_mscale
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
+from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
 from kvgen.kernels.formats import EXACT_SOURCES, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -57,6 +58,13 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
 }
 # Phi-3 keeps QKV fused, and gate/up fused under llama.cpp's ffn_up (no ffn_gate).
 _PHI3_LAYER_NAMES = _LAYER_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# DeepSeek-V2's latent attention; attn_k_b / attn_v_b (kv_b split, k_b transposed: [heads, rank,
+# nope] and [heads, v, rank]) load as float tensors, not projections.
+_DEEPSEEK_LAYER_NAMES = _LAYER_NAMES | {
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b", "attn_v_b": "self_attn.v_b",
+}  # fmt: skip
 # gpt-oss: a post-attention norm where Llama has ffn_norm, and a sink logit per query head.
 _GPT_OSS_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -77,7 +85,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
+            "(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -106,7 +114,7 @@ def config_from_gguf(
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
-        rope_scaling=_rope_scaling(metadata, arch),
+        rope_scaling=_rope_scaling(metadata, arch) if arch != "deepseek2" else None,  # DeepSeek's YaRN: its own
     )
     if arch in _GEMMA_ARCHITECTURES:
         # llama.cpp: the 27B models (Gemma 2: 46 layers, Gemma 3: 62) scale queries by hidden/heads.
@@ -125,6 +133,8 @@ def config_from_gguf(
         )
     if arch == "gpt-oss":
         return _gpt_oss_from_gguf(metadata, arch, common, expert_width, get)
+    if arch == "deepseek2":
+        return deepseek_config_from_gguf(metadata, get, common)
     window = metadata.get(f"{arch}.attention.sliding_window")
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if experts:  # Mixtral is llama.cpp's llama with experts
@@ -225,7 +235,10 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if arch == "gpt_oss" and part == "attn_sinks":
         return f"model.layers.{layer}.self_attn.sinks"  # a parameter of its own, no .weight
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _PHI3_LAYER_NAMES if arch == "phi3"
-             else _GPT_OSS_LAYER_NAMES if arch == "gpt_oss" else _LAYER_NAMES)  # fmt: skip
+             else _GPT_OSS_LAYER_NAMES if arch == "gpt_oss" else _DEEPSEEK_LAYER_NAMES if arch == "deepseek_v2"
+             else _LAYER_NAMES)  # fmt: skip
+    if arch == "deepseek_v2" and part in ("attn_k_b", "attn_v_b"):
+        return f"model.layers.{layer}.{names[part]}"  # a float tensor of its own, no .weight
     return f"model.layers.{layer}.{names[part]}.{suffix}" if part in names else None
 
 
@@ -314,4 +327,6 @@ def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.
             return unpermute_qk(array, config.num_kv_heads)
     if config.architecture in _GEMMA_ARCHITECTURES and gguf_name.endswith("norm.weight") and array.dtype == np.float32:
         return array - 1.0
+    if config.architecture == "deepseek_v2" and (order := rope_rows_order(gguf_name, config)) is not None:
+        return array[order]  # on whole block rows too: each row's blocks move together
     return array

@@ -43,11 +43,14 @@ class LatentAttention(CachedAttention):
             self.q = linear(weights.take(f"{prefix}.q_proj.weight"))
         self.kv_a = linear(weights.take(f"{prefix}.kv_a_proj_with_mqa.weight"), bias_of(weights, f"{prefix}.kv_a_proj_with_mqa"))
         self.kv_norm = RMSNorm(weights.take_tensor(f"{prefix}.kv_a_layernorm.weight"), eps)
-        kv_b = linear(weights.take(f"{prefix}.kv_b_proj.weight"))  # [H * (nope + v), rank]
-        kv_b = kv_b.dequantized() if hasattr(kv_b, "dequantized") else kv_b.weight.data
-        kv_b = kv_b.float().view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
-        self.w_uk = frozen(kv_b[:, : self.nope_dim].contiguous())  # [H, nope, rank]: absorbed into the queries
-        self.w_uv = frozen(kv_b[:, self.nope_dim :].contiguous())  # [H, v, rank]: applied to each head's output
+        if weights.has(f"{prefix}.k_b"):  # GGUFs converted for absorption: [H, rank, nope] and [H, v, rank]
+            w_uk, w_uv = weights.take_tensor(f"{prefix}.k_b").float().transpose(1, 2), weights.take_tensor(f"{prefix}.v_b").float()
+        else:
+            kv_b = linear(weights.take(f"{prefix}.kv_b_proj.weight"))  # [H * (nope + v), rank]
+            kv_b = kv_b.dequantized() if hasattr(kv_b, "dequantized") else kv_b.weight.data
+            w_uk, w_uv = kv_b.float().view(self.num_heads, self.nope_dim + self.v_dim, self.rank).split([self.nope_dim, self.v_dim], dim=1)
+        self.w_uk = frozen(w_uk.contiguous())  # [H, nope, rank]: absorbed into the queries
+        self.w_uv = frozen(w_uv.contiguous())  # [H, v, rank]: applied to each head's output
         self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), bias_of(weights, f"{prefix}.o_proj"))
 
     def forward(
