@@ -28,7 +28,8 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); no LoRA", "yes",
                   "random tiny (transformers)"),
     FamilySupport("deepseek_v2 (V2-Lite, V2)", "GGUF, HF", _ALL_KV + " (the cache holds the latent: one KV head)",
-                  "no: torch path (latent attention), int8 / q4 weights too; no LoRA", "yes",
+                  "yes (int8 / q4 weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "
+                  "no LoRA", "yes",
                   "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
                   "yes (int8 / q4 weights; partial RoPE too)", "yes", "random tiny (transformers)"),

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 
 from kvgen.kernels.formats import IQ4_LEVELS
+from kvgen.loading.weight_format import is_matmul_weight
 
 BYTE_ALPHABET_SIZE = 256
 Q = gguf.GGMLQuantizationType
@@ -348,7 +349,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1), True)
             add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:], True)
         else:
-            add(gguf_tensor_name(name, arch), values, name.endswith("_proj.weight") or name == "lm_head.weight")
+            add(gguf_tensor_name(name, arch), values, is_matmul_weight(name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

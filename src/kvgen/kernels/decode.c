@@ -57,6 +57,19 @@ typedef struct {
     int64_t shared_intermediate;
     const float* shared_gate;  // [hidden]; NULL: ungated
     qlinear shared_gate_up, shared_down;
+    // DeepSeek-V2's latent attention (mla_rank > 0; models/mla.py): qkv is q_proj and kv_a as one
+    // linear into mla_raw (each head's nope + rope query values, then the latent and the RoPE key);
+    // w_uk [heads, nope, rank] turns a head's nope part into the latent, w_uv [heads, v, rank] the
+    // latent part of its output into its v values (mla_out: o's input). One kv head of head_dim =
+    // rope + rank channels, the first rope turned; the value is the key before RoPE.
+    int64_t mla_rank, mla_nope, mla_rope, mla_v;
+    const float* mla_kv_norm;  // [rank]
+    const float* w_uk;
+    const float* w_uv;
+    float* mla_raw;  // [heads * (nope + rope) + rank + rope]
+    float* mla_out;  // [heads * v]
+    float routed_scale;  // DeepSeek's routed_scaling_factor on the chosen experts' weights (0: 1)
+    float pad3;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -220,6 +233,58 @@ static void lora_team(const lora_linear* lora, int which, const qlinear* l, cons
         lora_delta_team(&lora[which], l->k, l->n, x, y, rows, slots, xa);
 }
 
+// Latent attention (DeepSeek-V2). Head h's query from the raw projection: its RoPE part, then
+// W_UK[h]^T q_nope (the latent the keys hold); q: [rope + rank].
+static void mla_query(const block_t* b, const float* raw, int64_t h, float* q) {
+    const int64_t nope = b->mla_nope, rope = b->mla_rope, rank = b->mla_rank;
+    const float* head = raw + h * (nope + rope);
+    const float* w = b->w_uk + h * nope * rank;
+    float* latent = q + rope;
+    memcpy(q, head + nope, (size_t)rope * sizeof(float));
+    for (int64_t r = 0; r < rank; r++) latent[r] = 0.0f;
+    for (int64_t n = 0; n < nope; n++) {
+        const float a = head[n];
+        const float* row = w + n * rank;
+        for (int64_t r = 0; r < rank; r++) latent[r] += a * row[r];
+    }
+}
+
+// The token's key (and value) from the raw projection: [RoPE key, norm(latent)]; k: [rope + rank].
+static void mla_key(const block_t* b, const float* raw, float* k) {
+    const float* kv = raw + b->num_heads * (b->mla_nope + b->mla_rope);
+    memcpy(k, kv + b->mla_rank, (size_t)b->mla_rope * sizeof(float));
+    rms_norm(kv, b->mla_kv_norm, b->eps, b->mla_rank, k + b->mla_rope);
+}
+
+// Head h's v output values, W_UV[h] . (the latent part of its attention output), into out + h * v.
+static void mla_value(const block_t* b, const float* attn, int64_t h, float* out) {
+    const int64_t v = b->mla_v, rank = b->mla_rank;
+    const float* latent = attn + h * b->head_dim + b->mla_rope;
+    for (int64_t j = 0; j < v; j++) out[h * v + j] = dot(b->w_uv + (h * v + j) * rank, latent, rank);
+}
+
+// block_pre_team for latent attention: queries over the latent, the new key (and value) into
+// k_out / v_out, q in b->qkv_out for every thread.
+static void mla_pre_team(const block_t* b, const thread_scratch* t, const float* cos, const float* sin, float* k_out,
+                         float* v_out) {
+    const int64_t d = b->head_dim;
+    rms_norm(t->h, b->input_norm, b->eps, b->hidden, t->x);
+    linear_team(&b->qkv, t->x, t->xq, t->sums, b->mla_raw);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < b->num_heads; h++) {
+        mla_query(b, b->mla_raw, h, b->qkv_out + h * d);
+        rotate_half(b->qkv_out + h * d, cos, sin, b->rotary_dim);
+    }
+#pragma omp single
+    {
+        float* k = b->qkv_out + b->num_heads * d;
+        mla_key(b, b->mla_raw, k);
+        memcpy(v_out, k, (size_t)d * sizeof(float));  // the value: the key before RoPE (only its latent is read)
+        rotate_half(k, cos, sin, b->rotary_dim);
+        memcpy(k_out, k, (size_t)d * sizeof(float));
+    }
+}
+
 // norm(h) -> q, k, v; QK-norm and RoPE; the new key and value of each kv head written to k_out/v_out
 // + head * out_head_stride. By every thread of a team (t: its scratch); returns after a barrier,
 // with q in b->qkv_out for every thread. lora: this layer's LORA_LINEARS deltas, or NULL; slot: the
@@ -227,6 +292,10 @@ static void lora_team(const lora_linear* lora, int which, const qlinear* l, cons
 static void block_pre_team(const block_t* b, const thread_scratch* t, const float* cos, const float* sin, float* k_out,
                            float* v_out, int64_t out_head_stride, const lora_linear* lora, const int64_t* slot,
                            float* xa) {
+    if (b->mla_rank > 0) {  // no adapters: the LoRA registry refuses latent attention
+        mla_pre_team(b, t, cos, sin, k_out, v_out);
+        return;
+    }
     const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
     rms_norm(t->h, b->input_norm, b->eps, b->hidden, t->x);
     linear_team(&b->qkv, t->x, t->xq, t->sums, b->qkv_out);
@@ -620,7 +689,8 @@ static inline float shared_expert_gate(const block_t* b, const float* x) {
 // A token's experts from its router scores [num_experts]: the top_k by softmax probability (ties:
 // the lower index), returned in ascending expert order (the order their outputs are summed in,
 // here, in the rows step and in models/moe.py), with their weights: the probabilities, divided by
-// their sum (taken from the most probable down, as torch sums topk's output) when normalize.
+// their sum (taken from the most probable down, as torch sums topk's output) when normalize, times
+// routed_scale (DeepSeek).
 static void route_experts(const block_t* b, const float* scores, int64_t* ids, float* weights) {
     const int64_t n = b->num_experts, k = b->top_k;
     float top = scores[0], total = 0.0f;
@@ -645,7 +715,7 @@ static void route_experts(const block_t* b, const float* scores, int64_t* ids, f
         int64_t at = 0;
         for (int64_t i = 0; i < k; i++) at += order[i] < order[j];
         ids[at] = order[j];
-        weights[at] = b->normalize ? p[j] / chosen : p[j];
+        weights[at] = (b->normalize ? p[j] / chosen : p[j]) * (b->routed_scale > 0.0f ? b->routed_scale : 1.0f);
     }
 }
 
@@ -682,8 +752,14 @@ static void experts_team(const block_t* b, const thread_scratch* t) {
 // read by every thread before the next linear writes it: the barrier that closes gate_up).
 static void block_finish_team(const block_t* b, const thread_scratch* t, const lora_linear* lora, const int64_t* slot,
                               float* xa) {
-    linear_team(&b->o, b->attn, t->xq, t->sums, b->x);
-    lora_team(lora, LORA_O, &b->o, b->attn, b->x, 1, slot, xa);
+    const float* o_in = b->attn;
+    if (b->mla_rank > 0) {  // each head's latent output expanded to its values
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < b->num_heads; h++) mla_value(b, b->attn, h, b->mla_out);
+        o_in = b->mla_out;
+    }
+    linear_team(&b->o, o_in, t->xq, t->sums, b->x);
+    lora_team(lora, LORA_O, &b->o, o_in, b->x, 1, slot, xa);
     add_residual_team(t, b->x, b->attn_out_norm, b->eps, b->hidden);
 
     rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);

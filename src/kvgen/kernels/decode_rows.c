@@ -336,6 +336,17 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
     for (int64_t i = 0; i < n; i++) attend_end(st->s->attn + (r0 + i) * nq + head * d, count, d, state[i]);
 }
 
+// Row r's latent-attention query, key and value (the key before RoPE) into its qkv_out slots,
+// from its raw projection in s->mlp; row_rotate then turns and stores them as any row's.
+static void mla_row(const rows_step* st, const block_t* b, int64_t r) {
+    const int64_t d = b->head_dim, nq = b->num_heads * d, raw_width = b->qkv.n;
+    const float* raw = st->s->mlp + r * raw_width;
+    float* q = st->s->qkv_out + r * (nq + 2 * d);
+    for (int64_t h = 0; h < b->num_heads; h++) mla_query(b, raw, h, q + h * d);
+    mla_key(b, raw, q + nq);
+    memcpy(q + nq + d, q + nq, (size_t)d * sizeof(float));
+}
+
 // One layer's attention for every row, the new keys/values already stored, by the team (t: this
 // thread's codes scratch); returns after a barrier.
 static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
@@ -370,13 +381,26 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
     const block_t* b = &st->blocks[layer];
     const rows_scratch* s = st->s;
     const int64_t hidden = b->hidden, inter = b->intermediate, rows = st->rows;
-    linear_lora_rows_team(st, layer, LORA_QKV, &b->qkv, s->x, s->qkv_out);
+    const int mla = b->mla_rank > 0;
+    linear_lora_rows_team(st, layer, LORA_QKV, &b->qkv, s->x, mla ? s->mlp : s->qkv_out);
+    if (mla) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) mla_row(st, b, r);
+    }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) row_rotate(st, layer, r);
     attend_rows_team(st, layer, t);
+    const float* o_in = s->attn;
+    if (mla) {  // each row's heads expanded to their values, packed [rows, heads * v] in x
+        const int64_t width = b->num_heads * b->mla_v;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(st, &b->o, s->attn, r);
-    linear_lora_rows_team(st, layer, LORA_O, &b->o, s->attn, s->y);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < b->num_heads; h++) mla_value(b, s->attn + r * b->num_heads * b->head_dim, h, s->x + r * width);
+        o_in = s->x;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) quantize_row(st, &b->o, o_in, r);
+    linear_lora_rows_team(st, layer, LORA_O, &b->o, o_in, s->y);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         add_residual(st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);

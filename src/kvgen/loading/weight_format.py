@@ -48,7 +48,7 @@ def resolve_mode(mode: WeightMode, file_is_quantized: bool) -> Literal["fp32", "
 
 
 def is_matmul_weight(hf_name: str) -> bool:
-    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+    return hf_name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or hf_name == "lm_head.weight"  # the latter: DeepSeek's kv_a
 
 
 def quantizable(shape: tuple[int, ...]) -> bool:

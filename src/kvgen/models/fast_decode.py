@@ -31,6 +31,7 @@ from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
+from kvgen.models.mla import LatentAttention
 from kvgen.models.moe import SparseMoE
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding
@@ -63,6 +64,13 @@ def rows_scratch(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: in
     return buffers, _RowsScratch(*(buffer.data_ptr() for buffer in buffers))
 
 
+def _latent_projection_width(config) -> int:
+    """DeepSeek's fused q_proj + kv_a output width (0 for other models)."""
+    if not config.kv_lora_rank:
+        return 0
+    return config.num_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim) + config.kv_lora_rank + config.qk_rope_head_dim
+
+
 class BlockStruct(ctypes.Structure):
     """One pre-norm block as kernels/decode.c's block_t describes it (kvgen_decode_layers' blocks)."""
 
@@ -80,6 +88,10 @@ class BlockStruct(ctypes.Structure):
         ("sinks", _ptr), ("router_bias", _ptr), ("swiglu_alpha", _f32), ("swiglu_limit", _f32),
         # Qwen2-MoE's shared expert (shared_intermediate 0: none)
         ("shared_intermediate", _i64), ("shared_gate", _ptr), ("shared_gate_up", _QLinear), ("shared_down", _QLinear),
+        # DeepSeek-V2's latent attention (mla_rank 0: none)
+        ("mla_rank", _i64), ("mla_nope", _i64), ("mla_rope", _i64), ("mla_v", _i64),
+        ("mla_kv_norm", _ptr), ("w_uk", _ptr), ("w_uv", _ptr), ("mla_raw", _ptr), ("mla_out", _ptr),
+        ("routed_scale", _f32), ("pad3", _f32),
     ]  # fmt: skip
 
 
@@ -161,9 +173,8 @@ class FastDecoder:
             return False
         for block in model.layers:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
-            if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP | SparseMoE):
-                return False
-            if isinstance(mlp, SparseMoE) and mlp.scaling != 1.0:  # decode.c does not scale routed weights
+            latent = isinstance(attn, LatentAttention) and attn.qkv is not None  # V2's query latent: torch path
+            if not (isinstance(attn, Attention) or latent) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
             gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
             linears = (attn.qkv, attn.o_proj, *(m.gate_up for m in gated), *(m.down for m in gated))
@@ -191,13 +202,17 @@ class FastDecoder:
             _norm_ptr(block.post_attn_norm) if gemma else None,
             _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),
             _norm_ptr(block.post_mlp_norm) if gemma else None,
-            _norm_ptr(attn.q_norm), _norm_ptr(attn.k_norm),
+            _norm_ptr(getattr(attn, "q_norm", None)), _norm_ptr(getattr(attn, "k_norm", None)),
             qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj),
             _QLinear() if experts else qlinear_struct(mlp.gate_up), _QLinear() if experts else qlinear_struct(mlp.down),
             self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
             self._scratch(2 * max(intermediate, shared.intermediate if shared is not None else 0)),
         )  # fmt: skip
         struct.sinks = attn.sinks.data_ptr() if attn.sinks is not None else None
+        if isinstance(attn, LatentAttention):
+            struct.mla_rank, struct.mla_nope, struct.mla_rope, struct.mla_v = attn.rank, attn.nope_dim, attn.rope_dim, attn.v_dim
+            struct.mla_kv_norm, struct.w_uk, struct.w_uv = _norm_ptr(attn.kv_norm), attn.w_uk.data_ptr(), attn.w_uv.data_ptr()
+            struct.mla_raw, struct.mla_out = self._scratch(attn.qkv.out_features), self._scratch(attn.num_heads * attn.v_dim)
         struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
         if experts:
             struct.router_bias = mlp.router_bias.data_ptr() if mlp.router_bias is not None else None
@@ -205,6 +220,7 @@ class FastDecoder:
             downs = (_QLinear * len(experts))(*(qlinear_struct(e.down) for e in experts))
             self._structs += [gate_ups, downs]  # the block struct points into them
             struct.num_experts, struct.top_k, struct.normalize = len(experts), mlp.top_k, int(mlp.normalize)
+            struct.routed_scale = mlp.scaling
             struct.router, struct.router_out = mlp.router.data_ptr(), self._scratch(len(experts))
             struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
         if shared is not None:
@@ -385,7 +401,8 @@ class FastDecoder:
             config = self.model.config
             self._rows_buffers, self._rows_scratch = rows_scratch(
                 rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                max(config.intermediate_size, config.expert_intermediate_size, config.shared_expert_intermediate_size),
+                max(config.intermediate_size, config.expert_intermediate_size, config.shared_expert_intermediate_size,
+                    _latent_projection_width(config) // 2 + 1),  # the rows' mlp scratch holds latent attention's raw projection
             )  # fmt: skip
             self._rows_capacity = rows
         return self._rows_scratch
