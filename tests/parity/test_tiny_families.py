@@ -237,11 +237,12 @@ def assert_c_step_matches_the_torch_path(llm: LLM, ids: list[int], tolerance: fl
     assert (per_token < tolerance).float().mean() >= agree and per_token.max() < 0.05, per_token.tolist()
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
-def test_c_steps_over_kv_codes_soft_cap_and_sink_as_the_torch_path(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss", "deepseek-v2"])
+def test_c_steps_over_kv_codes_as_the_torch_path(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """int8 weights over K/V codes: the C steps soft-cap (Gemma 2) the scores they compute from the
-    codes and fold in the sink logits (gpt-oss) as the torch path does over the decoded values: one
+    codes, fold in the sink logits (gpt-oss) and attend over the latent (DeepSeek-V2) as the torch
+    path does over the decoded values: one
     sequence's int8 codes (kvgen_decode_layers_over_codes), and the engine's pool (its rows step over
     codes, rows of different lengths) holding fp32 codes, where nothing but the summation order differs."""
     from kvgen.kernels import load
