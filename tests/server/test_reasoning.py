@@ -164,3 +164,13 @@ def test_responses_put_the_reasoning_in_its_own_item(harmony: LiveServer) -> Non
     fresh = openai_client.responses.create(model="smollm2", input="And in Rome?", max_output_tokens=4)
     assert follow.usage.input_tokens > fresh.usage.input_tokens  # the stored turn goes before it
     harmony.assert_no_leaks()
+
+
+def test_completions_keep_special_tokens_when_asked(server) -> None:
+    """skip_special_tokens false (vLLM's extension): the text keeps special tokens, here SmolLM2's
+    <|im_end|> forced by a bias past EOS; by default they are left out."""
+    request = dict(model="smollm2", prompt="Hi", max_tokens=3, temperature=0, logit_bias={"2": 100})
+    openai_client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    kept = openai_client.completions.create(**request, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == "<|im_end|>" * 3
+    assert openai_client.completions.create(**request, extra_body={"ignore_eos": True}).choices[0].text == ""
