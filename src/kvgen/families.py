@@ -22,10 +22,12 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
     FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
     FamilySupport("mixtral / qwen2_moe / qwen3_moe", "GGUF, HF", _ALL_KV,
-                  "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); no LoRA",
+                  "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); LoRA on attention "
+                  "and dense layers, not on experts",
                   "yes", "random tiny (transformers)"),
     FamilySupport("gpt_oss", "GGUF, HF (MXFP4 experts exact in 8-bit blocks)",
-                  _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); no LoRA", "yes",
+                  _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); LoRA on attention only",
+                  "yes",
                   "random tiny (transformers)"),
     FamilySupport("deepseek_v2 (V2-Lite, V2)", "GGUF, HF", _ALL_KV + " (the cache holds the latent: one KV head)",
                   "yes (int8 / q4 weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "

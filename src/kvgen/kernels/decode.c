@@ -763,7 +763,7 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     add_residual_team(t, b->x, b->attn_out_norm, b->eps, b->hidden);
 
     rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
-    if (b->num_experts > 0) {  // no adapters here (the LoRA registry refuses mixtures)
+    if (b->num_experts > 0) {  // no adapters on experts (the LoRA registry refuses them; attention's apply above)
         experts_team(b, t);
         add_residual_team(t, t->y, b->mlp_out_norm, b->eps, b->hidden);
         return;

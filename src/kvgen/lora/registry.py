@@ -20,6 +20,7 @@ from kvgen.lora.gguf_lora import is_gguf_lora, load_gguf_lora
 from kvgen.lora.peft_folder import is_peft_folder, load_peft_folder
 from kvgen.models.layers import Attention, GatedMLP
 from kvgen.models.lora import FUSED_MODULES, LoraStacks
+from kvgen.models.moe import SparseMoE
 
 
 def read_adapter(name: str, path: str | Path, config) -> LoraAdapter:  # config: ModelConfig
@@ -82,12 +83,23 @@ class AdapterRegistry:
         return {fused: tuple(sizes[p] for p in projs) for fused, projs in FUSED_MODULES.items()}
 
     def check_model(self) -> None:
-        """AdapterError unless every block is attention + gated MLP (the linears LoRA targets)."""
+        """AdapterError unless every block is grouped-query attention + a gated MLP or a mixture of
+        experts (the linears LoRA targets: a mixture's experts take none, its attention does)."""
         for block in getattr(self.model, "layers", []):
-            if not isinstance(getattr(block, "attn", None), Attention) or not isinstance(getattr(block, "mlp", None), GatedMLP):
+            if not isinstance(getattr(block, "attn", None), Attention) or not isinstance(getattr(block, "mlp", None), GatedMLP | SparseMoE):
                 raise AdapterError(f"LoRA adapters are not supported for {self.model.config.architecture} models")
         if not hasattr(self.model, "layers"):
             raise AdapterError(f"LoRA adapters are not supported for {self.model.config.architecture} models")
+
+    def check_adapter(self, adapter: LoraAdapter) -> None:
+        """AdapterError when the adapter changes a mixture's MLP (its experts): kvgen applies LoRA to
+        attention everywhere and to the MLP of dense layers only."""
+        moe = set(getattr(self.model.config, "moe_layers", ()))
+        touched = sorted({layer for layer, projection in adapter.weights if layer in moe and projection in ("gate", "up", "down")})
+        if touched:
+            raise AdapterError(f"adapter {adapter.name!r} changes the MLP of layer {touched[0]}, a mixture of experts: kvgen applies "
+                               "LoRA to a mixture's attention (q, k, v, o) and to dense layers' MLPs; train it without MLP targets "
+                               "on those layers")  # fmt: skip
 
     # -- loading -----------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path) -> LoraAdapter:
@@ -100,6 +112,7 @@ class AdapterRegistry:
             if name in self._entries:
                 raise AdapterError(f"an adapter named {name!r} is loaded already: unload it first or pick another name")
         adapter = read_adapter(name, path, self.model.config)  # slow part outside the lock
+        self.check_adapter(adapter)
         with self._lock:
             if name in self._entries:
                 raise AdapterError(f"an adapter named {name!r} is loaded already: unload it first or pick another name")
@@ -225,7 +238,8 @@ class AdapterRegistry:
     def _attach(self, stacks: LoraStacks | None) -> None:
         for i, block in enumerate(self.model.layers):
             block.attn.lora = stacks
-            block.mlp.lora, block.mlp.layer = stacks, i
+            if isinstance(block.mlp, GatedMLP):  # a mixture's experts take no adapter (check_adapter)
+                block.mlp.lora, block.mlp.layer = stacks, i
         self.model.lora = stacks
 
     # -- introspection -----------------------------------------------------------------------------
