@@ -10,7 +10,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from kvgen.generate import Chunk, ChunkCallback, GenerationResult, GenerationStream, Generator
-from kvgen.replies import REPLY_FORMATS, ParsedReply, ReplyFormat, detect_reply_format, parse_reply, reply_parser
+from kvgen.replies import (REPLY_FORMATS, ParsedReply, ReplyFormat, detect_reply_format, parse_reply, reply_parser,
+                           skips_special_tokens)  # fmt: skip
 from kvgen.token_ids import common_prefix_length
 from kvgen.sampling.params import SamplingParams
 
@@ -78,7 +79,7 @@ class Session:
         the chat template to show again or drop. `last_reply` holds the parsed reply. The chunks are
         the raw text; for a harmony model (gpt-oss) it keeps the channels' special tokens."""
         params = params or SamplingParams()
-        if self.reply_format == "harmony" and params.skip_special_tokens:
+        if not skips_special_tokens(self.reply_format) and params.skip_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         messages = self.messages + [{"role": "user", "content": user_message}]
         prompt = self.generator.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -37,15 +37,11 @@ def deepseek_config(raw: dict[str, Any], common: dict[str, Any], rope: dict[str,
         scale *= yarn_mscale(scaling.factor, float(rope["mscale_all_dim"])) ** 2
     first_dense, frequency = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
     layers = tuple(i for i in range(common["num_layers"]) if i >= first_dense and i % frequency == 0)
-    common = {**common, "head_dim": rope_dim + rank, "num_kv_heads": 1}
-    return ModelConfig(
-        architecture="deepseek_v2", rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
-        attention_bias=bool(raw.get("attention_bias", False)), rotary_dim=rope_dim, query_pre_attn_scalar=scale**-2,
-        kv_lora_rank=rank, q_lora_rank=int(raw.get("q_lora_rank") or 0), qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
-        v_head_dim=v_dim, num_experts=experts, experts_per_token=per_token, expert_intermediate_size=width,
-        normalize_expert_weights=bool(raw.get("norm_topk_prob", False)), moe_layers=layers,
-        shared_expert_intermediate_size=width * shared, shared_expert_gated=False,
-        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0), **common,
+    return _latent_config(
+        {**common, "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
+         "attention_bias": bool(raw.get("attention_bias", False))}, scale, rank, int(raw.get("q_lora_rank") or 0), nope, rope_dim,
+        v_dim, experts, per_token, width, shared, bool(raw.get("norm_topk_prob", False)), layers,
+        float(raw.get("routed_scaling_factor") or 1.0),
     )  # fmt: skip
 
 
@@ -71,53 +67,62 @@ def deepseek_config_from_gguf(metadata: dict[str, Any], get: Callable[..., Any],
         scaling = RopeScaling(kind="yarn", factor=factor, original_max_position=original, attention_factor=1.0,  # mscale / mscale_all_dim
                               beta_fast=float(metadata.get("deepseek2.rope.scaling.yarn_beta_fast", 32.0)),
                               beta_slow=float(metadata.get("deepseek2.rope.scaling.yarn_beta_slow", 1.0)))  # fmt: skip
-    experts, width = int(get("expert_count")), int(get("expert_feed_forward_length"))
     first_dense = int(metadata.get("deepseek2.leading_dense_block_count") or 0)
-    common = {**common, "head_dim": rope_dim + rank, "num_kv_heads": 1, "rope_scaling": scaling}
+    return _latent_config(
+        {**common, "rope_scaling": scaling}, scale, rank, int(metadata.get("deepseek2.attention.q_lora_rank") or 0),
+        qk_dim - rope_dim, rope_dim, v_dim, int(get("expert_count")), int(get("expert_used_count")),
+        int(get("expert_feed_forward_length")), int(metadata.get("deepseek2.expert_shared_count") or 0),
+        bool(metadata.get("deepseek2.expert_weights_norm", False)), tuple(range(first_dense, common["num_layers"])),
+        float(metadata.get("deepseek2.expert_weights_scale") or 1.0),
+    )  # fmt: skip
+
+
+def _latent_config(common: dict[str, Any], scale: float, rank: int, q_rank: int, nope: int, rope_dim: int, v_dim: int,
+                   experts: int, per_token: int, width: int, shared: int, normalize: bool, layers: tuple[int, ...],
+                   routed_scale: float) -> ModelConfig:  # fmt: skip
+    """DeepSeek-V2's config from either format: one KV head of rope + rank channels (the latent and
+    the RoPE key), RoPE over the first rope_dim, the score scale, routed experts and `shared`
+    ungated shared ones of `width` each."""
     return ModelConfig(
-        architecture="deepseek_v2",
-        rotary_dim=rope_dim, query_pre_attn_scalar=scale**-2, kv_lora_rank=rank,
-        q_lora_rank=int(metadata.get("deepseek2.attention.q_lora_rank") or 0), qk_nope_head_dim=qk_dim - rope_dim,
-        qk_rope_head_dim=rope_dim, v_head_dim=v_dim, num_experts=experts, experts_per_token=int(get("expert_used_count")),
-        expert_intermediate_size=width, normalize_expert_weights=bool(metadata.get("deepseek2.expert_weights_norm", False)),
-        moe_layers=tuple(range(first_dense, common["num_layers"])),
-        shared_expert_intermediate_size=width * int(metadata.get("deepseek2.expert_shared_count") or 0), shared_expert_gated=False,
-        routed_scaling_factor=float(metadata.get("deepseek2.expert_weights_scale") or 1.0), **common,
+        architecture="deepseek_v2", rotary_dim=rope_dim, query_pre_attn_scalar=scale**-2, kv_lora_rank=rank, q_lora_rank=q_rank,
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=v_dim, num_experts=experts, experts_per_token=per_token,
+        expert_intermediate_size=width, normalize_expert_weights=normalize, moe_layers=layers,
+        shared_expert_intermediate_size=width * shared, shared_expert_gated=False, routed_scaling_factor=routed_scale,
+        **{**common, "head_dim": rope_dim + rank, "num_kv_heads": 1},
     )  # fmt: skip
 
 
 def rope_rows_order(gguf_name: str, config: ModelConfig) -> np.ndarray | None:
-    """The row order that turns a GGUF projection's RoPE rows from DeepSeek's interleaved pairs into
-    rotate-half's halves (queries: each head's last qk_rope_head_dim rows; kv_a: the last
-    qk_rope_head_dim), or None for other tensors."""
+    """For a GGUF tensor: the row order of `latent_rope_order`, or None for tensors with no RoPE rows."""
+    if ".attn_q." in gguf_name or ".attn_q_b." in gguf_name:
+        return latent_rope_order(config, "query")
+    if ".attn_kv_a_mqa." in gguf_name:
+        return latent_rope_order(config, "kv_a")
+    return None
+
+
+def latent_rope_order(config: ModelConfig, rows: str) -> np.ndarray:
+    """The row order that turns a projection's RoPE rows from DeepSeek's interleaved pairs (x0, x1),
+    (x2, x3)... into the halves kvgen's rotate-half turns together (x0 with x_{d/2}): `rows`
+    "query" (each head's last qk_rope_head_dim rows) or "kv_a" (its last qk_rope_head_dim)."""
     nope, rope_dim, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
     halves = np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
-    if ".attn_q." in gguf_name or ".attn_q_b." in gguf_name:
-        heads = np.arange(config.num_heads)[:, None] * (nope + rope_dim)
-        return (heads + np.concatenate([np.arange(nope), nope + halves])[None]).reshape(-1)
-    if ".attn_kv_a_mqa." in gguf_name:
+    if rows == "kv_a":
         return np.concatenate([np.arange(rank), rank + halves])
-    return None
+    heads = np.arange(config.num_heads)[:, None] * (nope + rope_dim)
+    return (heads + np.concatenate([np.arange(nope), nope + halves])[None]).reshape(-1)
 
 
 def prepare_deepseek_weights(tensors: dict[str, Any], config: ModelConfig, name_experts: Callable[[dict], None]) -> None:
     """In place, before any quantization: the shared experts under one MLP's names
     (mlp.shared_experts -> mlp.shared_expert), the routed experts one weight each (`name_experts`),
-    and the RoPE rows of the queries and of kv_a_proj from DeepSeek's interleaved pairs (x0, x1),
-    (x2, x3)... into the halves kvgen's rotate-half turns together (x0 with x_{d/2})."""
+    and the RoPE rows of the queries and of kv_a_proj in rotate-half's order (`latent_rope_order`)."""
     for name in list(tensors):
         if _SHARED_EXPERTS.match(name):
             tensors[_SHARED_EXPERTS.sub(r"\1.shared_expert.", name)] = tensors.pop(name)
     name_experts(tensors)
-    heads, nope, rope_dim, rank = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
     for name, tensor in list(tensors.items()):
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            rows = tensor.view(heads, nope + rope_dim, -1)
-            tensors[name] = torch.cat([rows[:, :nope], _halves(rows[:, nope:])], dim=1).reshape(tensor.shape).contiguous()
+            tensors[name] = tensor[torch.from_numpy(latent_rope_order(config, "query"))].contiguous()
         elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
-            tensors[name] = torch.cat([tensor[:rank], _halves(tensor[rank:].unsqueeze(0))[0]], dim=0).contiguous()
-
-
-def _halves(pairs: torch.Tensor) -> torch.Tensor:
-    """[..., d, columns] rows in interleaved pairs -> the even rows, then the odd ones."""
-    return torch.cat([pairs[:, 0::2], pairs[:, 1::2]], dim=1)
+            tensors[name] = tensor[torch.from_numpy(latent_rope_order(config, "kv_a"))].contiguous()

@@ -24,6 +24,12 @@ def detect_reply_format(tokenizer: Tokenizer) -> ReplyFormat:
     return "plain"
 
 
+def skips_special_tokens(reply_format: ReplyFormat) -> bool:
+    """Whether a reply in this format decodes without its special tokens: harmony's channels are
+    special tokens its parser reads, so harmony replies keep them."""
+    return reply_format != "harmony"
+
+
 def starts_in_reasoning(prompt: str) -> bool:
     """Whether the prompt ends inside an open `<think>` block (the generation prompt opened it)."""
     opened = prompt.rfind(OPEN)

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from kvgen.replies import ReplyFormat, reply_parser
+from kvgen.replies import ReplyFormat, reply_parser, skips_special_tokens
 from kvgen.result import GenerationResult
 from kvgen.server.logprobs import chat_logprobs, completion_logprobs
 from kvgen.server.replies import ReplyStream, reasoning_tokens
@@ -34,7 +34,7 @@ class OutputSpec:
     def reasoning_tokens(self, result: GenerationResult) -> int:
         if not self.chat or self.reply_format == "plain":
             return 0
-        return reasoning_tokens(self.tokenizer, self.reply_stream(), result.token_ids, self.reply_format != "harmony")
+        return reasoning_tokens(self.tokenizer, self.reply_stream(), result.token_ids, skips_special_tokens(self.reply_format))
 
     def logprobs_body(self, logprobs: list, offset: int = 0) -> dict | None:
         if not self.logprobs:

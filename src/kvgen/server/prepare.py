@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgen.replies.formats import starts_in_reasoning
+from kvgen.replies.formats import skips_special_tokens, starts_in_reasoning
 from kvgen.server.choices import Job
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, encode_bounded
@@ -91,7 +91,7 @@ def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = Non
         n=body.n or 1, seed=body.seed, stop=body.stop, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
-        skip_special_tokens=reply_format != "harmony",  # harmony's channels are special tokens
+        skip_special_tokens=skips_special_tokens(reply_format),
     )  # fmt: skip
     params = build_params(sampling, "chat", serving.config.max_tokens_limit, engine, limits, structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -21,7 +21,7 @@ from kvgen.server.config import tenant_salt
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, read_json
 from kvgen.server.params import Sampling, build_params, build_speculative, json_schema_output
-from kvgen.replies import reply_parser
+from kvgen.replies import reply_parser, skips_special_tokens
 from kvgen.replies.formats import starts_in_reasoning
 from kvgen.server.prepare import render_chat_prompt, template_variables
 from kvgen.server.protocol import parse
@@ -84,7 +84,7 @@ class ResponsesAPI:
         ids, prompt_text = await asyncio.to_thread(render_chat_prompt, tokenizer, prompt, plan, serving.prompt_limit, "input", variables)
         structured = await asyncio.to_thread(reply_grammar, reply_format, plan, answer, starts_in_reasoning(prompt_text), "text.format")
         sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, adapter=adapter,
-                            skip_special_tokens=reply_format != "harmony")  # fmt: skip
+                            skip_special_tokens=skips_special_tokens(reply_format))  # fmt: skip
         params = build_params(sampling, "responses", serving.config.max_tokens_limit, serving.engine.engine, serving.limits, structured)
         request_id, salt, speculative = f"resp_{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         jobs = [(ids, params[0])]
@@ -95,7 +95,7 @@ class ResponsesAPI:
             return ReplyStream(reply_parser(reply_format, prompt_text), plan)
 
         def finish(result: GenerationResult, output: list[dict]) -> dict:
-            thinking = reasoning_tokens(tokenizer, reply(), result.token_ids, skip_special_tokens=reply_format != "harmony")
+            thinking = reasoning_tokens(tokenizer, reply(), result.token_ids, skip_special_tokens=skips_special_tokens(reply_format))
             done = _completed(shell, result, output, thinking)
             if body.store is not False:
                 self._keep(request_id, Stored(tenant_salt(api_key, None), conversation + output_messages(output), done))
