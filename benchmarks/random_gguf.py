@@ -18,6 +18,10 @@ the rest F32):
   query latent, by that count), hidden 768, 16 heads with latent
   attention at V2-Lite's own widths (a 512-wide latent, RoPE keys of 64, nope 128, values 128), the
   first layer dense (width 2048), then 32 experts of width 384, 6 per token, and 2 shared.
+- deepseek-v3: a scaled-down Moonlight-16B-A3B (DeepSeek-V3's blocks and routing without a query
+  latent): V2-Lite's attention widths as above, 27 layers, hidden 768, the first layer dense, then
+  64 experts of width 384, 6 per token chosen by sigmoid score plus a random choice bias, weights
+  renormalised x 2.446, and 2 shared.
 - gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
   width 4608, sliding (4,096) and global layers alternating, scores soft-capped at 50, logits at 30.
 - gpt-oss: a scaled-down gpt-oss-20b: 12 layers, hidden 768, 12 query / 4 KV heads of 64 with sink
@@ -57,6 +61,12 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "first_k_dense_replace": 1, "n_routed_experts": 32, "num_experts_per_tok": 6, "n_shared_experts": 2,
         "moe_intermediate_size": 384, "topk_method": "greedy", "tie_word_embeddings": False, "max_position_embeddings": 4096}),
+    "deepseek-v3": ("DeepseekV3Config", {
+        "num_hidden_layers": 27, "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "first_k_dense_replace": 1, "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+        "moe_intermediate_size": 384, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.446,
+        "tie_word_embeddings": False, "max_position_embeddings": 4096}),
     "gemma2": ("Gemma2Config", {
         "hidden_size": 1152, "intermediate_size": 4608, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
@@ -95,6 +105,9 @@ def main() -> None:
         for name, parameter in model.named_parameters():
             if not name.endswith("norm.weight"):
                 parameter.normal_(0, 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert choice bias (zero at init)
+                buffer.normal_(0, 0.05)
     out = peers_root() / f"random-{args.family}" / f"random-{args.family}-{args.type.lower()}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     # A tied head is the embedding: Q8_0, as in SmolLM2's file (an F32 one would be most of a step's bytes).

@@ -91,6 +91,14 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's routing (and V2's over expert groups): experts scored by "sigmoid" instead of
+    # "softmax"; where the checkpoint has a per-expert bias (e_score_correction_bias) it joins the
+    # scores that choose the experts, not their weights; with expert_groups > 1 only the
+    # expert_groups_used groups whose best score (softmax) or best two scores' sum (sigmoid) lead
+    # may be chosen from.
+    expert_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    expert_groups: int = 1
+    expert_groups_used: int = 1
     # DeepSeek-V2's multi-head latent attention (kv_lora_rank > 0, models/mla.py): keys and values
     # come from one latent of kv_lora_rank values per token plus a shared RoPE key of
     # qk_rope_head_dim; the cache holds that latent and RoPE key as one KV head (head_dim =
@@ -117,6 +125,11 @@ class ModelConfig:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) must be between 1 and num_experts ({self.num_experts})")
         if self.moe_layers and self.expert_intermediate_size <= 0:
             raise ValueError("mixture-of-experts layers need an expert_intermediate_size")
+        if self.expert_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"expert_scoring {self.expert_scoring!r} is neither 'softmax' nor 'sigmoid'")
+        if self.expert_groups > 1 and (self.num_experts % self.expert_groups or not 1 <= self.expert_groups_used <= self.expert_groups):
+            raise ValueError(f"{self.num_experts} experts cannot form {self.expert_groups} groups of which "
+                             f"{self.expert_groups_used} are used")  # fmt: skip
 
     @property
     def attention_scale(self) -> float:

@@ -176,6 +176,8 @@ def gguf_tensor_name(hf_name: str, architecture: str) -> str:
     if hf_name in _GGUF_GLOBALS:
         return _GGUF_GLOBALS[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest == "mlp.gate.e_score_correction_bias":  # DeepSeek-V3's
+        return f"blk.{layer}.exp_probs_b.bias"
     part, suffix = rest.rsplit(".", 1)
     gemma = architecture.startswith("gemma")
     if architecture == "gpt-oss" and rest == "self_attn.sinks":
@@ -211,6 +213,10 @@ def _deepseek_metadata(writer: gguf.GGUFWriter, config, split_kv_b: bool) -> Non
     writer.add_expert_weights_scale(config.routed_scaling_factor)
     if config.norm_topk_prob:
         writer.add_expert_weights_norm(True)
+    if config.model_type == "deepseek_v3":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
     writer.add_rope_dimension_count(rope_dim)
 
 
@@ -246,7 +252,8 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
 
     config = hf_model.config
     arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
-            "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2"}[config.model_type]  # fmt: skip
+            "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
+            "deepseek_v3": "deepseek2"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)

@@ -48,6 +48,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
                                              "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0,
                                              "original_max_position_embeddings": 64}}),
+    # DeepSeek-V3's routing at Moonlight's shape (no query latent): sigmoid scores, a choice bias
+    # (e_score_correction_bias, drawn at random), 16 experts in 4 groups of which the best 2 are
+    # eligible, 3 per token, renormalised weights x 2.5.
+    "deepseek-v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "kv_lora_rank": 48, "q_lora_rank": None, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 16, "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 16,
+                    "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "n_shared_experts": 1,
+                    "moe_intermediate_size": 32, "routed_scaling_factor": 2.5}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),
@@ -90,6 +97,9 @@ def _widen_and_save(model: Any, folder: Path, tokenizer_files: Path, std: float,
         for name, parameter in model.named_parameters():
             if not name.endswith(keep):
                 parameter.normal_(0, std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's starts at zero, which would choose nothing
+                buffer.normal_(0, 0.1)
     model.save_pretrained(folder)
     for file in tokenizer_files.iterdir():
         shutil.copy(file, folder / file.name)

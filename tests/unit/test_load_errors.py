@@ -107,3 +107,39 @@ def test_hf_folder_with_invalid_json(tmp_path: Path) -> None:
 def test_folder_with_single_gguf_loads_it(tiny_path: Path, tmp_path: Path) -> None:
     shutil.copy(tiny_path, tmp_path / "only.gguf")
     assert LLM.load(tmp_path, progress=False).path.name == "only.gguf"
+
+
+def test_hf_folder_with_quantized_weights_is_refused(tmp_path: Path) -> None:
+    """FP8, AWQ, GPTQ... checkpoints hold codes whose scales kvgen would not apply: refused by name."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(UnsupportedModelError, match="quantized with 'fp8'.*bf16/fp16 release or a GGUF"):
+        LLM.load(tmp_path, progress=False)
+
+
+_DEEPSEEK = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 128,
+             "kv_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 16,
+             "moe_intermediate_size": 32, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("raw,routing", [
+    ({"model_type": "deepseek_v3"}, ("sigmoid", 4, 2)),  # noaux_tc
+    ({"model_type": "deepseek_v2", "topk_method": "group_limited_greedy"}, ("softmax", 4, 2)),
+    ({"model_type": "deepseek_v2", "topk_method": "greedy"}, ("softmax", 1, 1)),  # n_group unused
+])  # fmt: skip
+def test_deepseek_expert_routing_from_config(raw: dict, routing: tuple) -> None:
+    from kvgen.loading.hf import config_from_hf
+
+    config = config_from_hf({**_DEEPSEEK, **raw})
+    assert (config.expert_scoring, config.expert_groups, config.expert_groups_used) == routing
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"model_type": "deepseek_v2", "topk_method": "noaux_tc"}, "topk_method='noaux_tc', scoring_func='softmax' is not supported"),
+    ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+    ({"model_type": "deepseek_v3", "rope_interleave": False}, "rope_interleave=false is not supported"),
+])  # fmt: skip
+def test_deepseek_routing_or_rope_kvgen_cannot_run_is_refused(raw: dict, message: str) -> None:
+    from kvgen.loading.hf import config_from_hf
+
+    with pytest.raises(UnsupportedModelError, match=message):
+        config_from_hf({**_DEEPSEEK, **raw})

@@ -70,6 +70,11 @@ typedef struct {
     float* mla_out;  // [heads * v]
     float routed_scale;  // DeepSeek's routed_scaling_factor on the chosen experts' weights (0: 1)
     float pad3;
+    // DeepSeek-V3's routing (route_experts): scores by sigmoid instead of softmax (expert_sigmoid);
+    // choice_bias [num_experts] (NULL: none) joins the scores that choose, not the weights; with
+    // expert_groups > 1 only the expert_groups_used best groups may be chosen from.
+    int64_t expert_sigmoid, expert_groups, expert_groups_used, pad4;
+    const float* choice_bias;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -686,29 +691,71 @@ static inline float shared_expert_gate(const block_t* b, const float* x) {
     return b->shared_gate ? 1.0f / (1.0f + expf(-dot(b->shared_gate, x, b->hidden))) : 1.0f;
 }
 
+// The best of `n` scores not yet in order[0..j) (ties: the lower index).
+static int64_t best_remaining(const float* scores, int64_t n, const int64_t* order, int64_t j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < n; e++) {
+        int taken = 0;
+        for (int64_t i = 0; i < j; i++) taken |= order[i] == e;
+        if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+    }
+    return best;
+}
+
+// choice [num_experts] set to -inf outside the expert_groups_used best groups (models/moe.py's
+// eligible): a group scores its best choice (softmax) or its best two's sum (sigmoid, DeepSeek-V3).
+static void keep_best_groups(const block_t* b, float* choice) {
+    const int64_t groups = b->expert_groups, size = b->num_experts / groups;
+    float group_scores[groups];
+    int64_t kept[groups];
+    for (int64_t g = 0; g < groups; g++) {
+        float first = -INFINITY, second = -INFINITY;
+        for (int64_t e = g * size; e < (g + 1) * size; e++) {
+            if (choice[e] > first) {
+                second = first;
+                first = choice[e];
+            } else if (choice[e] > second) {
+                second = choice[e];
+            }
+        }
+        group_scores[g] = b->expert_sigmoid ? first + second : first;
+    }
+    for (int64_t j = 0; j < b->expert_groups_used; j++) kept[j] = best_remaining(group_scores, groups, kept, j);
+    for (int64_t g = 0; g < groups; g++) {
+        int keep = 0;
+        for (int64_t j = 0; j < b->expert_groups_used; j++) keep |= kept[j] == g;
+        if (!keep)
+            for (int64_t e = g * size; e < (g + 1) * size; e++) choice[e] = -INFINITY;
+    }
+}
+
 // A token's experts from its router scores [num_experts]: the top_k by softmax probability (ties:
 // the lower index), returned in ascending expert order (the order their outputs are summed in,
 // here, in the rows step and in models/moe.py), with their weights: the probabilities, divided by
 // their sum (taken from the most probable down, as torch sums topk's output) when normalize, times
-// routed_scale (DeepSeek).
+// routed_scale (DeepSeek). DeepSeek-V3 (expert_sigmoid, choice_bias, expert_groups): the top_k by
+// sigmoid(score) + bias among the eligible groups, weighed by sigmoid(score), summed in that order.
 static void route_experts(const block_t* b, const float* scores, int64_t* ids, float* weights) {
     const int64_t n = b->num_experts, k = b->top_k;
     float top = scores[0], total = 0.0f;
-    for (int64_t e = 1; e < n; e++) top = scores[e] > top ? scores[e] : top;
-    for (int64_t e = 0; e < n; e++) total += expf(scores[e] - top);
-    int64_t order[k];
-    for (int64_t j = 0; j < k; j++) {  // selection: the best not yet taken
-        int64_t best = -1;
-        for (int64_t e = 0; e < n; e++) {
-            int taken = 0;
-            for (int64_t i = 0; i < j; i++) taken |= order[i] == e;
-            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
-        }
-        order[j] = best;
+    float prob[n], choice[n];
+    if (b->expert_sigmoid) {
+        for (int64_t e = 0; e < n; e++) prob[e] = 1.0f / (1.0f + expf(-scores[e]));
+    } else {
+        for (int64_t e = 1; e < n; e++) top = scores[e] > top ? scores[e] : top;
+        for (int64_t e = 0; e < n; e++) total += expf(scores[e] - top);
+        for (int64_t e = 0; e < n; e++) prob[e] = expf(scores[e] - top) / total;
     }
+    // Without a bias or groups softmax chooses by the scores themselves (the same order as the
+    // probabilities', whose rounding could tie two of them).
+    const int plain = !b->expert_sigmoid && !b->choice_bias && b->expert_groups <= 1;
+    for (int64_t e = 0; e < n; e++) choice[e] = plain ? scores[e] : prob[e] + (b->choice_bias ? b->choice_bias[e] : 0.0f);
+    if (b->expert_groups > 1) keep_best_groups(b, choice);
+    int64_t order[k];
+    for (int64_t j = 0; j < k; j++) order[j] = best_remaining(choice, n, order, j);
     float p[k], chosen = 0.0f;
     for (int64_t j = 0; j < k; j++) {
-        p[j] = expf(scores[order[j]] - top) / total;
+        p[j] = prob[order[j]];
         chosen += p[j];
     }
     for (int64_t j = 0; j < k; j++) {  // ascending expert order for the sum

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 checkpoints (V2-Lite, V2): the config's latent-attention and mixture settings, and
+"""DeepSeek-V2 and V3 checkpoints (V2-Lite, V2, V3 / R1, Moonlight, Kimi K2): the config's latent-attention and mixture settings, and
 the weight renames and row orders kvgen's blocks read (models/mla.py, models/moe.py)."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ _SHARED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.shared_experts\.")
 
 
 def deepseek_config(raw: dict[str, Any], common: dict[str, Any], rope: dict[str, Any], scaling: RopeScaling | None) -> ModelConfig:
-    """The config of a DeepSeek-V2 folder: one KV head of qk_rope_head_dim + kv_lora_rank channels
+    """The config of a DeepSeek-V2 or V3 folder: one KV head of qk_rope_head_dim + kv_lora_rank channels
     (the latent and the RoPE key), RoPE over the first qk_rope_head_dim, DeepSeek's score scale; from
     layer first_k_dense_replace on (every moe_layer_freq-th), n_routed_experts experts plus
-    n_shared_experts shared ones moe_intermediate_size wide each, chosen greedily."""
+    n_shared_experts shared ones moe_intermediate_size wide each, chosen as `_routing` reads."""
     try:
         rank, rope_dim = int(raw["kv_lora_rank"]), int(raw["qk_rope_head_dim"])
         nope, v_dim = int(raw["qk_nope_head_dim"]), int(raw["v_head_dim"])
@@ -28,10 +28,7 @@ def deepseek_config(raw: dict[str, Any], common: dict[str, Any], rope: dict[str,
         per_token, shared = int(raw["num_experts_per_tok"]), int(raw.get("n_shared_experts") or 0)
     except (KeyError, TypeError) as error:
         raise ModelLoadError(f"config.json lacks {error}; it is not a complete deepseek_v2 config") from error
-    method = raw.get("topk_method") or "greedy"
-    if method != "greedy" and int(raw.get("n_group") or 1) > 1:
-        raise UnsupportedModelError(f"DeepSeek expert routing {method!r} over expert groups is not supported yet; "
-                                    "kvgen routes greedily over all experts (DeepSeek-V2-Lite's)")  # fmt: skip
+    routing = _routing(raw)
     scale = float(nope + rope_dim) ** -0.5
     if scaling is not None and scaling.kind == "yarn" and rope.get("mscale_all_dim"):
         scale *= yarn_mscale(scaling.factor, float(rope["mscale_all_dim"])) ** 2
@@ -41,8 +38,29 @@ def deepseek_config(raw: dict[str, Any], common: dict[str, Any], rope: dict[str,
         {**common, "rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": scaling,
          "attention_bias": bool(raw.get("attention_bias", False))}, scale, rank, int(raw.get("q_lora_rank") or 0), nope, rope_dim,
         v_dim, experts, per_token, width, shared, bool(raw.get("norm_topk_prob", False)), layers,
-        float(raw.get("routed_scaling_factor") or 1.0),
+        float(raw.get("routed_scaling_factor") or 1.0), routing,
     )  # fmt: skip
+
+
+def _routing(raw: dict[str, Any]) -> dict[str, Any]:
+    """The expert routing of a deepseek_v2 or deepseek_v3 config: V2 softmax-scores the experts
+    (topk_method greedy, or group_limited_greedy over n_group groups of which topk_group are used);
+    V3 sigmoid-scores them, choosing with its e_score_correction_bias among the topk_group best of
+    n_group groups (noaux_tc)."""
+    v3 = raw.get("model_type") == "deepseek_v3"
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    known = {("greedy", "softmax"), ("group_limited_greedy", "softmax"), ("noaux_tc", "sigmoid")}
+    if (method, scoring) not in known or v3 != (method == "noaux_tc"):
+        raise UnsupportedModelError(f"{raw.get('model_type')} expert routing topk_method={method!r}, scoring_func={scoring!r} "
+                                    "is not supported; kvgen routes DeepSeek-V2's greedy and group_limited_greedy "
+                                    "softmax routing and DeepSeek-V3's noaux_tc sigmoid routing")  # fmt: skip
+    if v3 and raw.get("rope_interleave") is False:
+        raise UnsupportedModelError("deepseek_v3 with rope_interleave=false is not supported; kvgen reads DeepSeek's "
+                                    "interleaved RoPE rows, as DeepSeek's own checkpoints have them")  # fmt: skip
+    grouped = method != "greedy" and int(raw.get("n_group") or 1) > 1
+    return {"expert_scoring": scoring, "expert_groups": int(raw["n_group"]) if grouped else 1,
+            "expert_groups_used": int(raw.get("topk_group") or 1) if grouped else 1}  # fmt: skip
 
 
 def deepseek_config_from_gguf(metadata: dict[str, Any], get: Callable[..., Any], common: dict[str, Any]) -> ModelConfig:
@@ -55,9 +73,12 @@ def deepseek_config_from_gguf(metadata: dict[str, Any], get: Callable[..., Any],
         qk_dim, v_dim = int(get("attention.key_length_mla")), int(get("attention.value_length_mla"))
     else:
         qk_dim, v_dim = int(get("attention.key_length")), int(get("attention.value_length"))
-    if int(metadata.get("deepseek2.expert_group_count") or 1) > 1 or int(metadata.get("deepseek2.expert_gating_func") or 1) != 1:
-        raise UnsupportedModelError("this DeepSeek GGUF routes experts by groups or by sigmoid scores (DeepSeek-V2 236B, V3); "
-                                    "kvgen routes greedily over softmax scores (DeepSeek-V2-Lite's)")  # fmt: skip
+    gating = int(metadata.get("deepseek2.expert_gating_func") or 1)  # llama.cpp's 1 softmax, 2 sigmoid
+    if gating not in (1, 2):
+        raise UnsupportedModelError(f"deepseek2.expert_gating_func {gating} is neither softmax (1) nor sigmoid (2)")
+    groups = int(metadata.get("deepseek2.expert_group_count") or 1)
+    routing = {"expert_scoring": "sigmoid" if gating == 2 else "softmax", "expert_groups": groups,
+               "expert_groups_used": int(metadata.get("deepseek2.expert_group_used_count") or groups)}  # fmt: skip
     scale, scaling = float(qk_dim) ** -0.5, None
     factor = float(metadata.get("deepseek2.rope.scaling.factor") or 1.0)
     if metadata.get("deepseek2.rope.scaling.type") == "yarn" and factor != 1.0:
@@ -73,21 +94,22 @@ def deepseek_config_from_gguf(metadata: dict[str, Any], get: Callable[..., Any],
         qk_dim - rope_dim, rope_dim, v_dim, int(get("expert_count")), int(get("expert_used_count")),
         int(get("expert_feed_forward_length")), int(metadata.get("deepseek2.expert_shared_count") or 0),
         bool(metadata.get("deepseek2.expert_weights_norm", False)), tuple(range(first_dense, common["num_layers"])),
-        float(metadata.get("deepseek2.expert_weights_scale") or 1.0),
+        float(metadata.get("deepseek2.expert_weights_scale") or 1.0), routing,
     )  # fmt: skip
 
 
 def _latent_config(common: dict[str, Any], scale: float, rank: int, q_rank: int, nope: int, rope_dim: int, v_dim: int,
                    experts: int, per_token: int, width: int, shared: int, normalize: bool, layers: tuple[int, ...],
-                   routed_scale: float) -> ModelConfig:  # fmt: skip
-    """DeepSeek-V2's config from either format: one KV head of rope + rank channels (the latent and
-    the RoPE key), RoPE over the first rope_dim, the score scale, routed experts and `shared`
-    ungated shared ones of `width` each."""
+                   routed_scale: float, routing: dict[str, Any]) -> ModelConfig:  # fmt: skip
+    """DeepSeek-V2's or V3's config from either format: one KV head of rope + rank channels (the
+    latent and the RoPE key), RoPE over the first rope_dim, the score scale, routed experts (chosen
+    by `routing`: ModelConfig's expert_scoring and groups) and `shared` ungated shared ones of
+    `width` each."""
     return ModelConfig(
         architecture="deepseek_v2", rotary_dim=rope_dim, query_pre_attn_scalar=scale**-2, kv_lora_rank=rank, q_lora_rank=q_rank,
         qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=v_dim, num_experts=experts, experts_per_token=per_token,
         expert_intermediate_size=width, normalize_expert_weights=normalize, moe_layers=layers,
-        shared_expert_intermediate_size=width * shared, shared_expert_gated=False, routed_scaling_factor=routed_scale,
+        shared_expert_intermediate_size=width * shared, shared_expert_gated=False, routed_scaling_factor=routed_scale, **routing,
         **{**common, "head_dim": rope_dim + rank, "num_kv_heads": 1},
     )  # fmt: skip
 

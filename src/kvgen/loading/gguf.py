@@ -239,6 +239,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
              else _LAYER_NAMES)  # fmt: skip
     if arch == "deepseek_v2" and part in ("attn_k_b", "attn_v_b"):
         return f"model.layers.{layer}.{names[part]}"  # a float tensor of its own, no .weight
+    if arch == "deepseek_v2" and part == "exp_probs_b":  # DeepSeek-V3's expert choice bias
+        return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return f"model.layers.{layer}.{names[part]}.{suffix}" if part in names else None
 
 

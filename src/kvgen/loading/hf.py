@@ -27,6 +27,7 @@ HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v2",  # the same blocks; V3's routing is in the config
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -52,6 +53,10 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             f"model_type {model_type!r} is not supported; kvgen runs {', '.join(sorted(HF_MODEL_TYPES))}"
         )
     arch = HF_MODEL_TYPES[model_type]
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method is not None and not (method == "mxfp4" and arch == "gpt_oss"):  # gpt-oss's MXFP4 experts decode at load
+        raise UnsupportedModelError(f"this checkpoint's weights are quantized with {method!r} (config.json's quantization_config), "
+                                    "which kvgen does not decode; load its bf16/fp16 release or a GGUF of it")  # fmt: skip
     if arch == "mamba":
         return _mamba_config(raw)  # type: ignore[return-value]
     if arch == "t5":

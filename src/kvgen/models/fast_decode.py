@@ -92,6 +92,8 @@ class BlockStruct(ctypes.Structure):
         ("mla_rank", _i64), ("mla_nope", _i64), ("mla_rope", _i64), ("mla_v", _i64),
         ("mla_kv_norm", _ptr), ("w_uk", _ptr), ("w_uv", _ptr), ("mla_raw", _ptr), ("mla_out", _ptr),
         ("routed_scale", _f32), ("pad3", _f32),
+        # DeepSeek-V3's routing (softmax, no bias, one group elsewhere)
+        ("expert_sigmoid", _i64), ("expert_groups", _i64), ("expert_groups_used", _i64), ("pad4", _i64), ("choice_bias", _ptr),
     ]  # fmt: skip
 
 
@@ -221,6 +223,8 @@ class FastDecoder:
             self._structs += [gate_ups, downs]  # the block struct points into them
             struct.num_experts, struct.top_k, struct.normalize = len(experts), mlp.top_k, int(mlp.normalize)
             struct.routed_scale = mlp.scaling
+            struct.expert_sigmoid, struct.expert_groups, struct.expert_groups_used = int(mlp.sigmoid), mlp.groups, mlp.groups_used
+            struct.choice_bias = mlp.choice_bias.data_ptr() if mlp.choice_bias is not None else None
             struct.router, struct.router_out = mlp.router.data_ptr(), self._scratch(len(experts))
             struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
         if shared is not None:

@@ -1,6 +1,7 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks each token's best
-experts, whose gated-MLP outputs are summed with the router's weights (Qwen2-MoE adds a shared
-expert that every token runs, scaled by its own sigmoid gate)."""
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek): a router picks each
+token's best experts, whose gated-MLP outputs are summed with the router's weights (Qwen2-MoE adds a
+shared expert that every token runs, scaled by its own sigmoid gate; DeepSeek-V3 scores by sigmoid,
+chooses with a bias and among the best groups of experts)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class SparseMoE(nn.Module):
         self.router_bias = frozen(bias.float()) if bias is not None else None  # gpt-oss's router has one
         self.top_k, self.normalize = config.experts_per_token, config.normalize_expert_weights
         self.scaling = config.routed_scaling_factor  # DeepSeek's; 1 elsewhere
+        self.sigmoid = config.expert_scoring == "sigmoid"  # DeepSeek-V3's
+        self.groups, self.groups_used = config.expert_groups, config.expert_groups_used
+        choice_bias = f"{prefix}.gate.e_score_correction_bias"  # DeepSeek-V3's: chooses, never weighs
+        self.choice_bias = frozen(weights.take_tensor(choice_bias).float().contiguous()) if weights.has(choice_bias) else None
         self.experts = nn.ModuleList(
             GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
             for e in range(config.num_experts)
@@ -46,11 +51,27 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> each token's expert weights [T, k] (fp32) and expert indices [T, k]."""
-        probs = torch.softmax(F.linear(x.float(), self.router, self.router_bias), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+        logits = F.linear(x.float(), self.router, self.router_bias)
+        probs = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        if self.choice_bias is None and self.groups == 1:
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+        else:
+            chosen = self.eligible(probs if self.choice_bias is None else probs + self.choice_bias).topk(self.top_k, dim=-1).indices
+            weights = probs.gather(1, chosen)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.scaling if self.scaling != 1.0 else weights), chosen
+
+    def eligible(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with -inf outside each token's expert_groups_used best groups (all of them
+        with one group): a group's score is its best choice (softmax scoring, DeepSeek-V2) or the sum
+        of its best two (sigmoid, DeepSeek-V3)."""
+        if self.groups == 1:
+            return choice
+        grouped = choice.reshape(choice.shape[0], self.groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if self.sigmoid else grouped.amax(-1)
+        kept = torch.zeros(group_scores.shape, dtype=torch.bool).scatter_(1, group_scores.topk(self.groups_used, dim=-1).indices, True)
+        return grouped.masked_fill(~kept[..., None], float("-inf")).reshape(choice.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
