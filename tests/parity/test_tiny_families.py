@@ -204,6 +204,8 @@ def test_c_decode_path_with_quantized_weights(name: str, tiny: dict, tmp_path_fa
     llm = LLM.load(folder, progress=False, weights="int8")
     if load() is None:
         pytest.skip("the C decode path needs a C compiler")
+    if name.startswith("deepseek"):  # the latent's per-head expansions are linears over int8 blocks too
+        assert all(layer.attn.uk_heads is not None and layer.attn.uv_heads is not None for layer in llm.model.layers)
     if name == "deepseek-v2-yarn":  # latent attention with a query latent (V2) runs the torch path
         assert llm.model.fast_decoder() is None
         return
@@ -253,8 +255,12 @@ def test_c_steps_over_kv_codes_as_the_torch_path(name: str, tiny: dict, tmp_path
     _, _, folder = get(tiny, name, tmp_path_factory)
     llm = LLM.load(folder, progress=False, weights="int8")
     llm.generator.cache_config = CacheConfig("quantized", k_dtype="int8", v_dtype="int8")
-    # The kernel scores int8 keys against the query rounded to int16 codes, the torch path the keys' values.
-    assert_c_step_matches_the_torch_path(llm, llm.tokenizer.encode(PROMPTS[1]), tolerance=2e-3)
+    # The kernel scores int8 keys against the query rounded to int16 codes, the torch path the keys'
+    # values. DeepSeek's per-head expansions then quantize each head's attention output to int8
+    # blocks, where a last-bit difference can flip one rounding (measured: from the 37th of 48
+    # tokens on, the logits 1e-2 apart, the tokens the same).
+    agree = 0.7 if name.startswith("deepseek") else 0.9
+    assert_c_step_matches_the_torch_path(llm, llm.tokenizer.encode(PROMPTS[1]), tolerance=2e-3, agree=agree)
     codes = CacheConfig("quantized", k_dtype="fp32", v_dtype="fp32")
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
 

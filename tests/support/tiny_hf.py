@@ -36,14 +36,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                 "swiglu_limit": 0.3,  # (7 in the released models) clamps many activations here
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}),
-    # DeepSeek-V2-Lite's shape, small: latent attention (a 48-wide latent, RoPE over 16 channels, no
+    # DeepSeek-V2-Lite's shape, small: latent attention (a 64-wide latent, RoPE over 16 channels, no
     # query latent), the first layer dense, then 8 routed experts (2 per token, weights x 2.5) and a
     # shared one. The YaRN variant stretches 64 positions 4x with DeepSeek's mscales and a query latent.
-    "deepseek-v2": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 48, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
-                    "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "deepseek-v2": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                    "v_head_dim": 32, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
                     "n_shared_experts": 1, "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "topk_method": "greedy"}),
-    "deepseek-v2-yarn": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 48, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
-                         "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "deepseek-v2-yarn": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": 24, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                         "v_head_dim": 32, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
                          "n_shared_experts": 2, "moe_intermediate_size": 32, "topk_method": "greedy",
                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
                                              "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -51,8 +51,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # DeepSeek-V3's routing at Moonlight's shape (no query latent): sigmoid scores, a choice bias
     # (e_score_correction_bias, drawn at random), 16 experts in 4 groups of which the best 2 are
     # eligible, 3 per token, renormalised weights x 2.5.
-    "deepseek-v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "kv_lora_rank": 48, "q_lora_rank": None, "qk_nope_head_dim": 16,
-                    "qk_rope_head_dim": 16, "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 16,
+    "deepseek-v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32,
+                    "qk_rope_head_dim": 32, "v_head_dim": 32, "first_k_dense_replace": 1, "n_routed_experts": 16,
                     "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "n_shared_experts": 1,
                     "moe_intermediate_size": 32, "routed_scaling_factor": 2.5}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,

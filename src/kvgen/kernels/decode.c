@@ -75,6 +75,10 @@ typedef struct {
     // expert_groups > 1 only the expert_groups_used best groups may be chosen from.
     int64_t expert_sigmoid, expert_groups, expert_groups_used, pad4;
     const float* choice_bias;
+    // Latent attention over quantized weights: per head, W_UK[h]^T [rank, nope] and W_UV[h] [v,
+    // rank] as linears (arrays of num_heads) in place of w_uk / w_uv (NULL: those fp32 ones).
+    const qlinear* mla_uk;
+    const qlinear* mla_uv;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -165,6 +169,13 @@ static void linear_team(const qlinear* l, const float* x, block_x8* xq, int32_t*
 #undef LINEAR_OF
 }
 
+// One row through l by the calling thread alone (no bias), the bits linear_team gives it.
+static void linear_serial(const qlinear* l, const float* x, block_x8* xq, int32_t* sums, float* y) {
+#define SERIAL_OF(STEM, SUMS) kvgen_linear_##STEM##_serial((const block_##STEM*)l->blocks, x, xq, sums, y, l->n, l->k);
+    FOR_KIND(l->kind, SERIAL_OF)
+#undef SERIAL_OF
+}
+
 #include "lora_delta.c"
 
 // RoPE over a head's first `rotary` channels (all of them, or fewer: partial rotary), channel i
@@ -246,6 +257,12 @@ static void mla_query(const block_t* b, const float* raw, int64_t h, float* q) {
     const float* w = b->w_uk + h * nope * rank;
     float* latent = q + rope;
     memcpy(q, head + nope, (size_t)rope * sizeof(float));
+    if (b->mla_uk != NULL) {  // quantized weights: the head's nope values as int8 blocks
+        block_x8 xq[nope / QK];
+        int32_t sums[nope / QK];
+        linear_serial(&b->mla_uk[h], head, xq, sums, latent);
+        return;
+    }
     for (int64_t r = 0; r < rank; r++) latent[r] = 0.0f;
     for (int64_t n = 0; n < nope; n++) {
         const float a = head[n];
@@ -265,6 +282,12 @@ static void mla_key(const block_t* b, const float* raw, float* k) {
 static void mla_value(const block_t* b, const float* attn, int64_t h, float* out) {
     const int64_t v = b->mla_v, rank = b->mla_rank;
     const float* latent = attn + h * b->head_dim + b->mla_rope;
+    if (b->mla_uv != NULL) {  // quantized weights: the latent output as int8 blocks
+        block_x8 xq[rank / QK];
+        int32_t sums[rank / QK];
+        linear_serial(&b->mla_uv[h], latent, xq, sums, out + h * v);
+        return;
+    }
     for (int64_t j = 0; j < v; j++) out[h * v + j] = dot(b->w_uv + (h * v + j) * rank, latent, rank);
 }
 

@@ -482,6 +482,18 @@ static int32_t* x8_sums(const block_x8* x, int64_t count) {
         quantize_x8_serial(x, 1, k, scratch);                                                        \
         if (NEEDS_SUMS) x8_sums_into(scratch, k / QK, sums);                                         \
         NAME##_team(w, scratch, NEEDS_SUMS ? sums : NULL, y, 1, n, k, bias);                         \
+    }                                                                                                \
+    /* One row by one thread, outside any worksharing (so callable inside another `omp for`, as    \
+       DeepSeek's per-head absorption is): the one-row kernels NAME##_team runs, so the same bits. */ \
+    static void LINEAR##_serial(const BLOCK* w, const float* x, block_x8* scratch, int32_t* sums, float* y, \
+                                int64_t n, int64_t k) {                                              \
+        const int64_t nb = k / QK, groups = x8_groups(n);                                            \
+        quantize_x8_serial(x, 1, k, scratch);                                                        \
+        if (NEEDS_SUMS) x8_sums_into(scratch, nb, sums);                                             \
+        for (int64_t h = 0; h < groups; h++) {                                                       \
+            const int out_count = (int)(n - h * XROWS < XROWS ? n - h * XROWS : XROWS);              \
+            ROWS_FN(w + h * (GROUP_BLOCKS), scratch, NEEDS_SUMS ? sums : NULL, nb, y + h * XROWS, n, 1, nb, out_count); \
+        }                                                                                            \
     }
 
 #ifdef __AVX2__

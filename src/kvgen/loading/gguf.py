@@ -21,7 +21,7 @@ from kvgen.config import ModelConfig, RopeScaling, alternating_layer_types, gemm
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
-from kvgen.kernels.formats import EXACT_SOURCES, QuantizedWeight
+from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
@@ -286,6 +286,8 @@ def load_gguf(
         for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
             if mode != "fp32" and is_matmul_weight(target) and quantizable(info.shape):
                 tensors[target] = _quantized_tensor(file, info, config, mode)
+            elif mode != "fp32" and target.endswith(("self_attn.k_b", "self_attn.v_b")) and info.shape[-1] % QK == 0:
+                tensors[target] = _quantized_rows(file, info, mode)  # DeepSeek's [H, rows, columns] as H * rows rows
             else:
                 tensors[target] = _float_tensor(file, info, config, dtype)
             check_finite(info.name, tensors[target], path)
@@ -318,6 +320,15 @@ def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: 
 def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str, expert: int | None = None) -> QuantizedWeight:
     raw = _to_hf_layout(_raw(file, info, expert), info.name, config)  # Q/K row order fixed on whole block rows
     dequantized = None if info.type_name in EXACT_SOURCES else _dequantized(file, info, config, expert)
+    return quantize_gguf_rows(info.type_name, raw, dequantized, mode)  # type: ignore[arg-type]
+
+
+def _quantized_rows(file: GGUFFile, info: TensorInfo, mode: str) -> QuantizedWeight:
+    """A 3-D tensor [A, B, columns] as A * B quantized rows, its blocks kept where exact."""
+    raw = _raw(file, info)
+    raw = raw.reshape(-1, raw.shape[-1])
+    exact = info.type_name in EXACT_SOURCES
+    dequantized = None if exact else _dequantized_raw(file, info).reshape(-1, info.shape[-1])
     return quantize_gguf_rows(info.type_name, raw, dequantized, mode)  # type: ignore[arg-type]
 
 

@@ -94,6 +94,8 @@ class BlockStruct(ctypes.Structure):
         ("routed_scale", _f32), ("pad3", _f32),
         # DeepSeek-V3's routing (softmax, no bias, one group elsewhere)
         ("expert_sigmoid", _i64), ("expert_groups", _i64), ("expert_groups_used", _i64), ("pad4", _i64), ("choice_bias", _ptr),
+        # latent attention's per-head linears over quantized weights (NULL: w_uk / w_uv above)
+        ("mla_uk", _ptr), ("mla_uv", _ptr),
     ]  # fmt: skip
 
 
@@ -215,6 +217,11 @@ class FastDecoder:
             struct.mla_rank, struct.mla_nope, struct.mla_rope, struct.mla_v = attn.rank, attn.nope_dim, attn.rope_dim, attn.v_dim
             struct.mla_kv_norm, struct.w_uk, struct.w_uv = _norm_ptr(attn.kv_norm), attn.w_uk.data_ptr(), attn.w_uv.data_ptr()
             struct.mla_raw, struct.mla_out = self._scratch(attn.qkv.out_features), self._scratch(attn.num_heads * attn.v_dim)
+            if attn.uk_heads is not None:
+                uk = (_QLinear * attn.num_heads)(*(qlinear_struct(m) for m in attn.uk_heads))
+                uv = (_QLinear * attn.num_heads)(*(qlinear_struct(m) for m in attn.uv_heads))
+                self._structs += [uk, uv]  # the block struct points into them
+                struct.mla_uk, struct.mla_uv = ctypes.addressof(uk), ctypes.addressof(uv)
         struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
         if experts:
             struct.router_bias = mlp.router_bias.data_ptr() if mlp.router_bias is not None else None

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from kvgen.config import ModelConfig
+from kvgen.kernels.formats import QK, QuantizedWeight, requantize
 from kvgen.kv.interface import KVCache
 from kvgen.models.layers import AttentionMask, CachedAttention, RMSNorm, bias_of
 from kvgen.models.rotary import apply_rotary
-from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
+from kvgen.models.weights import Weight, WeightSource, frozen, fused_linear, linear
 
 
 class LatentAttention(CachedAttention):
@@ -45,15 +46,36 @@ class LatentAttention(CachedAttention):
             self.qkv = fused_linear([weights.take(f"{prefix}.q_proj.weight"), weights.take(f"{kv_a}.weight")],
                                     [None, bias_of(weights, kv_a)])  # fmt: skip
         self.kv_norm = RMSNorm(weights.take_tensor(f"{prefix}.kv_a_layernorm.weight"), eps)
-        if weights.has(f"{prefix}.k_b"):  # GGUFs converted for absorption: [H, rank, nope] and [H, v, rank]
-            w_uk, w_uv = weights.take_tensor(f"{prefix}.k_b").float().transpose(1, 2), weights.take_tensor(f"{prefix}.v_b").float()
-        else:
-            kv_b = linear(weights.take(f"{prefix}.kv_b_proj.weight"))  # [H * (nope + v), rank]
-            kv_b = kv_b.dequantized() if hasattr(kv_b, "dequantized") else kv_b.weight.data
-            w_uk, w_uv = kv_b.float().view(self.num_heads, self.nope_dim + self.v_dim, self.rank).split([self.nope_dim, self.v_dim], dim=1)
-        self.w_uk = frozen(w_uk.contiguous())  # [H, nope, rank]: absorbed into the queries
-        self.w_uv = frozen(w_uv.contiguous())  # [H, v, rank]: applied to each head's output
+        self.w_uk, self.w_uv, self.uk_heads, self.uv_heads = self._expansions(weights, prefix)
         self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), bias_of(weights, f"{prefix}.o_proj"))
+
+    def _expansions(self, weights: WeightSource, prefix: str) -> tuple[nn.Parameter, nn.Parameter, nn.ModuleList | None, nn.ModuleList | None]:
+        """W_UK [H, nope, rank] (absorbed into the queries) and W_UV [H, v, rank] (applied to each
+        head's output) in fp32, or, where the weights are quantized, per-head linears in their
+        place (empty fp32 tensors returned): W_UK[h]^T [rank, nope] and W_UV[h] [v, rank] in
+        blocks, int8 activations as every other linear's (a V2-Lite layer holds 16 x 2 x 128 x 512 of them: 8.4 MB in fp32, more than its
+        other weights at 4 bits in a scaled-down model). A file's attn_k_b / attn_v_b rows keep their
+        blocks; kv_b_proj's value rows are row slices of its blocks, and its key rows, transposed,
+        are quantized again to 8 bits."""
+        heads, nope, v, rank = self.num_heads, self.nope_dim, self.v_dim, self.rank
+        uk_rows: list[Weight] | None = None
+        uv_rows: list[Weight] | None = None
+        if weights.has(f"{prefix}.k_b"):  # GGUFs converted for absorption: [H, rank, nope] and [H, v, rank]
+            k_b, v_b = weights.take(f"{prefix}.k_b"), weights.take(f"{prefix}.v_b")
+            if isinstance(k_b, QuantizedWeight) and isinstance(v_b, QuantizedWeight):  # [H * rank, nope], [H * v, rank]
+                uk_rows, uv_rows = _row_slices(k_b, heads), _row_slices(v_b, heads)
+            k_b, v_b = _as_float(k_b), _as_float(v_b)
+            w_uk, w_uv = k_b.reshape(heads, rank, nope).transpose(1, 2), v_b.reshape(heads, v, rank)
+        else:
+            kv_b = weights.take(f"{prefix}.kv_b_proj.weight")  # [H * (nope + v), rank]
+            w_uk, w_uv = _as_float(kv_b).view(heads, nope + v, rank).split([nope, v], dim=1)
+            if isinstance(kv_b, QuantizedWeight):
+                uv_rows = [_rows(kv_b, h * (nope + v) + nope, (h + 1) * (nope + v)) for h in range(heads)]
+                uk_rows = [requantize(w_uk[h].t().contiguous(), "q8") for h in range(heads)]
+        if uk_rows is None or uv_rows is None or nope % QK or rank % QK:
+            return frozen(w_uk.float().contiguous()), frozen(w_uv.float().contiguous()), None, None
+        unused = frozen(torch.empty(0))  # the per-head linears replace the fp32 copies
+        return unused, unused, nn.ModuleList(linear(w) for w in uk_rows), nn.ModuleList(linear(w) for w in uv_rows)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
@@ -64,11 +86,32 @@ class LatentAttention(CachedAttention):
         else:
             q, kv = self.q(self.q_a_norm(self.q_a(x))), self.kv_a(x)
         q_nope, q_pe = q.reshape(batch, seq, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        q_lat = torch.einsum("bshn,hnr->bhsr", q_nope.float(), self.w_uk).to(x.dtype)  # [B, H, S, rank]
+        if self.uk_heads is not None:  # per head W_UK[h]^T q_nope over int8 blocks, as decode.c's mla_query
+            q_lat = torch.stack([uk(q_nope[:, :, h]) for h, uk in enumerate(self.uk_heads)], dim=1)  # [B, H, S, rank]
+        else:
+            q_lat = torch.einsum("bshn,hnr->bhsr", q_nope.float(), self.w_uk).to(x.dtype)
         c, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
         value = torch.cat([k_pe, self.kv_norm(c)], dim=-1)[:, None]  # [B, 1, S, rope + rank]: the key before RoPE
         query = apply_rotary(torch.cat([q_pe.transpose(1, 2), q_lat], dim=-1), *rope)  # [B, H, S, rope + rank]
         key = apply_rotary(value, *rope)
         out = self.attend(query, key, value, cache, mask)[..., self.rope_dim :]  # the value's latent part: softmax . c
-        heads = torch.einsum("bhsr,hvr->bshv", out.float(), self.w_uv).to(x.dtype)  # [B, S, H, v]
+        if self.uv_heads is not None:
+            heads = torch.stack([uv(out[:, h]) for h, uv in enumerate(self.uv_heads)], dim=2)  # [B, S, H, v]
+        else:
+            heads = torch.einsum("bhsr,hvr->bshv", out.float(), self.w_uv).to(x.dtype)
         return self.o_proj(heads.reshape(batch, seq, self.num_heads * self.v_dim))
+
+
+def _as_float(weight: Weight) -> torch.Tensor:
+    """A weight's values in fp32 (dequantized blocks, or the tensor)."""
+    return linear(weight).dequantized().float() if isinstance(weight, QuantizedWeight) else weight.float()
+
+
+def _rows(weight: QuantizedWeight, start: int, end: int) -> QuantizedWeight:
+    """Rows [start, end) of a quantized weight, their blocks as they are."""
+    return QuantizedWeight(kind=weight.kind, blocks=weight.blocks[start:end], out_features=end - start, in_features=weight.in_features)
+
+
+def _row_slices(weight: QuantizedWeight, heads: int) -> list[QuantizedWeight]:
+    per = weight.out_features // heads
+    return [_rows(weight, h * per, (h + 1) * per) for h in range(heads)]
