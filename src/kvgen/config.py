@@ -77,6 +77,8 @@ class ModelConfig:
     attention_sinks: bool = False
     # Partial rotary (Phi-4-mini): RoPE turns only the first `rotary_dim` channels of each head.
     rotary_dim: int | None = None
+    # SmolLM3's NoPE layers: these layers' attention turns no channel (no position information).
+    nope_layers: tuple[int, ...] = ()
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): in `moe_layers` the MLP is `num_experts` SwiGLU experts
     # of width `expert_intermediate_size`; each token goes to the `experts_per_token` its router
     # scores highest, their softmax weights renormalised to sum to 1 when `normalize_expert_weights`.

@@ -20,6 +20,8 @@ _SLIDING_KV = "all KV caches; compressed refused (sliding layers), sinks only in
 
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
+    FamilySupport("smollm3 (Llama blocks, every 4th without RoPE)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes",
+                  "random tiny (transformers)"),
     FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
     FamilySupport("mixtral / qwen2_moe / qwen3_moe", "GGUF, HF", _ALL_KV,
                   "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); LoRA on attention "

@@ -1,6 +1,6 @@
 """Small random-weight models that transformers itself builds and saves as HF folders, for the
-families no real weights exist for offline (Qwen3, Qwen3-MoE, Mixtral, Phi-3 / Phi-4-mini, Gemma 2,
-Mamba, T5)."""
+families no real weights exist for offline (Qwen3, Qwen3-MoE, Mixtral, DeepSeek, SmolLM3, Phi-3 /
+Phi-4-mini, Gemma 2, Mamba, T5)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                     "qk_rope_head_dim": 32, "v_head_dim": 32, "first_k_dense_replace": 1, "n_routed_experts": 16,
                     "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "n_shared_experts": 1,
                     "moe_intermediate_size": 32, "routed_scaling_factor": 2.5}),
+    # SmolLM3: Llama blocks, the fourth without RoPE (NoPE), as in SmolLM3-3B (every 4th layer).
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "pad_token_id": None}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),
@@ -81,10 +83,10 @@ def save_tiny_decoder(name: str, folder: Path, tokenizer_files: Path, std: float
     import transformers
 
     config_class, extra = FAMILIES[name]
-    config = getattr(transformers, config_class)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        tie_word_embeddings=False, **{"max_position_embeddings": 256, "num_key_value_heads": 2, **extra},
-    )  # fmt: skip
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "tie_word_embeddings": False, "max_position_embeddings": 256, "num_key_value_heads": 2, **extra,
+    })  # fmt: skip
     torch.manual_seed(0)
     return _widen_and_save(transformers.AutoModelForCausalLM.from_config(config), folder, tokenizer_files, std)
 

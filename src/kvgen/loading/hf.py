@@ -28,6 +28,7 @@ HF_MODEL_TYPES = {
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",  # the same blocks; V3's routing is in the config
+    "smollm3": "llama",  # Llama blocks, some without RoPE (ModelConfig.nope_layers)
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -91,13 +92,16 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
         common.update(_experts(raw, arch, num_layers, common["intermediate_size"]))
+    nope = smollm3_nope_layers(raw, num_layers) if model_type == "smollm3" else ()
     return ModelConfig(
         architecture=arch,
         rope_theta=float(global_rope.get("rope_theta", 10000.0)),
         rope_scaling=_rope_scaling(global_rope, raw),
         attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
         sliding_window=int(window) if window else None,
-        layer_types=("sliding",) * num_layers if window else (),
+        # SmolLM3 slides only its NoPE layers' attention, where it slides at all
+        layer_types=tuple("sliding" if not nope or i in nope else "full" for i in range(num_layers)) if window else (),
+        nope_layers=nope,
         rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
         **common,
     )
@@ -219,6 +223,18 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     params = dict(raw.get("rope_scaling") or {})
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     return params
+
+
+def smollm3_nope_layers(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: where `no_rope_layers` holds 0 (1: RoPE), or else every
+    `no_rope_layer_interval`-th layer (4 by default, llama.cpp's fixed step for GGUF files)."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if len(flags) != num_layers:
+        raise ModelLoadError(f"config.json's no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
 
 
 def _rope_scaling(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling | None:

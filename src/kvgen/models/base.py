@@ -23,6 +23,7 @@ from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary
 from kvgen.models.weights import WeightSource, frozen, linear
 
 RopeKey = tuple[float, RopeScaling | None]
+NO_ROPE: RopeKey = (0.0, None)  # the key of layers without RoPE (no real base is 0)
 
 
 class DecoderLM(nn.Module):
@@ -54,6 +55,8 @@ class DecoderLM(nn.Module):
 
     def build_rope(self, theta: float, scaling: RopeScaling | None, divisors: torch.Tensor | None) -> RotaryEmbedding:
         rotary_dim = self.config.rotary_dim or self.config.head_dim  # partial rotary turns fewer channels
+        if theta == NO_ROPE[0]:  # a NoPE layer turns every channel by angle 0: cos 1, sin 0, exactly the identity
+            return RotaryEmbedding(torch.zeros(rotary_dim // 2))
         if scaling is not None and scaling.kind == "longrope":
             return LongRopeEmbedding(rotary_dim, theta, scaling)
         inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
@@ -67,6 +70,8 @@ class DecoderLM(nn.Module):
         return apply_rotary(keys.float(), cos[:, None], sin[:, None]).to(keys.dtype)
 
     def rope_key(self, layer: int) -> RopeKey:
+        if layer in self.config.nope_layers:
+            return NO_ROPE
         return self.config.rope_theta, self.config.rope_scaling
 
     def rope_for(self, layer: int) -> RotaryEmbedding:
