@@ -79,6 +79,12 @@ class ModelConfig:
     rotary_dim: int | None = None
     # SmolLM3's NoPE layers: these layers' attention turns no channel (no position information).
     nope_layers: tuple[int, ...] = ()
+    # Granite's scalars: token embeddings times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before its residual add, logits divided by logits_scaling (its attention
+    # multiplier is the score scale: query_pre_attn_scalar = multiplier ** -2).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): in `moe_layers` the MLP is `num_experts` SwiGLU experts
     # of width `expert_intermediate_size`; each token goes to the `experts_per_token` its router
     # scores highest, their softmax weights renormalised to sum to 1 when `normalize_expert_weights`.

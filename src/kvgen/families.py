@@ -22,6 +22,8 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
     FamilySupport("smollm3 (Llama blocks, every 4th without RoPE)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes",
                   "random tiny (transformers)"),
+    FamilySupport("granite (Granite 3: Llama blocks with scaled embeddings, residuals, scores and logits)", "GGUF, HF", _ALL_KV,
+                  "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
     FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
     FamilySupport("mixtral / qwen2_moe / qwen3_moe", "GGUF, HF", _ALL_KV,
                   "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); LoRA on attention "

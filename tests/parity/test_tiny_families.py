@@ -81,18 +81,20 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v2-yarn", "smollm3",
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v2-yarn", "smollm3", "granite",
                                   "deepseek-v3", "phi3", "phi4-mini", "gemma2", "gpt-oss"])
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))
     from_gguf = LLM.load(path, progress=False, weights="fp32")
-    # GGUF stores eps, gpt-oss's SwiGLU clamp, LongRoPE's attention factor and DeepSeek's YaRN scale
-    # (its log multiplier) as float32; everything else must come out the same.
-    assert math.isclose(from_gguf.config.swiglu_limit, llm.config.swiglu_limit, rel_tol=1e-6)
+    # GGUF stores eps, gpt-oss's SwiGLU clamp, LongRoPE's attention factor, DeepSeek's YaRN scale
+    # (its log multiplier) and Granite's scalars as float32; everything else must come out the same.
+    float32s = ("swiglu_limit", "embedding_multiplier", "residual_multiplier", "logits_scaling")
+    for field in float32s:
+        assert math.isclose(getattr(from_gguf.config, field), getattr(llm.config, field), rel_tol=1e-6), field
     assert math.isclose(from_gguf.config.attention_scale, llm.config.attention_scale, rel_tol=1e-6)
-    config = dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps, swiglu_limit=llm.config.swiglu_limit,
-                                 query_pre_attn_scalar=llm.config.query_pre_attn_scalar)
+    config = dataclasses.replace(from_gguf.config, rms_norm_eps=llm.config.rms_norm_eps, query_pre_attn_scalar=llm.config.query_pre_attn_scalar,
+                                 **{field: getattr(llm.config, field) for field in float32s})
     if config.rope_scaling is not None and config.rope_scaling.kind == "longrope":
         assert math.isclose(config.rope_scaling.attention_factor, llm.config.rope_scaling.attention_factor, rel_tol=1e-6)
         config = dataclasses.replace(config, rope_scaling=llm.config.rope_scaling)

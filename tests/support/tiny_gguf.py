@@ -253,7 +253,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     config = hf_model.config
     arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
             "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
-            "deepseek_v3": "deepseek2", "smollm3": "smollm3"}[config.model_type]  # fmt: skip
+            "deepseek_v3": "deepseek2", "smollm3": "smollm3", "granite": "granite"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -282,6 +282,11 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "granite":  # convert_hf_to_gguf.py's GraniteModel keys
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if arch == "deepseek2" and rope.get("mscale_all_dim"):
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if arch == "gemma2":
@@ -321,7 +326,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         values = tensor.detach().float().numpy().copy()
         if arch == "gemma2" and name.endswith("norm.weight"):
             values = values + 1.0  # llama.cpp stores Gemma norms as 1 + w
-        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
+        if arch in ("llama", "smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
         if arch == "gpt-oss" and ".mlp.experts." in name:  # [E, H, 2 I] (gate, up columns interleaved), [E, I, H], x @ W

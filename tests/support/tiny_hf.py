@@ -56,7 +56,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                     "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "n_shared_experts": 1,
                     "moe_intermediate_size": 32, "routed_scaling_factor": 2.5}),
     # SmolLM3: Llama blocks, the fourth without RoPE (NoPE), as in SmolLM3-3B (every 4th layer).
-    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "pad_token_id": None}),
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    # Granite 3: Llama blocks with scaled embeddings, residuals, scores and logits (values unlike 1
+    # so that each shows; Granite 3.1 2B has 12, 0.22, 1/64 and 8).
+    "granite": ("GraniteConfig", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.1,
+                "logits_scaling": 4.0}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),

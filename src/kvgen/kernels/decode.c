@@ -79,6 +79,8 @@ typedef struct {
     // rank] as linears (arrays of num_heads) in place of w_uk / w_uv (NULL: those fp32 ones).
     const qlinear* mla_uk;
     const qlinear* mla_uv;
+    float residual_scale;  // Granite's residual_multiplier on each sublayer's output (0: 1)
+    float pad5;
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -687,19 +689,28 @@ static void gated_activation(const float* gate, const float* up, float* out, int
     }
 }
 
-// h += norm(y) (Gemma's post-sublayer norm, when given) or h += y: a sublayer's residual add.
-static void add_residual(float* h, float* y, const float* norm, float eps, int64_t hidden) {
-    if (norm) rms_norm(y, norm, eps, hidden, y);
-    for (int64_t i = 0; i < hidden; i++) h[i] += y[i];
+// h += y, scaled (Granite: y * scale, as transformers multiplies before adding; 0: unscaled).
+static inline void residual_add(float* h, const float* y, float scale, int64_t hidden) {
+    if (scale != 0.0f) {
+        for (int64_t i = 0; i < hidden; i++) h[i] += y[i] * scale;
+    } else {
+        for (int64_t i = 0; i < hidden; i++) h[i] += y[i];
+    }
+}
+
+// h += norm(y) (Gemma's post-sublayer norm, when given) or h += y: block b's residual add.
+static void add_residual(const block_t* b, float* h, float* y, const float* norm, int64_t hidden) {
+    if (norm) rms_norm(y, norm, b->eps, hidden, y);
+    residual_add(h, y, b->residual_scale, hidden);
 }
 
 // add_residual into this thread's h from the team's shared y, norm(y) going to its own t->y.
-static void add_residual_team(const thread_scratch* t, const float* y, const float* norm, float eps, int64_t hidden) {
+static void add_residual_team(const block_t* b, const thread_scratch* t, const float* y, const float* norm) {
     if (norm) {
-        rms_norm(y, norm, eps, hidden, t->y);
+        rms_norm(y, norm, b->eps, b->hidden, t->y);
         y = t->y;
     }
-    for (int64_t i = 0; i < hidden; i++) t->h[i] += y[i];
+    residual_add(t->h, y, b->residual_scale, b->hidden);
 }
 
 // Expert e's router score for input x (normed h), its bias added where the router has one.
@@ -830,12 +841,12 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     }
     linear_team(&b->o, o_in, t->xq, t->sums, b->x);
     lora_team(lora, LORA_O, &b->o, o_in, b->x, 1, slot, xa);
-    add_residual_team(t, b->x, b->attn_out_norm, b->eps, b->hidden);
+    add_residual_team(b, t, b->x, b->attn_out_norm);
 
     rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
     if (b->num_experts > 0) {  // no adapters on experts (the LoRA registry refuses them; attention's apply above)
         experts_team(b, t);
-        add_residual_team(t, t->y, b->mlp_out_norm, b->eps, b->hidden);
+        add_residual_team(b, t, t->y, b->mlp_out_norm);
         return;
     }
     linear_team(&b->gate_up, t->x, t->xq, t->sums, b->mlp);
@@ -844,7 +855,7 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     gated_activation(b->mlp, b->mlp + n, t->x, n, b);
     linear_team(&b->down, t->x, t->xq, t->sums, b->x);
     lora_team(lora, LORA_DOWN, &b->down, t->x, b->x, 1, slot, xa);
-    add_residual_team(t, b->x, b->mlp_out_norm, b->eps, b->hidden);
+    add_residual_team(b, t, b->x, b->mlp_out_norm);
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.

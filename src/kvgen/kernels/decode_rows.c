@@ -403,7 +403,7 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
     linear_lora_rows_team(st, layer, LORA_O, &b->o, o_in, s->y);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        add_residual(st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, b->eps, hidden);
+        add_residual(b, st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, hidden);
         rms_norm(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
         if (b->num_experts == 0) quantize_row(st, &b->gate_up, s->x, r);
     }
@@ -422,7 +422,7 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        add_residual(st->h + r * hidden, out + r * hidden, b->mlp_out_norm, b->eps, hidden);
+        add_residual(b, st->h + r * hidden, out + r * hidden, b->mlp_out_norm, hidden);
         if (layer + 1 < st->num_layers) row_input(st, layer + 1, r);
     }
 }

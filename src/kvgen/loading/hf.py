@@ -29,6 +29,7 @@ HF_MODEL_TYPES = {
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",  # the same blocks; V3's routing is in the config
     "smollm3": "llama",  # Llama blocks, some without RoPE (ModelConfig.nope_layers)
+    "granite": "llama",  # Llama blocks with Granite's scalars (ModelConfig.embedding_multiplier...)
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -102,6 +103,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         # SmolLM3 slides only its NoPE layers' attention, where it slides at all
         layer_types=tuple("sliding" if not nope or i in nope else "full" for i in range(num_layers)) if window else (),
         nope_layers=nope,
+        **(granite_scalars(raw) if model_type == "granite" else {}),
         rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
         **common,
     )
@@ -223,6 +225,14 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     params = dict(raw.get("rope_scaling") or {})
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     return params
+
+
+def granite_scalars(raw: dict[str, Any]) -> dict[str, float]:
+    """Granite's four scalars as ModelConfig fields (the attention multiplier is the score scale)."""
+    return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+            "query_pre_attn_scalar": float(raw.get("attention_multiplier", 1.0)) ** -2}  # fmt: skip
 
 
 def smollm3_nope_layers(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:

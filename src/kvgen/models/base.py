@@ -35,6 +35,8 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self._forward_lock = threading.Lock()
+        if config.embedding_multiplier != 1.0:  # Granite's (Gemma sets its own sqrt(hidden))
+            self.embed_scale = config.embedding_multiplier
         self.embed_tokens = frozen(weights.take_tensor("model.embed_tokens.weight"))  # [V, H]
         self.layers = nn.ModuleList([self.build_block(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
@@ -88,6 +90,8 @@ class DecoderLM(nn.Module):
         the logits they would get alone)."""
         h = self.norm(h)
         logits = self.lm_head(h, row_invariant=True) if row_invariant and isinstance(self.lm_head, QuantizedLinear) else self.lm_head(h)
+        if self.config.logits_scaling != 1.0:  # Granite divides its logits
+            logits = logits / self.config.logits_scaling
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -1,5 +1,5 @@
-"""Llama family: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias), Mixtral (experts). Pre-norm blocks,
-SwiGLU MLP or a mixture of SwiGLU experts."""
+"""Llama family: Llama 2/3, SmolLM2/3, Mistral, Qwen2 (QKV bias), Granite (scaled residuals), Mixtral
+(experts). Pre-norm blocks, SwiGLU MLP or a mixture of SwiGLU experts."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class LlamaBlock(nn.Module):
         self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), eps)
         self.attn = self.build_attention(config, layer, weights, f"{prefix}.self_attn")
         self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.residual_multiplier = config.residual_multiplier
         self.mlp = (SparseMoE(config, weights, f"{prefix}.mlp") if layer in config.moe_layers
                     else GatedMLP(config, weights, f"{prefix}.mlp"))  # fmt: skip
 
@@ -33,6 +34,9 @@ class LlamaBlock(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
     ) -> torch.Tensor:
+        if self.residual_multiplier != 1.0:  # Granite scales each sublayer's output before adding it
+            h = h + self.attn(self.input_norm(h), rope, cache, mask) * self.residual_multiplier
+            return h + self.mlp(self.post_attn_norm(h)) * self.residual_multiplier
         h = h + self.attn(self.input_norm(h), rope, cache, mask)
         return h + self.mlp(self.post_attn_norm(h))
 

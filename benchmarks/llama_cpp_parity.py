@@ -1,0 +1,62 @@
+"""kvgen, transformers and llama.cpp on the same all-F32 GGUF of a random tiny model that
+transformers builds (tests/support/tiny_hf.py; the file with llama.cpp's converter's names and
+metadata, tests/support/tiny_gguf.py): with no weight or activation rounded, the three engines'
+last logits should agree, which checks the file conventions kvgen reads (row orders, scalars,
+which layers go without RoPE) against llama.cpp's own reading, not only against the test writer.
+
+    python benchmarks/llama_cpp_parity.py --families granite smollm3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_results  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", required=True, help="tests/support/tiny_hf.py FAMILIES names")
+    args = parser.parse_args()
+    from llama_cpp import Llama
+
+    from kvgen import LLM
+    from tests.support.models import PROMPTS, model_path
+    from tests.support.tiny_gguf import write_gguf_from_hf
+    from tests.support.tiny_hf import save_tiny_decoder, tokenizer_folder
+
+    folder = Path(tempfile.mkdtemp())
+    tokenizer = tokenizer_folder(folder / "tokenizer")
+    rows = {}
+    for name in args.families:
+        model = save_tiny_decoder(name, folder / name, tokenizer)
+        path = write_gguf_from_hf(folder / f"{name}.gguf", model, model_path("smollm2"))
+        peer = Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=True)
+        ids = peer.tokenize(PROMPTS[2].encode(), add_bos=False)
+        peer.reset()
+        peer.eval(ids)
+        llama_cpp = np.array(peer.scores[len(ids) - 1])
+        llm = LLM.load(path, progress=False, weights="fp32")
+        with torch.inference_mode():
+            reference = model(torch.tensor([ids])).logits[0, -1].numpy()
+            kvgen = llm.model(torch.tensor([ids]), llm.generator.new_cache(len(ids)))[0, -1].numpy()
+        rows[name] = {
+            "prompt_tokens": len(ids), "logit_std": float(reference.std()),
+            "kvgen_vs_transformers": float(np.abs(kvgen - reference).max()),
+            "llama_cpp_vs_transformers": float(np.abs(llama_cpp - reference).max()),
+        }  # fmt: skip
+        print(name, {k: round(v, 7) for k, v in rows[name].items()})
+    print(write_results("llama-cpp-parity", {"families": rows}))
+
+
+if __name__ == "__main__":
+    main()
