@@ -163,7 +163,7 @@ _GGUF_LAYER_PARTS = {
     "mlp.shared_experts.down_proj": "ffn_down_shexp", "self_attn.q_a_proj": "attn_q_a",
     "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
     "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-    "self_attn.kv_b_proj": "attn_kv_b",
+    "self_attn.kv_b_proj": "attn_kv_b", "block_sparse_moe.router": "ffn_gate_inp",
 }  # fmt: skip
 # gpt-oss: its post-attention norm keeps that name, and the router is mlp.router.
 _GPT_OSS_PARTS = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
@@ -253,14 +253,15 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     config = hf_model.config
     arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
             "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
-            "deepseek_v3": "deepseek2", "smollm3": "smollm3", "granite": "granite"}[config.model_type]  # fmt: skip
+            "deepseek_v3": "deepseek2", "smollm3": "smollm3", "granite": "granite",
+            "granitemoe": "granitemoe"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
-    if config.model_type in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
+    if config.model_type in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "granitemoe"):
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         if arch in ("qwen2moe", "qwen3moe"):
@@ -282,7 +283,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
-    if arch == "granite":  # convert_hf_to_gguf.py's GraniteModel keys
+    if arch in ("granite", "granitemoe"):  # convert_hf_to_gguf.py's GraniteModel keys
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -326,7 +327,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
         values = tensor.detach().float().numpy().copy()
         if arch == "gemma2" and name.endswith("norm.weight"):
             values = values + 1.0  # llama.cpp stores Gemma norms as 1 + w
-        if arch in ("llama", "smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
+        if arch in ("llama", "smollm3", "granite", "granitemoe") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved RoPE rows
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
         if arch == "gpt-oss" and ".mlp.experts." in name:  # [E, H, 2 I] (gate, up columns interleaved), [E, I, H], x @ W
@@ -348,12 +349,12 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
                 add(f"{stem}.ffn_down_exps.weight", values.transpose(0, 2, 1), True)
             else:
                 add(f"{stem}.ffn_down_exps.bias", values, False)
-        elif name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts [E, 2 I, H]: gate rows first
+        elif name.endswith(("mlp.experts.gate_up_proj", "block_sparse_moe.experts.gate_up_proj")):  # transformers' stacked experts [E, 2 I, H]: gate rows first
             layer = name.split(".")[2]
             gate, up = np.split(values, 2, axis=1)
             add(f"blk.{layer}.ffn_gate_exps.weight", gate, True)
             add(f"blk.{layer}.ffn_up_exps.weight", up, True)
-        elif name.endswith("mlp.experts.down_proj"):
+        elif name.endswith(("mlp.experts.down_proj", "block_sparse_moe.experts.down_proj")):
             add(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", values, True)
         elif name.endswith("kv_b_proj.weight") and split_kv_b:  # [H, nope + v, rank] -> k_b [H, rank, nope], v_b [H, v, rank]
             layer, nope = name.split(".")[2], config.qk_nope_head_dim

@@ -61,6 +61,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # so that each shows; Granite 3.1 2B has 12, 0.22, 1/64 and 8).
     "granite": ("GraniteConfig", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.1,
                 "logits_scaling": 4.0}),
+    # Granite 3's mixtures (1B-A400M, 3B-A800M): the same scalars, 4 experts, 2 per token, renormalised.
+    "granitemoe": ("GraniteMoeConfig", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.1,
+                   "logits_scaling": 4.0, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),

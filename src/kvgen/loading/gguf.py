@@ -26,7 +26,7 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
+GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
                       "deepseek2")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
@@ -86,7 +86,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM2/3, Granite, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
+            "(Llama, SmolLM2/3, Granite, Granite-MoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -147,7 +147,7 @@ def config_from_gguf(
             shared_expert_intermediate_size=int(metadata.get(f"{arch}.expert_shared_feed_forward_length", 0)),
         )  # fmt: skip
     name = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral" if experts else "llama", "smollm3": "llama",
-            "granite": "llama"}.get(arch, arch)  # fmt: skip
+            "granite": "llama", "granitemoe": "mixtral"}.get(arch, arch)  # fmt: skip
     if rope_factors and arch == "phi3":
         common["rope_scaling"] = _longrope_from_gguf(metadata, arch, rope_factors, common["max_position_embeddings"])
     return ModelConfig(
@@ -158,17 +158,17 @@ def config_from_gguf(
         rotary_dim=int(rotary) if rotary and int(rotary) != head_dim else None,
         # SmolLM3: llama.cpp turns no channel in every 4th layer (a fixed step; the file names none)
         nope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
-        **(_granite_scalars(metadata) if arch == "granite" else {}),
+        **(_granite_scalars(metadata, arch) if arch in ("granite", "granitemoe") else {}),
         **common,
     )
 
 
-def _granite_scalars(metadata: dict[str, Any]) -> dict[str, float]:
+def _granite_scalars(metadata: dict[str, Any], arch: str) -> dict[str, float]:
     """llama.cpp's granite keys as ModelConfig's scalars (the attention scale as a score scale)."""
-    return {"embedding_multiplier": float(metadata.get("granite.embedding_scale", 1.0)),
-            "residual_multiplier": float(metadata.get("granite.residual_scale", 1.0)),
-            "logits_scaling": float(metadata.get("granite.logit_scale", 1.0)),
-            "query_pre_attn_scalar": float(metadata.get("granite.attention.scale", 1.0)) ** -2}  # fmt: skip
+    return {"embedding_multiplier": float(metadata.get(f"{arch}.embedding_scale", 1.0)),
+            "residual_multiplier": float(metadata.get(f"{arch}.residual_scale", 1.0)),
+            "logits_scaling": float(metadata.get(f"{arch}.logit_scale", 1.0)),
+            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.scale", 1.0)) ** -2}  # fmt: skip
 
 
 def _longrope_from_gguf(metadata: dict[str, Any], arch: str, factors: dict[str, np.ndarray], max_positions: int) -> RopeScaling:

@@ -30,6 +30,7 @@ HF_MODEL_TYPES = {
     "deepseek_v3": "deepseek_v2",  # the same blocks; V3's routing is in the config
     "smollm3": "llama",  # Llama blocks, some without RoPE (ModelConfig.nope_layers)
     "granite": "llama",  # Llama blocks with Granite's scalars (ModelConfig.embedding_multiplier...)
+    "granitemoe": "mixtral",  # Granite's scalars, every layer a mixture as Mixtral's
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -103,7 +104,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         # SmolLM3 slides only its NoPE layers' attention, where it slides at all
         layer_types=tuple("sliding" if not nope or i in nope else "full" for i in range(num_layers)) if window else (),
         nope_layers=nope,
-        **(granite_scalars(raw) if model_type == "granite" else {}),
+        **(granite_scalars(raw) if model_type in ("granite", "granitemoe") else {}),
         rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
         **common,
     )
@@ -358,6 +359,13 @@ def quantize_matmul_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], 
             tensors[name] = quantize_float(tensor, mode)  # type: ignore[arg-type]
 
 
+# GraniteMoE's checkpoints, and transformers' names for them -> the router's and the stacked experts' names
+# that _name_experts reads.
+_GRANITE_MOE = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(input_linear\.weight|output_linear\.weight|router\.layer\.weight"
+                          r"|experts\.gate_up_proj|experts\.down_proj|router\.weight)$")
+_GRANITE_MOE_PARTS = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
+                      "router.layer.weight": "gate.weight", "experts.gate_up_proj": "experts.gate_up_proj",
+                      "experts.down_proj": "experts.down_proj", "router.weight": "gate.weight"}  # fmt: skip
 _MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight$")
 _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -366,8 +374,13 @@ def _name_experts(tensors: dict[str, torch.Tensor | QuantizedWeight]) -> None:
     """Expert weights under one naming, in place: mlp.gate.weight (the router) and
     mlp.experts.{e}.{gate,up,down}_proj.weight. Mixtral's checkpoints name them
     block_sparse_moe.gate and experts.{e}.w1 / w3 / w2; transformers 5 can hold each layer's experts
-    as two stacked tensors, experts.gate_up_proj [E, 2 I, H] (gate first) and experts.down_proj [E, H, I]."""
+    as two stacked tensors, experts.gate_up_proj [E, 2 I, H] (gate first) and experts.down_proj [E, H, I],
+    as GraniteMoE's hold theirs (block_sparse_moe.input_linear / output_linear, router.layer)."""
     for name in list(tensors):
+        if granite := _GRANITE_MOE.match(name):
+            layer, part = granite.groups()
+            tensors[f"{layer}.mlp.{_GRANITE_MOE_PARTS[part]}"] = tensors.pop(name)
+            name = f"{layer}.mlp.{_GRANITE_MOE_PARTS[part]}"
         match = _MIXTRAL_EXPERT.match(name)
         if match:
             layer, part = match.groups()
