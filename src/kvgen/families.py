@@ -37,6 +37,8 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "yes (int8 / q4 weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "
                   "no LoRA", "yes",
                   "random tiny (transformers)"),
+    FamilySupport("olmo2 (norms after each sublayer, QK-norm over all heads)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)",
+                  "yes", "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
                   "yes (int8 / q4 weights; partial RoPE too)", "yes", "random tiny (transformers)"),
     FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights; soft-capped attention)", "yes",

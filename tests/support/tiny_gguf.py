@@ -184,7 +184,8 @@ def gguf_tensor_name(hf_name: str, architecture: str) -> str:
         return f"blk.{layer}.attn_sinks.weight"
     if architecture == "gpt-oss" and part in _GPT_OSS_PARTS:
         return f"blk.{layer}.{_GPT_OSS_PARTS[part]}.{suffix}"
-    name = "post_attention_norm" if gemma and part == "post_attention_layernorm" else _GGUF_LAYER_PARTS[part]
+    sandwich = gemma or architecture == "olmo2"  # their post-attention norm is one, not Llama's pre-MLP ffn_norm
+    name = "post_attention_norm" if sandwich and part == "post_attention_layernorm" else _GGUF_LAYER_PARTS[part]
     return f"blk.{layer}.{name}.{suffix}"
 
 
@@ -254,7 +255,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
             "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
             "deepseek_v3": "deepseek2", "smollm3": "smollm3", "granite": "granite",
-            "granitemoe": "granitemoe"}[config.model_type]  # fmt: skip
+            "granitemoe": "granitemoe", "olmo2": "olmo2"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)

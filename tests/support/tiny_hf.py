@@ -64,6 +64,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Granite 3's mixtures (1B-A400M, 3B-A800M): the same scalars, 4 experts, 2 per token, renormalised.
     "granitemoe": ("GraniteMoeConfig", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3, "attention_multiplier": 0.1,
                    "logits_scaling": 4.0, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # OLMo 2: norms after each sublayer, QK-norm over all heads at once.
+    "olmo2": ("Olmo2Config", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),

@@ -80,7 +80,7 @@ typedef struct {
     const qlinear* mla_uk;
     const qlinear* mla_uv;
     float residual_scale;  // Granite's residual_multiplier on each sublayer's output (0: 1)
-    float pad5;
+    int32_t qk_norm_full;  // OLMo 2: q_norm / k_norm span all heads at once (0: each head's channels)
 } block_t;
 
 // hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -143,6 +143,15 @@ static void rms_norm(const float* x, const float* w, float eps, int64_t n, float
     const float sum = dot(x, x, n);
     const float inv = 1.0f / sqrtf(sum / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+// A sublayer's input: rms_norm(h), or h itself where the block norms after its sublayers (OLMo 2: w NULL).
+static void norm_input(const float* h, const float* w, float eps, int64_t n, float* out) {
+    if (w) {
+        rms_norm(h, w, eps, n, out);
+    } else {
+        memcpy(out, h, (size_t)n * sizeof(float));
+    }
 }
 
 // Each weight kind's interleaved kernels, by qlinear.kind: CALL(STEM, SUMS) with the kernels' name
@@ -315,6 +324,18 @@ static void mla_pre_team(const block_t* b, const thread_scratch* t, const float*
     }
 }
 
+// The QK-norm of `heads` heads' values x in place: each head's over its channels (Qwen3, Gemma 3),
+// or one over all of them (OLMo 2: qk_norm_full); nothing without a weight.
+static void qk_norm(const block_t* b, float* x, const float* w, int64_t heads) {
+    if (!w) return;
+    const int64_t d = b->head_dim;
+    if (b->qk_norm_full) {
+        rms_norm(x, w, b->eps, heads * d, x);
+        return;
+    }
+    for (int64_t head = 0; head < heads; head++) rms_norm(x + head * d, w, b->eps, d, x + head * d);
+}
+
 // norm(h) -> q, k, v; QK-norm and RoPE; the new key and value of each kv head written to k_out/v_out
 // + head * out_head_stride. By every thread of a team (t: its scratch); returns after a barrier,
 // with q in b->qkv_out for every thread. lora: this layer's LORA_LINEARS deltas, or NULL; slot: the
@@ -327,7 +348,7 @@ static void block_pre_team(const block_t* b, const thread_scratch* t, const floa
         return;
     }
     const int64_t d = b->head_dim, nq = b->num_heads * d, nkv = b->num_kv_heads * d;
-    rms_norm(t->h, b->input_norm, b->eps, b->hidden, t->x);
+    norm_input(t->h, b->input_norm, b->eps, b->hidden, t->x);
     linear_team(&b->qkv, t->x, t->xq, t->sums, b->qkv_out);
     lora_team(lora, LORA_QKV, &b->qkv, t->x, b->qkv_out, 1, slot, xa);
 #pragma omp single  // its closing barrier: q and the cache's new key/value ready for every thread
@@ -335,12 +356,10 @@ static void block_pre_team(const block_t* b, const thread_scratch* t, const floa
         float* q = b->qkv_out;
         float* k = b->qkv_out + nq;
         const float* v = b->qkv_out + nq + nkv;
-        for (int64_t head = 0; head < b->num_heads; head++) {
-            if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
-            rotate_half(q + head * d, cos, sin, b->rotary_dim);
-        }
+        qk_norm(b, q, b->q_norm, b->num_heads);
+        qk_norm(b, k, b->k_norm, b->num_kv_heads);
+        for (int64_t head = 0; head < b->num_heads; head++) rotate_half(q + head * d, cos, sin, b->rotary_dim);
         for (int64_t head = 0; head < b->num_kv_heads; head++) {
-            if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
             rotate_half(k + head * d, cos, sin, b->rotary_dim);
             memcpy(k_out + head * out_head_stride, k + head * d, (size_t)d * sizeof(float));
             memcpy(v_out + head * out_head_stride, v + head * d, (size_t)d * sizeof(float));
@@ -843,7 +862,7 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     lora_team(lora, LORA_O, &b->o, o_in, b->x, 1, slot, xa);
     add_residual_team(b, t, b->x, b->attn_out_norm);
 
-    rms_norm(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
+    norm_input(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
     if (b->num_experts > 0) {  // no adapters on experts (the LoRA registry refuses them; attention's apply above)
         experts_team(b, t);
         add_residual_team(b, t, t->y, b->mlp_out_norm);

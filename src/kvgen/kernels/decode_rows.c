@@ -220,7 +220,7 @@ static void linear_lora_rows_team(const rows_step* st, int64_t layer, int which,
 static void row_input(const rows_step* st, int64_t layer, int64_t r) {
     const block_t* b = &st->blocks[layer];
     float* x = st->s->x + r * b->hidden;
-    rms_norm(st->h + r * b->hidden, b->input_norm, b->eps, b->hidden, x);
+    norm_input(st->h + r * b->hidden, b->input_norm, b->eps, b->hidden, x);
     quantize_row(st, &b->qkv, st->s->x, r);
 }
 
@@ -236,12 +236,10 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
     const float* v = k + nkv;
     const kv_layout kl = row_layout(kv, layer_store(kv, kv->k_base, layer), layer, rows, r);
     const kv_layout vl = row_layout(kv, layer_store(kv, kv->v_base, layer), layer, rows, r);
-    for (int64_t head = 0; head < b->num_heads; head++) {
-        if (b->q_norm) rms_norm(q + head * d, b->q_norm, b->eps, d, q + head * d);
-        rotate_half(q + head * d, cos, cos + d, b->rotary_dim);
-    }
+    qk_norm(b, q, b->q_norm, b->num_heads);
+    qk_norm(b, k, b->k_norm, b->num_kv_heads);
+    for (int64_t head = 0; head < b->num_heads; head++) rotate_half(q + head * d, cos, cos + d, b->rotary_dim);
     for (int64_t head = 0; head < b->num_kv_heads; head++) {
-        if (b->k_norm) rms_norm(k + head * d, b->k_norm, b->eps, d, k + head * d);
         rotate_half(k + head * d, cos, cos + d, b->rotary_dim);
         memcpy((float*)kv_at(&kl, head, kv->write_pos[r]), k + head * d, (size_t)d * sizeof(float));
         memcpy((float*)kv_at(&vl, head, kv->write_pos[r]), v + head * d, (size_t)d * sizeof(float));
@@ -404,7 +402,7 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         add_residual(b, st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, hidden);
-        rms_norm(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
+        norm_input(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
         if (b->num_experts == 0) quantize_row(st, &b->gate_up, s->x, r);
     }
     float* out = s->y;  // the MLP's output rows

@@ -26,7 +26,7 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
+GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
                       "deepseek2")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
@@ -66,6 +66,8 @@ _DEEPSEEK_LAYER_NAMES = _LAYER_NAMES | {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b", "attn_v_b": "self_attn.v_b",
 }  # fmt: skip
+# OLMo 2: norms after each sublayer only (no attn_norm / ffn_norm).
+_OLMO2_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # gpt-oss: a post-attention norm where Llama has ffn_norm, and a sink logit per query head.
 _GPT_OSS_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -86,7 +88,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM2/3, Granite, Granite-MoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
+            "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -249,7 +251,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
         return f"model.layers.{layer}.self_attn.sinks"  # a parameter of its own, no .weight
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _PHI3_LAYER_NAMES if arch == "phi3"
              else _GPT_OSS_LAYER_NAMES if arch == "gpt_oss" else _DEEPSEEK_LAYER_NAMES if arch == "deepseek_v2"
-             else _LAYER_NAMES)  # fmt: skip
+             else _OLMO2_LAYER_NAMES if arch == "olmo2" else _LAYER_NAMES)  # fmt: skip
     if arch == "deepseek_v2" and part in ("attn_k_b", "attn_v_b"):
         return f"model.layers.{layer}.{names[part]}"  # a float tensor of its own, no .weight
     if arch == "deepseek_v2" and part == "exp_probs_b":  # DeepSeek-V3's expert choice bias

@@ -31,6 +31,7 @@ HF_MODEL_TYPES = {
     "smollm3": "llama",  # Llama blocks, some without RoPE (ModelConfig.nope_layers)
     "granite": "llama",  # Llama blocks with Granite's scalars (ModelConfig.embedding_multiplier...)
     "granitemoe": "mixtral",  # Granite's scalars, every layer a mixture as Mixtral's
+    "olmo2": "olmo2",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")

@@ -9,6 +9,7 @@ from kvgen.models.gemma2 import Gemma2Model
 from kvgen.models.gemma3 import Gemma3Model
 from kvgen.models.llama import LlamaModel
 from kvgen.models.mamba import MambaModel
+from kvgen.models.olmo2 import Olmo2Model
 from kvgen.models.phi3 import Phi3Model
 from kvgen.models.qwen3 import Qwen3Model
 from kvgen.models.t5 import T5Model
@@ -24,6 +25,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "mixtral": LlamaModel,
     "gpt_oss": LlamaModel,  # Llama blocks: biased projections, sink logits, clamped-SwiGLU experts
     "deepseek_v2": DeepseekModel,  # latent attention, routed and shared experts
+    "olmo2": Olmo2Model,  # blocks normed after each sublayer, QK-norm over all heads
     "phi3": Phi3Model,
     "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,

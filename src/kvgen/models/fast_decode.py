@@ -96,7 +96,7 @@ class BlockStruct(ctypes.Structure):
         ("expert_sigmoid", _i64), ("expert_groups", _i64), ("expert_groups_used", _i64), ("pad4", _i64), ("choice_bias", _ptr),
         # latent attention's per-head linears over quantized weights (NULL: w_uk / w_uv above)
         ("mla_uk", _ptr), ("mla_uv", _ptr),
-        ("residual_scale", _f32), ("pad5", _f32),  # Granite's residual multiplier (0: 1)
+        ("residual_scale", _f32), ("qk_norm_full", _i32),  # Granite's residual multiplier (0: 1); OLMo 2's QK-norm
     ]  # fmt: skip
 
 
@@ -225,6 +225,7 @@ class FastDecoder:
                 struct.mla_uk, struct.mla_uv = ctypes.addressof(uk), ctypes.addressof(uv)
         struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
         struct.residual_scale = config.residual_multiplier if config.residual_multiplier != 1.0 else 0.0
+        struct.qk_norm_full = int(getattr(attn, "qk_norm_full", False))
         if experts:
             struct.router_bias = mlp.router_bias.data_ptr() if mlp.router_bias is not None else None
             gate_ups = (_QLinear * len(experts))(*(qlinear_struct(e.gate_up) for e in experts))

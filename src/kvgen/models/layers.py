@@ -175,10 +175,13 @@ class Attention(CachedAttention):
             self.qkv = fused_linear([weights.take(f"{n}.weight") for n in names], [bias_of(weights, n) for n in names])
         self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), bias_of(weights, f"{prefix}.o_proj"))
         self.q_norm = self.k_norm = None
+        self.qk_norm_full = False
         if qk_norm_offset is not None:  # Gemma 3 and Qwen3 normalise each head's q and k before RoPE
             eps = config.rms_norm_eps
             self.q_norm = RMSNorm(weights.take_tensor(f"{prefix}.q_norm.weight") + qk_norm_offset, eps)
             self.k_norm = RMSNorm(weights.take_tensor(f"{prefix}.k_norm.weight") + qk_norm_offset, eps)
+            # OLMo 2's norms span all heads at once (a weight per projection row, not per head channel)
+            self.qk_norm_full = self.q_norm.weight.numel() == self.num_heads * self.head_dim != self.head_dim
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
@@ -189,9 +192,11 @@ class Attention(CachedAttention):
         if self.lora is not None:
             qkv = self.lora.add_delta(self.layer, "qkv", x, qkv)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, S, D]
         k = apply_rotary(k.transpose(1, 2), *rope)  # [B, H_kv, S, D]
