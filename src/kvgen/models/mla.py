@@ -49,14 +49,16 @@ class LatentAttention(CachedAttention):
         self.w_uk, self.w_uv, self.uk_heads, self.uv_heads = self._expansions(weights, prefix)
         self.o_proj = linear(weights.take(f"{prefix}.o_proj.weight"), bias_of(weights, f"{prefix}.o_proj"))
 
-    def _expansions(self, weights: WeightSource, prefix: str) -> tuple[nn.Parameter, nn.Parameter, nn.ModuleList | None, nn.ModuleList | None]:
+    def _expansions(
+        self, weights: WeightSource, prefix: str
+    ) -> tuple[nn.Parameter, nn.Parameter, nn.ModuleList | None, nn.ModuleList | None]:
         """W_UK [H, nope, rank] (absorbed into the queries) and W_UV [H, v, rank] (applied to each
         head's output) in fp32, or, where the weights are quantized, per-head linears in their
         place (empty fp32 tensors returned): W_UK[h]^T [rank, nope] and W_UV[h] [v, rank] in
-        blocks, int8 activations as every other linear's (a V2-Lite layer holds 16 x 2 x 128 x 512 of them: 8.4 MB in fp32, more than its
-        other weights at 4 bits in a scaled-down model). A file's attn_k_b / attn_v_b rows keep their
-        blocks; kv_b_proj's value rows are row slices of its blocks, and its key rows, transposed,
-        are quantized again to 8 bits."""
+        blocks, int8 activations as every other linear's. A V2-Lite layer holds 16 x 2 x 128 x 512
+        of these values: 8.4 MB in fp32, read every step. A file's attn_k_b / attn_v_b rows keep
+        their blocks; kv_b_proj's value rows are row slices of its blocks, and its key rows,
+        transposed, are quantized again to 8 bits."""
         heads, nope, v, rank = self.num_heads, self.nope_dim, self.v_dim, self.rank
         uk_rows: list[Weight] | None = None
         uv_rows: list[Weight] | None = None
