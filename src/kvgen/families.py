@@ -25,7 +25,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("granite (Granite 3: Llama blocks with scaled embeddings, residuals, scores and logits)", "GGUF, HF", _ALL_KV,
                   "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
     FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
-    FamilySupport("mixtral / qwen2_moe / qwen3_moe / granitemoe", "GGUF, HF", _ALL_KV,
+    FamilySupport("mixtral / qwen2_moe / qwen3_moe / granitemoe / olmoe", "GGUF, HF", _ALL_KV,
                   "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); LoRA on attention "
                   "and dense layers, not on experts",
                   "yes", "random tiny (transformers)"),

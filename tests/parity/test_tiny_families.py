@@ -81,7 +81,7 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v2-yarn", "smollm3", "granite", "granitemoe", "olmo2",
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v2-yarn", "smollm3", "granite", "granitemoe", "olmo2", "olmoe",
                                   "deepseek-v3", "phi3", "phi4-mini", "gemma2", "gpt-oss"])
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
@@ -287,7 +287,7 @@ def test_c_steps_over_kv_codes_as_the_torch_path(name: str, tiny: dict, tmp_path
     assert (kernel - reference).abs().max() < 1e-4, (kernel - reference).abs().amax(-1).tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe", "mixtral", "granitemoe", "deepseek-v2", "deepseek-v3", "olmo2", "phi4-mini", "gemma2",
+@pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe", "mixtral", "granitemoe", "deepseek-v2", "deepseek-v3", "olmo2", "olmoe", "phi4-mini", "gemma2",
                                   "gpt-oss"])
 def test_c_steps_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(name: str, tiny: dict,
                                                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip

@@ -255,14 +255,14 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     arch = {"qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
             "gemma2": "gemma2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
             "deepseek_v3": "deepseek2", "smollm3": "smollm3", "granite": "granite",
-            "granitemoe": "granitemoe", "olmo2": "olmo2"}[config.model_type]  # fmt: skip
+            "granitemoe": "granitemoe", "olmo2": "olmo2", "olmoe": "olmoe"}[config.model_type]  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
-    if config.model_type in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "granitemoe"):
+    if config.model_type in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "granitemoe", "olmoe"):
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         if arch in ("qwen2moe", "qwen3moe"):

@@ -66,6 +66,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                    "logits_scaling": 4.0, "num_local_experts": 4, "num_experts_per_tok": 2}),
     # OLMo 2: norms after each sublayer, QK-norm over all heads at once.
     "olmo2": ("Olmo2Config", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    # OLMoE: Llama blocks with a QK-norm over all heads (as many KV heads as query heads, as OLMoE-1B-7B
+    # and llama.cpp have them), 8 experts, 2 per token, not renormalised.
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 4, "pad_token_id": None, "bos_token_id": None,
+              "eos_token_id": None}),
     "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
              "rope_parameters": {**_LONGROPE, "short_factor": [1.0 + i / 8 for i in range(8)],
                                  "long_factor": [2.0 + i for i in range(8)]}}),

@@ -26,7 +26,7 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
+GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
                       "deepseek2")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
@@ -88,7 +88,7 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
+            "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -143,8 +143,8 @@ def config_from_gguf(
     if experts:  # Mixtral is llama.cpp's llama with experts
         common.update(
             num_experts=experts, experts_per_token=int(get("expert_used_count")), expert_intermediate_size=expert_width,
-            # llama.cpp renormalises the chosen experts' weights, except Qwen2-MoE's
-            normalize_expert_weights=bool(metadata.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            # llama.cpp renormalises the chosen experts' weights, except Qwen2-MoE's and OLMoE's
+            normalize_expert_weights=bool(metadata.get(f"{arch}.expert_weights_norm", arch not in ("qwen2moe", "olmoe"))),
             moe_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
             shared_expert_intermediate_size=int(metadata.get(f"{arch}.expert_shared_feed_forward_length", 0)),
         )  # fmt: skip

@@ -32,6 +32,7 @@ HF_MODEL_TYPES = {
     "granite": "llama",  # Llama blocks with Granite's scalars (ModelConfig.embedding_multiplier...)
     "granitemoe": "mixtral",  # Granite's scalars, every layer a mixture as Mixtral's
     "olmo2": "olmo2",
+    "olmoe": "olmoe",
 }  # fmt: skip
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
@@ -93,8 +94,11 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return deepseek_config(raw, common, global_rope, _rope_scaling(global_rope, raw))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3")) else None
     rotary = float(global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         common.update(_experts(raw, arch, num_layers, common["intermediate_size"]))
+    if raw.get("clip_qkv") is not None:  # OLMo's option: clamp q, k and v after the projections
+        raise UnsupportedModelError(f"clip_qkv={raw['clip_qkv']} (clamping q, k and v) is not supported; kvgen runs "
+                                    f"{model_type} checkpoints without it")  # fmt: skip
     nope = smollm3_nope_layers(raw, num_layers) if model_type == "smollm3" else ()
     return ModelConfig(
         architecture=arch,
@@ -116,9 +120,11 @@ def _experts(raw: dict[str, Any], arch: str, num_layers: int, intermediate: int)
     (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers, experts moe_intermediate_size wide;
     Qwen2-MoE's shared expert shared_expert_intermediate_size wide)."""
     try:
-        if arch == "mixtral":
-            return dict(num_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
-                        expert_intermediate_size=intermediate, normalize_expert_weights=True, moe_layers=tuple(range(num_layers)))  # fmt: skip
+        if arch in ("mixtral", "olmoe"):  # OLMoE: experts as wide as intermediate_size, not renormalised by default
+            experts = int(raw["num_local_experts"] if "num_local_experts" in raw else raw["num_experts"])
+            return dict(num_experts=experts, experts_per_token=int(raw["num_experts_per_tok"]),
+                        expert_intermediate_size=intermediate, moe_layers=tuple(range(num_layers)),
+                        normalize_expert_weights=arch == "mixtral" or bool(raw.get("norm_topk_prob", False)))  # fmt: skip
         step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or ())
         experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])  # transformers 5 writes the latter
         layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
@@ -336,7 +342,7 @@ def load_hf_folder(
             raise
         except Exception as error:
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
-    if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         _name_experts(tensors)
     if config.architecture == "deepseek_v2":
         prepare_deepseek_weights(tensors, config, _name_experts)

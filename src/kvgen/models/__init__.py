@@ -26,6 +26,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[T5Model]] = {
     "gpt_oss": LlamaModel,  # Llama blocks: biased projections, sink logits, clamped-SwiGLU experts
     "deepseek_v2": DeepseekModel,  # latent attention, routed and shared experts
     "olmo2": Olmo2Model,  # blocks normed after each sublayer, QK-norm over all heads
+    "olmoe": Qwen3Model,  # Qwen3's blocks (their QK-norm over all heads at once: its weights' width) with experts
     "phi3": Phi3Model,
     "gemma2": Gemma2Model,
     "gemma3": Gemma3Model,

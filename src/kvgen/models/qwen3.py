@@ -1,6 +1,7 @@
 """Qwen3 (dense and MoE): Llama blocks with an RMSNorm over each head's query and key before RoPE,
 and no QKV bias; head_dim is set by the config (not hidden / heads). Qwen3-MoE's sparse layers
-take a mixture of experts for the MLP (LlamaBlock builds it from the config's moe_layers)."""
+take a mixture of experts for the MLP (LlamaBlock builds it from the config's moe_layers). OLMoE
+runs these blocks too: its QK-norm weights span all heads, so Attention norms all heads at once."""
 
 from __future__ import annotations
 
