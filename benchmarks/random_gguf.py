@@ -22,6 +22,8 @@ the rest F32):
   latent): V2-Lite's attention widths as above, 27 layers, hidden 768, the first layer dense, then
   64 experts of width 384, 6 per token chosen by sigmoid score plus a random choice bias, weights
   renormalised x 2.446, and 2 shared.
+- olmoe: a scaled-down OLMoE-1B-7B: 12 layers, hidden 768, 12 query / 12 KV heads of 64 with a
+  QK-norm over all heads, 64 experts of width 384, 8 per token (not renormalised).
 - gemma2: a scaled-down Gemma 2 2B: 12 layers, hidden 1152, 4 query / 2 KV heads of 256, GeGLU of
   width 4608, sliding (4,096) and global layers alternating, scores soft-capped at 50, logits at 30.
 - gpt-oss: a scaled-down gpt-oss-20b: 12 layers, hidden 768, 12 query / 4 KV heads of 64 with sink
@@ -67,6 +69,10 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "first_k_dense_replace": 1, "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
         "moe_intermediate_size": 384, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.446,
         "tie_word_embeddings": False, "max_position_embeddings": 4096}),
+    "olmoe": ("OlmoeConfig", {
+        "hidden_size": 768, "intermediate_size": 384, "num_attention_heads": 12, "num_key_value_heads": 12,
+        "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
     "gemma2": ("Gemma2Config", {
         "hidden_size": 1152, "intermediate_size": 4608, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
