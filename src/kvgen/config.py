@@ -201,6 +201,18 @@ def alternating_layer_types(num_layers: int) -> tuple[LayerType, ...]:
     return tuple("sliding" if i % 2 == 0 else "full" for i in range(num_layers))
 
 
+def every_nth_layer(num_layers: int, step: int) -> tuple[int, ...]:
+    """Layers step - 1, 2 step - 1, ...: SmolLM3's NoPE layers (every 4th; llama.cpp fixes the step)."""
+    return tuple(i for i in range(num_layers) if (i + 1) % step == 0)
+
+
+def granite_scalars(embedding: float, residual: float, logits: float, attention: float) -> dict[str, float]:
+    """Granite's four multipliers as ModelConfig fields: its attention multiplier is the score scale
+    itself, so query_pre_attn_scalar = multiplier ** -2 (attention_scale = scalar ** -0.5)."""
+    return {"embedding_multiplier": float(embedding), "residual_multiplier": float(residual), "logits_scaling": float(logits),
+            "query_pre_attn_scalar": float(attention) ** -2}  # fmt: skip
+
+
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[LayerType, ...]:
     """Gemma 3 interleaves 5 sliding-window layers with 1 global layer (llama.cpp hard-codes the same)."""
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))

@@ -1,5 +1,5 @@
-"""Qwen3 (also with YaRN), Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, Phi-3 / Phi-4-mini, Gemma 2 and
-gpt-oss against transformers on the same weights.
+"""Qwen3 (also with YaRN), Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, SmolLM3, Granite (-MoE), OLMo 2,
+OLMoE, Phi-3 / Phi-4-mini, Gemma 2 and gpt-oss against transformers on the same weights.
 
 No real checkpoint of these families installs offline, so these are small random-weight models
 that transformers itself builds and saves (tests/support/tiny_hf.py): this is the evidence for
@@ -81,8 +81,7 @@ def test_greedy_tokens_match_on_four_prompts(name: str, tiny: dict, tmp_path_fac
         assert result.token_ids == reference[0, len(ids) :].tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-yarn", "qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v2-yarn", "smollm3", "granite", "granitemoe", "olmo2", "olmoe",
-                                  "deepseek-v3", "phi3", "phi4-mini", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("name", NAMES)
 def test_gguf_loads_the_same_model(name: str, tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     model, llm, folder = get(tiny, name, tmp_path_factory)
     path = write_gguf_from_hf(folder / "model.gguf", model, model_path("smollm2"))

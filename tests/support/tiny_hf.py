@@ -1,6 +1,6 @@
 """Small random-weight models that transformers itself builds and saves as HF folders, for the
-families no real weights exist for offline (Qwen3, Qwen3-MoE, Mixtral, DeepSeek, SmolLM3, Phi-3 /
-Phi-4-mini, Gemma 2, Mamba, T5)."""
+families no real weights exist for offline (Qwen3, Qwen2/3-MoE, Mixtral, DeepSeek, SmolLM3, Granite,
+OLMo 2, OLMoE, Phi-3 / Phi-4-mini, Gemma 2, gpt-oss, Mamba, T5)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                 "swiglu_limit": 0.3,  # (7 in the released models) clamps many activations here
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}),
-    # DeepSeek-V2-Lite's shape, small: latent attention (a 64-wide latent, RoPE over 16 channels, no
+    # DeepSeek-V2-Lite's shape, small: latent attention (a 64-wide latent, RoPE over 32 channels, no
     # query latent), the first layer dense, then 8 routed experts (2 per token, weights x 2.5) and a
     # shared one. The YaRN variant stretches 64 positions 4x with DeepSeek's mscales and a query latent.
     "deepseek-v2": ("DeepseekV2Config", {"num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvgen.config import ModelConfig, RopeScaling, alternating_layer_types, gemma3_layer_types, yarn_mscale
+from kvgen.config import (ModelConfig, RopeScaling, alternating_layer_types, every_nth_layer, gemma3_layer_types, granite_scalars,
+                          yarn_mscale)  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
@@ -26,8 +27,8 @@ from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss",
-                      "deepseek2")
+GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
+                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2")
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -66,6 +67,8 @@ _DEEPSEEK_LAYER_NAMES = _LAYER_NAMES | {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b", "attn_v_b": "self_attn.v_b",
 }  # fmt: skip
+# Granite's multipliers under llama.cpp's keys ({arch}.embedding_scale...), in granite_scalars' order.
+_GRANITE_KEYS = ("embedding_scale", "residual_scale", "logit_scale", "attention.scale")
 # OLMo 2: norms after each sublayer only (no attn_norm / ffn_norm).
 _OLMO2_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # gpt-oss: a post-attention norm where Llama has ffn_norm, and a sink logit per query head.
@@ -159,18 +162,11 @@ def config_from_gguf(
         layer_types=("sliding",) * num_layers if window and arch == "phi3" else (),
         rotary_dim=int(rotary) if rotary and int(rotary) != head_dim else None,
         # SmolLM3: llama.cpp turns no channel in every 4th layer (a fixed step; the file names none)
-        nope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
-        **(_granite_scalars(metadata, arch) if arch in ("granite", "granitemoe") else {}),
+        nope_layers=every_nth_layer(num_layers, 4) if arch == "smollm3" else (),
+        **(granite_scalars(*(metadata.get(f"{arch}.{key}", 1.0) for key in _GRANITE_KEYS))
+           if arch in ("granite", "granitemoe") else {}),  # fmt: skip
         **common,
     )
-
-
-def _granite_scalars(metadata: dict[str, Any], arch: str) -> dict[str, float]:
-    """llama.cpp's granite keys as ModelConfig's scalars (the attention scale as a score scale)."""
-    return {"embedding_multiplier": float(metadata.get(f"{arch}.embedding_scale", 1.0)),
-            "residual_multiplier": float(metadata.get(f"{arch}.residual_scale", 1.0)),
-            "logits_scaling": float(metadata.get(f"{arch}.logit_scale", 1.0)),
-            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.scale", 1.0)) ** -2}  # fmt: skip
 
 
 def _longrope_from_gguf(metadata: dict[str, Any], arch: str, factors: dict[str, np.ndarray], max_positions: int) -> RopeScaling:

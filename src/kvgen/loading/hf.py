@@ -13,7 +13,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvgen.config import (
-    MambaConfig, ModelConfig, RopeScaling, T5Config, alternating_layer_types, gemma3_layer_types, yarn_mscale,
+    MambaConfig, ModelConfig, RopeScaling, T5Config, alternating_layer_types, every_nth_layer, gemma3_layer_types,
+    granite_scalars, yarn_mscale,
 )  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
@@ -34,6 +35,7 @@ HF_MODEL_TYPES = {
     "olmo2": "olmo2",
     "olmoe": "olmoe",
 }  # fmt: skip
+_GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
 _NAME_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
 
@@ -109,7 +111,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         # SmolLM3 slides only its NoPE layers' attention, where it slides at all
         layer_types=tuple("sliding" if not nope or i in nope else "full" for i in range(num_layers)) if window else (),
         nope_layers=nope,
-        **(granite_scalars(raw) if model_type in ("granite", "granitemoe") else {}),
+        **(granite_scalars(*(raw.get(key, 1.0) for key in _GRANITE_KEYS)) if model_type in ("granite", "granitemoe") else {}),
         rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
         **common,
     )
@@ -235,21 +237,12 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def granite_scalars(raw: dict[str, Any]) -> dict[str, float]:
-    """Granite's four scalars as ModelConfig fields (the attention multiplier is the score scale)."""
-    return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
-            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
-            "logits_scaling": float(raw.get("logits_scaling", 1.0)),
-            "query_pre_attn_scalar": float(raw.get("attention_multiplier", 1.0)) ** -2}  # fmt: skip
-
-
 def smollm3_nope_layers(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: where `no_rope_layers` holds 0 (1: RoPE), or else every
     `no_rope_layer_interval`-th layer (4 by default, llama.cpp's fixed step for GGUF files)."""
     flags = raw.get("no_rope_layers")
     if flags is None:
-        interval = int(raw.get("no_rope_layer_interval") or 4)
-        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+        return every_nth_layer(num_layers, int(raw.get("no_rope_layer_interval") or 4))
     if len(flags) != num_layers:
         raise ModelLoadError(f"config.json's no_rope_layers has {len(flags)} entries for {num_layers} layers")
     return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)

@@ -60,24 +60,19 @@ class LatentAttention(CachedAttention):
         their blocks; kv_b_proj's value rows are row slices of its blocks, and its key rows,
         transposed, are quantized again to 8 bits."""
         heads, nope, v, rank = self.num_heads, self.nope_dim, self.v_dim, self.rank
-        uk_rows: list[Weight] | None = None
-        uv_rows: list[Weight] | None = None
+        blocks = nope % QK == 0 and rank % QK == 0  # every row whole int8 blocks
         if weights.has(f"{prefix}.k_b"):  # GGUFs converted for absorption: [H, rank, nope] and [H, v, rank]
             k_b, v_b = weights.take(f"{prefix}.k_b"), weights.take(f"{prefix}.v_b")
-            if isinstance(k_b, QuantizedWeight) and isinstance(v_b, QuantizedWeight):  # [H * rank, nope], [H * v, rank]
-                uk_rows, uv_rows = _row_slices(k_b, heads), _row_slices(v_b, heads)
-            k_b, v_b = _as_float(k_b), _as_float(v_b)
-            w_uk, w_uv = k_b.reshape(heads, rank, nope).transpose(1, 2), v_b.reshape(heads, v, rank)
+            if blocks and isinstance(k_b, QuantizedWeight) and isinstance(v_b, QuantizedWeight):  # [H * rank, nope], [H * v, rank]
+                return _per_head(_row_slices(k_b, heads), _row_slices(v_b, heads))
+            w_uk, w_uv = _as_float(k_b).reshape(heads, rank, nope).transpose(1, 2), _as_float(v_b).reshape(heads, v, rank)
         else:
             kv_b = weights.take(f"{prefix}.kv_b_proj.weight")  # [H * (nope + v), rank]
             w_uk, w_uv = _as_float(kv_b).view(heads, nope + v, rank).split([nope, v], dim=1)
-            if isinstance(kv_b, QuantizedWeight):
-                uv_rows = [_rows(kv_b, h * (nope + v) + nope, (h + 1) * (nope + v)) for h in range(heads)]
-                uk_rows = [requantize(w_uk[h].t().contiguous(), "q8") for h in range(heads)]
-        if uk_rows is None or uv_rows is None or nope % QK or rank % QK:
-            return frozen(w_uk.float().contiguous()), frozen(w_uv.float().contiguous()), None, None
-        unused = frozen(torch.empty(0))  # the per-head linears replace the fp32 copies
-        return unused, unused, nn.ModuleList(linear(w) for w in uk_rows), nn.ModuleList(linear(w) for w in uv_rows)
+            if blocks and isinstance(kv_b, QuantizedWeight):
+                return _per_head([requantize(w_uk[h].t().contiguous(), "q8") for h in range(heads)],
+                                 [_rows(kv_b, h * (nope + v) + nope, (h + 1) * (nope + v)) for h in range(heads)])  # fmt: skip
+        return frozen(w_uk.float().contiguous()), frozen(w_uv.float().contiguous()), None, None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, mask: AttentionMask
@@ -102,6 +97,12 @@ class LatentAttention(CachedAttention):
         else:
             heads = torch.einsum("bhsr,hvr->bshv", out.float(), self.w_uv).to(x.dtype)
         return self.o_proj(heads.reshape(batch, seq, self.num_heads * self.v_dim))
+
+
+def _per_head(uk_rows: list[QuantizedWeight], uv_rows: list[QuantizedWeight]) -> tuple[nn.Parameter, nn.Parameter, nn.ModuleList, nn.ModuleList]:
+    """`_expansions`' answer with per-head linears: empty fp32 tensors in place of W_UK / W_UV."""
+    unused = frozen(torch.empty(0))
+    return unused, unused, nn.ModuleList(linear(w) for w in uk_rows), nn.ModuleList(linear(w) for w in uv_rows)
 
 
 def _as_float(weight: Weight) -> torch.Tensor:
