@@ -29,6 +29,9 @@ the rest F32):
 - gpt-oss: a scaled-down gpt-oss-20b: 12 layers, hidden 768, 12 query / 4 KV heads of 64 with sink
   logits, sliding (128) and full layers, 32 clamped-SwiGLU experts of width 768, 4 per token, as
   OpenAI ships them in MXFP4 (`--type` sets the other projections).
+- mamba: Mamba-130M's own shape (llama.cpp's `mamba`): 24 layers, hidden 768, inner 1,536, state 16,
+  conv 4, dt rank 48, a tied head; A_log, D and dt's bias keep transformers' initial values (the
+  decays and step sizes a trained model has), the rest as above.
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -89,7 +92,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                             "original_max_position_embeddings": 4096,
                             "short_factor": [1.0] * 48, "long_factor": [1.0 + i / 8 for i in range(48)]}}),
+    "mamba": ("MambaConfig", {
+        "num_hidden_layers": 24, "hidden_size": 768, "state_size": 16, "expand": 2, "conv_kernel": 4,
+        "tie_word_embeddings": True, "use_mambapy": False}),
 }  # fmt: skip
+_KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias")  # Mamba's decays and steps: random ones would blow up its state
 
 
 def main() -> None:
@@ -101,7 +108,7 @@ def main() -> None:
     import transformers
 
     from tests.support.models import model_path
-    from tests.support.tiny_gguf import write_gguf_from_hf
+    from tests.support.tiny_gguf import write_gguf_from_hf, write_mamba_gguf
 
     class_name, settings = SHAPES[args.family]
     config = getattr(transformers, class_name)(**{**_COMMON, **settings})
@@ -109,7 +116,7 @@ def main() -> None:
     model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).eval()
     with torch.no_grad():  # transformers' init is tiny (std 0.02); wider weights keep a router's choices spread
         for name, parameter in model.named_parameters():
-            if not name.endswith("norm.weight"):
+            if not name.endswith(_KEEP_INIT):
                 parameter.normal_(0, 0.05)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert choice bias (zero at init)
@@ -119,6 +126,9 @@ def main() -> None:
     # A tied head is the embedding: Q8_0, as in SmolLM2's file (an F32 one would be most of a step's bytes).
     embedding = gguf.GGMLQuantizationType.Q8_0 if config.tie_word_embeddings else gguf.GGMLQuantizationType.F32
     experts = gguf.GGMLQuantizationType.MXFP4 if args.family == "gpt-oss" else None
+    if args.family == "mamba":
+        print(write_mamba_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
+        return
     write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding,
                        expert_type=experts)
     print(out)

@@ -168,6 +168,8 @@ class MambaConfig:
     tie_word_embeddings: bool = True
     use_conv_bias: bool = True
     use_bias: bool = False
+    # Falcon-Mamba: dt, B and C pass a weightless RMS norm with this epsilon before use; None: plain Mamba.
+    dt_b_c_rms_eps: float | None = None
     # No positions: any length fits; the generator caps prompt + output at this.
     max_position_embeddings: int = 1 << 20
     architecture: str = "mamba"

@@ -6,16 +6,20 @@ builds and saves (tests/support/tiny_hf.py), the only evidence for this family.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 
 from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.models.mamba import SCAN_CHUNK
-from tests.support.models import PROMPTS
+from tests.support.models import PROMPTS, model_path
+from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
 
 pytestmark = pytest.mark.slow
@@ -118,5 +122,67 @@ def test_paths_mamba_does_not_run_refuse_clearly(mamba: tuple[Any, LLM]) -> None
         llm.generator.cache_config = CacheConfig()
     with pytest.raises(ValueError, match="speculative"):
         llm.generate("hello", SamplingParams(max_new_tokens=2), speculative=SpeculativeConfig(method="lookup"))
-    with pytest.raises(ValueError, match="fp32"):
-        LLM.load(llm.path, progress=False, weights="int8")
+
+
+@pytest.fixture(scope="module")
+def falcon_mamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM]:
+    folder = tmp_path_factory.mktemp("falcon-mamba")
+    model = save_tiny_mamba(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")), falcon=True)
+    return model, LLM.load(folder, progress=False, weights="fp32")
+
+
+def prefill_and_steps(llm: LLM, prompt: list[int], more: list[int]) -> torch.Tensor:
+    """kvgen's logits at every prompt position, then after each of `more` decoded one at a time [S, V]."""
+    with torch.inference_mode():
+        cache = llm.generator.new_cache(0)
+        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        return torch.cat([prefill, *(llm.model(torch.tensor([[t]]), cache)[0] for t in more)])
+
+
+def test_falcon_mamba_normed_dt_b_c_match_transformers(falcon_mamba: tuple[Any, LLM]) -> None:
+    """FalconMambaForCausalLM: dt, B and C pass a weightless RMS norm; without it the logits part."""
+    model, llm = falcon_mamba
+    prompt, more = random_ids(SCAN_CHUNK + 20, 12), random_ids(8, 13)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt + more])).logits[0]
+    assert llm.config.dt_b_c_rms_eps == model.config.mixer_rms_eps
+    assert (prefill_and_steps(llm, prompt, more) - expected).abs().max().item() < TOLERANCE
+    for block in llm.model.layers:
+        block.mixer.dt_b_c_rms_eps = None
+    try:
+        assert (prefill_and_steps(llm, prompt, more) - expected).abs().max().item() > 100 * TOLERANCE
+    finally:
+        for block in llm.model.layers:
+            block.mixer.dt_b_c_rms_eps = model.config.mixer_rms_eps
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_gguf_loads_the_same_model(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """An all-F32 file as llama.cpp's converter writes it (A as -exp(A_log), the conv weight [I, K],
+    dt_b_c_rms): the same config (eps stored as float32) and transformers' logits."""
+    model, llm = request.getfixturevalue(family)
+    from_gguf = LLM.load(write_mamba_gguf(tmp_path / "model.gguf", model, model_path("smollm2")), progress=False, weights="fp32")
+    eps = {"rms_norm_eps": llm.config.rms_norm_eps, "dt_b_c_rms_eps": llm.config.dt_b_c_rms_eps}
+    assert math.isclose(from_gguf.config.rms_norm_eps, eps["rms_norm_eps"], rel_tol=1e-6)
+    assert dataclasses.replace(from_gguf.config, **eps, max_position_embeddings=llm.config.max_position_embeddings) == llm.config
+    prompt, more = random_ids(40, 14), random_ids(4, 15)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt + more])).logits[0]
+    assert (prefill_and_steps(from_gguf, prompt, more) - expected).abs().max().item() < TOLERANCE
+
+
+def test_quantized_weights_read_the_files_blocks_and_follow_fp32(mamba: tuple[Any, LLM], tmp_path: Path) -> None:
+    """A Q4_0 file's projections keep their blocks (dequantized, the fp32 load's weights exactly);
+    int8 weights with int8 activations stay near the fp32 model over a 150-token prompt."""
+    model, llm = mamba
+    path = write_mamba_gguf(tmp_path / "model-q4_0.gguf", model, model_path("smollm2"), gguf.GGMLQuantizationType.Q4_0)
+    exact, quantized = LLM.load(path, progress=False, weights="fp32"), LLM.load(path, progress=False)
+    for ours, reference in zip(quantized.model.layers, exact.model.layers):
+        for part in ("in_proj", "x_proj", "out_proj"):
+            linear = getattr(ours.mixer, part)
+            assert linear.kind == "q4h" and torch.equal(linear.dequantized(), getattr(reference.mixer, part).weight)
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    prompt = random_ids(150, 16)
+    actual, expected = prefill_and_steps(int8, prompt, []), prefill_and_steps(llm, prompt, [])
+    assert (actual - expected).abs().max().item() < 0.1  # measured 0.023
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9  # measured 0.97

@@ -369,3 +369,59 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_MAMBA_PARTS = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d", "mixer.x_proj": "ssm_x",
+                "mixer.dt_proj": "ssm_dt", "mixer.out_proj": "ssm_out"}  # fmt: skip
+
+
+def write_mamba_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
+                     embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
+    """A GGUF of transformers' MambaForCausalLM or FalconMambaForCausalLM as llama.cpp's converter
+    writes it (`mamba`: A as -exp(A_log), the conv weight [I, K], dt_b_c_rms for Falcon-Mamba), the
+    tokenizer copied from `tokenizer_gguf`; projections whose rows are whole blocks in `matmul_type`,
+    the token embedding in `embedding_type`."""
+    from kvgen.loading.gguf_file import GGUFFile
+
+    config = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_inner_size(config.intermediate_size)
+    writer.add_ssm_state_size(config.state_size)
+    writer.add_ssm_time_step_rank(config.time_step_rank)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
+    _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float().numpy().copy()
+        if name == "lm_head.weight":
+            if config.tie_word_embeddings:
+                continue
+            target = "output.weight"
+        elif name.startswith("backbone.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            if rest.endswith(".A_log"):
+                target, values = f"blk.{layer}.ssm_a", -np.exp(values)
+            elif rest.endswith(".D"):
+                target = f"blk.{layer}.ssm_d"
+            else:
+                part, suffix = rest.rsplit(".", 1)
+                target = f"blk.{layer}.{_MAMBA_PARTS[part]}.{suffix}"
+                values = values.reshape(values.shape[0], -1) if part == "mixer.conv1d" and suffix == "weight" else values
+        else:
+            target = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight"}[name]
+        kind = embedding_type if target == "token_embd.weight" else matmul_type if is_matmul_weight(name) else Q.F32
+        if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            writer.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(target, np.ascontiguousarray(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

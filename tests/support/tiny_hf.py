@@ -121,15 +121,20 @@ def _widen_and_save(model: Any, folder: Path, tokenizer_files: Path, std: float,
     return model
 
 
-def save_tiny_mamba(folder: Path, tokenizer_files: Path, std: float = 0.2) -> Any:
-    """transformers' MambaForCausalLM, random and widened like the decoders, saved with the tokenizer."""
+def save_tiny_mamba(folder: Path, tokenizer_files: Path, std: float = 0.2, falcon: bool = False) -> Any:
+    """transformers' MambaForCausalLM (FalconMambaForCausalLM when `falcon`: RMS-normed dt, B and C),
+    random and widened like the decoders, saved with the tokenizer. The Falcon model's mixer epsilon
+    is its layers' (llama.cpp norms dt, B and C with that one), so its GGUF is the same model."""
     import transformers
 
-    config = transformers.MambaConfig(vocab_size=49152, hidden_size=64, state_size=16, num_hidden_layers=2, conv_kernel=4,
-                                      expand=2, use_mambapy=False)  # fmt: skip
+    kind = "FalconMamba" if falcon else "Mamba"
+    extra = {"mixer_rms_eps": 1e-5} if falcon else {}
+    config = getattr(transformers, f"{kind}Config")(vocab_size=49152, hidden_size=64, state_size=16, num_hidden_layers=2, conv_kernel=4,
+                                                     expand=2, use_mambapy=False, layer_norm_epsilon=1e-5, **extra)  # fmt: skip
     torch.manual_seed(0)
     # A_log, dt_proj.bias and D keep their initial values: the decay and step sizes a real model has.
-    return _widen_and_save(transformers.MambaForCausalLM(config), folder, tokenizer_files, std, ("A_log", "dt_proj.bias", "D"))
+    model = getattr(transformers, f"{kind}ForCausalLM")(config)
+    return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_proj.bias", "D"))
 
 
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:

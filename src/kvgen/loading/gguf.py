@@ -24,11 +24,12 @@ from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
-from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
+from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba_config_from_gguf, mamba_hf_name
+from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2")
+                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", *SSM_ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -91,7 +92,8 @@ def config_from_gguf(
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
-            "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss)"
+            "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
+            "Mamba, Falcon-Mamba)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -100,6 +102,8 @@ def config_from_gguf(
             raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
         return value
 
+    if arch == "mamba":
+        return mamba_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
@@ -233,6 +237,8 @@ def _gpt_oss_from_gguf(metadata: dict[str, Any], arch: str, common: dict[str, An
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
+    if arch == "mamba":
+        return mamba_hf_name(gguf_name)
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
@@ -293,7 +299,7 @@ def load_gguf(
         if name is None:
             continue
         # A tied model's output projection is the embedding matrix: quantized for the head, float for lookups.
-        head_from_embedding = mode != "fp32" and name == "model.embed_tokens.weight" and "output.weight" not in file.tensors
+        head_from_embedding = mode != "fp32" and name in EMBEDDING_NAMES and "output.weight" not in file.tensors
         for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
             if mode != "fp32" and is_matmul_weight(target) and quantizable(info.shape):
                 tensors[target] = _quantized_tensor(file, info, config, mode)

@@ -22,11 +22,12 @@ from kvgen.loading.deepseek import deepseek_config, prepare_deepseek_weights
 from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
-from kvgen.loading.weight_format import WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
+from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
 
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
     "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
+    "falcon_mamba": "mamba",  # Mamba blocks whose dt, B and C are RMS-normed (MambaConfig.dt_b_c_rms_eps)
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",  # the same blocks; V3's routing is in the config
     "smollm3": "llama",  # Llama blocks, some without RoPE (ModelConfig.nope_layers)
@@ -175,6 +176,7 @@ def _mamba_config(raw: dict[str, Any]) -> MambaConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
             use_conv_bias=bool(raw.get("use_conv_bias", True)),
             use_bias=bool(raw.get("use_bias", False)),
+            dt_b_c_rms_eps=float(raw.get("mixer_rms_eps", 1e-6)) if raw.get("model_type") == "falcon_mamba" else None,
         )
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error}; it is not a complete mamba config") from error
@@ -343,7 +345,7 @@ def load_hf_folder(
     mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors))
     if config.architecture == "gpt_oss":
         name_gpt_oss_experts(tensors, dtype, mode)
-    if mode != "fp32" and config.architecture in ("mamba", "t5"):
+    if mode != "fp32" and config.architecture == "t5":
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
     if mode != "fp32":
         quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)
@@ -353,7 +355,7 @@ def load_hf_folder(
 def quantize_matmul_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], tied: bool, mode: str) -> None:
     """Float checkpoint -> quantized matmul weights in place (rounding per block; lossy)."""
     if tied and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        tensors["lm_head.weight"] = next(tensors[name] for name in EMBEDDING_NAMES if name in tensors)
     for name, tensor in list(tensors.items()):
         if isinstance(tensor, torch.Tensor) and is_matmul_weight(name) and quantizable(tuple(tensor.shape)):
             tensors[name] = quantize_float(tensor, mode)  # type: ignore[arg-type]

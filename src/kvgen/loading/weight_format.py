@@ -47,6 +47,10 @@ def resolve_mode(mode: WeightMode, file_is_quantized: bool) -> Literal["fp32", "
     return mode
 
 
+# The token embedding's name, which a tied model's head reads: decoders' and Mamba's (backbone).
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "backbone.embeddings.weight")
+
+
 def is_matmul_weight(hf_name: str) -> bool:
     return hf_name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or hf_name == "lm_head.weight"  # the latter: DeepSeek's kv_a
 
@@ -77,7 +81,8 @@ def quantize_gguf_rows(type_name: str, raw_rows: np.ndarray, dequantized: np.nda
     if type_name in EXACT_SOURCES:
         return from_gguf_blocks(type_name, raw_rows, kind)
     assert dequantized is not None, f"{type_name} must be dequantized before requantizing"
-    return requantize(torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32)), kind)
+    rows = np.array(dequantized, dtype=np.float32, order="C", copy=not dequantized.flags.writeable)  # F32 rows: a read-only map
+    return requantize(torch.from_numpy(rows), kind)
 
 
 def quantize_float(weight: torch.Tensor, mode: Literal["int8", "q4"]) -> QuantizedWeight:

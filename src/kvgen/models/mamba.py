@@ -37,14 +37,17 @@ class MambaMixer(nn.Module):
         def optional(name: str) -> torch.Tensor | None:
             return weights.take_tensor(name) if weights.has(name) else None
 
-        self.in_proj = linear(weights.take_tensor(f"{prefix}.in_proj.weight"), optional(f"{prefix}.in_proj.bias"))
-        self.conv_weight = frozen(weights.take_tensor(f"{prefix}.conv1d.weight"))  # [I, 1, K]
+        self.in_proj = linear(weights.take(f"{prefix}.in_proj.weight"), optional(f"{prefix}.in_proj.bias"))
+        self.conv_weight = frozen(weights.take_tensor(f"{prefix}.conv1d.weight").reshape(self.intermediate, 1, -1))  # [I, 1, K]
         self.conv_bias = optional(f"{prefix}.conv1d.bias")
-        self.x_proj = linear(weights.take_tensor(f"{prefix}.x_proj.weight"))
-        self.dt_proj = linear(weights.take_tensor(f"{prefix}.dt_proj.weight"), weights.take_tensor(f"{prefix}.dt_proj.bias"))
-        self.A = frozen(-torch.exp(weights.take_tensor(f"{prefix}.A_log").float()))  # [I, N]
-        self.D = frozen(weights.take_tensor(f"{prefix}.D").float())  # [I]
-        self.out_proj = linear(weights.take_tensor(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
+        self.x_proj = linear(weights.take(f"{prefix}.x_proj.weight"))
+        self.dt_proj = linear(weights.take(f"{prefix}.dt_proj.weight"), weights.take_tensor(f"{prefix}.dt_proj.bias"))
+        # HF folders hold A_log; GGUF files A = -exp(A_log) itself (llama.cpp's converter takes the exp)
+        a = optional(f"{prefix}.A")
+        self.A = frozen(a.float() if a is not None else -torch.exp(weights.take_tensor(f"{prefix}.A_log").float()))  # [I, N]
+        self.D = frozen(weights.take_tensor(f"{prefix}.D").float().reshape(-1))  # [I]
+        self.out_proj = linear(weights.take(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
+        self.dt_b_c_rms_eps = config.dt_b_c_rms_eps
 
     def forward(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, capture: list[list[int]]
@@ -56,8 +59,10 @@ class MambaMixer(nn.Module):
         extended = torch.cat([conv_state[:, :, 1:], u], dim=2)  # [B, I, K-1+S]: the conv sees the held inputs first
         u = F.silu(F.conv1d(extended, self.conv_weight, self.conv_bias, groups=self.intermediate))  # [B, I, S]
         kernel = conv_state.shape[2]
-        time_step, B, C = self.x_proj(u.transpose(1, 2)).split([self.rank, self.state_size, self.state_size], dim=-1)
-        dt = F.softplus(self.dt_proj(time_step)).float()  # [B, S, I]
+        time_step, B, C = self.x_proj(u.transpose(1, 2).contiguous()).split([self.rank, self.state_size, self.state_size], dim=-1)
+        if self.dt_b_c_rms_eps is not None:  # Falcon-Mamba's weightless norms
+            time_step, B, C = (_rms(t, self.dt_b_c_rms_eps) for t in (time_step, B, C))
+        dt = F.softplus(self.dt_proj(time_step.contiguous())).float()  # [B, S, I]
         outputs, captured = [], [[] for _ in range(batch)]
         wanted = {t: [r for r in range(batch) if t in capture[r]] for r in range(batch) for t in capture[r]}
         state = ssm_state.float()  # [B, I, N]
@@ -77,7 +82,11 @@ class MambaMixer(nn.Module):
             outputs.append(torch.einsum("btin,btn->bti", stacked, C[:, start:end].float()))  # [B, T, I]
         y = torch.cat(outputs, dim=1).transpose(1, 2) + u * self.D[None, :, None]  # [B, I, S]
         y = y * F.silu(gate)
-        return self.out_proj(y.transpose(1, 2).to(x.dtype)), captured
+        return self.out_proj(y.transpose(1, 2).contiguous().to(x.dtype)), captured
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class MambaBlock(nn.Module):
@@ -100,7 +109,7 @@ class MambaModel(nn.Module):
         self.embed_tokens = frozen(weights.take_tensor("backbone.embeddings.weight"))  # [V, H]
         self.layers = nn.ModuleList([MambaBlock(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
-        head = weights.take_tensor("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
+        head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
         self.lm_head = linear(head)
 
     @property
