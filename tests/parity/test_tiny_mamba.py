@@ -186,3 +186,23 @@ def test_quantized_weights_read_the_files_blocks_and_follow_fp32(mamba: tuple[An
     actual, expected = prefill_and_steps(int8, prompt, []), prefill_and_steps(llm, prompt, [])
     assert (actual - expected).abs().max().item() < 0.1  # measured 0.023
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9  # measured 0.97
+
+
+def test_c_decode_step_follows_the_torch_step(mamba: tuple[Any, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized projections decode in one C call per token (kernels/mamba_step.c); the torch step
+    over the same int8 linears gives the same logits up to the order of float sums (measured 4e-7)
+    and the same greedy tokens."""
+    from kvgen.models import mamba as mamba_module
+
+    _, llm = mamba
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    prompt, more = random_ids(20, 17), random_ids(24, 18)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    in_c, c_tokens = prefill_and_steps(int8, prompt, more), int8.generate(prompt, params).token_ids
+    assert int8.model._step is not None
+    int8.model._step = None
+    monkeypatch.setattr(mamba_module, "runs_in_c", lambda model: False)
+    in_torch, torch_tokens = prefill_and_steps(int8, prompt, more), int8.generate(prompt, params).token_ids
+    assert int8.model._step is None
+    assert (in_c - in_torch).abs().max().item() < 1e-4
+    assert c_tokens == torch_tokens

@@ -203,6 +203,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_eagle_positions.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, pointer, count, pointer,
                                               pointer, pointer, pointer, pointer, pointer, count, count, count, pointer,
                                               pointer, pointer, pointer]  # fmt: skip
+    library.kvgen_mamba_step.argtypes = [pointer, count] + [pointer] * 5
     library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer]
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,

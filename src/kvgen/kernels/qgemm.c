@@ -159,5 +159,6 @@ DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8, float, as_fp32)
 DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 
 #include "decode.c"
+#include "mamba_step.c"
 #include "eagle_step.c"
 #include "rows_ops.c"

@@ -19,6 +19,7 @@ from torch import nn
 from kvgen.config import MambaConfig
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
+from kvgen.models.mamba_decode import MambaStep, runs_in_c
 from kvgen.models.lora import refuse_adapters
 from kvgen.models.weights import WeightSource, frozen, linear
 
@@ -111,6 +112,7 @@ class MambaModel(nn.Module):
         self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
         head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
         self.lm_head = linear(head)
+        self._step: MambaStep | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,6 +159,8 @@ class MambaModel(nn.Module):
             return self._forward_batch(token_ids, caches, num_logits)
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+        if all(len(ids) == 1 for ids in token_ids) and self._c_step() is not None:
+            return self._decode_in_c([ids[0] for ids in token_ids], caches)
         lengths = [len(ids) for ids in token_ids]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
@@ -178,6 +182,26 @@ class MambaModel(nn.Module):
         rows = [r for r, k in enumerate(num_logits) for _ in range(k)]
         columns = [lengths[r] - k + j for r, k in enumerate(num_logits) for j in range(k)]
         return self.lm_head(self.norm(h[torch.tensor(rows), torch.tensor(columns)]))  # [sum, V]
+
+    def _c_step(self) -> MambaStep | None:
+        """The one-call C decode step, built on first use where the projections are quantized."""
+        if self._step is None and runs_in_c(self):
+            self._step = MambaStep(self)
+        return self._step
+
+    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
+        """One token per row, each row's blocks in one C call; the states committed as the torch
+        path commits them (the cache takes its checkpoints at commit)."""
+        rows = []
+        for token, cache in zip(tokens, caches):
+            h = self.embed_tokens[token].float().clone()
+            layers = range(len(self.layers))
+            convs, states = self._step(h, [cache.conv_state(i) for i in layers], [cache.recurrent_state(i) for i in layers])
+            for i in layers:
+                cache.write(i, convs[i], states[i])
+            cache.commit(1, {})
+            rows.append(h)
+        return self.lm_head(self.norm(torch.stack(rows)))  # [rows, V]
 
     @staticmethod
     def _capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:

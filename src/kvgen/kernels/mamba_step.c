@@ -1,0 +1,117 @@
+// One decode step (one token, batch 1) of every Mamba block in one call, for models whose
+// projections are quantized (models/mamba_decode.py). Per block, as models/mamba.py computes it:
+//
+//   x = rms_norm(h); [u, z] = in_proj(x); u = SiLU(causal depthwise conv over the held inputs and u);
+//   [dt, B, C] = x_proj(u) (Falcon-Mamba: each RMS-normed, no weight); dt = softplus(dt_proj(dt) + b);
+//   s = exp(dt A) s + dt B u (per channel, over the state); y = (C . s + D u) SiLU(z); h += out_proj(y)
+//
+// The states are read from *_in and written to *_out (never in place): the cache keeps earlier
+// states as checkpoints, and a step that fails leaves them as they were. #included by qgemm.c after
+// decode.c (qlinear, linear_team, dot, rms_norm).
+
+typedef struct {
+    int64_t hidden, inner, state, kernel, rank;
+    float eps;           // the block's RMS norm
+    float dt_b_c_eps;    // Falcon-Mamba's norms over dt, B and C; 0: none (Mamba)
+    const float* norm;   // [hidden]
+    qlinear in_proj;     // [2 inner, hidden]: u's rows, then the gate's
+    const float* conv_w; // [inner, kernel]
+    const float* conv_b; // [inner] or NULL
+    qlinear x_proj;      // [rank + 2 state, inner]
+    qlinear dt_proj;     // [inner, rank] when rank is whole blocks (dt_quantized); else dt_w
+    const float* dt_w;   // [inner, rank] fp32
+    const float* dt_b;   // [inner]
+    const float* A;      // [inner, state]: -exp(A_log)
+    const float* D;      // [inner]
+    qlinear out_proj;    // [hidden, inner]
+    int32_t dt_quantized;
+    int32_t pad;
+} mamba_block_t;
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }  // torch's threshold
+
+static void weightless_rms(float* x, int64_t n, float eps) {
+    const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+// conv_in / conv_out: per layer [inner, kernel] (the last `kernel` inputs, oldest first);
+// ssm_in / ssm_out: per layer [inner, state]. h: [hidden], the residual stream, updated in place.
+void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, float* h, const float* const* conv_in,
+                      float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
+    int64_t widest = 0, hidden = blocks[0].hidden, inner = 0, projected = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const mamba_block_t* b = &blocks[l];
+        widest = b->hidden > widest ? b->hidden : widest;
+        widest = b->inner > widest ? b->inner : widest;
+        inner = b->inner > inner ? b->inner : inner;
+        projected = b->rank + 2 * b->state > projected ? b->rank + 2 * b->state : projected;
+    }
+    float* shared = malloc(sizeof(float) * (size_t)(widest + 2 * inner + inner + projected + inner + inner + hidden));
+    float *x = shared, *uz = x + widest, *u = uz + 2 * inner, *dbc = u + inner, *dt = dbc + projected;
+    float *y = dt + inner, *out = y + inner;
+#pragma omp parallel
+    {
+        const int64_t nb = widest / QK + 1;
+        block_x8* xq = malloc((sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
+        int32_t* sums = (int32_t*)(xq + nb);
+        for (int64_t layer = 0; layer < num_layers; layer++) {
+            const mamba_block_t* b = &blocks[layer];
+            const int64_t n_inner = b->inner, n_state = b->state, k = b->kernel;
+#pragma omp single
+            rms_norm(h, b->norm, b->eps, b->hidden, x);
+            linear_team(&b->in_proj, x, xq, sums, uz);
+            const float* held = conv_in[layer];
+            float* conv = conv_out[layer];
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n_inner; i++) {
+                const float* w = b->conv_w + i * k;
+                float* c = conv + i * k;
+                for (int64_t j = 0; j + 1 < k; j++) c[j] = held[i * k + j + 1];
+                c[k - 1] = uz[i];
+                float acc = 0.0f;
+                for (int64_t j = 0; j < k; j++) acc += c[j] * w[j];
+                u[i] = silu(acc + (b->conv_b ? b->conv_b[i] : 0.0f));
+            }
+            linear_team(&b->x_proj, u, xq, sums, dbc);
+            float* B = dbc + b->rank;
+            float* C = B + n_state;
+            if (b->dt_b_c_eps > 0.0f) {
+#pragma omp single
+                {
+                    weightless_rms(dbc, b->rank, b->dt_b_c_eps);
+                    weightless_rms(B, n_state, b->dt_b_c_eps);
+                    weightless_rms(C, n_state, b->dt_b_c_eps);
+                }
+            }
+            if (b->dt_quantized) {
+                linear_team(&b->dt_proj, dbc, xq, sums, dt);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < n_inner; i++) dt[i] = dot(b->dt_w + i * b->rank, dbc, b->rank);
+            }
+            const float* s_in = ssm_in[layer];
+            float* s_out = ssm_out[layer];
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n_inner; i++) {
+                const float step = softplus(dt[i] + b->dt_b[i]), ui = u[i];
+                const float* a = b->A + i * n_state;
+                const float* s0 = s_in + i * n_state;
+                float* s1 = s_out + i * n_state;
+                float acc = 0.0f;
+                for (int64_t n = 0; n < n_state; n++) {
+                    s1[n] = expf(a[n] * step) * s0[n] + step * B[n] * ui;
+                    acc += s1[n] * C[n];
+                }
+                y[i] = (acc + ui * b->D[i]) * silu(uz[n_inner + i]);
+            }
+            linear_team(&b->out_proj, y, xq, sums, out);
+#pragma omp single
+            for (int64_t i = 0; i < b->hidden; i++) h[i] += out[i];
+        }
+        free(xq);
+    }
+    free(shared);
+}

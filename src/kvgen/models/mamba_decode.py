@@ -1,0 +1,84 @@
+"""Mamba's decode step in one C call (kernels/mamba_step.c) for models whose projections are quantized.
+
+The torch step runs ~15 small operations per block (a depthwise conv of one position, the scan's
+update, four linears), and their overhead is most of a token's time on a small model; the C step
+runs every block for one token inside one parallel region. The linears are the C kernels the torch
+path calls for one row (int8 activations, the same blocks), so the two differ only in the order of
+a few float sums and exps. States are written to fresh tensors, as the torch step's are: the cache
+keeps earlier ones as checkpoints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from kvgen.kernels import load
+from kvgen.models.fast_decode import _QLinear, qlinear_struct
+from kvgen.models.quantized_linear import QuantizedLinear
+
+_i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+
+
+class _MambaBlock(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _i64), ("inner", _i64), ("state", _i64), ("kernel", _i64), ("rank", _i64),
+        ("eps", _f32), ("dt_b_c_eps", _f32), ("norm", _ptr), ("in_proj", _QLinear), ("conv_w", _ptr), ("conv_b", _ptr),
+        ("x_proj", _QLinear), ("dt_proj", _QLinear), ("dt_w", _ptr), ("dt_b", _ptr), ("A", _ptr), ("D", _ptr),
+        ("out_proj", _QLinear), ("dt_quantized", _i32), ("pad", _i32),
+    ]  # fmt: skip
+
+
+def runs_in_c(model: nn.Module) -> bool:
+    """Whether every block's in_proj, x_proj and out_proj are quantized (what the C step reads) and
+    the kernels are built."""
+    parts = ("in_proj", "x_proj", "out_proj")
+    quantized = all(isinstance(getattr(block.mixer, p), QuantizedLinear) for block in model.layers for p in parts)
+    return quantized and load() is not None
+
+
+class MambaStep:
+    """The C step over a MambaModel's blocks (which must pass `runs_in_c`)."""
+
+    def __init__(self, model: nn.Module):
+        self.library = load()
+        self._keep: list[torch.Tensor] = []  # tensors the structs point into
+        blocks = [self._describe(block, model.config) for block in model.layers]
+        self._blocks = (_MambaBlock * len(blocks))(*blocks)
+        self.num_layers = len(blocks)
+
+    def _pointer(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        tensor = tensor.detach().float().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _describe(self, block: nn.Module, config) -> _MambaBlock:
+        mixer = block.mixer
+        dt_quantized = isinstance(mixer.dt_proj, QuantizedLinear)
+        return _MambaBlock(
+            config.hidden_size, mixer.intermediate, mixer.state_size, mixer.conv_weight.shape[-1], mixer.rank,
+            block.norm.eps, config.dt_b_c_rms_eps or 0.0, self._pointer(block.norm.weight), qlinear_struct(mixer.in_proj),
+            self._pointer(mixer.conv_weight.reshape(mixer.intermediate, -1)), self._pointer(mixer.conv_bias),
+            qlinear_struct(mixer.x_proj), qlinear_struct(mixer.dt_proj) if dt_quantized else _QLinear(),
+            None if dt_quantized else self._pointer(mixer.dt_proj.weight), self._pointer(mixer.dt_proj.bias),
+            self._pointer(mixer.A), self._pointer(mixer.D), qlinear_struct(mixer.out_proj), int(dt_quantized), 0,
+        )  # fmt: skip
+
+    def __call__(self, h: torch.Tensor, conv: list[torch.Tensor], ssm: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """h [hidden] (updated in place), each layer's conv [.., inner, kernel] and recurrent
+        [.., inner, state] states -> the states after the token (new tensors)."""
+        conv_in = [c.float().contiguous() for c in conv]
+        ssm_in = [s.float().contiguous() for s in ssm]
+        conv_out, ssm_out = [torch.empty_like(c) for c in conv_in], [torch.empty_like(s) for s in ssm_in]
+
+        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+            return (_ptr * len(tensors))(*(t.data_ptr() for t in tensors))
+
+        assert h.dtype == torch.float32 and h.is_contiguous()
+        self.library.kvgen_mamba_step(ctypes.addressof(self._blocks), self.num_layers, h.data_ptr(), pointers(conv_in),
+                                      pointers(conv_out), pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+        return conv_out, ssm_out
