@@ -32,6 +32,69 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }  // torch's threshold
 
+// One channel's state update over the state's n values and its output C . s_new:
+// s_new = e^(step a) s + (step u) B, exp as exp8 / exp_lane (the same bits in every build); the
+// dot in 8 lanes summed in hsum8's order where n is a multiple of 8.
+static float scan_channel(const float* a, float step, float u, const float* B, const float* C, const float* s0,
+                          float* s1, int64_t n) {
+    const float drive = step * u;
+    if (n % 8 == 0) {
+#ifdef __AVX2__
+        __m256 sum = _mm256_setzero_ps();
+        const __m256 st = _mm256_set1_ps(step), dr = _mm256_set1_ps(drive);
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256 decay = exp8(_mm256_mul_ps(_mm256_loadu_ps(a + j), st));
+            const __m256 s = _mm256_fmadd_ps(decay, _mm256_loadu_ps(s0 + j), _mm256_mul_ps(dr, _mm256_loadu_ps(B + j)));
+            _mm256_storeu_ps(s1 + j, s);
+            sum = _mm256_fmadd_ps(s, _mm256_loadu_ps(C + j), sum);
+        }
+        return hsum8(sum);
+#else
+        float lanes[8] = {0.0f};
+        for (int64_t j = 0; j < n; j++) {
+            s1[j] = fmaf(exp_lane(a[j] * step), s0[j], drive * B[j]);
+            lanes[j % 8] = fmaf(s1[j], C[j], lanes[j % 8]);
+        }
+        return sum_lanes(lanes);
+#endif
+    }
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s1[j] = fmaf(exp_lane(a[j] * step), s0[j], drive * B[j]);
+        acc += s1[j] * C[j];
+    }
+    return acc;
+}
+
+// Mamba's selective scan over t_len positions of one sequence, channels in parallel. u, dt (after
+// softplus), z (the gate), y: [t_len, inner]; B, C: [t_len, n]; A: [inner, n]; state: [inner, n],
+// read and left as the state after the last position. y = (C . s + D u) SiLU(z). capture:
+// num_capture ascending positions whose states go to captured [num_capture, inner, n].
+void kvgen_selective_scan(const float* u, const float* dt, const float* z, const float* A, const float* B,
+                          const float* C, const float* D, float* state, float* y, int64_t t_len, int64_t inner,
+                          int64_t n, const int64_t* capture, int64_t num_capture, float* captured) {
+#pragma omp parallel
+    {
+        float* s = malloc(sizeof(float) * (size_t)(2 * n));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < inner; i++) {
+            float *s0 = s, *s1 = s + n;
+            memcpy(s0, state + i * n, (size_t)n * sizeof(float));
+            for (int64_t t = 0, c = 0; t < t_len; t++) {
+                const int64_t at = t * inner + i;
+                const float acc = scan_channel(A + i * n, dt[at], u[at], B + t * n, C + t * n, s0, s1, n);
+                y[at] = (acc + u[at] * D[i]) * silu(z[at]);
+                float* swap = s0;
+                s0 = s1;
+                s1 = swap;
+                if (c < num_capture && capture[c] == t) memcpy(captured + (c++ * inner + i) * n, s0, (size_t)n * sizeof(float));
+            }
+            memcpy(state + i * n, s0, (size_t)n * sizeof(float));
+        }
+        free(s);
+    }
+}
+
 static void weightless_rms(float* x, int64_t n, float eps) {
     const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
@@ -96,16 +159,9 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, float* h,
             float* s_out = ssm_out[layer];
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n_inner; i++) {
-                const float step = softplus(dt[i] + b->dt_b[i]), ui = u[i];
-                const float* a = b->A + i * n_state;
-                const float* s0 = s_in + i * n_state;
-                float* s1 = s_out + i * n_state;
-                float acc = 0.0f;
-                for (int64_t n = 0; n < n_state; n++) {
-                    s1[n] = expf(a[n] * step) * s0[n] + step * B[n] * ui;
-                    acc += s1[n] * C[n];
-                }
-                y[i] = (acc + ui * b->D[i]) * silu(uz[n_inner + i]);
+                const float step = softplus(dt[i] + b->dt_b[i]);
+                const float acc = scan_channel(b->A + i * n_state, step, u[i], B, C, s_in + i * n_state, s_out + i * n_state, n_state);
+                y[i] = (acc + u[i] * b->D[i]) * silu(uz[n_inner + i]);
             }
             linear_team(&b->out_proj, y, xq, sums, out);
 #pragma omp single

@@ -12,11 +12,13 @@ later request sharing a prefix resumes from the latest one instead of recomputin
 from __future__ import annotations
 
 import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import MambaConfig
+from kvgen.kernels import load
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
 from kvgen.models.mamba_decode import MambaStep, runs_in_c
@@ -64,26 +66,55 @@ class MambaMixer(nn.Module):
         if self.dt_b_c_rms_eps is not None:  # Falcon-Mamba's weightless norms
             time_step, B, C = (_rms(t, self.dt_b_c_rms_eps) for t in (time_step, B, C))
         dt = F.softplus(self.dt_proj(time_step.contiguous())).float()  # [B, S, I]
-        outputs, captured = [], [[] for _ in range(batch)]
+        library = load() if x.device.type == "cpu" else None
+        scan = self._scan_in_c if library is not None else self._scan
+        y, states = scan(u.transpose(1, 2).float(), dt, B.float(), C.float(), gate.transpose(1, 2).float(), ssm_state.float(), capture)
+        kernel = conv_state.shape[2]  # the conv state after position p: the last K inputs up to it
+        captured = [[(extended[row : row + 1, :, p : p + kernel].clone(), state[None]) for p, state in zip(capture[row], states[row])]
+                    for row in range(batch)]  # fmt: skip
+        return self.out_proj(y.to(x.dtype)), captured
+
+    def _scan_in_c(self, u: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, gate: torch.Tensor, state: torch.Tensor,
+                   capture: list[list[int]]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:  # fmt: skip
+        """The selective scan of each row by kernels/mamba_step.c's kvgen_selective_scan: u, dt,
+        gate [B, S, I], B, C [B, S, N], states [B, I, N] -> y [B, S, I] and, per row, the states
+        [I, N] after each capture point."""
+        library = load()
+        batch, seq, inner = u.shape
+        y, states = torch.empty(batch, seq, inner), []
+        A, D = self.A.contiguous(), self.D.contiguous()
+        for row in range(batch):
+            tensors = [t[row].contiguous() for t in (u, dt, gate, B, C)]
+            running = state[row].clone().contiguous()
+            points = torch.tensor(capture[row], dtype=torch.int64)
+            caught = torch.empty(len(capture[row]), inner, self.state_size)
+            (u_r, dt_r, gate_r, B_r, C_r) = tensors
+            library.kvgen_selective_scan(u_r.data_ptr(), dt_r.data_ptr(), gate_r.data_ptr(), A.data_ptr(), B_r.data_ptr(),
+                                         C_r.data_ptr(), D.data_ptr(), running.data_ptr(), y[row].data_ptr(), seq, inner,
+                                         self.state_size, points.data_ptr(), len(capture[row]), caught.data_ptr())  # fmt: skip
+            states.append(list(caught))
+        return y, states
+
+    def _scan(self, u: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, gate: torch.Tensor, state: torch.Tensor,
+              capture: list[list[int]]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:  # fmt: skip
+        """`_scan_in_c` in torch (no C compiler): chunks of SCAN_CHUNK positions, the discretised A
+        and B·u materialised for one chunk at a time ([B, T, I, N])."""
+        batch, seq, _ = u.shape
+        outputs, states = [], [[] for _ in range(batch)]
         wanted = {t: [r for r in range(batch) if t in capture[r]] for r in range(batch) for t in capture[r]}
-        state = ssm_state.float()  # [B, I, N]
         for start in range(0, seq, SCAN_CHUNK):
             end = min(start + SCAN_CHUNK, seq)
             step = dt[:, start:end, :, None]  # [B, T, I, 1]
             decay = torch.exp(self.A * step)  # [B, T, I, N]
-            drive = step * B[:, start:end, None, :].float() * u.transpose(1, 2)[:, start:end, :, None].float()  # [B, T, I, N]
-            states = []
+            drive = step * B[:, start:end, None, :] * u[:, start:end, :, None]  # [B, T, I, N]
+            chunk = []
             for t in range(end - start):
                 state = decay[:, t] * state + drive[:, t]  # [B, I, N]
-                states.append(state)
+                chunk.append(state)
                 for row in wanted.get(start + t, ()):
-                    position = start + t  # the conv state after it: the last K inputs up to it
-                    captured[row].append((extended[row : row + 1, :, position : position + kernel].clone(), state[row : row + 1].clone()))
-            stacked = torch.stack(states, dim=1)  # [B, T, I, N]
-            outputs.append(torch.einsum("btin,btn->bti", stacked, C[:, start:end].float()))  # [B, T, I]
-        y = torch.cat(outputs, dim=1).transpose(1, 2) + u * self.D[None, :, None]  # [B, I, S]
-        y = y * F.silu(gate)
-        return self.out_proj(y.transpose(1, 2).contiguous().to(x.dtype)), captured
+                    states[row].append(state[row].clone())
+            outputs.append(torch.einsum("btin,btn->bti", torch.stack(chunk, dim=1), C[:, start:end]))  # [B, T, I]
+        return (torch.cat(outputs, dim=1) + u * self.D) * F.silu(gate), states
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
