@@ -20,6 +20,7 @@ from kvgen.config import MambaConfig
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
 from kvgen.models.lora import refuse_adapters
+from kvgen.models.recurrent import capture_points, causal_conv
 from kvgen.models.weights import WeightSource, frozen, linear
 
 SCAN_CHUNK = 64
@@ -53,8 +54,7 @@ class MambaMixer(nn.Module):
         (conv, recurrent) states after each position listed in capture[row] (0-based, ascending)."""
         batch, seq, _ = x.shape
         u, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [B, I, S] each
-        extended = torch.cat([conv_state[:, :, 1:], u], dim=2)  # [B, I, K-1+S]: the conv sees the held inputs first
-        u = F.silu(F.conv1d(extended, self.conv_weight, self.conv_bias, groups=self.intermediate))  # [B, I, S]
+        u, extended = causal_conv(conv_state, u, self.conv_weight, self.conv_bias)  # [B, I, S], [B, I, K-1+S]
         kernel = conv_state.shape[2]
         time_step, B, C = self.x_proj(u.transpose(1, 2)).split([self.rank, self.state_size, self.state_size], dim=-1)
         dt = F.softplus(self.dt_proj(time_step)).float()  # [B, S, I]
@@ -172,7 +172,4 @@ class MambaModel(nn.Module):
 
     @staticmethod
     def _capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
-        """Positions (in this pass) after which to keep the state: checkpoint multiples, and the last."""
-        every, start = cache.checkpoint_every, cache.seq_len
-        points = [p - start - 1 for p in range(start // every * every + every, start + num_tokens, every)]
-        return [*points, num_tokens - 1]
+        return capture_points(cache, num_tokens)
