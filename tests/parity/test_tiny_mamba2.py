@@ -19,6 +19,7 @@ import torch
 from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.errors import ModelLoadError
 from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
+from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS
 from tests.support.tiny_hf import save_tiny_mamba2, tokenizer_folder
@@ -100,6 +101,15 @@ def test_session_resumes_from_a_checkpoint_of_the_shared_prefix(mamba2: tuple[An
     assert stream.result.usage.cached_tokens == 128  # resumed at the latest checkpoint within the 150 shared
     assert stream.result.token_ids == llm.generate(second, params).token_ids  # == from scratch
     session.close()
+
+
+def test_a_long_prefill_holds_only_the_checkpoints_it_keeps(mamba2: tuple[Any, LLM]) -> None:
+    _, llm = mamba2
+    cache = llm.model.new_state_cache(checkpoint_every=16, max_checkpoints=2)
+    assert capture_points(cache, 300) == [271, 287, 299]  # not the 18 multiples of 16 the commit would drop
+    with torch.inference_mode():
+        llm.model(torch.tensor([random_ids(300, 6)]), cache)
+    assert cache.checkpoints == [0, 272, 288] and llm.model.new_state_cache().max_checkpoints == 32
 
 
 def test_paths_mamba2_does_not_run_refuse_clearly(mamba2: tuple[Any, LLM]) -> None:

@@ -19,14 +19,17 @@ from torch import nn
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.lora import refuse_adapters
 
+CHECKPOINT_BYTES = 2**30  # what a session's checkpoints may hold by default (Mamba-Codestral-7B: 3 states)
 Captured = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per row, per capture point: (conv, recurrent)
 
 
 def capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
-    """Positions (in this pass) after which to keep the state: checkpoint multiples, and the last."""
+    """Positions (in this pass) after which to keep the state: checkpoint multiples, and the last.
+    Only the latest `max_checkpoints` multiples: the commit would drop older ones, and a long
+    prompt would otherwise hold a state per multiple until then (a Codestral state is 266 MiB)."""
     every, start = cache.checkpoint_every, cache.seq_len
     points = [p - start - 1 for p in range(start // every * every + every, start + num_tokens, every)]
-    return [*points, num_tokens - 1]
+    return [*points[-cache.max_checkpoints :], num_tokens - 1]
 
 
 def causal_conv(
@@ -72,8 +75,12 @@ class RecurrentLM(nn.Module):
     def fast_decoder(self) -> None:
         return None
 
-    def new_state_cache(self, checkpoint_every: int = 64, max_checkpoints: int = 32) -> SSMStateCache:
-        return SSMStateCache(self.state_spec(), checkpoint_every, max_checkpoints)
+    def new_state_cache(self, checkpoint_every: int = 64, max_checkpoints: int | None = None) -> SSMStateCache:
+        """max_checkpoints None: 32, or as many as CHECKPOINT_BYTES holds where states are large."""
+        spec = self.state_spec()
+        if max_checkpoints is None:
+            max_checkpoints = max(1, min(32, CHECKPOINT_BYTES // spec.bytes_per_snapshot))
+        return SSMStateCache(spec, checkpoint_every, max_checkpoints)
 
     def forward(
         self, input_ids: torch.Tensor, cache: SSMStateCache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1,
