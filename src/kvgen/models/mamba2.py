@@ -59,9 +59,9 @@ class Mamba2Mixer(nn.Module):
         u, B, C = xbc.transpose(1, 2).float().split([self.widths[0], self.groups * self.state_size, self.groups * self.state_size], dim=-1)
         u = u.reshape(batch, seq, self.heads, self.head_dim)
         dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
-        ends = segment_ends(seq, self.chunk, {p + 1 for points in capture for p in points})
+        wanted = {p + 1 for points in capture for p in points}  # segment ends whose states rows keep
         B, C = B.reshape(batch, seq, self.groups, -1), C.reshape(batch, seq, self.groups, -1)
-        y, states = ssd_scan(u, dt, self.A, B, C, ssm_state.float(), ends)
+        y, states = ssd_scan(u, dt, self.A, B, C, ssm_state.float(), segment_ends(seq, self.chunk, wanted), wanted)
         y = (y + u * self.D[:, None]).reshape(batch, seq, -1)
         y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
         kernel = conv_state.shape[2]

@@ -35,11 +35,12 @@ def segment_ends(length: int, chunk: int, wanted: set[int]) -> list[int]:
 
 
 def ssd_scan(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor, ends: list[int]
-) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor, ends: list[int],
+    keep: set[int],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # fmt: skip
     """x [b, S, H, P], dt [b, S, H] (after softplus), A [H], B and C [b, S, G, N], state [b, H, P, N]
     before position 0, segment ends ascending (the last S) -> (y [b, S, H, P] without D's skip,
-    {end: the state after position end - 1})."""
+    {end: the state after position end - 1} for the ends in `keep`)."""
     batch, _, heads, head_dim = x.shape
     groups = B.shape[2]
     per_group = heads // groups  # head h reads group h // per_group
@@ -55,7 +56,8 @@ def ssd_scan(
         from_state = torch.einsum("btgn,bgkpn->btgkp", c, state)
         y = y + from_state * torch.exp(a.cumsum(dim=1))[..., None]
         state = state * torch.exp(a.sum(dim=1))[..., None, None] + torch.einsum("bgks,bsgkp,bsgn->bgkpn", decay[..., -1, :], xdt, b)
-        states[end] = state.reshape(batch, heads, head_dim, -1)
+        if end in keep:
+            states[end] = state.reshape(batch, heads, head_dim, -1)
         outputs.append(y.reshape(batch, end - start, heads, head_dim))
         start = end
     return torch.cat(outputs, dim=1), states
