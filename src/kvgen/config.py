@@ -12,7 +12,7 @@ from typing import Literal
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss", "deepseek_v2", "olmo2", "olmoe")
-STATE_SPACE_ARCHITECTURES = ("mamba",)  # MambaConfig, below
+STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2")  # MambaConfig, Mamba2Config, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
@@ -173,6 +173,43 @@ class MambaConfig:
     # No positions: any length fits; the generator caps prompt + output at this.
     max_position_embeddings: int = 1 << 20
     architecture: str = "mamba"
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """A Mamba-2 LM (models/mamba2.py): heads of head_dim channels, each with a scalar decay, reading
+    B and C from one of n_groups groups; a gated RMSNorm over each group of channels before out_proj."""
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    num_layers: int
+    rms_norm_eps: float
+    chunk_size: int = 256  # prefill's SSD chunk: bounds its [chunk, chunk] matrices per head
+    tie_word_embeddings: bool = False
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    max_position_embeddings: int = 1 << 20  # no positions: the generator caps prompt + output at this
+    architecture: str = "mamba2"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: x, B and C together."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,10 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("mamba", "HF (fp32 weights)", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
                   "no: torch scan", "yes: one state per request, prefix cache of block-boundary states; "
                   "generate_batch, server; no speculative decoding", "random tiny (transformers)"),
+    FamilySupport("mamba2 (Mamba-2, Mamba-Codestral)", "HF (fp32 weights)",
+                  "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
+                  "no: torch chunked scan (SSD)", "yes: one state per request, prefix cache of block-boundary states; "
+                  "generate_batch, server; no speculative decoding", "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
                   "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
                   "no: torch path", "yes: rows run one after another, one encoder entry per distinct input; "

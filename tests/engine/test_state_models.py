@@ -1,7 +1,7 @@
-"""The engine (and generate_batch, the server) serving Mamba and T5, against transformers on the same
-random weights and against each request run alone.
+"""The engine (and generate_batch, the server) serving Mamba, Mamba-2 and T5, against transformers on
+the same random weights and against each request run alone.
 
-No Mamba or T5 checkpoint installs offline: these are small random-weight models that transformers
+No Mamba, Mamba-2 or T5 checkpoint installs offline: these are small random-weight models that transformers
 itself builds and saves (tests/support/tiny_hf.py).
 """
 
@@ -18,7 +18,7 @@ from kvgen.engine import EngineConfig, LLMEngine, RequestStatus
 from kvgen.speculative.config import SpeculativeConfig
 from tests.server.live import live_server
 from tests.support.models import PROMPTS
-from tests.support.tiny_hf import save_tiny_mamba, save_tiny_t5, tokenizer_folder
+from tests.support.tiny_hf import save_tiny_mamba, save_tiny_mamba2, save_tiny_t5, tokenizer_folder
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -33,6 +33,13 @@ def tokenizer_files(tmp_path_factory: pytest.TempPathFactory):
 def mamba(tmp_path_factory: pytest.TempPathFactory, tokenizer_files) -> tuple[Any, LLM]:
     folder = tmp_path_factory.mktemp("mamba")
     model = save_tiny_mamba(folder, tokenizer_files)
+    return model, LLM.load(folder, progress=False, weights="fp32")
+
+
+@pytest.fixture(scope="module")
+def mamba2(tmp_path_factory: pytest.TempPathFactory, tokenizer_files) -> tuple[Any, LLM]:
+    folder = tmp_path_factory.mktemp("mamba2")
+    model = save_tiny_mamba2(folder, tokenizer_files)
     return model, LLM.load(folder, progress=False, weights="fp32")
 
 
@@ -150,6 +157,22 @@ def test_mamba_engine_refuses_what_it_cannot_honour(mamba: tuple[Any, LLM], tmp_
     assert not engine.has_unfinished()
 
 
+def test_mamba2_engine_rows_equal_transformers_and_resume_from_a_block_boundary_state(mamba2: tuple[Any, LLM]) -> None:
+    """Prompts of different lengths decode together (prefills chunked beside other rows' decodes);
+    a later prompt sharing one's prefix resumes from the block-boundary state the first left."""
+    model, llm = mamba2
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]] + [random_ids(90, 1)]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
+    requests = engine.generate(prompts, GREEDY)
+    for ids, request in zip(prompts, requests):
+        assert request.output_ids == mamba_reference(model, ids, 32)
+        assert request.output_ids == llm.generate(ids, GREEDY).token_ids  # the row alone
+    second = prompts[-1][:85] + random_ids(10, 2)
+    resumed = engine.generate([second], GREEDY)[0]
+    assert resumed.cached_tokens == 80 and resumed.output_ids == llm.generate(second, GREEDY).token_ids  # 85 // 8 blocks
+    assert_idle(engine)
+
+
 def test_t5_engine_runs_the_encoder_once_per_distinct_input(t5: tuple[Any, LLM]) -> None:
     """8 requests over 2 inputs: 2 encoder passes, and every output is transformers'."""
     model, llm = t5
@@ -250,7 +273,7 @@ def test_t5_batched_decode_rows_equal_each_row_alone(t5: tuple[Any, LLM]) -> Non
         cache.release()
 
 
-@pytest.mark.parametrize("family", ["mamba", "t5"])
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "t5"])
 def test_a_failed_forward_frees_its_requests(family: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward that raises (injected once) fails the rows of that step and frees all they held;
     the engine goes on."""

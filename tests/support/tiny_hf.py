@@ -1,6 +1,6 @@
 """Small random-weight models that transformers itself builds and saves as HF folders, for the
 families no real weights exist for offline (Qwen3, Qwen2/3-MoE, Mixtral, DeepSeek, SmolLM3, Granite,
-OLMo 2, OLMoE, Phi-3 / Phi-4-mini, Gemma 2, gpt-oss, Mamba, T5)."""
+OLMo 2, OLMoE, Phi-3 / Phi-4-mini, Gemma 2, gpt-oss, Mamba, Mamba-2, T5)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,18 @@ def save_tiny_mamba(folder: Path, tokenizer_files: Path, std: float = 0.2, falco
     # A_log, dt_proj.bias and D keep their initial values: the decay and step sizes a real model has.
     model = getattr(transformers, f"{kind}ForCausalLM")(config)
     return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_proj.bias", "D"))
+
+
+def save_tiny_mamba2(folder: Path, tokenizer_files: Path, std: float = 0.2) -> Any:
+    """transformers' Mamba2ForCausalLM (8 heads of 16 channels in 2 groups, chunks of 16 positions so
+    that prompts span several), random and widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.Mamba2Config(vocab_size=49152, hidden_size=64, num_heads=8, head_dim=16, n_groups=2, state_size=16,
+                                       num_hidden_layers=4, conv_kernel=4, expand=2, chunk_size=16)  # fmt: skip
+    torch.manual_seed(0)
+    # A_log, dt_bias and D keep their initial values: the decays and step sizes a real model has.
+    return _widen_and_save(transformers.Mamba2ForCausalLM(config), folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
 
 
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:

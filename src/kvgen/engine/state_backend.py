@@ -1,4 +1,4 @@
-"""The engine's budget and scheduler for models that keep their own state (Mamba, T5) instead of
+"""The engine's budget and scheduler for models that keep their own state (Mamba, Mamba-2, T5) instead of
 K/V in the paged block pool (engine/state_scheduler.py says how they are scheduled)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from kvgen.engine.config import EngineConfig
 from kvgen.engine.state_scheduler import StateBudget, StateScheduler
 from kvgen.kv.state_prefix import StatePrefixIndex
 from kvgen.models.mamba import MambaModel
+from kvgen.models.mamba2 import Mamba2Model
 from kvgen.models.t5 import T5Model
 
 
-def state_backend(model: MambaModel | T5Model, config: EngineConfig, cache: CacheConfig) -> tuple[StateBudget, StateScheduler]:
+def state_backend(model: MambaModel | Mamba2Model | T5Model, config: EngineConfig, cache: CacheConfig) -> tuple[StateBudget, StateScheduler]:
     """(budget, scheduler) for a state model; ValueError naming the option the engine cannot honour."""
     name = model.config.architecture
     if cache != CacheConfig():
@@ -23,9 +24,9 @@ def state_backend(model: MambaModel | T5Model, config: EngineConfig, cache: Cach
         raise ValueError(f"eviction {config.eviction!r}: the {name} engine's prefix cache evicts least recently used "
                          "snapshots only; use eviction='lru'")  # fmt: skip
     budget_bytes = int(config.kv_budget_mb * 2**20)
-    if isinstance(model, MambaModel):
+    if isinstance(model, (MambaModel, Mamba2Model)):
         unit = model.new_state_cache().spec.bytes_per_snapshot  # one live state, or one prefix snapshot
-        budget = StateBudget(f"mamba-state-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
+        budget = StateBudget(f"{name}-state-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
                              lambda num_prompt, num_new: 1)  # fmt: skip
         # One forward captures at most a step's worth of block boundaries; they are handed over before the next.
         keep = config.max_tokens_per_step // config.block_size + 2
@@ -42,4 +43,4 @@ def state_backend(model: MambaModel | T5Model, config: EngineConfig, cache: Cach
                              lambda num_prompt, num_new: num_prompt + num_new + 1)  # fmt: skip
         # A request's salt keys its encoder entry: tenants never share one.
         return budget, StateScheduler(budget, config, lambda request: model.new_state_cache(request.salt), True, None)
-    raise ValueError(f"{name} models are not served by the engine: it runs decoder-only transformers, Mamba and T5")
+    raise ValueError(f"{name} models are not served by the engine: it runs decoder-only transformers, Mamba, Mamba-2 and T5")

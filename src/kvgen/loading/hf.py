@@ -20,13 +20,14 @@ from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config, prepare_deepseek_weights
 from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
+from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
 
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "t5": "t5",
+    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mamba": "mamba", "mamba2": "mamba2", "t5": "t5",
     "falcon_mamba": "mamba",  # Mamba blocks whose dt, B and C are RMS-normed (MambaConfig.dt_b_c_rms_eps)
     "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",  # the same blocks; V3's routing is in the config
@@ -67,6 +68,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
                                     "which kvgen does not decode; load its bf16/fp16 release or a GGUF of it")  # fmt: skip
     if arch == "mamba":
         return _mamba_config(raw)  # type: ignore[return-value]
+    if arch == "mamba2":
+        return mamba2_config(raw)  # type: ignore[return-value]
     if arch == "t5":
         return _t5_config(raw)  # type: ignore[return-value]
     try:
@@ -345,7 +348,9 @@ def load_hf_folder(
     mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors))
     if config.architecture == "gpt_oss":
         name_gpt_oss_experts(tensors, dtype, mode)
-    if mode != "fp32" and config.architecture == "t5":
+    if config.architecture == "mamba2":
+        name_mamba2_weights(tensors)
+    if mode != "fp32" and config.architecture in ("mamba2", "t5"):
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
     if mode != "fp32":
         quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)

@@ -2,16 +2,16 @@
 state (the last `conv_kernel` inputs of its causal convolution and the recurrent state [I, N]),
 held in an `SSMStateCache` (kv/ssm.py).
 
-Prefill runs the recurrence over the prompt in chunks of `SCAN_CHUNK` positions: the discretised
-A and B·u of one chunk are materialised at a time ([B, T, I, N]), so prefill memory stays bounded in
-the prompt length; decode is the same recurrence for one position. States at multiples of the
+Prefill runs the recurrence over the prompt in C (kernels/mamba_step.c's kvgen_selective_scan:
+channels in parallel, the state in registers), or without a C compiler in torch, in chunks of
+`SCAN_CHUNK` positions whose discretised A and B·u are materialised one chunk at a time. Decode is
+one C call per token where the projections are quantized (models/mamba_decode.py), else the same
+recurrence for one position. States at multiples of the
 cache's `checkpoint_every` are captured during the scan and become checkpoints at commit, so a
 later request sharing a prefix resumes from the latest one instead of recomputing everything.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +22,10 @@ from kvgen.kernels import load
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
 from kvgen.models.mamba_decode import MambaStep, runs_in_c
-from kvgen.models.lora import refuse_adapters
+from kvgen.models.recurrent import RecurrentLM, causal_conv, conv_state_after
 from kvgen.models.weights import WeightSource, frozen, linear
 
 SCAN_CHUNK = 64
-
-
-def state_spec(config: MambaConfig, batch: int = 1) -> SSMSpec:
-    return SSMSpec(config.num_layers, (batch, config.intermediate_size, config.conv_kernel), (batch, config.intermediate_size, config.state_size))
 
 
 class MambaMixer(nn.Module):
@@ -59,9 +55,7 @@ class MambaMixer(nn.Module):
         (conv, recurrent) states after each position listed in capture[row] (0-based, ascending)."""
         batch, seq, _ = x.shape
         u, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [B, I, S] each
-        extended = torch.cat([conv_state[:, :, 1:], u], dim=2)  # [B, I, K-1+S]: the conv sees the held inputs first
-        u = F.silu(F.conv1d(extended, self.conv_weight, self.conv_bias, groups=self.intermediate))  # [B, I, S]
-        kernel = conv_state.shape[2]
+        u, extended = causal_conv(conv_state, u, self.conv_weight, self.conv_bias)  # [B, I, S], [B, I, K-1+S]
         time_step, B, C = self.x_proj(u.transpose(1, 2).contiguous()).split([self.rank, self.state_size, self.state_size], dim=-1)
         if self.dt_b_c_rms_eps is not None:  # Falcon-Mamba's weightless norms
             time_step, B, C = (_rms(t, self.dt_b_c_rms_eps) for t in (time_step, B, C))
@@ -69,8 +63,8 @@ class MambaMixer(nn.Module):
         library = load() if x.device.type == "cpu" else None
         scan = self._scan_in_c if library is not None else self._scan
         y, states = scan(u.transpose(1, 2).float(), dt, B.float(), C.float(), gate.transpose(1, 2).float(), ssm_state.float(), capture)
-        kernel = conv_state.shape[2]  # the conv state after position p: the last K inputs up to it
-        captured = [[(extended[row : row + 1, :, p : p + kernel].clone(), state[None]) for p, state in zip(capture[row], states[row])]
+        kernel = conv_state.shape[2]
+        captured = [[(conv_state_after(extended, row, p, kernel), state[None]) for p, state in zip(capture[row], states[row])]
                     for row in range(batch)]  # fmt: skip
         return self.out_proj(y.to(x.dtype)), captured
 
@@ -129,15 +123,12 @@ class MambaBlock(nn.Module):
         self.mixer = MambaMixer(config, weights, f"{prefix}.mixer")
 
 
-class MambaModel(nn.Module):
-    """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
-
-    use_fast_decode = False  # the C decode path is for attention blocks
+class MambaModel(RecurrentLM):
+    """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache (models/recurrent.py); one
+    token per row decodes in one C call where the projections are quantized (models/mamba_decode.py)."""
 
     def __init__(self, config: MambaConfig, weights: WeightSource):
-        super().__init__()
-        self.config = config
-        self._forward_lock = threading.Lock()
+        super().__init__(config)
         self.embed_tokens = frozen(weights.take_tensor("backbone.embeddings.weight"))  # [V, H]
         self.layers = nn.ModuleList([MambaBlock(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
@@ -145,74 +136,14 @@ class MambaModel(nn.Module):
         self.lm_head = linear(head)
         self._step: MambaStep | None = None
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """The CPU: this family runs there only (models/device.py refuses to move it)."""
-        return self.embed_tokens.device
-
-    def fast_decoder(self) -> None:
-        return None
-
-    def new_state_cache(self, checkpoint_every: int = 64, max_checkpoints: int = 32) -> SSMStateCache:
-        return SSMStateCache(state_spec(self.config), checkpoint_every, max_checkpoints)
-
-    def forward(
-        self, input_ids: torch.Tensor, cache: SSMStateCache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1,
-        adapter: str | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """input_ids [1, S] after cache.seq_len tokens -> logits [1, logits_to_keep or S, V]; the
-        state after them is committed to `cache` (with checkpoints passed on the way)."""
-        refuse_adapters(self.config.architecture, [adapter])
-        if positions is not None:
-            raise ValueError("Mamba has no positions: its state orders the tokens; call without positions")
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"forward takes one row (got {input_ids.shape[0]}); use forward_batch for several caches")
-        logits = self.forward_batch(input_ids.tolist(), [cache], [logits_to_keep or input_ids.shape[1]])
-        return logits[None]  # [1, S', V]
-
-    def forward_batch(
-        self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int] | None = None,
-        adapters: list[str | None] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Ragged rows, each continuing its own cache, in one scan (padded on the right; each row's
-        state is taken at its own last token) -> logits of each row's last num_logits[i] tokens [sum, V]."""
-        refuse_adapters(self.config.architecture, adapters)
-        if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
-            raise ValueError("forward_batch needs one cache per row and at least one token in every row")
-        if not all(isinstance(c, SSMStateCache) for c in caches):
-            raise ValueError("a Mamba model keeps its state in an SSMStateCache (model.new_state_cache()), not a KV cache")
-        num_logits = num_logits or [1] * len(caches)
-        with self._forward_lock:
-            return self._forward_batch(token_ids, caches, num_logits)
+    def state_spec(self, batch: int = 1) -> SSMSpec:
+        c = self.config
+        return SSMSpec(c.num_layers, (batch, c.intermediate_size, c.conv_kernel), (batch, c.intermediate_size, c.state_size))
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
         if all(len(ids) == 1 for ids in token_ids) and self._c_step() is not None:
             return self._decode_in_c([ids[0] for ids in token_ids], caches)
-        lengths = [len(ids) for ids in token_ids]
-        longest = max(lengths)
-        padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
-        capture = [self._capture_points(cache, n) for cache, n in zip(caches, lengths)]
-        h = F.embedding(padded, self.embed_tokens)  # [B, S, H]
-        per_layer = []
-        for i, block in enumerate(self.layers):
-            conv = torch.cat([c.conv_state(i) for c in caches])  # [B, I, K]
-            ssm = torch.cat([c.recurrent_state(i) for c in caches])  # [B, I, N]
-            out, captured = block.mixer(block.norm(h), conv, ssm, capture)
-            h = h + out
-            per_layer.append(captured)
-        for row, (cache, n) in enumerate(zip(caches, lengths)):
-            snapshots = {point + 1: [per_layer[i][row][k] for i in range(len(self.layers))] for k, point in enumerate(capture[row])}
-            final = snapshots.pop(n)
-            for i, (conv, ssm) in enumerate(final):
-                cache.write(i, conv, ssm)
-            cache.commit(n, snapshots)
-        rows = [r for r, k in enumerate(num_logits) for _ in range(k)]
-        columns = [lengths[r] - k + j for r, k in enumerate(num_logits) for j in range(k)]
-        return self.lm_head(self.norm(h[torch.tensor(rows), torch.tensor(columns)]))  # [sum, V]
+        return super()._forward_batch(token_ids, caches, num_logits)
 
     def _c_step(self) -> MambaStep | None:
         """The one-call C decode step, built on first use where the projections are quantized."""
@@ -233,10 +164,3 @@ class MambaModel(nn.Module):
             cache.commit(1, {})
             rows.append(h)
         return self.lm_head(self.norm(torch.stack(rows)))  # [rows, V]
-
-    @staticmethod
-    def _capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
-        """Positions (in this pass) after which to keep the state: checkpoint multiples, and the last."""
-        every, start = cache.checkpoint_every, cache.seq_len
-        points = [p - start - 1 for p in range(start // every * every + every, start + num_tokens, every)]
-        return [*points, num_tokens - 1]

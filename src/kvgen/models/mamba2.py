@@ -1,0 +1,94 @@
+"""Mamba-2 (HF Mamba2ForCausalLM): Mamba's blocks with a simpler, faster mixer. Per layer,
+in_proj -> [z (gate), xBC, dt]; a causal depthwise conv + SiLU over xBC; heads of head_dim channels,
+each with one scalar decay A[h] and a step dt[h] per token, reading B and C from one of n_groups
+groups (as grouped-query attention shares keys); y + D x, gated by z in a per-group RMSNorm; out_proj.
+
+Each layer's state is the conv window [1, conv_dim, K] and the recurrent state [1, heads, head_dim,
+N], held in an SSMStateCache like Mamba's. Prefill runs the chunked SSD form (models/ssd.py), decode
+the same for one position; states at checkpoint multiples are captured exactly on the way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import Mamba2Config
+from kvgen.errors import UnsupportedModelError
+from kvgen.kv.ssm import SSMSpec
+from kvgen.models.layers import RMSNorm
+from kvgen.models.recurrent import Captured, RecurrentLM, causal_conv, conv_state_after
+from kvgen.models.ssd import gated_rms_norm, segment_ends, ssd_scan
+from kvgen.models.weights import WeightSource, frozen, linear
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: Mamba2Config, weights: WeightSource, prefix: str):
+        super().__init__()
+        c = config
+        self.heads, self.head_dim, self.groups, self.state_size, self.chunk = c.num_heads, c.head_dim, c.n_groups, c.state_size, c.chunk_size
+        self.widths = [c.intermediate_size, c.conv_dim, c.num_heads]  # in_proj's rows: z, xBC, dt
+        self.eps = c.rms_norm_eps
+
+        def optional(name: str) -> torch.Tensor | None:
+            return weights.take_tensor(name) if weights.has(name) else None
+
+        in_proj = weights.take_tensor(f"{prefix}.in_proj.weight")
+        if in_proj.shape[0] != sum(self.widths):  # mamba_ssm's d_mlp: a gated MLP beside the SSM, which transformers lacks
+            raise UnsupportedModelError(f"{prefix}.in_proj has {in_proj.shape[0]} rows, not z + xBC + dt = {sum(self.widths)}: "
+                                        f"a Mamba-2 with an MLP in its mixer (d_mlp = {(in_proj.shape[0] - sum(self.widths)) // 2}) "
+                                        "is not supported")  # fmt: skip
+        self.in_proj = linear(in_proj, optional(f"{prefix}.in_proj.bias"))
+        self.conv_weight = frozen(weights.take_tensor(f"{prefix}.conv1d.weight"))  # [conv_dim, 1, K]
+        self.conv_bias = optional(f"{prefix}.conv1d.bias")
+        self.dt_bias = frozen(weights.take_tensor(f"{prefix}.dt_bias").float())  # [H]
+        self.A = frozen(-torch.exp(weights.take_tensor(f"{prefix}.A_log").float()))  # [H]
+        self.D = frozen(weights.take_tensor(f"{prefix}.D").float())  # [H]
+        if self.D.shape != (self.heads,):  # mamba_ssm's D_has_hdim: one D per channel
+            raise UnsupportedModelError(f"{prefix}.D has shape {tuple(self.D.shape)}, not one value per head ({self.heads})")
+        self.norm_weight = frozen(weights.take_tensor(f"{prefix}.norm.weight"))  # [I]
+        self.out_proj = linear(weights.take_tensor(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, capture: list[list[int]]) -> tuple[torch.Tensor, Captured]:
+        """x [B, S, H], states of the B rows before it -> output [B, S, H] and, per row, the
+        (conv, recurrent) states after each position listed in capture[row] (0-based, ascending)."""
+        batch, seq, _ = x.shape
+        gate, xbc, dt = self.in_proj(x).split(self.widths, dim=-1)
+        xbc, extended = causal_conv(conv_state, xbc.transpose(1, 2), self.conv_weight, self.conv_bias)  # [B, conv_dim, S]
+        u, B, C = xbc.transpose(1, 2).float().split([self.widths[0], self.groups * self.state_size, self.groups * self.state_size], dim=-1)
+        u = u.reshape(batch, seq, self.heads, self.head_dim)
+        dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
+        wanted = {p + 1 for points in capture for p in points}  # segment ends whose states rows keep
+        B, C = B.reshape(batch, seq, self.groups, -1), C.reshape(batch, seq, self.groups, -1)
+        y, states = ssd_scan(u, dt, self.A, B, C, ssm_state.float(), segment_ends(seq, self.chunk, wanted), wanted)
+        y = (y + u * self.D[:, None]).reshape(batch, seq, -1)
+        y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
+        kernel = conv_state.shape[2]
+        captured = [[(conv_state_after(extended, row, p, kernel), states[p + 1][row : row + 1].clone()) for p in points]
+                    for row, points in enumerate(capture)]  # fmt: skip
+        return self.out_proj(y.to(x.dtype)), captured
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, config: Mamba2Config, layer: int, weights: WeightSource):
+        super().__init__()
+        prefix = f"backbone.layers.{layer}"
+        self.norm = RMSNorm(weights.take_tensor(f"{prefix}.norm.weight"), config.rms_norm_eps)
+        self.mixer = Mamba2Mixer(config, weights, f"{prefix}.mixer")
+
+
+class Mamba2Model(RecurrentLM):
+    """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache (models/recurrent.py)."""
+
+    def __init__(self, config: Mamba2Config, weights: WeightSource):
+        super().__init__(config)
+        self.embed_tokens = frozen(weights.take_tensor("backbone.embeddings.weight"))  # [V, H]
+        self.layers = nn.ModuleList([Mamba2Block(config, i, weights) for i in range(config.num_layers)])
+        self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
+        tied = config.tie_word_embeddings and not weights.has("lm_head.weight")
+        self.lm_head = linear(self.embed_tokens.data if tied else weights.take_tensor("lm_head.weight"))
+
+    def state_spec(self, batch: int = 1) -> SSMSpec:
+        c = self.config
+        return SSMSpec(c.num_layers, (batch, c.conv_dim, c.conv_kernel), (batch, c.num_heads, c.head_dim, c.state_size))

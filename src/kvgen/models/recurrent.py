@@ -1,0 +1,136 @@
+"""What the state-space families share: the forward contract over SSMStateCaches (ragged rows, each
+continuing its own state; states captured at checkpoint multiples and committed at the end), the
+causal convolution step over a held window of inputs, and where to capture.
+
+A subclass builds `embed_tokens`, `layers` (blocks with a `norm` and a `mixer`), `norm`, `lm_head`
+and says its state shapes (`state_spec`); a mixer maps (x [B, S, H], conv state, recurrent state,
+capture points per row) to (output [B, S, H], per row the (conv, recurrent) states after each point).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.kv.ssm import SSMSpec, SSMStateCache
+from kvgen.models.lora import refuse_adapters
+
+CHECKPOINT_BYTES = 2**30  # what a session's checkpoints may hold by default (Mamba-Codestral-7B: 3 states)
+Captured = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per row, per capture point: (conv, recurrent)
+
+
+def capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
+    """Positions (in this pass) after which to keep the state: checkpoint multiples, and the last.
+    Only the latest `max_checkpoints` multiples: the commit would drop older ones, and a long
+    prompt would otherwise hold a state per multiple until then (a Codestral state is 266 MiB)."""
+    every, start = cache.checkpoint_every, cache.seq_len
+    points = [p - start - 1 for p in range(start // every * every + every, start + num_tokens, every)]
+    return [*points[-cache.max_checkpoints :], num_tokens - 1]
+
+
+def causal_conv(
+    conv_state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU of inputs [B, C, S] after the held window conv_state [B, C, K]
+    (the last K inputs) -> (output [B, C, S], the extended window [B, C, K-1+S] to take states from)."""
+    extended = torch.cat([conv_state[:, :, 1:], inputs], dim=2)  # the conv sees the held inputs first
+    return F.silu(F.conv1d(extended, weight, bias, groups=inputs.shape[1])), extended
+
+
+def conv_state_after(extended: torch.Tensor, row: int, position: int, kernel: int) -> torch.Tensor:
+    """Row `row`'s conv state after `position` of the pass: its last `kernel` inputs up to it [1, C, K]."""
+    return extended[row : row + 1, :, position : position + kernel].clone()
+
+
+class RecurrentLM(nn.Module):
+    """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
+
+    use_fast_decode = False  # the C decode path is for attention blocks
+    embed_tokens: nn.Parameter
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self._forward_lock = threading.Lock()
+
+    def state_spec(self, batch: int = 1) -> SSMSpec:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU: these families run there only (models/device.py refuses to move them)."""
+        return self.embed_tokens.device
+
+    def fast_decoder(self) -> None:
+        return None
+
+    def new_state_cache(self, checkpoint_every: int = 64, max_checkpoints: int | None = None) -> SSMStateCache:
+        """max_checkpoints None: 32, or as many as CHECKPOINT_BYTES holds where states are large."""
+        spec = self.state_spec()
+        if max_checkpoints is None:
+            max_checkpoints = max(1, min(32, CHECKPOINT_BYTES // spec.bytes_per_snapshot))
+        return SSMStateCache(spec, checkpoint_every, max_checkpoints)
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: SSMStateCache, positions: torch.Tensor | None = None, logits_to_keep: int | None = 1,
+        adapter: str | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """input_ids [1, S] after cache.seq_len tokens -> logits [1, logits_to_keep or S, V]; the
+        state after them is committed to `cache` (with checkpoints passed on the way)."""
+        name = self.config.architecture
+        refuse_adapters(name, [adapter])
+        if positions is not None:
+            raise ValueError(f"{name} has no positions: its state orders the tokens; call without positions")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"forward takes one row (got {input_ids.shape[0]}); use forward_batch for several caches")
+        logits = self.forward_batch(input_ids.tolist(), [cache], [logits_to_keep or input_ids.shape[1]])
+        return logits[None]  # [1, S', V]
+
+    def forward_batch(
+        self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int] | None = None,
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Ragged rows, each continuing its own cache, in one pass (padded on the right; each row's
+        state is taken at its own last token) -> logits of each row's last num_logits[i] tokens [sum, V]."""
+        refuse_adapters(self.config.architecture, adapters)
+        if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("forward_batch needs one cache per row and at least one token in every row")
+        if not all(isinstance(c, SSMStateCache) for c in caches):
+            raise ValueError(f"a {self.config.architecture} model keeps its state in an SSMStateCache (model.new_state_cache()), "
+                             "not a KV cache")  # fmt: skip
+        num_logits = num_logits or [1] * len(caches)
+        with self._forward_lock:
+            return self._forward_batch(token_ids, caches, num_logits)
+
+    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+        lengths = [len(ids) for ids in token_ids]
+        longest = max(lengths)
+        padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
+        capture = [capture_points(cache, n) for cache, n in zip(caches, lengths)]
+        h = F.embedding(padded, self.embed_tokens)  # [B, S, H]
+        per_layer = []
+        for i, block in enumerate(self.layers):
+            conv = torch.cat([c.conv_state(i) for c in caches])
+            recurrent = torch.cat([c.recurrent_state(i) for c in caches])
+            out, captured = block.mixer(block.norm(h), conv, recurrent, capture)
+            h = h + out
+            per_layer.append(captured)
+        for row, (cache, n) in enumerate(zip(caches, lengths)):
+            snapshots = {point + 1: [per_layer[i][row][k] for i in range(len(self.layers))] for k, point in enumerate(capture[row])}
+            for i, (conv, recurrent) in enumerate(snapshots.pop(n)):
+                cache.write(i, conv, recurrent)
+            cache.commit(n, snapshots)
+        rows = [r for r, k in enumerate(num_logits) for _ in range(k)]
+        columns = [lengths[r] - k + j for r, k in enumerate(num_logits) for j in range(k)]
+        return self.lm_head(self.norm(h[torch.tensor(rows), torch.tensor(columns)]))  # [sum, V]

@@ -1,0 +1,141 @@
+"""Mamba-2 against transformers' Mamba2ForCausalLM (its torch path) on the same weights, and its state cache.
+
+No Mamba-2 checkpoint installs offline: this is a small random-weight model that transformers itself
+builds and saves (tests/support/tiny_hf.py), the only evidence for this family. Its chunks are 16
+positions, so every prompt here spans several; zeroing D or dropping the gate moves these logits by
+more than 2, the norm over one group instead of two by 0.6 (checked once, by hand), against a
+tolerance of 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import LLM, CacheConfig, SamplingParams
+from kvgen.errors import ModelLoadError
+from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
+from kvgen.models.recurrent import capture_points
+from kvgen.speculative.config import SpeculativeConfig
+from tests.support.models import PROMPTS
+from tests.support.tiny_hf import save_tiny_mamba2, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def mamba2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM]:
+    folder = tmp_path_factory.mktemp("mamba2")
+    model = save_tiny_mamba2(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")))
+    return model, LLM.load(folder, progress=False, weights="fp32")
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_and_decode_logits_match(mamba2: tuple[Any, LLM]) -> None:
+    """Every position of a 5-chunk prefill (its scan also split at checkpoints every 24 tokens) and
+    8 decode steps against transformers' full forward over the same tokens."""
+    model, llm = mamba2
+    prompt, more = random_ids(75, 1), random_ids(8, 2)
+    with torch.inference_mode():
+        cache = llm.model.new_state_cache(checkpoint_every=24)
+        actual_prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        actual_steps = torch.stack([llm.model(torch.tensor([[t]]), cache)[0, -1] for t in more])
+        expected = model(torch.tensor([prompt + more])).logits[0]  # [S, V]
+    assert cache.checkpoints[:4] == [0, 24, 48, 72]
+    assert (actual_prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
+    assert (actual_steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+
+
+def test_greedy_tokens_match_transformers_generate(mamba2: tuple[Any, LLM]) -> None:
+    model, llm = mamba2
+    for prompt in PROMPTS[:2]:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            reference = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert llm.generate(ids, SamplingParams(max_new_tokens=32, ignore_eos=True)).token_ids == reference[0, len(ids) :].tolist()
+
+
+def test_batched_rows_equal_each_row_alone(mamba2: tuple[Any, LLM]) -> None:
+    """Ragged rows with histories of different lengths (one empty) in one pass, each capturing its
+    own checkpoints: the same logits, states and checkpoints as each row run alone."""
+    _, llm = mamba2
+    model = llm.model
+    histories, news = [random_ids(40, 8), [], random_ids(5, 9)], [random_ids(21, 10), random_ids(3, 11), [42]]
+    with torch.inference_mode():
+        alone, batched = [], [model.new_state_cache(checkpoint_every=8) for _ in histories]
+        for history, cache in zip(histories, batched):
+            if history:
+                model(torch.tensor([history]), cache)
+        singles = [cache.fork() for cache in batched]
+        for new, cache in zip(news, singles):
+            alone.append(model(torch.tensor([new]), cache)[0, -1])
+        together = model.forward_batch(news, batched)  # [3, V]
+    assert (together - torch.stack(alone)).abs().max().item() < 1e-5
+    for b, s in zip(batched, singles):
+        assert b.seq_len == s.seq_len and b.checkpoints == s.checkpoints
+        for layer in range(model.config.num_layers):
+            assert torch.allclose(b.recurrent_state(layer), s.recurrent_state(layer), atol=1e-5)
+            assert torch.allclose(b.conv_state(layer), s.conv_state(layer), atol=1e-6)
+
+
+def test_session_resumes_from_a_checkpoint_of_the_shared_prefix(mamba2: tuple[Any, LLM]) -> None:
+    _, llm = mamba2
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    shared = random_ids(150, 3)  # checkpoints every 64 tokens: 64 and 128 lie inside the prefix
+    first, second = shared + random_ids(20, 4), shared + random_ids(30, 5)
+    session = llm.session()
+    for _ in session.stream(first, params):
+        pass
+    assert session.cache.checkpoints[:3] == [0, 64, 128]
+    stream = session.stream(second, params)
+    for _ in stream:
+        pass
+    assert stream.result.usage.cached_tokens == 128  # resumed at the latest checkpoint within the 150 shared
+    assert stream.result.token_ids == llm.generate(second, params).token_ids  # == from scratch
+    session.close()
+
+
+def test_a_long_prefill_holds_only_the_checkpoints_it_keeps(mamba2: tuple[Any, LLM]) -> None:
+    _, llm = mamba2
+    cache = llm.model.new_state_cache(checkpoint_every=16, max_checkpoints=2)
+    assert capture_points(cache, 300) == [271, 287, 299]  # not the 18 multiples of 16 the commit would drop
+    with torch.inference_mode():
+        llm.model(torch.tensor([random_ids(300, 6)]), cache)
+    assert cache.checkpoints == [0, 272, 288] and llm.model.new_state_cache().max_checkpoints == 32
+
+
+def test_paths_mamba2_does_not_run_refuse_clearly(mamba2: tuple[Any, LLM]) -> None:
+    _, llm = mamba2
+    llm.generator.cache_config = CacheConfig(kind="paged")
+    try:
+        with pytest.raises(ValueError, match="does not apply to mamba2 models"):
+            llm.generate("hello", SamplingParams(max_new_tokens=2))
+    finally:
+        llm.generator.cache_config = CacheConfig()
+    with pytest.raises(ValueError, match="speculative"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2), speculative=SpeculativeConfig(method="lookup"))
+    with pytest.raises(ValueError, match="fp32"):
+        LLM.load(llm.path, progress=False, weights="int8")
+
+
+def test_config_settings_transformers_does_not_run_are_refused(mamba2: tuple[Any, LLM]) -> None:
+    _, llm = mamba2
+    raw = json.loads((llm.path / "config.json").read_text())
+    assert mamba2_config(raw).chunk_size == 16
+    assert mamba2_config({**raw, "time_step_limit": [0.0, math.inf], "norm_before_gate": True}).n_groups == 2  # Codestral's
+    for change, named in [({"time_step_limit": [0.001, 0.1]}, "time_step_limit"), ({"rms_norm": False}, "rms_norm"),
+                          ({"hidden_act": "gelu"}, "hidden_act"), ({"expand": 3}, "num_heads x head_dim")]:  # fmt: skip
+        with pytest.raises(ModelLoadError, match=named):
+            mamba2_config({**raw, **change})
+    tensors = {"model.backbone.embedding.weight": torch.zeros(1), "model.backbone.norm_f.weight": torch.zeros(1),
+               "lm_head.weight": torch.zeros(1)}  # fmt: skip
+    name_mamba2_weights(tensors)  # Mamba-Codestral's and mamba_ssm's names
+    assert sorted(tensors) == ["backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"]
