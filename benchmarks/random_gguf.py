@@ -32,6 +32,8 @@ the rest F32):
 - mamba: Mamba-130M's own shape (llama.cpp's `mamba`): 24 layers, hidden 768, inner 1,536, state 16,
   conv 4, dt rank 48, a tied head; A_log, D and dt's bias keep transformers' initial values (the
   decays and step sizes a trained model has), the rest as above.
+- mamba2: Mamba-2-130M's own shape (llama.cpp's `mamba2`): 24 layers, hidden 768, 24 heads of 64
+  channels, state 128, one group, conv 4, a tied head; A_log, D and dt_bias as for mamba.
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -95,8 +97,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "mamba": ("MambaConfig", {
         "num_hidden_layers": 24, "hidden_size": 768, "state_size": 16, "expand": 2, "conv_kernel": 4,
         "tie_word_embeddings": True, "use_mambapy": False}),
+    "mamba2": ("Mamba2Config", {
+        "num_hidden_layers": 24, "hidden_size": 768, "num_heads": 24, "head_dim": 64, "state_size": 128, "n_groups": 1,
+        "expand": 2, "conv_kernel": 4, "tie_word_embeddings": True}),
 }  # fmt: skip
-_KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias")  # Mamba's decays and steps: random ones would blow up its state
+_KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias", "dt_bias")  # Mamba's decays and steps: random ones would blow up its state
 
 
 def main() -> None:
@@ -126,7 +131,7 @@ def main() -> None:
     # A tied head is the embedding: Q8_0, as in SmolLM2's file (an F32 one would be most of a step's bytes).
     embedding = gguf.GGMLQuantizationType.Q8_0 if config.tie_word_embeddings else gguf.GGMLQuantizationType.F32
     experts = gguf.GGMLQuantizationType.MXFP4 if args.family == "gpt-oss" else None
-    if args.family == "mamba":
+    if args.family in ("mamba", "mamba2"):
         print(write_mamba_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return
     write_gguf_from_hf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding,

@@ -9,10 +9,13 @@ tolerance of 1e-3.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 
@@ -21,7 +24,8 @@ from kvgen.errors import ModelLoadError
 from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
-from tests.support.models import PROMPTS
+from tests.support.models import PROMPTS, model_path
+from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba2, tokenizer_folder
 
 pytestmark = pytest.mark.slow
@@ -122,8 +126,39 @@ def test_paths_mamba2_does_not_run_refuse_clearly(mamba2: tuple[Any, LLM]) -> No
         llm.generator.cache_config = CacheConfig()
     with pytest.raises(ValueError, match="speculative"):
         llm.generate("hello", SamplingParams(max_new_tokens=2), speculative=SpeculativeConfig(method="lookup"))
-    with pytest.raises(ValueError, match="fp32"):
-        LLM.load(llm.path, progress=False, weights="int8")
+
+
+def test_gguf_loads_the_same_model(mamba2: tuple[Any, LLM], tmp_path: Path) -> None:
+    """An all-F32 `mamba2` file as llama.cpp's converter writes it (A and D as [H, 1], the norm as
+    [groups, I / groups], dt_bias as ssm_dt.bias, no chunk size): the same config, transformers' logits."""
+    model, llm = mamba2
+    from_gguf = LLM.load(write_mamba_gguf(tmp_path / "model.gguf", model, model_path("smollm2")), progress=False, weights="fp32")
+    assert math.isclose(from_gguf.config.rms_norm_eps, llm.config.rms_norm_eps, rel_tol=1e-6)
+    same = {"rms_norm_eps": llm.config.rms_norm_eps, "chunk_size": llm.config.chunk_size}
+    assert dataclasses.replace(from_gguf.config, **same) == llm.config
+    prompt = random_ids(40, 20)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0]
+        actual = from_gguf.model(torch.tensor([prompt]), from_gguf.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+    assert (actual - expected).abs().max().item() < TOLERANCE
+
+
+def test_quantized_weights_read_the_files_blocks_and_follow_fp32(mamba2: tuple[Any, LLM], tmp_path: Path) -> None:
+    """A Q8_0 file's in_proj / out_proj keep their blocks (dequantized, the fp32 load's weights
+    exactly); int8 weights with int8 activations stay near the fp32 model."""
+    model, llm = mamba2
+    path = write_mamba_gguf(tmp_path / "model-q8_0.gguf", model, model_path("smollm2"), gguf.GGMLQuantizationType.Q8_0)
+    exact, quantized = LLM.load(path, progress=False, weights="fp32"), LLM.load(path, progress=False, weights="int8")
+    for ours, reference in zip(quantized.model.layers, exact.model.layers):
+        for part in ("in_proj", "out_proj"):
+            assert torch.equal(getattr(ours.mixer, part).dequantized(), getattr(reference.mixer, part).weight)
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    prompt = random_ids(60, 21)
+    with torch.inference_mode():
+        actual = int8.model(torch.tensor([prompt]), int8.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+        expected = llm.model(torch.tensor([prompt]), llm.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+    assert (actual - expected).abs().max().item() < 0.1
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
 
 
 def test_config_settings_transformers_does_not_run_are_refused(mamba2: tuple[Any, LLM]) -> None:

@@ -377,25 +377,32 @@ _MAMBA_PARTS = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": 
 
 def write_mamba_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
                      embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
-    """A GGUF of transformers' MambaForCausalLM or FalconMambaForCausalLM as llama.cpp's converter
-    writes it (`mamba`: A as -exp(A_log), the conv weight [I, K], dt_b_c_rms for Falcon-Mamba), the
-    tokenizer copied from `tokenizer_gguf`; projections whose rows are whole blocks in `matmul_type`,
-    the token embedding in `embedding_type`."""
+    """A GGUF of transformers' MambaForCausalLM, FalconMambaForCausalLM or Mamba2ForCausalLM as
+    llama.cpp's converter writes it (`mamba`: A as -exp(A_log), the conv weight [C, K], dt_b_c_rms
+    for Falcon-Mamba; `mamba2`: also A and D as [H, 1], the norm as [groups, I / groups], dt_bias as
+    ssm_dt.bias), the tokenizer copied from `tokenizer_gguf`; projections whose rows are whole blocks
+    in `matmul_type`, the token embedding in `embedding_type`."""
     from kvgen.loading.gguf_file import GGUFFile
 
     config = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "mamba")
+    mamba2 = config.model_type == "mamba2"
+    writer = gguf.GGUFWriter(str(path), "mamba2" if mamba2 else "mamba")
     writer.add_context_length(2**20)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(0)
     writer.add_head_count(0)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_ssm_conv_kernel(config.conv_kernel)
-    writer.add_ssm_inner_size(config.intermediate_size)
     writer.add_ssm_state_size(config.state_size)
-    writer.add_ssm_time_step_rank(config.time_step_rank)
     writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
-    writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
+    if mamba2:
+        writer.add_ssm_inner_size(config.num_heads * config.head_dim)
+        writer.add_ssm_time_step_rank(config.num_heads)
+        writer.add_ssm_group_count(config.n_groups)
+    else:
+        writer.add_ssm_inner_size(config.intermediate_size)
+        writer.add_ssm_time_step_rank(config.time_step_rank)
+        writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
     for name, tensor in hf_model.state_dict().items():
         values = tensor.detach().float().numpy().copy()
@@ -407,8 +414,13 @@ def write_mamba_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gg
             _, _, layer, rest = name.split(".", 3)
             if rest.endswith(".A_log"):
                 target, values = f"blk.{layer}.ssm_a", -np.exp(values)
+                values = values.reshape(-1, 1) if mamba2 else values
             elif rest.endswith(".D"):
-                target = f"blk.{layer}.ssm_d"
+                target, values = f"blk.{layer}.ssm_d", values.reshape(-1, 1) if mamba2 else values
+            elif rest == "mixer.dt_bias":
+                target = f"blk.{layer}.ssm_dt.bias"
+            elif rest == "mixer.norm.weight" and mamba2:
+                target, values = f"blk.{layer}.ssm_norm.weight", values.reshape(config.n_groups, -1)
             else:
                 part, suffix = rest.rsplit(".", 1)
                 target = f"blk.{layer}.{_MAMBA_PARTS[part]}.{suffix}"

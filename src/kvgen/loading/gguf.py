@@ -24,7 +24,7 @@ from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
-from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba_config_from_gguf, mamba_hf_name
+from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
 from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
@@ -93,7 +93,7 @@ def config_from_gguf(
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
             "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
-            "Mamba, Falcon-Mamba)"
+            "Mamba, Falcon-Mamba, Mamba-2)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -104,6 +104,8 @@ def config_from_gguf(
 
     if arch == "mamba":
         return mamba_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
+    if arch == "mamba2":
+        return mamba2_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
@@ -237,8 +239,8 @@ def _gpt_oss_from_gguf(metadata: dict[str, Any], arch: str, common: dict[str, An
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
-    if arch == "mamba":
-        return mamba_hf_name(gguf_name)
+    if arch in SSM_ARCHITECTURES:
+        return mamba_hf_name(gguf_name, arch)
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"

@@ -350,7 +350,7 @@ def load_hf_folder(
         name_gpt_oss_experts(tensors, dtype, mode)
     if config.architecture == "mamba2":
         name_mamba2_weights(tensors)
-    if mode != "fp32" and config.architecture in ("mamba2", "t5"):
+    if mode != "fp32" and config.architecture == "t5":
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
     if mode != "fp32":
         quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)

@@ -16,6 +16,7 @@ from torch import nn
 
 from kvgen.config import Mamba2Config
 from kvgen.errors import UnsupportedModelError
+from kvgen.kernels.formats import QuantizedWeight
 from kvgen.kv.ssm import SSMSpec
 from kvgen.models.layers import RMSNorm
 from kvgen.models.recurrent import Captured, RecurrentLM, causal_conv, conv_state_after
@@ -34,21 +35,25 @@ class Mamba2Mixer(nn.Module):
         def optional(name: str) -> torch.Tensor | None:
             return weights.take_tensor(name) if weights.has(name) else None
 
-        in_proj = weights.take_tensor(f"{prefix}.in_proj.weight")
-        if in_proj.shape[0] != sum(self.widths):  # mamba_ssm's d_mlp: a gated MLP beside the SSM, which transformers lacks
-            raise UnsupportedModelError(f"{prefix}.in_proj has {in_proj.shape[0]} rows, not z + xBC + dt = {sum(self.widths)}: "
-                                        f"a Mamba-2 with an MLP in its mixer (d_mlp = {(in_proj.shape[0] - sum(self.widths)) // 2}) "
+        in_proj = weights.take(f"{prefix}.in_proj.weight")
+        rows = in_proj.out_features if isinstance(in_proj, QuantizedWeight) else in_proj.shape[0]
+        if rows != sum(self.widths):  # mamba_ssm's d_mlp: a gated MLP beside the SSM, which transformers lacks
+            raise UnsupportedModelError(f"{prefix}.in_proj has {rows} rows, not z + xBC + dt = {sum(self.widths)}: "
+                                        f"a Mamba-2 with an MLP in its mixer (d_mlp = {(rows - sum(self.widths)) // 2}) "
                                         "is not supported")  # fmt: skip
         self.in_proj = linear(in_proj, optional(f"{prefix}.in_proj.bias"))
-        self.conv_weight = frozen(weights.take_tensor(f"{prefix}.conv1d.weight"))  # [conv_dim, 1, K]
+        self.conv_weight = frozen(weights.take_tensor(f"{prefix}.conv1d.weight").reshape(c.conv_dim, 1, -1))  # [conv_dim, 1, K]
         self.conv_bias = optional(f"{prefix}.conv1d.bias")
         self.dt_bias = frozen(weights.take_tensor(f"{prefix}.dt_bias").float())  # [H]
-        self.A = frozen(-torch.exp(weights.take_tensor(f"{prefix}.A_log").float()))  # [H]
-        self.D = frozen(weights.take_tensor(f"{prefix}.D").float())  # [H]
+        # HF folders hold A_log; GGUF files A = -exp(A_log) itself, and A, D and the norm reshaped
+        a = optional(f"{prefix}.A")
+        self.A = frozen((a.float() if a is not None else -torch.exp(weights.take_tensor(f"{prefix}.A_log").float())).reshape(-1))  # [H]
+        d = weights.take_tensor(f"{prefix}.D").float()
+        self.D = frozen(d.reshape(-1) if d.dim() == 2 and d.shape[-1] == 1 else d)  # [H]
         if self.D.shape != (self.heads,):  # mamba_ssm's D_has_hdim: one D per channel
             raise UnsupportedModelError(f"{prefix}.D has shape {tuple(self.D.shape)}, not one value per head ({self.heads})")
-        self.norm_weight = frozen(weights.take_tensor(f"{prefix}.norm.weight"))  # [I]
-        self.out_proj = linear(weights.take_tensor(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
+        self.norm_weight = frozen(weights.take_tensor(f"{prefix}.norm.weight").reshape(-1))  # [I]
+        self.out_proj = linear(weights.take(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, capture: list[list[int]]) -> tuple[torch.Tensor, Captured]:
         """x [B, S, H], states of the B rows before it -> output [B, S, H] and, per row, the
@@ -87,7 +92,7 @@ class Mamba2Model(RecurrentLM):
         self.layers = nn.ModuleList([Mamba2Block(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
         tied = config.tie_word_embeddings and not weights.has("lm_head.weight")
-        self.lm_head = linear(self.embed_tokens.data if tied else weights.take_tensor("lm_head.weight"))
+        self.lm_head = linear(self.embed_tokens.data if tied else weights.take("lm_head.weight"))
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         c = self.config
