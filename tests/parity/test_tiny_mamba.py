@@ -19,6 +19,7 @@ from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.models.mamba import SCAN_CHUNK
 from tests.support.models import PROMPTS, model_path
+from tests.support.recurrent import assert_c_step_follows_torch, prefill_and_steps
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
 
@@ -131,14 +132,6 @@ def falcon_mamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM]:
     return model, LLM.load(folder, progress=False, weights="fp32")
 
 
-def prefill_and_steps(llm: LLM, prompt: list[int], more: list[int]) -> torch.Tensor:
-    """kvgen's logits at every prompt position, then after each of `more` decoded one at a time [S, V]."""
-    with torch.inference_mode():
-        cache = llm.generator.new_cache(0)
-        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
-        return torch.cat([prefill, *(llm.model(torch.tensor([[t]]), cache)[0] for t in more)])
-
-
 def test_falcon_mamba_normed_dt_b_c_match_transformers(falcon_mamba: tuple[Any, LLM]) -> None:
     """FalconMambaForCausalLM: dt, B and C pass a weightless RMS norm; without it the logits part."""
     model, llm = falcon_mamba
@@ -189,20 +182,8 @@ def test_quantized_weights_read_the_files_blocks_and_follow_fp32(mamba: tuple[An
 
 
 def test_c_decode_step_follows_the_torch_step(mamba: tuple[Any, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quantized projections decode in one C call per token (kernels/mamba_step.c); the torch step
+    """Quantized projections decode in one C call per token (kernels/mamba_step.c): the torch step
     over the same int8 linears gives the same logits up to the order of float sums (measured 4e-7)
     and the same greedy tokens."""
-    from kvgen.models import mamba as mamba_module
-
     _, llm = mamba
-    int8 = LLM.load(llm.path, progress=False, weights="int8")
-    prompt, more = random_ids(20, 17), random_ids(24, 18)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    in_c, c_tokens = prefill_and_steps(int8, prompt, more), int8.generate(prompt, params).token_ids
-    assert int8.model._step is not None
-    int8.model._step = None
-    monkeypatch.setattr(mamba_module, "runs_in_c", lambda model: False)
-    in_torch, torch_tokens = prefill_and_steps(int8, prompt, more), int8.generate(prompt, params).token_ids
-    assert int8.model._step is None
-    assert (in_c - in_torch).abs().max().item() < 1e-4
-    assert c_tokens == torch_tokens
+    assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 17), random_ids(24, 18), monkeypatch)

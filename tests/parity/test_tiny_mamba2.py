@@ -25,6 +25,7 @@ from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
+from tests.support.recurrent import assert_c_step_follows_torch
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba2, tokenizer_folder
 
@@ -159,6 +160,14 @@ def test_quantized_weights_read_the_files_blocks_and_follow_fp32(mamba2: tuple[A
         expected = llm.model(torch.tensor([prompt]), llm.generator.new_cache(0), logits_to_keep=len(prompt))[0]
     assert (actual - expected).abs().max().item() < 0.1
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_c_decode_step_follows_the_torch_step(mamba2: tuple[Any, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized projections decode in one C call per token (kernels/mamba_step.c's
+    kvgen_mamba2_step): the torch step (the chunked scan for one position) over the same int8
+    linears gives the same logits up to the order of float sums and the same greedy tokens."""
+    _, llm = mamba2
+    assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 22), random_ids(24, 23), monkeypatch)
 
 
 def test_config_settings_transformers_does_not_run_are_refused(mamba2: tuple[Any, LLM]) -> None:

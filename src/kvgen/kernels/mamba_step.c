@@ -95,6 +95,15 @@ void kvgen_selective_scan(const float* u, const float* dt, const float* z, const
     }
 }
 
+// The conv step of one channel: the held window [kernel] shifted by the new input, SiLU(w . window + b).
+static inline float conv_channel(const float* held, float input, const float* w, float bias, float* window, int64_t k) {
+    for (int64_t j = 0; j + 1 < k; j++) window[j] = held[j + 1];
+    window[k - 1] = input;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; j++) acc += window[j] * w[j];
+    return silu(acc + bias);
+}
+
 static void weightless_rms(float* x, int64_t n, float eps) {
     const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
@@ -129,15 +138,8 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, float* h,
             const float* held = conv_in[layer];
             float* conv = conv_out[layer];
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n_inner; i++) {
-                const float* w = b->conv_w + i * k;
-                float* c = conv + i * k;
-                for (int64_t j = 0; j + 1 < k; j++) c[j] = held[i * k + j + 1];
-                c[k - 1] = uz[i];
-                float acc = 0.0f;
-                for (int64_t j = 0; j < k; j++) acc += c[j] * w[j];
-                u[i] = silu(acc + (b->conv_b ? b->conv_b[i] : 0.0f));
-            }
+            for (int64_t i = 0; i < n_inner; i++)
+                u[i] = conv_channel(held + i * k, uz[i], b->conv_w + i * k, b->conv_b ? b->conv_b[i] : 0.0f, conv + i * k, k);
             linear_team(&b->x_proj, u, xq, sums, dbc);
             float* B = dbc + b->rank;
             float* C = B + n_state;
@@ -162,6 +164,115 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, float* h,
                 const float step = softplus(dt[i] + b->dt_b[i]);
                 const float acc = scan_channel(b->A + i * n_state, step, u[i], B, C, s_in + i * n_state, s_out + i * n_state, n_state);
                 y[i] = (acc + u[i] * b->D[i]) * silu(uz[n_inner + i]);
+            }
+            linear_team(&b->out_proj, y, xq, sums, out);
+#pragma omp single
+            for (int64_t i = 0; i < b->hidden; i++) h[i] += out[i];
+        }
+        free(xq);
+    }
+    free(shared);
+}
+
+// Mamba-2's block (models/mamba2.py) for one token:
+//   x = rms_norm(h); [z, xBC, dt] = in_proj(x); xBC = SiLU(causal depthwise conv over the held inputs and xBC);
+//   per head h (group g of B and C): dt = softplus(dt + dt_bias); s = e^(dt A) s + (dt x) B (each of
+//   head_dim channels, over the state); y = C . s + D x; y = rms_norm_per_group(y SiLU(z)) w; h += out_proj(y)
+typedef struct {
+    int64_t hidden, heads, head_dim, groups, state, kernel;
+    float eps;             // the block's RMS norm
+    float gate_eps;        // the gated norm's
+    const float* norm;     // [hidden]
+    qlinear in_proj;       // [inner + conv_dim + heads, hidden]: z, xBC, dt
+    const float* conv_w;   // [conv_dim, kernel]
+    const float* conv_b;   // [conv_dim] or NULL
+    const float* dt_bias;  // [heads]
+    const float* A;        // [heads]: -exp(A_log)
+    const float* D;        // [heads]
+    const float* gate_w;   // [inner]: the gated norm's weight
+    qlinear out_proj;      // [hidden, inner]
+} mamba2_block_t;
+
+// One channel of a Mamba-2 head: s_new = decay s + drive B, returns C . s_new (8 lanes in hsum8's
+// order where n is a multiple of 8, as scan_channel).
+static float scan_channel2(float decay, float drive, const float* B, const float* C, const float* s0, float* s1, int64_t n) {
+    if (n % 8 == 0) {
+#ifdef __AVX2__
+        __m256 sum = _mm256_setzero_ps();
+        const __m256 de = _mm256_set1_ps(decay), dr = _mm256_set1_ps(drive);
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256 s = _mm256_fmadd_ps(de, _mm256_loadu_ps(s0 + j), _mm256_mul_ps(dr, _mm256_loadu_ps(B + j)));
+            _mm256_storeu_ps(s1 + j, s);
+            sum = _mm256_fmadd_ps(s, _mm256_loadu_ps(C + j), sum);
+        }
+        return hsum8(sum);
+#else
+        float lanes[8] = {0.0f};
+        for (int64_t j = 0; j < n; j++) {
+            s1[j] = fmaf(decay, s0[j], drive * B[j]);
+            lanes[j % 8] = fmaf(s1[j], C[j], lanes[j % 8]);
+        }
+        return sum_lanes(lanes);
+#endif
+    }
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s1[j] = fmaf(decay, s0[j], drive * B[j]);
+        acc += s1[j] * C[j];
+    }
+    return acc;
+}
+
+// As kvgen_mamba_step: conv states per layer [conv_dim, kernel], recurrent [heads, head_dim, state].
+void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, float* h, const float* const* conv_in,
+                       float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
+    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const mamba2_block_t* b = &blocks[l];
+        const int64_t inner = b->heads * b->head_dim, rows = 2 * inner + 2 * b->groups * b->state + b->heads;
+        widest = b->hidden > widest ? b->hidden : widest;
+        widest = inner > widest ? inner : widest;
+        projected = rows > projected ? rows : projected;
+    }
+    float* shared = malloc(sizeof(float) * (size_t)(widest + 2 * projected + widest + hidden));
+    float *x = shared, *proj = x + widest, *xbc = proj + projected, *y = xbc + projected, *out = y + widest;
+#pragma omp parallel
+    {
+        const int64_t nb = widest / QK + 1;
+        block_x8* xq = malloc((sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
+        int32_t* sums = (int32_t*)(xq + nb);
+        for (int64_t layer = 0; layer < num_layers; layer++) {
+            const mamba2_block_t* b = &blocks[layer];
+            const int64_t inner = b->heads * b->head_dim, grouped = b->groups * b->state, k = b->kernel;
+            const int64_t conv_dim = inner + 2 * grouped, per_group = b->heads / b->groups;
+#pragma omp single
+            rms_norm(h, b->norm, b->eps, b->hidden, x);
+            linear_team(&b->in_proj, x, xq, sums, proj);
+            const float* held = conv_in[layer];
+            float* window = conv_out[layer];
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < conv_dim; i++)
+                xbc[i] = conv_channel(held + i * k, proj[inner + i], b->conv_w + i * k, b->conv_b ? b->conv_b[i] : 0.0f,
+                                      window + i * k, k);
+            const float* s_in = ssm_in[layer];
+            float* s_out = ssm_out[layer];
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < inner; c++) {
+                const int64_t head = c / b->head_dim, g = head / per_group;
+                const float dt = softplus(proj[inner + conv_dim + head] + b->dt_bias[head]);
+                const float* B = xbc + inner + g * b->state;
+                const float acc = scan_channel2(exp_lane(dt * b->A[head]), dt * xbc[c], B, B + grouped, s_in + c * b->state,
+                                                s_out + c * b->state, b->state);
+                y[c] = (acc + xbc[c] * b->D[head]) * silu(proj[c]);  // gated: y SiLU(z)
+            }
+#pragma omp single
+            {
+                const int64_t width = inner / b->groups;
+                for (int64_t g = 0; g < b->groups; g++) {
+                    float* part = y + g * width;
+                    const float inv = 1.0f / sqrtf(dot(part, part, width) / (float)width + b->gate_eps);
+                    for (int64_t i = 0; i < width; i++) part[i] = part[i] * inv * b->gate_w[g * width + i];
+                }
             }
             linear_team(&b->out_proj, y, xq, sums, out);
 #pragma omp single

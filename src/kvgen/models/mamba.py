@@ -19,9 +19,8 @@ from torch import nn
 
 from kvgen.config import MambaConfig
 from kvgen.kernels import load
-from kvgen.kv.ssm import SSMSpec, SSMStateCache
+from kvgen.kv.ssm import SSMSpec
 from kvgen.models.layers import RMSNorm
-from kvgen.models.mamba_decode import MambaStep, runs_in_c
 from kvgen.models.recurrent import RecurrentLM, causal_conv, conv_state_after
 from kvgen.models.weights import WeightSource, frozen, linear
 
@@ -124,8 +123,7 @@ class MambaBlock(nn.Module):
 
 
 class MambaModel(RecurrentLM):
-    """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache (models/recurrent.py); one
-    token per row decodes in one C call where the projections are quantized (models/mamba_decode.py)."""
+    """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache (models/recurrent.py)."""
 
     def __init__(self, config: MambaConfig, weights: WeightSource):
         super().__init__(config)
@@ -134,33 +132,7 @@ class MambaModel(RecurrentLM):
         self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
         head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
         self.lm_head = linear(head)
-        self._step: MambaStep | None = None
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         c = self.config
         return SSMSpec(c.num_layers, (batch, c.intermediate_size, c.conv_kernel), (batch, c.intermediate_size, c.state_size))
-
-    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
-        if all(len(ids) == 1 for ids in token_ids) and self._c_step() is not None:
-            return self._decode_in_c([ids[0] for ids in token_ids], caches)
-        return super()._forward_batch(token_ids, caches, num_logits)
-
-    def _c_step(self) -> MambaStep | None:
-        """The one-call C decode step, built on first use where the projections are quantized."""
-        if self._step is None and runs_in_c(self):
-            self._step = MambaStep(self)
-        return self._step
-
-    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
-        """One token per row, each row's blocks in one C call; the states committed as the torch
-        path commits them (the cache takes its checkpoints at commit)."""
-        rows = []
-        for token, cache in zip(tokens, caches):
-            h = self.embed_tokens[token].float().clone()
-            layers = range(len(self.layers))
-            convs, states = self._step(h, [cache.conv_state(i) for i in layers], [cache.recurrent_state(i) for i in layers])
-            for i in layers:
-                cache.write(i, convs[i], states[i])
-            cache.commit(1, {})
-            rows.append(h)
-        return self.lm_head(self.norm(torch.stack(rows)))  # [rows, V]

@@ -1,4 +1,5 @@
-"""Mamba's decode step in one C call (kernels/mamba_step.c) for models whose projections are quantized.
+"""Mamba's and Mamba-2's decode step in one C call (kernels/mamba_step.c) for models whose
+projections are quantized.
 
 The torch step runs ~15 small operations per block (a depthwise conv of one position, the scan's
 update, four linears), and their overhead is most of a token's time on a small model; the C step
@@ -31,22 +32,33 @@ class _MambaBlock(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _Mamba2Block(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _i64), ("heads", _i64), ("head_dim", _i64), ("groups", _i64), ("state", _i64), ("kernel", _i64),
+        ("eps", _f32), ("gate_eps", _f32), ("norm", _ptr), ("in_proj", _QLinear), ("conv_w", _ptr), ("conv_b", _ptr),
+        ("dt_bias", _ptr), ("A", _ptr), ("D", _ptr), ("gate_w", _ptr), ("out_proj", _QLinear),
+    ]  # fmt: skip
+
+
 def runs_in_c(model: nn.Module) -> bool:
-    """Whether every block's in_proj, x_proj and out_proj are quantized (what the C step reads) and
-    the kernels are built."""
-    parts = ("in_proj", "x_proj", "out_proj")
+    """Whether every block's projections are quantized (what the C step reads: in_proj, out_proj and
+    Mamba's x_proj) and the kernels are built."""
+    parts = ("in_proj", "x_proj", "out_proj") if model.config.architecture == "mamba" else ("in_proj", "out_proj")
     quantized = all(isinstance(getattr(block.mixer, p), QuantizedLinear) for block in model.layers for p in parts)
     return quantized and load() is not None
 
 
-class MambaStep:
-    """The C step over a MambaModel's blocks (which must pass `runs_in_c`)."""
+class StateStep:
+    """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
 
     def __init__(self, model: nn.Module):
         self.library = load()
         self._keep: list[torch.Tensor] = []  # tensors the structs point into
-        blocks = [self._describe(block, model.config) for block in model.layers]
-        self._blocks = (_MambaBlock * len(blocks))(*blocks)
+        mamba2 = model.config.architecture == "mamba2"
+        describe, struct = (self._describe2, _Mamba2Block) if mamba2 else (self._describe, _MambaBlock)
+        blocks = [describe(block, model.config) for block in model.layers]
+        self._blocks = (struct * len(blocks))(*blocks)
+        self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
         self.num_layers = len(blocks)
 
     def _pointer(self, tensor: torch.Tensor | None) -> int | None:
@@ -68,9 +80,19 @@ class MambaStep:
             self._pointer(mixer.A), self._pointer(mixer.D), qlinear_struct(mixer.out_proj), int(dt_quantized), 0,
         )  # fmt: skip
 
+    def _describe2(self, block: nn.Module, config) -> _Mamba2Block:
+        mixer = block.mixer
+        return _Mamba2Block(
+            config.hidden_size, mixer.heads, mixer.head_dim, mixer.groups, mixer.state_size, mixer.conv_weight.shape[-1],
+            block.norm.eps, mixer.eps, self._pointer(block.norm.weight), qlinear_struct(mixer.in_proj),
+            self._pointer(mixer.conv_weight.reshape(mixer.conv_weight.shape[0], -1)), self._pointer(mixer.conv_bias),
+            self._pointer(mixer.dt_bias), self._pointer(mixer.A), self._pointer(mixer.D), self._pointer(mixer.norm_weight),
+            qlinear_struct(mixer.out_proj),
+        )  # fmt: skip
+
     def __call__(self, h: torch.Tensor, conv: list[torch.Tensor], ssm: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """h [hidden] (updated in place), each layer's conv [.., inner, kernel] and recurrent
-        [.., inner, state] states -> the states after the token (new tensors)."""
+        """h [hidden] (updated in place), each layer's conv and recurrent states (any leading batch
+        dimension of 1) -> the states after the token (new tensors)."""
         conv_in = [c.float().contiguous() for c in conv]
         ssm_in = [s.float().contiguous() for s in ssm]
         conv_out, ssm_out = [torch.empty_like(c) for c in conv_in], [torch.empty_like(s) for s in ssm_in]
@@ -79,6 +101,6 @@ class MambaStep:
             return (_ptr * len(tensors))(*(t.data_ptr() for t in tensors))
 
         assert h.dtype == torch.float32 and h.is_contiguous()
-        self.library.kvgen_mamba_step(ctypes.addressof(self._blocks), self.num_layers, h.data_ptr(), pointers(conv_in),
-                                      pointers(conv_out), pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+        self._function(ctypes.addressof(self._blocks), self.num_layers, h.data_ptr(), pointers(conv_in), pointers(conv_out),
+                       pointers(ssm_in), pointers(ssm_out))  # fmt: skip
         return conv_out, ssm_out

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.lora import refuse_adapters
+from kvgen.models.mamba_decode import StateStep, runs_in_c
 
 CHECKPOINT_BYTES = 2**30  # what a session's checkpoints may hold by default (Mamba-Codestral-7B: 3 states)
 Captured = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per row, per capture point: (conv, recurrent)
@@ -49,7 +50,7 @@ def conv_state_after(extended: torch.Tensor, row: int, position: int, kernel: in
 class RecurrentLM(nn.Module):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
 
-    use_fast_decode = False  # the C decode path is for attention blocks
+    use_fast_decode = False  # the attention blocks' C path; one token per row runs _decode_in_c instead
     embed_tokens: nn.Parameter
     layers: nn.ModuleList
     norm: nn.Module
@@ -59,6 +60,7 @@ class RecurrentLM(nn.Module):
         super().__init__()
         self.config = config
         self._forward_lock = threading.Lock()
+        self._step: StateStep | None = None
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         raise NotImplementedError
@@ -114,6 +116,8 @@ class RecurrentLM(nn.Module):
             return self._forward_batch(token_ids, caches, num_logits)
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+        if all(len(ids) == 1 for ids in token_ids) and self._c_step() is not None:
+            return self._decode_in_c([ids[0] for ids in token_ids], caches)
         lengths = [len(ids) for ids in token_ids]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
@@ -134,3 +138,23 @@ class RecurrentLM(nn.Module):
         rows = [r for r, k in enumerate(num_logits) for _ in range(k)]
         columns = [lengths[r] - k + j for r, k in enumerate(num_logits) for j in range(k)]
         return self.lm_head(self.norm(h[torch.tensor(rows), torch.tensor(columns)]))  # [sum, V]
+
+    def _c_step(self) -> StateStep | None:
+        """The one-call C decode step (models/mamba_decode.py), built on first use where the
+        projections are quantized."""
+        if self._step is None and runs_in_c(self):
+            self._step = StateStep(self)
+        return self._step
+
+    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
+        """One token per row, each row's blocks in one C call; the states committed as the torch
+        path commits them (the cache takes its checkpoints at commit)."""
+        rows, layers = [], range(len(self.layers))
+        for token, cache in zip(tokens, caches):
+            h = self.embed_tokens[token].float().clone()
+            convs, states = self._step(h, [cache.conv_state(i) for i in layers], [cache.recurrent_state(i) for i in layers])
+            for i in layers:
+                cache.write(i, convs[i], states[i])
+            cache.commit(1, {})
+            rows.append(h)
+        return self.lm_head(self.norm(torch.stack(rows)))  # [rows, V]
