@@ -70,14 +70,19 @@ class SSMStateCache:
     def recurrent_state(self, layer: int) -> torch.Tensor:
         return self._states[layer][1]
 
-    def write(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """The state of `layer` after the tokens of the pass in flight (taken at `commit`)."""
+    def write(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor, owned: bool = False) -> None:
+        """The state of `layer` after the tokens of the pass in flight (taken at `commit`). owned:
+        the caller hands over tensors of the cache's dtype that nothing else holds, kept as they are
+        (a C decode step's fresh outputs: a Mamba-2-130M state is 19 MB a token to copy)."""
         if conv.shape != self.spec.conv_shape or recurrent.shape != self.spec.state_shape:
             raise ValueError(
                 f"layer {layer} state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} do not match the cache's "
                 f"{self.spec.conv_shape}, {self.spec.state_shape}"
             )
-        self._staged[layer] = (conv.detach().to(self.spec.dtype, copy=True), recurrent.detach().to(self.spec.dtype, copy=True))
+        if owned and conv.dtype == recurrent.dtype == self.spec.dtype:
+            self._staged[layer] = (conv.detach(), recurrent.detach())
+        else:
+            self._staged[layer] = (conv.detach().to(self.spec.dtype, copy=True), recurrent.detach().to(self.spec.dtype, copy=True))
 
     def commit(self, num_tokens: int, snapshots: dict[int, States] | None = None) -> None:
         """Take the written states as the state after `num_tokens` more tokens. `snapshots`: every

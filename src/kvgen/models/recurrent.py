@@ -154,7 +154,7 @@ class RecurrentLM(nn.Module):
             h = self.embed_tokens[token].float().clone()
             convs, states = self._step(h, [cache.conv_state(i) for i in layers], [cache.recurrent_state(i) for i in layers])
             for i in layers:
-                cache.write(i, convs[i], states[i])
+                cache.write(i, convs[i], states[i], owned=True)  # fresh tensors only this cache holds
             cache.commit(1, {})
             rows.append(h)
         return self.lm_head(self.norm(torch.stack(rows)))  # [rows, V]
