@@ -213,6 +213,42 @@ class Mamba2Config:
 
 
 @dataclass(frozen=True)
+class HybridConfig:
+    """A hybrid of Mamba-2 layers and attention layers (IBM's Granite 4.0-H, models/granite_hybrid.py):
+    `layer_types[i]` is "mamba" or "attention"; every layer then runs the MLP (or mixture) of
+    `decoder`, which also holds the attention layers' shape, the norms' epsilon, the vocabulary and
+    Granite's scalars; `mamba` the Mamba-2 mixers' shape. `rope`: whether attention turns its
+    queries and keys (Granite 4.0-H's do not: NoPE)."""
+
+    decoder: ModelConfig
+    mamba: Mamba2Config
+    layer_types: tuple[str, ...]
+    rope: bool = False
+    architecture: str = "granitemoehybrid"
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.decoder.num_layers or set(self.layer_types) - {"mamba", "attention"}:
+            raise ValueError(f"layer_types must name 'mamba' or 'attention' for each of {self.decoder.num_layers} layers, "
+                             f"got {self.layer_types}")  # fmt: skip
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "attention")
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "mamba")
+
+    # What the generator, engine and server read of any model's config: the decoder's.
+    vocab_size = property(lambda self: self.decoder.vocab_size)
+    hidden_size = property(lambda self: self.decoder.hidden_size)
+    num_layers = property(lambda self: self.decoder.num_layers)
+    max_position_embeddings = property(lambda self: self.decoder.max_position_embeddings)
+    tie_word_embeddings = property(lambda self: self.decoder.tie_word_embeddings)
+    rms_norm_eps = property(lambda self: self.decoder.rms_norm_eps)
+
+
+@dataclass(frozen=True)
 class T5Config:
     """A T5 encoder-decoder (models/t5.py): relative position buckets, no absolute positions."""
 

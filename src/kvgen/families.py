@@ -44,13 +44,18 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights; soft-capped attention)", "yes",
                   "random tiny (transformers)"),
     FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights)", "yes", "Gemma 3 270M (real)"),
-    FamilySupport("mamba", "HF (fp32 weights)", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
-                  "no: torch scan", "yes: one state per request, prefix cache of block-boundary states; "
+    FamilySupport("mamba (Mamba, Falcon-Mamba)", "GGUF, HF", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
+                  "yes (int8 / q4 weights; prefill scan in C)", "yes: one state per request, prefix cache of block-boundary states; "
                   "generate_batch, server; no speculative decoding", "random tiny (transformers)"),
-    FamilySupport("mamba2 (Mamba-2, Mamba-Codestral)", "HF (fp32 weights)",
+    FamilySupport("mamba2 (Mamba-2, Mamba-Codestral)", "GGUF, HF",
                   "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
-                  "no: torch chunked scan (SSD)", "yes: one state per request, prefix cache of block-boundary states; "
-                  "generate_batch, server; no speculative decoding", "random tiny (transformers)"),
+                  "yes (int8 / q4 weights; prefill: torch chunked scan, SSD)", "yes: one state per request, prefix cache of "
+                  "block-boundary states; generate_batch, server; no speculative decoding", "random tiny (transformers)"),
+    FamilySupport("granitemoehybrid (Granite 4.0-H: Mamba-2 + attention layers)", "HF",
+                  "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
+                  "KV cache options refused", "no: torch path (int8 / q4 weights)",
+                  "yes: rows run one after another, one state + K/V per request; no prefix cache, no speculative decoding",
+                  "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
                   "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
                   "no: torch path", "yes: rows run one after another, one encoder entry per distinct input; "

@@ -149,6 +149,26 @@ def save_tiny_mamba2(folder: Path, tokenizer_files: Path, std: float = 0.2) -> A
     return _widen_and_save(transformers.Mamba2ForCausalLM(config), folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
 
 
+def save_tiny_granite_hybrid(folder: Path, tokenizer_files: Path, experts: int = 4, rope: bool = False, std: float = 0.2) -> Any:
+    """transformers' GraniteMoeHybridForCausalLM (Granite 4.0-H): Mamba-2 layers (8 heads of 16
+    channels in 2 groups, chunks of 16) around an attention layer, a mixture of `experts` beside the
+    shared MLP (0: the shared MLP alone, as Granite-4.0-H-Micro), Granite's four scalars away from
+    1; NoPE attention unless `rope`. Random and widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=32, shared_intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "mamba"],
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16, mamba_d_conv=4,
+        num_local_experts=experts, num_experts_per_tok=2, position_embedding_type="rope" if rope else "nope",
+        embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.1,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
+
+
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
     """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
     `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and

@@ -7,12 +7,13 @@ from kvgen.config import CacheConfig
 from kvgen.engine.config import EngineConfig
 from kvgen.engine.state_scheduler import StateBudget, StateScheduler
 from kvgen.kv.state_prefix import StatePrefixIndex
+from kvgen.models.granite_hybrid import GraniteHybridModel
 from kvgen.models.mamba import MambaModel
 from kvgen.models.mamba2 import Mamba2Model
 from kvgen.models.t5 import T5Model
 
 
-def state_backend(model: MambaModel | Mamba2Model | T5Model, config: EngineConfig, cache: CacheConfig) -> tuple[StateBudget, StateScheduler]:
+def state_backend(model: MambaModel | Mamba2Model | GraniteHybridModel | T5Model, config: EngineConfig, cache: CacheConfig) -> tuple[StateBudget, StateScheduler]:
     """(budget, scheduler) for a state model; ValueError naming the option the engine cannot honour."""
     name = model.config.architecture
     if cache != CacheConfig():
@@ -24,6 +25,8 @@ def state_backend(model: MambaModel | Mamba2Model | T5Model, config: EngineConfi
         raise ValueError(f"eviction {config.eviction!r}: the {name} engine's prefix cache evicts least recently used "
                          "snapshots only; use eviction='lru'")  # fmt: skip
     budget_bytes = int(config.kv_budget_mb * 2**20)
+    if isinstance(model, GraniteHybridModel):
+        return _hybrid_backend(model, config, budget_bytes)
     if isinstance(model, (MambaModel, Mamba2Model)):
         unit = model.new_state_cache().spec.bytes_per_snapshot  # one live state, or one prefix snapshot
         budget = StateBudget(f"{name}-state-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
@@ -43,4 +46,17 @@ def state_backend(model: MambaModel | Mamba2Model | T5Model, config: EngineConfi
                              lambda num_prompt, num_new: num_prompt + num_new + 1)  # fmt: skip
         # A request's salt keys its encoder entry: tenants never share one.
         return budget, StateScheduler(budget, config, lambda request: model.new_state_cache(request.salt), True, None)
-    raise ValueError(f"{name} models are not served by the engine: it runs decoder-only transformers, Mamba, Mamba-2 and T5")
+    raise ValueError(f"{name} models are not served by the engine: it runs decoder-only transformers, Mamba, Mamba-2, Granite 4.0-H and T5")
+
+
+def _hybrid_backend(model: GraniteHybridModel, config: EngineConfig, budget_bytes: int) -> tuple[StateBudget, StateScheduler]:
+    """A hybrid request reserves its Mamba layers' state and its attention layers' K/V for its
+    longest length, counted in positions of K/V (the state as that many positions' bytes). No
+    prefix cache: a state snapshot alone cannot resume a sequence whose attention needs its keys."""
+    cache = model.new_state_cache()
+    unit = cache.kv.spec.bytes_per_token
+    state_units = -(-cache.spec.bytes_per_snapshot // unit)
+    budget = StateBudget(f"granitemoehybrid-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
+                         lambda num_prompt, num_new: state_units + num_prompt + num_new)  # fmt: skip
+    keep = config.max_tokens_per_step // config.block_size + 2
+    return budget, StateScheduler(budget, config, lambda _: model.new_state_cache(config.block_size, keep), False, None)

@@ -25,7 +25,7 @@ from kvgen.kernels.formats import QuantizedWeight
 
 
 def mamba2_config(raw: dict[str, Any]) -> Mamba2Config:
-    _refuse_unhonoured(raw)
+    refuse_unhonoured(raw)
     try:
         hidden, heads, head_dim = int(raw["hidden_size"]), int(raw["num_heads"]), int(raw["head_dim"])
         intermediate = int(raw.get("intermediate_size") or int(raw.get("expand", 2)) * hidden)
@@ -47,7 +47,7 @@ def mamba2_config(raw: dict[str, Any]) -> Mamba2Config:
         raise ModelLoadError(f"config.json is not a valid mamba2 config: {error}") from error
 
 
-def _refuse_unhonoured(raw: dict[str, Any]) -> None:
+def refuse_unhonoured(raw: dict[str, Any]) -> None:
     """Settings transformers' Mamba2 ignores or runs inconsistently: refused, not guessed at."""
     low, high = (_number(v) for v in raw.get("time_step_limit") or (0.0, math.inf))
     if low > 0 or not math.isinf(high):

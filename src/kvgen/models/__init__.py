@@ -7,16 +7,18 @@ from kvgen.models.base import DecoderLM
 from kvgen.models.deepseek import DeepseekModel
 from kvgen.models.gemma2 import Gemma2Model
 from kvgen.models.gemma3 import Gemma3Model
+from kvgen.models.granite_hybrid import GraniteHybridModel
 from kvgen.models.llama import LlamaModel
 from kvgen.models.mamba import MambaModel
 from kvgen.models.mamba2 import Mamba2Model
 from kvgen.models.olmo2 import Olmo2Model
 from kvgen.models.phi3 import Phi3Model
 from kvgen.models.qwen3 import Qwen3Model
+from kvgen.models.recurrent import RecurrentLM
 from kvgen.models.t5 import T5Model
 from kvgen.models.weights import WeightSource
 
-FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[Mamba2Model] | type[T5Model]] = {
+FAMILIES: dict[str, type[DecoderLM] | type[RecurrentLM] | type[T5Model]] = {
     "llama": LlamaModel,
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
@@ -33,11 +35,12 @@ FAMILIES: dict[str, type[DecoderLM] | type[MambaModel] | type[Mamba2Model] | typ
     "gemma3": Gemma3Model,
     "mamba": MambaModel,
     "mamba2": Mamba2Model,  # heads with scalar decays, grouped B/C, chunked SSD prefill
+    "granitemoehybrid": GraniteHybridModel,  # Granite 4.0-H: Mamba-2 and attention layers
     "t5": T5Model,
 }
 
 
-def build_model(checkpoint: Checkpoint) -> DecoderLM | MambaModel | Mamba2Model | T5Model:
+def build_model(checkpoint: Checkpoint) -> DecoderLM | RecurrentLM | T5Model:
     model = FAMILIES[checkpoint.config.architecture](checkpoint.config, WeightSource(checkpoint.tensors))  # type: ignore[arg-type]
     model.fast_decoder()  # build the C decode path now, not inside the first timed decode step
     return model.eval()

@@ -1,0 +1,72 @@
+"""Granite 4.0-H folders (HF `granitemoehybrid`: Granite-4.0-H-Micro, -Tiny, -Small): config.json ->
+HybridConfig, and the checkpoint's names -> the ones models/granite_hybrid.py reads.
+
+A layer is a Mamba-2 mixer (`model.layers.N.mamba.*`, read as Mamba-2's) or attention (q/k/v/o,
+scaled by attention_multiplier, with RoPE only where position_embedding_type is "rope"); every
+layer then runs a SwiGLU `shared_mlp` and, where num_local_experts > 0, beside it a mixture as
+Granite-MoE's (its router's softmax over the chosen experts). Granite's scalars as Granite 3's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import torch
+
+from kvgen.config import HybridConfig, Mamba2Config, ModelConfig
+from kvgen.errors import ModelLoadError
+from kvgen.kernels.formats import QuantizedWeight
+from kvgen.loading.mamba2 import refuse_unhonoured
+
+_LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
+_SHARED_MLP = re.compile(r"^(model\.layers\.\d+)\.shared_mlp\.(input|output)_linear\.weight$")
+
+
+def granite_hybrid_config(raw: dict[str, Any], decoder_config: Callable[[dict[str, Any]], ModelConfig]) -> HybridConfig:
+    """`decoder_config`: hf.py's reader of a decoder's config.json, which reads the attention, MLP and
+    scalars as Granite-MoE's (Granite 3's where there are no experts)."""
+    refuse_unhonoured(raw)  # Mamba-2's time_step_limit, activation and norm
+    try:
+        kinds = raw.get("layer_types") or raw["layers_block_type"]
+        layer_types = tuple(_LAYER_KINDS[kind] for kind in kinds)
+        experts, shared = int(raw.get("num_local_experts") or 0), int(raw["shared_intermediate_size"])
+        hidden, heads = int(raw["hidden_size"]), int(raw["mamba_n_heads"])
+        inner = int(raw.get("mamba_expand", 2)) * hidden
+        head_dim = raw.get("mamba_d_head", "auto")
+        mamba = Mamba2Config(
+            vocab_size=int(raw["vocab_size"]), hidden_size=hidden, num_heads=heads,
+            head_dim=inner // heads if head_dim == "auto" else int(head_dim), n_groups=int(raw.get("mamba_n_groups", 1)),
+            state_size=int(raw["mamba_d_state"]), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+            num_layers=layer_types.count("mamba"), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            chunk_size=int(raw.get("mamba_chunk_size", 256)), use_conv_bias=bool(raw.get("mamba_conv_bias", True)),
+            use_bias=bool(raw.get("mamba_proj_bias", False)),
+        )  # fmt: skip
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error}; it is not a complete granitemoehybrid config") from error
+    if mamba.intermediate_size != inner:
+        raise ModelLoadError(f"config.json's mamba_n_heads x mamba_d_head ({mamba.intermediate_size}) must equal mamba_expand x "
+                             f"hidden_size ({inner}); it is not a consistent granitemoehybrid config")  # fmt: skip
+    if experts:  # Granite-MoE's mixture, with the shared MLP as an ungated shared expert
+        decoder = decoder_config({**raw, "model_type": "granitemoe", "num_local_experts": experts})
+        decoder = dataclasses.replace(decoder, shared_expert_intermediate_size=shared, shared_expert_gated=False)
+    else:  # Granite-4.0-H-Micro: the shared MLP alone, a dense SwiGLU
+        decoder = decoder_config({**raw, "model_type": "granite", "intermediate_size": shared})
+    return HybridConfig(decoder, mamba, layer_types, rope=raw.get("position_embedding_type") == "rope")
+
+
+def name_granite_hybrid_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], config: HybridConfig) -> None:
+    """In place: shared_mlp.input_linear [2 I, H] (gate rows first) and output_linear -> the shared
+    expert's (mlp.shared_expert.*) where there is a mixture, else the layer's own MLP (mlp.*)."""
+    part = "mlp.shared_expert" if config.decoder.num_experts else "mlp"
+    for name in list(tensors):
+        if match := _SHARED_MLP.match(name):
+            layer, which = match.groups()
+            weight = tensors.pop(name)
+            assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor"
+            if which == "input":
+                gate, up = weight.chunk(2, dim=0)
+                tensors[f"{layer}.{part}.gate_proj.weight"], tensors[f"{layer}.{part}.up_proj.weight"] = gate, up
+            else:
+                tensors[f"{layer}.{part}.down_proj.weight"] = weight

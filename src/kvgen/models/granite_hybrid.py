@@ -1,0 +1,106 @@
+"""Granite 4.0-H (HF `granitemoehybrid`): Mamba-2 layers and attention layers in one stack.
+
+Each layer: h += residual_multiplier * mixer(input_norm(h)), the mixer a Mamba-2 one
+(models/mamba2.py's) or grouped-query attention (models/layers.py's, scores scaled by
+attention_multiplier, turned by RoPE only where the config asks: Granite 4.0-H's attention has no
+positions); then h += residual_multiplier * mlp(post_norm(h)), the MLP a SwiGLU or a mixture with
+that SwiGLU as its shared expert (models/moe.py). Embeddings times embedding_multiplier, logits
+divided by logits_scaling, as Granite 3.
+
+The per-sequence memory is a HybridStateCache (kv/hybrid.py): the Mamba layers' states with their
+checkpoints, and a contiguous K/V cache over the attention layers only. Rows of a batch run one
+after another (each row's keys are its own); states at checkpoint multiples are captured during a
+prompt as Mamba's are, and the keys and values for those positions are in the K/V cache already.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.config import HybridConfig
+from kvgen.kv.contiguous import ContiguousCache
+from kvgen.kv.hybrid import HybridStateCache
+from kvgen.kv.interface import CacheSpec
+from kvgen.kv.ssm import SSMSpec, SSMStateCache
+from kvgen.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
+from kvgen.models.mamba2 import Mamba2Mixer
+from kvgen.models.moe import SparseMoE
+from kvgen.models.recurrent import RecurrentLM, capture_points
+from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
+from kvgen.models.weights import WeightSource, frozen, linear
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, config: HybridConfig, layer: int, weights: WeightSource):
+        super().__init__()
+        prefix, decoder = f"model.layers.{layer}", config.decoder
+        self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), decoder.rms_norm_eps)
+        self.post_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), decoder.rms_norm_eps)
+        self.mixer: Mamba2Mixer | None = None
+        self.attn: Attention | None = None
+        if config.layer_types[layer] == "mamba":
+            self.mixer = Mamba2Mixer(config.mamba, weights, f"{prefix}.mamba")
+            self.slot = config.mamba_layers.index(layer)  # its state's index in the cache
+        else:
+            self.slot = config.attention_layers.index(layer)  # its keys' layer in the cache's K/V
+            self.attn = Attention(decoder, self.slot, weights, f"{prefix}.self_attn", None)
+        self.mlp = SparseMoE(decoder, weights, f"{prefix}.mlp") if decoder.num_experts else GatedMLP(decoder, weights, f"{prefix}.mlp")
+        self.residual_multiplier = decoder.residual_multiplier
+
+
+class GraniteHybridModel(RecurrentLM):
+    """forward(input_ids, cache) like DecoderLM's, over a HybridStateCache (models/recurrent.py's contract)."""
+
+    def __init__(self, config: HybridConfig, weights: WeightSource):
+        super().__init__(config)
+        decoder = config.decoder
+        self.embed_tokens = frozen(weights.take_tensor("model.embed_tokens.weight"))  # [V, H]
+        self.layers = nn.ModuleList([HybridBlock(config, i, weights) for i in range(decoder.num_layers)])
+        self.norm = RMSNorm(weights.take_tensor("model.norm.weight"), decoder.rms_norm_eps)
+        tied = decoder.tie_word_embeddings and not weights.has("lm_head.weight")
+        self.lm_head = linear(self.embed_tokens.data if tied else weights.take("lm_head.weight"))
+        # Granite 4.0-H's attention has no positions: a rotation by zero angles (the identity)
+        frequencies = inverse_frequencies(decoder.head_dim, decoder.rope_theta, decoder.rope_scaling)
+        self.rope = RotaryEmbedding(frequencies if config.rope else torch.zeros(decoder.head_dim // 2))
+
+    def state_spec(self, batch: int = 1) -> SSMSpec:
+        m = self.config.mamba
+        return SSMSpec(m.num_layers, (batch, m.conv_dim, m.conv_kernel), (batch, m.num_heads, m.head_dim, m.state_size))
+
+    def new_state_cache(self, checkpoint_every: int = 64, max_checkpoints: int | None = None) -> HybridStateCache:
+        state = super().new_state_cache(checkpoint_every, max_checkpoints)
+        d = self.config.decoder
+        spec = CacheSpec(len(self.config.attention_layers), d.num_kv_heads, d.head_dim, self.dtype)
+        kv = ContiguousCache(spec, capacity=256, max_capacity=d.max_position_embeddings)
+        return HybridStateCache(state.spec, kv, state.checkpoint_every, state.max_checkpoints)
+
+    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+        if not all(isinstance(c, HybridStateCache) for c in caches):
+            raise ValueError("a granitemoehybrid model keeps its state in a HybridStateCache (model.new_state_cache())")
+        return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
+
+    def _forward_row(self, ids: list[int], cache: HybridStateCache, num_logits: int) -> torch.Tensor:
+        """One sequence's tokens after cache.seq_len -> the logits of its last num_logits [num_logits, V]."""
+        start, seq = cache.seq_len, len(ids)
+        d = self.config.decoder
+        capture = [capture_points(cache, seq)]
+        h = F.embedding(torch.tensor([ids]), self.embed_tokens) * d.embedding_multiplier  # [1, S, H]
+        rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
+        mask = AttentionMask.build(start, seq, 0, start + seq, None)
+        captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per Mamba layer: states at the capture points
+        for block in self.layers:
+            x = block.input_norm(h)
+            if block.mixer is not None:
+                out, states = block.mixer(x, cache.conv_state(block.slot), cache.recurrent_state(block.slot), capture)
+                captured.append(states[0])
+            else:
+                out = block.attn(x, rope, cache.kv, mask)
+            h = h + out * block.residual_multiplier
+            h = h + block.mlp(block.post_norm(h)) * block.residual_multiplier
+        snapshots = {point + 1: [layer[k] for layer in captured] for k, point in enumerate(capture[0])}
+        for slot, (conv, recurrent) in enumerate(snapshots.pop(seq)):
+            cache.write(slot, conv, recurrent)
+        cache.commit(seq, snapshots)
+        return self.lm_head(self.norm(h[0, seq - num_logits :])) / d.logits_scaling  # [num_logits, V]

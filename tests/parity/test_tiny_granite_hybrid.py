@@ -1,0 +1,135 @@
+"""Granite 4.0-H (Mamba-2 and attention layers) against transformers' GraniteMoeHybridForCausalLM on
+the same weights: logits, greedy tokens, sessions over its hybrid cache, the engine.
+
+No Granite 4.0-H checkpoint installs offline: these are small random-weight models that transformers
+itself builds and saves (tests/support/tiny_hf.py): Mamba-2 layers around one attention layer, a
+mixture of 4 experts beside the shared MLP (and, as Granite-4.0-H-Micro, the shared MLP alone),
+Granite's scalars away from 1, NoPE attention (and, as the config allows, RoPE).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvgen import LLM, SamplingParams
+from kvgen.engine import EngineConfig, LLMEngine
+from kvgen.kv.hybrid import HybridStateCache
+from kvgen.speculative.config import SpeculativeConfig
+from tests.support.models import PROMPTS
+from tests.support.tiny_hf import save_tiny_granite_hybrid, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-3
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+VARIANTS = {"experts-nope": (4, False), "dense-nope": (0, False), "experts-rope": (4, True)}
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, LLM]]:
+    tokenizer = tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+    built = {}
+    for name, (experts, rope) in VARIANTS.items():
+        folder = tmp_path_factory.mktemp(name)
+        model = save_tiny_granite_hybrid(folder, tokenizer, experts=experts, rope=rope)
+        built[name] = model, LLM.load(folder, progress=False, weights="fp32")
+    return built
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_prefill_and_decode_logits_match(name: str, hybrids: dict) -> None:
+    """Every position of a 70-token prefill (five Mamba-2 chunks, split at checkpoints every 24) and
+    6 decode steps against transformers' forward over the same tokens."""
+    model, llm = hybrids[name]
+    prompt, more = random_ids(70, 1), random_ids(6, 2)
+    with torch.inference_mode():
+        cache = llm.model.new_state_cache(checkpoint_every=24)
+        assert isinstance(cache, HybridStateCache)
+        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        steps = torch.cat([llm.model(torch.tensor([[t]]), cache)[0] for t in more])
+        expected = model(torch.tensor([prompt + more])).logits[0]
+    assert cache.checkpoints[:3] == [0, 24, 48] and cache.kv.seq_len == cache.seq_len == 76
+    assert (prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
+    assert (steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+
+
+def test_greedy_tokens_match_transformers_generate(hybrids: dict) -> None:
+    model, llm = hybrids["experts-nope"]
+    for prompt in PROMPTS[:2]:
+        ids = llm.tokenizer.encode(prompt)
+        assert llm.generate(ids, GREEDY).token_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
+
+
+def test_session_resumes_both_kinds_of_layer_from_a_checkpoint(hybrids: dict) -> None:
+    """A next prompt sharing 150 tokens resumes at the checkpoint at 128: the Mamba layers from its
+    state, the attention layers from their keys cut back to 128; the tokens equal a fresh run's."""
+    _, llm = hybrids["experts-nope"]
+    shared = random_ids(150, 3)
+    first, second = shared + random_ids(20, 4), shared + random_ids(30, 5)
+    session = llm.session()
+    for _ in session.stream(first, GREEDY):
+        pass
+    stream = session.stream(second, GREEDY)
+    for _ in stream:
+        pass
+    assert stream.result.usage.cached_tokens == 128
+    assert stream.result.token_ids == llm.generate(second, GREEDY).token_ids
+    session.cache.check_invariants()
+    session.close()
+
+
+def test_quantized_weights_stay_near_fp32(hybrids: dict) -> None:
+    _, llm = hybrids["experts-nope"]
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    prompt = random_ids(60, 6)
+    with torch.inference_mode():
+        actual = int8.model(torch.tensor([prompt]), int8.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+        expected = llm.model(torch.tensor([prompt]), llm.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+    assert (actual - expected).abs().max().item() < 0.1
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_engine_rows_equal_transformers_and_a_cancel_frees_its_reservation(hybrids: dict) -> None:
+    """Prompts of different lengths run together (prefills chunked at 24 tokens beside decodes), each
+    with its own state and keys; a reservation counts the state and every position's keys."""
+    model, llm = hybrids["experts-nope"]
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]] + [random_ids(60, 7)]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
+    requests = engine.generate(prompts, GREEDY)
+    for ids, request in zip(prompts, requests):
+        assert request.output_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
+    assert engine.scheduler.num_blocks_in_use() == 0 and engine.scheduler.prefix is None
+    first = engine.add_request("a", prompts[0], GREEDY)
+    engine.add_request("b", prompts[1], GREEDY)
+    engine.step()
+    assert engine.scheduler.num_blocks_in_use() > 0
+    assert engine.cancel("b") is not None
+    while engine.has_unfinished():
+        engine.check_invariants()
+        engine.step()
+    assert first.output_ids == requests[0].output_ids
+    assert engine.scheduler.num_blocks_in_use() == 0 and not engine.scheduler.running
+
+
+def test_paths_the_hybrid_does_not_run_refuse_clearly(hybrids: dict) -> None:
+    _, llm = hybrids["dense-nope"]
+    with pytest.raises(ValueError, match="speculative"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2), speculative=SpeculativeConfig(method="lookup"))
+    cache = llm.model.new_state_cache()
+    with torch.inference_mode():
+        llm.model(torch.tensor([random_ids(10, 8)]), cache)
+    with pytest.raises(ValueError, match="checkpoint"):
+        cache.truncate(5)  # its Mamba layers' state is held only at checkpoints
+    assert cache.seq_len == cache.kv.seq_len == 10
