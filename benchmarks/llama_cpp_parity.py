@@ -4,10 +4,12 @@ metadata, tests/support/tiny_gguf.py): with no weight or activation rounded, the
 last logits should agree, which checks the file conventions kvgen reads (row orders, scalars,
 which layers go without RoPE) against llama.cpp's own reading, not only against the test writer.
 
-    python benchmarks/llama_cpp_parity.py --families granite smollm3 mamba falcon-mamba mamba2
+    python benchmarks/llama_cpp_parity.py --families granite smollm3 mamba falcon-mamba mamba2 granite-hybrid
 
 `mamba`, `falcon-mamba` and `mamba2` are transformers' MambaForCausalLM, FalconMambaForCausalLM
-(llama.cpp's `mamba` architecture; Falcon-Mamba's file says ssm.dt_b_c_rms) and Mamba2ForCausalLM.
+(llama.cpp's `mamba` architecture; Falcon-Mamba's file says ssm.dt_b_c_rms) and Mamba2ForCausalLM;
+`granite-hybrid` (`-dense`: without experts) its GraniteMoeHybridForCausalLM (Granite 4.0-H,
+llama.cpp's `granitehybrid`).
 """
 
 from __future__ import annotations
@@ -28,20 +30,23 @@ from common import write_results  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="+", required=True, help="tests/support/tiny_hf.py FAMILIES names, mamba, falcon-mamba, mamba2")
+    parser.add_argument("--families", nargs="+", required=True, help="tests/support/tiny_hf.py FAMILIES names, mamba, falcon-mamba, mamba2, granite-hybrid(-dense)")
     args = parser.parse_args()
     from llama_cpp import Llama
 
     from kvgen import LLM
     from tests.support.models import PROMPTS, model_path
-    from tests.support.tiny_gguf import write_gguf_from_hf, write_mamba_gguf
-    from tests.support.tiny_hf import save_tiny_decoder, save_tiny_mamba, save_tiny_mamba2, tokenizer_folder
+    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_mamba_gguf
+    from tests.support.tiny_hf import save_tiny_decoder, save_tiny_granite_hybrid, save_tiny_mamba, save_tiny_mamba2, tokenizer_folder
 
     folder = Path(tempfile.mkdtemp())
     tokenizer = tokenizer_folder(folder / "tokenizer")
     rows = {}
     for name in args.families:
-        if name in ("mamba", "falcon-mamba", "mamba2"):
+        if name in ("granite-hybrid", "granite-hybrid-dense"):
+            model = save_tiny_granite_hybrid(folder / name, tokenizer, experts=0 if name.endswith("dense") else 4)
+            path = write_granite_hybrid_gguf(folder / f"{name}.gguf", model, model_path("smollm2"))
+        elif name in ("mamba", "falcon-mamba", "mamba2"):
             if name == "mamba2":
                 model = save_tiny_mamba2(folder / name, tokenizer)
             else:

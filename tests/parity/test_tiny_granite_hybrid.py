@@ -9,6 +9,9 @@ Granite's scalars away from 1, NoPE attention (and, as the config allows, RoPE).
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +21,8 @@ from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
-from tests.support.models import PROMPTS
+from tests.support.models import PROMPTS, model_path
+from tests.support.tiny_gguf import write_granite_hybrid_gguf
 from tests.support.tiny_hf import save_tiny_granite_hybrid, tokenizer_folder
 
 pytestmark = pytest.mark.slow
@@ -63,6 +67,28 @@ def test_prefill_and_decode_logits_match(name: str, hybrids: dict) -> None:
     assert cache.checkpoints[:3] == [0, 24, 48] and cache.kv.seq_len == cache.seq_len == 76
     assert (prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
     assert (steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["experts-nope", "dense-nope"])
+def test_gguf_loads_the_same_model(name: str, hybrids: dict, tmp_path: Path) -> None:
+    """An all-F32 `granitehybrid` file as llama.cpp's converter writes it (KV heads per layer, 0 for
+    a Mamba layer; the shared MLP as ffn_*_shexp or ffn_*; Mamba-2's tensors; no RoPE): the same
+    model, up to what the file stores as float32 or not at all (the Mamba chunk, the context)."""
+    model, llm = hybrids[name]
+    from_gguf = LLM.load(write_granite_hybrid_gguf(tmp_path / "model.gguf", model, model_path("smollm2")), progress=False,
+                         weights="fp32")  # fmt: skip
+    ours, theirs = from_gguf.config, llm.config
+    assert (ours.layer_types, ours.rope) == (theirs.layer_types, theirs.rope)
+    assert math.isclose(ours.decoder.query_pre_attn_scalar, theirs.decoder.query_pre_attn_scalar, rel_tol=1e-6)
+    same = {"rms_norm_eps": theirs.rms_norm_eps}
+    assert dataclasses.replace(ours.mamba, **same, chunk_size=theirs.mamba.chunk_size) == theirs.mamba
+    assert dataclasses.replace(ours.decoder, **same, max_position_embeddings=theirs.max_position_embeddings,
+                               query_pre_attn_scalar=theirs.decoder.query_pre_attn_scalar) == theirs.decoder  # fmt: skip
+    prompt = random_ids(40, 9)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0]
+        actual = from_gguf.model(torch.tensor([prompt]), from_gguf.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+    assert (actual - expected).abs().max().item() < TOLERANCE
 
 
 def test_greedy_tokens_match_transformers_generate(hybrids: dict) -> None:

@@ -437,3 +437,95 @@ def write_mamba_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gg
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_HYBRID_MAMBA = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight", "conv1d.bias": "ssm_conv1d.bias",
+                 "dt_bias": "ssm_dt.bias", "A_log": "ssm_a", "D": "ssm_d", "norm.weight": "ssm_norm.weight",
+                 "out_proj.weight": "ssm_out.weight"}  # fmt: skip
+
+
+def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32) -> Path:
+    """A GGUF of transformers' GraniteMoeHybridForCausalLM as llama.cpp's converter writes it
+    (`granitehybrid`): granitemoe's keys and tensors for attention and MLPs (q/k rows permuted, the
+    shared MLP as ffn_*_shexp beside experts or as ffn_* alone), mamba2's for the Mamba layers, KV
+    heads per layer (0 for a Mamba layer), rope.scaling.finetuned false (NoPE attention)."""
+    from kvgen.loading.gguf_file import GGUFFile
+
+    c = hf_model.config
+    experts = c.num_local_experts
+    attention = [i for i, kind in enumerate(c.layer_types) if kind in ("attention", "full_attention")]
+    writer = gguf.GGUFWriter(str(path), "granitehybrid")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv([c.num_key_value_heads if i in attention else 0 for i in range(c.num_hidden_layers)])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_attention_scale(c.attention_multiplier)
+    writer.add_embedding_scale(c.embedding_multiplier)
+    writer.add_residual_scale(c.residual_multiplier)
+    writer.add_logit_scale(c.logits_scaling)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(c.mamba_d_conv)
+    writer.add_ssm_state_size(c.mamba_d_state)
+    writer.add_ssm_group_count(c.mamba_n_groups)
+    writer.add_ssm_inner_size(c.mamba_n_heads * c.mamba_d_head)
+    writer.add_ssm_time_step_rank(c.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(c.position_embedding_type == "rope")
+    _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+
+    def add(name: str, values: np.ndarray, matmul: bool) -> None:
+        if matmul and matmul_type != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[matmul_type][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+
+    shared = "_shexp" if experts else ""
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float().numpy().copy()
+        if not name.startswith("model.layers."):
+            if name != "lm_head.weight" or not c.tie_word_embeddings:
+                add(_GGUF_GLOBALS[name], values, name == "lm_head.weight")
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        stem = f"blk.{layer}"
+        if rest.startswith("mamba."):
+            part = rest[len("mamba.") :]
+            if part == "A_log":
+                values = -np.exp(values)
+            if part in ("A_log", "D"):
+                values = values.reshape(-1, 1)
+            elif part == "norm.weight":
+                values = values.reshape(c.mamba_n_groups, -1)
+            elif part == "conv1d.weight":
+                values = values.reshape(values.shape[0], -1)
+            add(f"{stem}.{_HYBRID_MAMBA[part]}", values, part.endswith("proj.weight"))
+        elif rest == "shared_mlp.input_linear.weight":
+            gate, up = np.split(values, 2, axis=0)
+            add(f"{stem}.ffn_gate{shared}.weight", gate, True)
+            add(f"{stem}.ffn_up{shared}.weight", up, True)
+        elif rest == "shared_mlp.output_linear.weight":
+            add(f"{stem}.ffn_down{shared}.weight", values, True)
+        elif rest == "block_sparse_moe.router.weight":
+            add(f"{stem}.ffn_gate_inp.weight", values, False)
+        elif rest == "block_sparse_moe.experts.gate_up_proj":  # [E, 2 I, H], gate rows first
+            gate, up = np.split(values, 2, axis=1)
+            add(f"{stem}.ffn_gate_exps.weight", gate, True)
+            add(f"{stem}.ffn_up_exps.weight", up, True)
+        elif rest == "block_sparse_moe.experts.down_proj":
+            add(f"{stem}.ffn_down_exps.weight", values, True)
+        else:
+            if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):  # llama.cpp's interleaved RoPE rows
+                heads = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads
+                values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
+            add(gguf_tensor_name(name, "granite"), values, is_matmul_weight(name))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

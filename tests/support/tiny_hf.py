@@ -157,7 +157,7 @@ def save_tiny_granite_hybrid(folder: Path, tokenizer_files: Path, experts: int =
     import transformers
 
     config = transformers.GraniteMoeHybridConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=32, shared_intermediate_size=64, num_hidden_layers=4,
+        vocab_size=49152, hidden_size=64, intermediate_size=32 if experts else 64, shared_intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "mamba"],
         mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16, mamba_d_conv=4,
         num_local_experts=experts, num_experts_per_tok=2, position_embedding_type="rope" if rope else "nope",

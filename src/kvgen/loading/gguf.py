@@ -17,19 +17,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvgen.config import (ModelConfig, RopeScaling, alternating_layer_types, every_nth_layer, gemma3_layer_types, granite_scalars,
+from kvgen.config import (HybridConfig, ModelConfig, RopeScaling, alternating_layer_types, every_nth_layer, gemma3_layer_types, granite_scalars,
                           yarn_mscale)  # fmt: skip
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
+from kvgen.loading.granite_hybrid import granite_hybrid_config_from_gguf, granite_hybrid_mamba_name
 from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
 from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", *SSM_ARCHITECTURES)
+                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", *SSM_ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -93,7 +94,7 @@ def config_from_gguf(
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
             "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
-            "Mamba, Falcon-Mamba, Mamba-2)"
+            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -106,6 +107,8 @@ def config_from_gguf(
         return mamba_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
     if arch == "mamba2":
         return mamba2_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
+    if arch == "granitehybrid":
+        return granite_hybrid_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
@@ -241,6 +244,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
     if arch in SSM_ARCHITECTURES:
         return mamba_hf_name(gguf_name, arch)
+    if arch == "granitemoehybrid" and (mamba := granite_hybrid_mamba_name(gguf_name)) is not None:
+        return mamba
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
@@ -352,11 +357,12 @@ def _quantized_rows(file: GGUFFile, info: TensorInfo, mode: str) -> QuantizedWei
 
 
 def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
-    if config.architecture in ("llama", "mixtral"):  # llama.cpp's llama architecture, experts or not
+    if config.architecture in ("llama", "mixtral", "granitemoehybrid"):  # llama.cpp's llama architecture, experts or not
+        heads = config.decoder if isinstance(config, HybridConfig) else config  # a hybrid's attention layers
         if ".attn_q." in gguf_name:
-            return unpermute_qk(array, config.num_heads)
+            return unpermute_qk(array, heads.num_heads)
         if ".attn_k." in gguf_name:
-            return unpermute_qk(array, config.num_kv_heads)
+            return unpermute_qk(array, heads.num_kv_heads)
     if config.architecture in _GEMMA_ARCHITECTURES and gguf_name.endswith("norm.weight") and array.dtype == np.float32:
         return array - 1.0
     if config.architecture == "deepseek_v2" and (order := rope_rows_order(gguf_name, config)) is not None:

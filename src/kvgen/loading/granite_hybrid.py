@@ -1,5 +1,6 @@
-"""Granite 4.0-H folders (HF `granitemoehybrid`: Granite-4.0-H-Micro, -Tiny, -Small): config.json ->
-HybridConfig, and the checkpoint's names -> the ones models/granite_hybrid.py reads.
+"""Granite 4.0-H (HF `granitemoehybrid`: Granite-4.0-H-Micro, -Tiny, -Small; llama.cpp's
+`granitehybrid`): config.json or GGUF metadata -> HybridConfig, and the checkpoint's names -> the
+ones models/granite_hybrid.py reads.
 
 A layer is a Mamba-2 mixer (`model.layers.N.mamba.*`, read as Mamba-2's) or attention (q/k/v/o,
 scaled by attention_multiplier, with RoPE only where position_embedding_type is "rope"); every
@@ -22,6 +23,11 @@ from kvgen.loading.mamba2 import refuse_unhonoured
 
 _LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
 _SHARED_MLP = re.compile(r"^(model\.layers\.\d+)\.shared_mlp\.(input|output)_linear\.weight$")
+# llama.cpp's Mamba-2 tensors in a granitehybrid file -> the layer's `mamba` mixer (GGUF: A itself, not A_log)
+_GGUF_MAMBA = {("ssm_in", "weight"): "in_proj.weight", ("ssm_conv1d", "weight"): "conv1d.weight", ("ssm_conv1d", "bias"): "conv1d.bias",
+               ("ssm_dt", "bias"): "dt_bias", ("ssm_a", None): "A", ("ssm_d", None): "D", ("ssm_norm", "weight"): "norm.weight",
+               ("ssm_out", "weight"): "out_proj.weight"}  # fmt: skip
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(ssm_\w+?)(?:\.(weight|bias))?$")
 
 
 def granite_hybrid_config(raw: dict[str, Any], decoder_config: Callable[[dict[str, Any]], ModelConfig]) -> HybridConfig:
@@ -54,6 +60,53 @@ def granite_hybrid_config(raw: dict[str, Any], decoder_config: Callable[[dict[st
     else:  # Granite-4.0-H-Micro: the shared MLP alone, a dense SwiGLU
         decoder = decoder_config({**raw, "model_type": "granite", "intermediate_size": shared})
     return HybridConfig(decoder, mamba, layer_types, rope=raw.get("position_embedding_type") == "rope")
+
+
+def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str],
+                                    decoder_config: Callable[[dict[str, Any], set[str]], ModelConfig]) -> HybridConfig:  # fmt: skip
+    """llama.cpp's `granitehybrid` keys: the attention layers are those with KV heads (the per-layer
+    attention.head_count_kv, 0 for a Mamba layer); the rest is read as a `granitemoe` file (`granite`
+    without experts) by `decoder_config` (gguf.py's config_from_gguf), the shared MLP
+    expert_shared_feed_forward_length wide; attention turns by RoPE only where
+    rope.scaling.finetuned says so (llama.cpp's converter writes false for Granite 4.0-H)."""
+    arch = "granitehybrid"
+
+    def get(key: str) -> Any:
+        if (value := metadata.get(f"{arch}.{key}")) is None:
+            raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
+        return value
+
+    kv_heads = get("attention.head_count_kv")
+    kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * int(get("block_count"))
+    layer_types = tuple("attention" if int(n) else "mamba" for n in kv_heads)
+    experts = int(metadata.get(f"{arch}.expert_count", 0))
+    shared = int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or get("feed_forward_length"))
+    as_decoder = "granitemoe" if experts else "granite"
+    renamed = {(f"{as_decoder}.{k[len(arch) + 1 :]}" if k.startswith(f"{arch}.") else k): v for k, v in metadata.items()}
+    renamed |= {"general.architecture": as_decoder, f"{as_decoder}.attention.head_count_kv": max(int(n) for n in kv_heads)}
+    if not experts:
+        renamed[f"{as_decoder}.feed_forward_length"] = shared
+    decoder = decoder_config(renamed, tensor_names)
+    if experts:
+        decoder = dataclasses.replace(decoder, shared_expert_intermediate_size=shared, shared_expert_gated=False)
+    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
+    mamba = Mamba2Config(
+        vocab_size=decoder.vocab_size, hidden_size=decoder.hidden_size, num_heads=heads, head_dim=inner // heads,
+        n_groups=int(get("ssm.group_count")), state_size=int(get("ssm.state_size")), conv_kernel=int(get("ssm.conv_kernel")),
+        num_layers=layer_types.count("mamba"), rms_norm_eps=decoder.rms_norm_eps,
+        use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in tensor_names),
+    )  # fmt: skip
+    rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
+    return HybridConfig(decoder, mamba, layer_types, rope=rope)
+
+
+def granite_hybrid_mamba_name(gguf_name: str) -> str | None:
+    """The HF name of a granitehybrid file's Mamba-2 tensor (None: not one)."""
+    if match := _GGUF_LAYER.match(gguf_name):
+        layer, part, suffix = match.groups()
+        if (part, suffix) in _GGUF_MAMBA:
+            return f"model.layers.{layer}.mamba.{_GGUF_MAMBA[part, suffix]}"
+    return None
 
 
 def name_granite_hybrid_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], config: HybridConfig) -> None:
