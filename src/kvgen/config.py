@@ -12,7 +12,7 @@ from typing import Literal
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss", "deepseek_v2", "olmo2", "olmoe")
-STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2")  # MambaConfig, Mamba2Config, below
+STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid")  # MambaConfig, Mamba2Config, HybridConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
