@@ -34,6 +34,10 @@ the rest F32):
   decays and step sizes a trained model has), the rest as above.
 - mamba2: Mamba-2-130M's own shape (llama.cpp's `mamba2`): 24 layers, hidden 768, 24 heads of 64
   channels, state 128, one group, conv 4, a tied head; A_log, D and dt_bias as for mamba.
+- granite-hybrid: a scaled-down Granite-4.0-H-Tiny (llama.cpp's `granitehybrid`): 20 layers, hidden
+  768, Mamba-2 layers (24 heads of 64, state 128, one group) but for attention at layers 5 and 15
+  (12 query / 4 KV heads of 64, no RoPE), in every layer 32 experts of width 256, 6 per token, beside
+  a shared SwiGLU of width 512; Granite's scalars.
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -100,6 +104,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "mamba2": ("Mamba2Config", {
         "num_hidden_layers": 24, "hidden_size": 768, "num_heads": 24, "head_dim": 64, "state_size": 128, "n_groups": 1,
         "expand": 2, "conv_kernel": 4, "tie_word_embeddings": True}),
+    "granite-hybrid": ("GraniteMoeHybridConfig", {
+        "num_hidden_layers": 20, "hidden_size": 768, "intermediate_size": 256, "shared_intermediate_size": 512,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "num_local_experts": 32, "num_experts_per_tok": 6,
+        "layer_types": ["attention" if i in (5, 15) else "mamba" for i in range(20)], "mamba_n_heads": 24, "mamba_d_head": 64,
+        "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "position_embedding_type": "nope",
+        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 6.0, "attention_multiplier": 0.0078125,
+        "tie_word_embeddings": True, "max_position_embeddings": 131072}),
 }  # fmt: skip
 _KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias", "dt_bias")  # Mamba's decays and steps: random ones would blow up its state
 
@@ -113,7 +124,7 @@ def main() -> None:
     import transformers
 
     from tests.support.models import model_path
-    from tests.support.tiny_gguf import write_gguf_from_hf, write_mamba_gguf
+    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_mamba_gguf
 
     class_name, settings = SHAPES[args.family]
     config = getattr(transformers, class_name)(**{**_COMMON, **settings})
@@ -131,6 +142,9 @@ def main() -> None:
     # A tied head is the embedding: Q8_0, as in SmolLM2's file (an F32 one would be most of a step's bytes).
     embedding = gguf.GGMLQuantizationType.Q8_0 if config.tie_word_embeddings else gguf.GGMLQuantizationType.F32
     experts = gguf.GGMLQuantizationType.MXFP4 if args.family == "gpt-oss" else None
+    if args.family == "granite-hybrid":
+        print(write_granite_hybrid_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
+        return
     if args.family in ("mamba", "mamba2"):
         print(write_mamba_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return

@@ -444,11 +444,13 @@ _HYBRID_MAMBA = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d
                  "out_proj.weight": "ssm_out.weight"}  # fmt: skip
 
 
-def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32) -> Path:
+def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
+                              embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
     """A GGUF of transformers' GraniteMoeHybridForCausalLM as llama.cpp's converter writes it
     (`granitehybrid`): granitemoe's keys and tensors for attention and MLPs (q/k rows permuted, the
     shared MLP as ffn_*_shexp beside experts or as ffn_* alone), mamba2's for the Mamba layers, KV
-    heads per layer (0 for a Mamba layer), rope.scaling.finetuned false (NoPE attention)."""
+    heads per layer (0 for a Mamba layer), rope.scaling.finetuned false (NoPE attention); projections
+    in `matmul_type`, the token embedding in `embedding_type`."""
     from kvgen.loading.gguf_file import GGUFFile
 
     c = hf_model.config
@@ -480,8 +482,9 @@ def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
 
     def add(name: str, values: np.ndarray, matmul: bool) -> None:
-        if matmul and matmul_type != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[matmul_type][0] == 0:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
+        kind = embedding_type if name == "token_embd.weight" else matmul_type if matmul else Q.F32
+        if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
 
