@@ -119,7 +119,7 @@ def llama_cpp_runner(path: Path, ids: list[int], threads: int) -> Generate:
 def weight_bytes(llm: LLM) -> int:
     """Bytes a decode step reads: every block matmul weight and the output head, in memory format;
     of a mixture's experts, the share a token runs (experts_per_token of num_experts)."""
-    config = llm.model.config
+    config = getattr(llm.model.config, "decoder", llm.model.config)  # a hybrid's MLPs: its decoder part
     total = 0.0
     for name, module in [*llm.model.layers.named_modules(), ("lm_head", llm.model.lm_head)]:
         share = config.experts_per_token / config.num_experts if ".experts." in f".{name}." else 1.0

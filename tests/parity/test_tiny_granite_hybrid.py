@@ -22,6 +22,7 @@ from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
+from tests.support.recurrent import assert_c_step_follows_torch
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
 from tests.support.tiny_hf import save_tiny_granite_hybrid, tokenizer_folder
 
@@ -125,6 +126,15 @@ def test_quantized_weights_stay_near_fp32(hybrids: dict) -> None:
         expected = llm.model(torch.tensor([prompt]), llm.generator.new_cache(0), logits_to_keep=len(prompt))[0]
     assert (actual - expected).abs().max().item() < 0.1
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_c_decode_step_follows_the_torch_step(name: str, hybrids: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 projections decode layer by layer in C (models/hybrid_decode.py: the Mamba-2 step, the
+    blocks' MLP / mixture, attention through the cache): the torch step over the same linears gives
+    the same logits up to the order of float sums, and the same greedy tokens."""
+    _, llm = hybrids[name]
+    assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 10), random_ids(16, 11), monkeypatch)
 
 
 def test_engine_rows_equal_transformers_and_a_cancel_frees_its_reservation(hybrids: dict) -> None:

@@ -17,19 +17,15 @@ def prefill_and_steps(llm: LLM, prompt: list[int], more: list[int]) -> torch.Ten
 
 
 def assert_c_step_follows_torch(llm: LLM, prompt: list[int], more: list[int], monkeypatch: pytest.MonkeyPatch) -> float:
-    """`llm` (quantized projections) decodes in one C call per token; the torch step over the same
+    """`llm` (quantized projections) decodes in C; its torch step (c_decode off) over the same
     linears must give the same logits up to the order of float sums and the same greedy tokens.
     Returns the largest logit difference."""
-    from kvgen.models import recurrent
-
     params = SamplingParams(max_new_tokens=len(more), ignore_eos=True)
     in_c, c_tokens = prefill_and_steps(llm, prompt, more), llm.generate(prompt, params).token_ids
     assert llm.model._step is not None
-    llm.model._step = None
     with monkeypatch.context() as patch:
-        patch.setattr(recurrent, "runs_in_c", lambda model: False)
+        patch.setattr(llm.model, "c_decode", False)
         in_torch, torch_tokens = prefill_and_steps(llm, prompt, more), llm.generate(prompt, params).token_ids
-        assert llm.model._step is None
     difference = (in_c - in_torch).abs().max().item()
     assert difference < 1e-4
     assert c_tokens == torch_tokens

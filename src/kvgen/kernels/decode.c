@@ -847,6 +847,8 @@ static void experts_team(const block_t* b, const thread_scratch* t) {
     }
 }
 
+static void mlp_team(const block_t* b, const thread_scratch* t, const lora_linear* lora, const int64_t* slot, float* xa);
+
 // Everything after attention (b->attn holds its output): o-proj, residual, MLP, residual, into each
 // thread's h. By every thread of a team; returns after a barrier (b->x, the sublayers' outputs, is
 // read by every thread before the next linear writes it: the barrier that closes gate_up).
@@ -861,7 +863,12 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     linear_team(&b->o, o_in, t->xq, t->sums, b->x);
     lora_team(lora, LORA_O, &b->o, o_in, b->x, 1, slot, xa);
     add_residual_team(b, t, b->x, b->attn_out_norm);
+    mlp_team(b, t, lora, slot, xa);
+}
 
+// The block's MLP sublayer: norm, gated MLP or mixture, residual, into each thread's h (by every
+// thread of a team; returns after a barrier).
+static void mlp_team(const block_t* b, const thread_scratch* t, const lora_linear* lora, const int64_t* slot, float* xa) {
     norm_input(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
     if (b->num_experts > 0) {  // no adapters on experts (the LoRA registry refuses them; attention's apply above)
         experts_team(b, t);
@@ -875,6 +882,17 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     linear_team(&b->down, t->x, t->xq, t->sums, b->x);
     lora_team(lora, LORA_DOWN, &b->down, t->x, b->x, 1, slot, xa);
     add_residual_team(b, t, b->x, b->mlp_out_norm);
+}
+
+// The MLP sublayer alone for one token (a hybrid's Mamba layers: their mixer runs in mamba_step.c):
+// h += residual_scale * mlp(norm(h)), b's attention fields unused.
+void kvgen_block_mlp(const block_t* b, float* h) {
+#pragma omp parallel
+    {
+        const thread_scratch t = thread_scratch_new(b, 1, h);
+        mlp_team(b, &t, NULL, NULL, NULL);
+        free(t.own);
+    }
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.

@@ -191,6 +191,8 @@ typedef struct {
     const float* D;        // [heads]
     const float* gate_w;   // [inner]: the gated norm's weight
     qlinear out_proj;      // [hidden, inner]
+    float residual_scale;  // Granite 4.0-H's residual_multiplier on the mixer's output (0: 1)
+    float pad;
 } mamba2_block_t;
 
 // One channel of a Mamba-2 head: s_new = decay s + drive B, returns C . s_new (8 lanes in hsum8's
@@ -275,8 +277,9 @@ void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, float* 
                 }
             }
             linear_team(&b->out_proj, y, xq, sums, out);
+            const float scale = b->residual_scale != 0.0f ? b->residual_scale : 1.0f;
 #pragma omp single
-            for (int64_t i = 0; i < b->hidden; i++) h[i] += out[i];
+            for (int64_t i = 0; i < b->hidden; i++) h[i] += out[i] * scale;
         }
         free(xq);
     }

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+from typing import Callable
 
 import torch
 from torch import nn
 
+from kvgen.config import ModelConfig
 from kvgen.kernels import load
 from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
@@ -138,6 +140,61 @@ def _norm_ptr(norm: RMSNorm | None) -> int | None:
     return norm.weight.data_ptr() if norm is not None else None
 
 
+def describe_block(config: ModelConfig, block: nn.Module, scratch: Callable[[int], int], keep: list[ctypes.Array]) -> BlockStruct:
+    """A block as decode.c's block_t: `scratch(n)` gives n zeroed floats the struct may point into,
+    `keep` holds the arrays of expert linears it points into. A block without attention (`attn`
+    None: a hybrid's Mamba layer, whose MLP alone runs as kvgen_block_mlp) leaves those fields empty."""
+    attn, mlp = block.attn, block.mlp
+    gemma = hasattr(block, "pre_mlp_norm")
+    qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    experts = mlp.experts if isinstance(mlp, SparseMoE) else []
+    intermediate = experts[0].intermediate if experts else mlp.intermediate
+    shared = mlp.shared_expert if experts else None
+    struct = BlockStruct(
+        config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
+        config.rms_norm_eps, attn.scale if attn is not None else 0.0, config.attn_logit_softcapping or 0.0, _ACTIVATIONS[config.hidden_act],
+        config.rotary_dim or config.head_dim, 0,
+        _norm_ptr(block.input_norm),
+        _norm_ptr(block.post_attn_norm) if gemma else None,
+        _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),
+        _norm_ptr(block.post_mlp_norm) if gemma else None,
+        _norm_ptr(getattr(attn, "q_norm", None)), _norm_ptr(getattr(attn, "k_norm", None)),
+        qlinear_struct(attn.qkv) if attn is not None else _QLinear(), qlinear_struct(attn.o_proj) if attn is not None else _QLinear(),
+        _QLinear() if experts else qlinear_struct(mlp.gate_up), _QLinear() if experts else qlinear_struct(mlp.down),
+        scratch(config.hidden_size), scratch(qkv_width), scratch(config.num_heads * config.head_dim),
+        scratch(2 * max(intermediate, shared.intermediate if shared is not None else 0)),
+    )  # fmt: skip
+    struct.sinks = attn.sinks.data_ptr() if attn is not None and attn.sinks is not None else None
+    if isinstance(attn, LatentAttention):
+        struct.mla_rank, struct.mla_nope, struct.mla_rope, struct.mla_v = attn.rank, attn.nope_dim, attn.rope_dim, attn.v_dim
+        struct.mla_kv_norm, struct.w_uk, struct.w_uv = _norm_ptr(attn.kv_norm), attn.w_uk.data_ptr(), attn.w_uv.data_ptr()
+        struct.mla_raw, struct.mla_out = scratch(attn.qkv.out_features), scratch(attn.num_heads * attn.v_dim)
+        if attn.uk_heads is not None:
+            uk = (_QLinear * attn.num_heads)(*(qlinear_struct(m) for m in attn.uk_heads))
+            uv = (_QLinear * attn.num_heads)(*(qlinear_struct(m) for m in attn.uv_heads))
+            keep += [uk, uv]  # the block struct points into them
+            struct.mla_uk, struct.mla_uv = ctypes.addressof(uk), ctypes.addressof(uv)
+    struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
+    struct.residual_scale = config.residual_multiplier if config.residual_multiplier != 1.0 else 0.0
+    struct.qk_norm_full = int(getattr(attn, "qk_norm_full", False))
+    if experts:
+        struct.router_bias = mlp.router_bias.data_ptr() if mlp.router_bias is not None else None
+        gate_ups = (_QLinear * len(experts))(*(qlinear_struct(e.gate_up) for e in experts))
+        downs = (_QLinear * len(experts))(*(qlinear_struct(e.down) for e in experts))
+        keep += [gate_ups, downs]  # the block struct points into them
+        struct.num_experts, struct.top_k, struct.normalize = len(experts), mlp.top_k, int(mlp.normalize)
+        struct.routed_scale = mlp.scaling
+        struct.expert_sigmoid, struct.expert_groups, struct.expert_groups_used = int(mlp.sigmoid), mlp.groups, mlp.groups_used
+        struct.choice_bias = mlp.choice_bias.data_ptr() if mlp.choice_bias is not None else None
+        struct.router, struct.router_out = mlp.router.data_ptr(), scratch(len(experts))
+        struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
+    if shared is not None:
+        struct.shared_intermediate = shared.intermediate
+        struct.shared_gate = mlp.shared_gate.data_ptr() if mlp.shared_gate is not None else None
+        struct.shared_gate_up, struct.shared_down = qlinear_struct(shared.gate_up), qlinear_struct(shared.down)
+    return struct
+
+
 class FastDecoder:
     def __init__(self, model: nn.Module):
         self.model = model
@@ -193,55 +250,7 @@ class FastDecoder:
         return buffer.data_ptr()
 
     def _describe(self, block: nn.Module) -> BlockStruct:
-        config, attn, mlp = self.model.config, block.attn, block.mlp
-        gemma = hasattr(block, "pre_mlp_norm")
-        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        experts = mlp.experts if isinstance(mlp, SparseMoE) else []
-        intermediate = experts[0].intermediate if experts else mlp.intermediate
-        shared = mlp.shared_expert if experts else None
-        struct = BlockStruct(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
-            config.rms_norm_eps, attn.scale, config.attn_logit_softcapping or 0.0, _ACTIVATIONS[config.hidden_act],
-            config.rotary_dim or config.head_dim, 0,
-            _norm_ptr(block.input_norm),
-            _norm_ptr(block.post_attn_norm) if gemma else None,
-            _norm_ptr(block.pre_mlp_norm) if gemma else _norm_ptr(block.post_attn_norm),
-            _norm_ptr(block.post_mlp_norm) if gemma else None,
-            _norm_ptr(getattr(attn, "q_norm", None)), _norm_ptr(getattr(attn, "k_norm", None)),
-            qlinear_struct(attn.qkv), qlinear_struct(attn.o_proj),
-            _QLinear() if experts else qlinear_struct(mlp.gate_up), _QLinear() if experts else qlinear_struct(mlp.down),
-            self._scratch(config.hidden_size), self._scratch(qkv_width), self._scratch(config.num_heads * config.head_dim),
-            self._scratch(2 * max(intermediate, shared.intermediate if shared is not None else 0)),
-        )  # fmt: skip
-        struct.sinks = attn.sinks.data_ptr() if attn.sinks is not None else None
-        if isinstance(attn, LatentAttention):
-            struct.mla_rank, struct.mla_nope, struct.mla_rope, struct.mla_v = attn.rank, attn.nope_dim, attn.rope_dim, attn.v_dim
-            struct.mla_kv_norm, struct.w_uk, struct.w_uv = _norm_ptr(attn.kv_norm), attn.w_uk.data_ptr(), attn.w_uv.data_ptr()
-            struct.mla_raw, struct.mla_out = self._scratch(attn.qkv.out_features), self._scratch(attn.num_heads * attn.v_dim)
-            if attn.uk_heads is not None:
-                uk = (_QLinear * attn.num_heads)(*(qlinear_struct(m) for m in attn.uk_heads))
-                uv = (_QLinear * attn.num_heads)(*(qlinear_struct(m) for m in attn.uv_heads))
-                self._structs += [uk, uv]  # the block struct points into them
-                struct.mla_uk, struct.mla_uv = ctypes.addressof(uk), ctypes.addressof(uv)
-        struct.swiglu_alpha, struct.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
-        struct.residual_scale = config.residual_multiplier if config.residual_multiplier != 1.0 else 0.0
-        struct.qk_norm_full = int(getattr(attn, "qk_norm_full", False))
-        if experts:
-            struct.router_bias = mlp.router_bias.data_ptr() if mlp.router_bias is not None else None
-            gate_ups = (_QLinear * len(experts))(*(qlinear_struct(e.gate_up) for e in experts))
-            downs = (_QLinear * len(experts))(*(qlinear_struct(e.down) for e in experts))
-            self._structs += [gate_ups, downs]  # the block struct points into them
-            struct.num_experts, struct.top_k, struct.normalize = len(experts), mlp.top_k, int(mlp.normalize)
-            struct.routed_scale = mlp.scaling
-            struct.expert_sigmoid, struct.expert_groups, struct.expert_groups_used = int(mlp.sigmoid), mlp.groups, mlp.groups_used
-            struct.choice_bias = mlp.choice_bias.data_ptr() if mlp.choice_bias is not None else None
-            struct.router, struct.router_out = mlp.router.data_ptr(), self._scratch(len(experts))
-            struct.expert_gate_up, struct.expert_down = ctypes.addressof(gate_ups), ctypes.addressof(downs)
-        if shared is not None:
-            struct.shared_intermediate = shared.intermediate
-            struct.shared_gate = mlp.shared_gate.data_ptr() if mlp.shared_gate is not None else None
-            struct.shared_gate_up, struct.shared_down = qlinear_struct(shared.gate_up), qlinear_struct(shared.down)
-        return struct
+        return describe_block(self.model.config, block, self._scratch, self._structs)
 
     def lora(self, slots: list[int]) -> ctypes.Array | None:
         """The C description of the model's LoRA stacks when some row has an adapter (slots[r] >= 0),

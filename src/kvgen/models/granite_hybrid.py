@@ -24,6 +24,7 @@ from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import CacheSpec
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
+from kvgen.models.hybrid_decode import HybridStep, hybrid_runs_in_c
 from kvgen.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
 from kvgen.models.mamba2 import Mamba2Mixer
 from kvgen.models.moe import SparseMoE
@@ -37,7 +38,7 @@ class HybridBlock(nn.Module):
         super().__init__()
         prefix, decoder = f"model.layers.{layer}", config.decoder
         self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), decoder.rms_norm_eps)
-        self.post_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), decoder.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), decoder.rms_norm_eps)
         self.mixer: Mamba2Mixer | None = None
         self.attn: Attention | None = None
         if config.layer_types[layer] == "mamba":
@@ -81,10 +82,20 @@ class GraniteHybridModel(RecurrentLM):
             raise ValueError("a granitemoehybrid model keeps its state in a HybridStateCache (model.new_state_cache())")
         return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
 
+    def _runs_in_c(self) -> bool:
+        return hybrid_runs_in_c(self)
+
+    def _build_step(self) -> HybridStep:
+        return HybridStep(self)
+
     def _forward_row(self, ids: list[int], cache: HybridStateCache, num_logits: int) -> torch.Tensor:
         """One sequence's tokens after cache.seq_len -> the logits of its last num_logits [num_logits, V]."""
         start, seq = cache.seq_len, len(ids)
         d = self.config.decoder
+        if seq == 1 and (step := self._c_step()) is not None:  # a decode: every layer in C (models/hybrid_decode.py)
+            h = (self.embed_tokens[ids[0]].float() * d.embedding_multiplier).contiguous()
+            step.step(h, cache)
+            return self.lm_head(self.norm(h[None])) / d.logits_scaling
         capture = [capture_points(cache, seq)]
         h = F.embedding(torch.tensor([ids]), self.embed_tokens) * d.embedding_multiplier  # [1, S, H]
         rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
@@ -98,7 +109,7 @@ class GraniteHybridModel(RecurrentLM):
             else:
                 out = block.attn(x, rope, cache.kv, mask)
             h = h + out * block.residual_multiplier
-            h = h + block.mlp(block.post_norm(h)) * block.residual_multiplier
+            h = h + block.mlp(block.post_attn_norm(h)) * block.residual_multiplier
         snapshots = {point + 1: [layer[k] for layer in captured] for k, point in enumerate(capture[0])}
         for slot, (conv, recurrent) in enumerate(snapshots.pop(seq)):
             cache.write(slot, conv, recurrent)

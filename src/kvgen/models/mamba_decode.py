@@ -36,7 +36,8 @@ class _Mamba2Block(ctypes.Structure):
     _fields_ = [
         ("hidden", _i64), ("heads", _i64), ("head_dim", _i64), ("groups", _i64), ("state", _i64), ("kernel", _i64),
         ("eps", _f32), ("gate_eps", _f32), ("norm", _ptr), ("in_proj", _QLinear), ("conv_w", _ptr), ("conv_b", _ptr),
-        ("dt_bias", _ptr), ("A", _ptr), ("D", _ptr), ("gate_w", _ptr), ("out_proj", _QLinear),
+        ("dt_bias", _ptr), ("A", _ptr), ("D", _ptr), ("gate_w", _ptr), ("out_proj", _QLinear), ("residual_scale", _f32),
+        ("pad", _f32),
     ]  # fmt: skip
 
 
@@ -48,18 +49,11 @@ def runs_in_c(model: nn.Module) -> bool:
     return quantized and load() is not None
 
 
-class StateStep:
-    """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
+class MixerStructs:
+    """Builds kernels/mamba_step.c's block structs, keeping alive the tensors they point into."""
 
-    def __init__(self, model: nn.Module):
-        self.library = load()
-        self._keep: list[torch.Tensor] = []  # tensors the structs point into
-        mamba2 = model.config.architecture == "mamba2"
-        describe, struct = (self._describe2, _Mamba2Block) if mamba2 else (self._describe, _MambaBlock)
-        blocks = [describe(block, model.config) for block in model.layers]
-        self._blocks = (struct * len(blocks))(*blocks)
-        self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
-        self.num_layers = len(blocks)
+    def __init__(self) -> None:
+        self._keep: list[torch.Tensor] = []
 
     def _pointer(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -80,15 +74,32 @@ class StateStep:
             self._pointer(mixer.A), self._pointer(mixer.D), qlinear_struct(mixer.out_proj), int(dt_quantized), 0,
         )  # fmt: skip
 
-    def _describe2(self, block: nn.Module, config) -> _Mamba2Block:
-        mixer = block.mixer
+    def _describe2(self, block: nn.Module, config, norm: nn.Module | None = None, residual_scale: float = 1.0) -> _Mamba2Block:
+        """norm: the norm before the mixer (a Mamba-2 block's own `norm` when None); residual_scale:
+        on the mixer's output before its residual add (Granite 4.0-H's)."""
+        mixer, norm = block.mixer, norm or block.norm
         return _Mamba2Block(
             config.hidden_size, mixer.heads, mixer.head_dim, mixer.groups, mixer.state_size, mixer.conv_weight.shape[-1],
-            block.norm.eps, mixer.eps, self._pointer(block.norm.weight), qlinear_struct(mixer.in_proj),
+            norm.eps, mixer.eps, self._pointer(norm.weight), qlinear_struct(mixer.in_proj),
             self._pointer(mixer.conv_weight.reshape(mixer.conv_weight.shape[0], -1)), self._pointer(mixer.conv_bias),
             self._pointer(mixer.dt_bias), self._pointer(mixer.A), self._pointer(mixer.D), self._pointer(mixer.norm_weight),
-            qlinear_struct(mixer.out_proj),
+            qlinear_struct(mixer.out_proj), residual_scale if residual_scale != 1.0 else 0.0, 0.0,
         )  # fmt: skip
+
+
+
+class StateStep(MixerStructs):
+    """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.library = load()
+        mamba2 = model.config.architecture == "mamba2"
+        describe, struct = (self._describe2, _Mamba2Block) if mamba2 else (self._describe, _MambaBlock)
+        blocks = [describe(block, model.config) for block in model.layers]
+        self._blocks = (struct * len(blocks))(*blocks)
+        self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
+        self.num_layers = len(blocks)
 
     def __call__(self, h: torch.Tensor, conv: list[torch.Tensor], ssm: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """h [hidden] (updated in place), each layer's conv and recurrent states (any leading batch

@@ -51,6 +51,7 @@ class RecurrentLM(nn.Module):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
 
     use_fast_decode = False  # the attention blocks' C path; one token per row runs _decode_in_c instead
+    c_decode = True  # False: one token per row runs the torch step too (the reference the C step is tested against)
     embed_tokens: nn.Parameter
     layers: nn.ModuleList
     norm: nn.Module
@@ -60,7 +61,7 @@ class RecurrentLM(nn.Module):
         super().__init__()
         self.config = config
         self._forward_lock = threading.Lock()
-        self._step: StateStep | None = None
+        self._step: Any = None  # the C decode step (_c_step)
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         raise NotImplementedError
@@ -139,12 +140,20 @@ class RecurrentLM(nn.Module):
         columns = [lengths[r] - k + j for r, k in enumerate(num_logits) for j in range(k)]
         return self.lm_head(self.norm(h[torch.tensor(rows), torch.tensor(columns)]))  # [sum, V]
 
-    def _c_step(self) -> StateStep | None:
-        """The one-call C decode step (models/mamba_decode.py), built on first use where the
-        projections are quantized."""
-        if self._step is None and runs_in_c(self):
-            self._step = StateStep(self)
+    def _c_step(self) -> Any:
+        """The one-call C decode step, built on first use where the projections are quantized
+        (None: the torch step; always where `c_decode` is False, which compares the two)."""
+        if not self.c_decode:
+            return None
+        if self._step is None and self._runs_in_c():
+            self._step = self._build_step()
         return self._step
+
+    def _runs_in_c(self) -> bool:
+        return runs_in_c(self)
+
+    def _build_step(self) -> Any:
+        return StateStep(self)
 
     def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
         """One token per row, each row's blocks in one C call; the states committed as the torch

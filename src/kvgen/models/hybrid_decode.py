@@ -1,0 +1,86 @@
+"""Granite 4.0-H's decode step in C, layer by layer, where its projections are quantized.
+
+A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step over that one layer (the
+residual multiplier on its output), then its MLP or mixture as decode.c's kvgen_block_mlp; an
+attention layer as decode.c's kvgen_block_pre (QKV; without RoPE cos 1, sin 0), the cache's update of
+its keys, and kvgen_block_post (attention, o-proj, MLP or mixture). These are the kernels the
+transformer families' C steps and the Mamba-2 step use, over the same blocks; the torch path
+remains the reference (tests/parity/test_tiny_granite_hybrid.py compares the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from kvgen.kernels import load
+from kvgen.kv.hybrid import HybridStateCache
+from kvgen.models.fast_decode import BlockStruct, describe_block
+from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
+from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.moe import SparseMoE
+
+_ptr = ctypes.c_void_p
+
+
+def hybrid_runs_in_c(model: nn.Module) -> bool:
+    """Whether every projection the C kernels read is quantized, and the kernels are built."""
+    for block in model.layers:
+        mlp = block.mlp
+        gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
+        linears = [*(m.gate_up for m in gated), *(m.down for m in gated)]
+        linears += [block.mixer.in_proj, block.mixer.out_proj] if block.mixer is not None else [block.attn.qkv, block.attn.o_proj]
+        if not all(isinstance(linear, QuantizedLinear) for linear in linears):
+            return False
+    return load() is not None
+
+
+class HybridStep(MixerStructs):
+    """The C step over a GraniteHybridModel's layers (which must pass `hybrid_runs_in_c`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.library, self._arrays = load(), []  # _arrays: expert linears the block structs point into
+        decoder = model.config.decoder
+        self.layers: list[tuple[ctypes.Array | None, BlockStruct, int]] = []  # mixer struct (Mamba layers), block struct, slot
+        for block in model.layers:
+            struct = describe_block(decoder, block, self._scratch, self._arrays)
+            mixer = None
+            if block.mixer is not None:
+                mixer = (_Mamba2Block * 1)(self._describe2(block, decoder, block.input_norm, decoder.residual_multiplier))
+            self.layers.append((mixer, struct, block.slot))
+        d = decoder
+        self.k_new, self.v_new = torch.empty(1, d.num_kv_heads, 1, d.head_dim), torch.empty(1, d.num_kv_heads, 1, d.head_dim)
+        self.cos, self.sin = torch.ones(d.head_dim), torch.zeros(d.head_dim)  # no RoPE (Granite 4.0-H): the identity turn
+        self.rope = model.rope if model.config.rope else None
+
+    def _scratch(self, size: int) -> int:
+        buffer = torch.zeros(size)
+        self._keep.append(buffer)
+        return buffer.data_ptr()
+
+    def step(self, h: torch.Tensor, cache: HybridStateCache) -> None:
+        """h [hidden] (updated in place) through every layer at position cache.seq_len; the states
+        and keys written, then committed (one position)."""
+        lib, h_ptr = self.library, h.data_ptr()
+        assert h.dtype == torch.float32 and h.is_contiguous()
+        cos, sin = self.cos, self.sin
+        if self.rope is not None:
+            cos, sin = (t.reshape(-1).contiguous() for t in self.rope(torch.tensor([[cache.seq_len]]), torch.float32))
+        for mixer, struct, slot in self.layers:
+            if mixer is not None:
+                conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
+                conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
+                lib.kvgen_mamba2_step(ctypes.addressof(mixer), 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()),
+                                      (_ptr * 1)(ssm_in.data_ptr()), (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
+                lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
+                cache.write(slot, conv_out, ssm_out, owned=True)
+                continue
+            lib.kvgen_block_pre(ctypes.byref(struct), h_ptr, cos.data_ptr(), sin.data_ptr(), self.k_new.data_ptr(),
+                                self.v_new.data_ptr(), None, -1)  # fmt: skip
+            keys, values = cache.kv.update(slot, self.k_new, self.v_new)  # [1, H_kv, L, D] views
+            lib.kvgen_block_post(ctypes.byref(struct), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
+                                 values.stride(1), values.stride(2), 0, keys.shape[2], None, -1)  # fmt: skip
+        cache.commit(1, {})
