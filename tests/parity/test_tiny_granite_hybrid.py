@@ -22,7 +22,7 @@ from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import assert_c_step_follows_torch
+from tests.support.recurrent import assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
 from tests.support.tiny_hf import save_tiny_granite_hybrid, tokenizer_folder
 
@@ -100,21 +100,10 @@ def test_greedy_tokens_match_transformers_generate(hybrids: dict) -> None:
 
 
 def test_session_resumes_both_kinds_of_layer_from_a_checkpoint(hybrids: dict) -> None:
-    """A next prompt sharing 150 tokens resumes at the checkpoint at 128: the Mamba layers from its
-    state, the attention layers from their keys cut back to 128; the tokens equal a fresh run's."""
+    """The Mamba layers resume from the checkpoint's state, the attention layers from their keys cut
+    back to the same length."""
     _, llm = hybrids["experts-nope"]
-    shared = random_ids(150, 3)
-    first, second = shared + random_ids(20, 4), shared + random_ids(30, 5)
-    session = llm.session()
-    for _ in session.stream(first, GREEDY):
-        pass
-    stream = session.stream(second, GREEDY)
-    for _ in stream:
-        pass
-    assert stream.result.usage.cached_tokens == 128
-    assert stream.result.token_ids == llm.generate(second, GREEDY).token_ids
-    session.cache.check_invariants()
-    session.close()
+    assert_session_resumes_from_a_checkpoint(llm, GREEDY, random_ids(150, 3), random_ids(20, 4), random_ids(30, 5))
 
 
 def test_quantized_weights_stay_near_fp32(hybrids: dict) -> None:

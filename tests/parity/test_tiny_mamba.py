@@ -19,7 +19,7 @@ from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.models.mamba import SCAN_CHUNK
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import assert_c_step_follows_torch, prefill_and_steps
+from tests.support.recurrent import assert_batched_rows_equal_each_row_alone, assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint, prefill_and_steps
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
 
@@ -64,18 +64,7 @@ def test_greedy_tokens_match_on_four_prompts(mamba: tuple[Any, LLM]) -> None:
 def test_session_resumes_from_a_checkpoint_of_the_shared_prefix(mamba: tuple[Any, LLM]) -> None:
     _, llm = mamba
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    shared = random_ids(150, 3)  # checkpoints every 64 tokens: 64 and 128 lie inside the prefix
-    first, second = shared + random_ids(20, 4), shared + random_ids(30, 5)
-    session = llm.session()
-    for _ in session.stream(first, params):
-        pass
-    assert session.cache.checkpoints[:3] == [0, 64, 128]
-    stream = session.stream(second, params)
-    for _ in stream:
-        pass
-    assert stream.result.usage.cached_tokens == 128  # resumed at the latest checkpoint within the 150 shared
-    assert stream.result.token_ids == llm.generate(second, params).token_ids  # == from scratch
-    session.close()
+    assert_session_resumes_from_a_checkpoint(llm, params, random_ids(150, 3), random_ids(20, 4), random_ids(30, 5))
 
 
 def test_state_memory_is_constant_in_sequence_length(mamba: tuple[Any, LLM]) -> None:
@@ -93,24 +82,10 @@ def test_state_memory_is_constant_in_sequence_length(mamba: tuple[Any, LLM]) -> 
 
 
 def test_batched_rows_equal_each_row_alone(mamba: tuple[Any, LLM]) -> None:
-    _, llm = mamba
-    model = llm.model
+    """Ragged rows with histories of different lengths (one empty) in one pass, each capturing its
+    own checkpoints: the same logits, states and checkpoints as each row run alone."""
     histories, news = [random_ids(70, 8), [], random_ids(5, 9)], [random_ids(12, 10), random_ids(3, 11), [42]]
-    with torch.inference_mode():
-        alone, batched = [], [model.new_state_cache(checkpoint_every=8) for _ in histories]
-        for history, cache in zip(histories, batched):
-            if history:
-                model(torch.tensor([history]), cache)
-        singles = [cache.fork() for cache in batched]
-        for new, cache in zip(news, singles):
-            alone.append(model(torch.tensor([new]), cache)[0, -1])
-        together = model.forward_batch(news, batched)  # [3, V]
-    assert (together - torch.stack(alone)).abs().max().item() < 1e-5
-    for b, s in zip(batched, singles):
-        assert b.seq_len == s.seq_len and b.checkpoints == s.checkpoints
-        for layer in range(model.config.num_layers):
-            assert torch.allclose(b.recurrent_state(layer), s.recurrent_state(layer), atol=1e-6)
-            assert torch.allclose(b.conv_state(layer), s.conv_state(layer), atol=1e-6)  # batched GEMMs round differently
+    assert_batched_rows_equal_each_row_alone(mamba[1], histories, news, state_tolerance=1e-6)
 
 
 def test_paths_mamba_does_not_run_refuse_clearly(mamba: tuple[Any, LLM]) -> None:

@@ -30,3 +30,42 @@ def assert_c_step_follows_torch(llm: LLM, prompt: list[int], more: list[int], mo
     assert difference < 1e-4
     assert c_tokens == torch_tokens
     return difference
+
+
+def assert_session_resumes_from_a_checkpoint(llm: LLM, params: SamplingParams, shared: list[int], first_more: list[int],
+                                             second_more: list[int]) -> None:  # fmt: skip
+    """A session's next prompt sharing `shared` (150 tokens) with its first resumes at the checkpoint
+    at 128 (they come every 64) and generates what a fresh run does."""
+    first, second = shared + first_more, shared + second_more
+    session = llm.session()
+    for _ in session.stream(first, params):
+        pass
+    assert session.cache.checkpoints[:3] == [0, 64, 128]
+    stream = session.stream(second, params)
+    for _ in stream:
+        pass
+    assert stream.result.usage.cached_tokens == 128  # the latest checkpoint within the shared tokens
+    assert stream.result.token_ids == llm.generate(second, params).token_ids  # == from scratch
+    session.cache.check_invariants()
+    session.close()
+
+
+def assert_batched_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]], news: list[list[int]], state_tolerance: float) -> None:
+    """Ragged rows with histories of different lengths in one pass (forward_batch), each capturing its
+    own checkpoints (every 8 tokens): the same logits, states and checkpoints as each row run alone."""
+    model = llm.model
+    with torch.inference_mode():
+        alone, batched = [], [model.new_state_cache(checkpoint_every=8) for _ in histories]
+        for history, cache in zip(histories, batched):
+            if history:
+                model(torch.tensor([history]), cache)
+        singles = [cache.fork() for cache in batched]
+        for new, cache in zip(news, singles):
+            alone.append(model(torch.tensor([new]), cache)[0, -1])
+        together = model.forward_batch(news, batched)  # [rows, V]
+    assert (together - torch.stack(alone)).abs().max().item() < 1e-5
+    for b, s in zip(batched, singles):
+        assert b.seq_len == s.seq_len and b.checkpoints == s.checkpoints
+        for layer in range(b.spec.num_layers):
+            assert torch.allclose(b.recurrent_state(layer), s.recurrent_state(layer), atol=state_tolerance)
+            assert torch.allclose(b.conv_state(layer), s.conv_state(layer), atol=1e-6)  # batched GEMMs round differently

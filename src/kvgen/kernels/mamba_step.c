@@ -33,18 +33,19 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }  // torch's threshold
 
 // One channel's state update over the state's n values and its output C . s_new:
-// s_new = e^(step a) s + (step u) B, exp as exp8 / exp_lane (the same bits in every build); the
-// dot in 8 lanes summed in hsum8's order where n is a multiple of 8.
-static float scan_channel(const float* a, float step, float u, const float* B, const float* C, const float* s0,
-                          float* s1, int64_t n) {
+// s_new = d s + (step u) B, where d = e^(step a[j]) (Mamba: a decay per state value, exp as exp8 /
+// exp_lane, the same bits in every build) or, with a NULL, `decay` (Mamba-2: one per head); the dot
+// in 8 lanes summed in hsum8's order where n is a multiple of 8.
+static float scan_channel(const float* a, float step, float decay, float u, const float* B, const float* C,
+                          const float* s0, float* s1, int64_t n) {
     const float drive = step * u;
     if (n % 8 == 0) {
 #ifdef __AVX2__
         __m256 sum = _mm256_setzero_ps();
-        const __m256 st = _mm256_set1_ps(step), dr = _mm256_set1_ps(drive);
+        const __m256 st = _mm256_set1_ps(step), dr = _mm256_set1_ps(drive), same = _mm256_set1_ps(decay);
         for (int64_t j = 0; j < n; j += 8) {
-            const __m256 decay = exp8(_mm256_mul_ps(_mm256_loadu_ps(a + j), st));
-            const __m256 s = _mm256_fmadd_ps(decay, _mm256_loadu_ps(s0 + j), _mm256_mul_ps(dr, _mm256_loadu_ps(B + j)));
+            const __m256 d = a ? exp8(_mm256_mul_ps(_mm256_loadu_ps(a + j), st)) : same;
+            const __m256 s = _mm256_fmadd_ps(d, _mm256_loadu_ps(s0 + j), _mm256_mul_ps(dr, _mm256_loadu_ps(B + j)));
             _mm256_storeu_ps(s1 + j, s);
             sum = _mm256_fmadd_ps(s, _mm256_loadu_ps(C + j), sum);
         }
@@ -52,7 +53,7 @@ static float scan_channel(const float* a, float step, float u, const float* B, c
 #else
         float lanes[8] = {0.0f};
         for (int64_t j = 0; j < n; j++) {
-            s1[j] = fmaf(exp_lane(a[j] * step), s0[j], drive * B[j]);
+            s1[j] = fmaf(a ? exp_lane(a[j] * step) : decay, s0[j], drive * B[j]);
             lanes[j % 8] = fmaf(s1[j], C[j], lanes[j % 8]);
         }
         return sum_lanes(lanes);
@@ -60,7 +61,7 @@ static float scan_channel(const float* a, float step, float u, const float* B, c
     }
     float acc = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        s1[j] = fmaf(exp_lane(a[j] * step), s0[j], drive * B[j]);
+        s1[j] = fmaf(a ? exp_lane(a[j] * step) : decay, s0[j], drive * B[j]);
         acc += s1[j] * C[j];
     }
     return acc;
@@ -82,7 +83,7 @@ void kvgen_selective_scan(const float* u, const float* dt, const float* z, const
             memcpy(s0, state + i * n, (size_t)n * sizeof(float));
             for (int64_t t = 0, c = 0; t < t_len; t++) {
                 const int64_t at = t * inner + i;
-                const float acc = scan_channel(A + i * n, dt[at], u[at], B + t * n, C + t * n, s0, s1, n);
+                const float acc = scan_channel(A + i * n, dt[at], 0.0f, u[at], B + t * n, C + t * n, s0, s1, n);
                 y[at] = (acc + u[at] * D[i]) * silu(z[at]);
                 float* swap = s0;
                 s0 = s1;
@@ -162,7 +163,8 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, float* h,
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n_inner; i++) {
                 const float step = softplus(dt[i] + b->dt_b[i]);
-                const float acc = scan_channel(b->A + i * n_state, step, u[i], B, C, s_in + i * n_state, s_out + i * n_state, n_state);
+                const float acc = scan_channel(b->A + i * n_state, step, 0.0f, u[i], B, C, s_in + i * n_state, s_out + i * n_state,
+                                               n_state);
                 y[i] = (acc + u[i] * b->D[i]) * silu(uz[n_inner + i]);
             }
             linear_team(&b->out_proj, y, xq, sums, out);
@@ -194,36 +196,6 @@ typedef struct {
     float residual_scale;  // Granite 4.0-H's residual_multiplier on the mixer's output (0: 1)
     float pad;
 } mamba2_block_t;
-
-// One channel of a Mamba-2 head: s_new = decay s + drive B, returns C . s_new (8 lanes in hsum8's
-// order where n is a multiple of 8, as scan_channel).
-static float scan_channel2(float decay, float drive, const float* B, const float* C, const float* s0, float* s1, int64_t n) {
-    if (n % 8 == 0) {
-#ifdef __AVX2__
-        __m256 sum = _mm256_setzero_ps();
-        const __m256 de = _mm256_set1_ps(decay), dr = _mm256_set1_ps(drive);
-        for (int64_t j = 0; j < n; j += 8) {
-            const __m256 s = _mm256_fmadd_ps(de, _mm256_loadu_ps(s0 + j), _mm256_mul_ps(dr, _mm256_loadu_ps(B + j)));
-            _mm256_storeu_ps(s1 + j, s);
-            sum = _mm256_fmadd_ps(s, _mm256_loadu_ps(C + j), sum);
-        }
-        return hsum8(sum);
-#else
-        float lanes[8] = {0.0f};
-        for (int64_t j = 0; j < n; j++) {
-            s1[j] = fmaf(decay, s0[j], drive * B[j]);
-            lanes[j % 8] = fmaf(s1[j], C[j], lanes[j % 8]);
-        }
-        return sum_lanes(lanes);
-#endif
-    }
-    float acc = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        s1[j] = fmaf(decay, s0[j], drive * B[j]);
-        acc += s1[j] * C[j];
-    }
-    return acc;
-}
 
 // As kvgen_mamba_step: conv states per layer [conv_dim, kernel], recurrent [heads, head_dim, state].
 void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, float* h, const float* const* conv_in,
@@ -263,8 +235,8 @@ void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, float* 
                 const int64_t head = c / b->head_dim, g = head / per_group;
                 const float dt = softplus(proj[inner + conv_dim + head] + b->dt_bias[head]);
                 const float* B = xbc + inner + g * b->state;
-                const float acc = scan_channel2(exp_lane(dt * b->A[head]), dt * xbc[c], B, B + grouped, s_in + c * b->state,
-                                                s_out + c * b->state, b->state);
+                const float acc = scan_channel(NULL, dt, exp_lane(dt * b->A[head]), xbc[c], B, B + grouped, s_in + c * b->state,
+                                               s_out + c * b->state, b->state);
                 y[c] = (acc + xbc[c] * b->D[head]) * silu(proj[c]);  // gated: y SiLU(z)
             }
 #pragma omp single

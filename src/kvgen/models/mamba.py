@@ -20,7 +20,6 @@ from torch import nn
 from kvgen.config import MambaConfig
 from kvgen.kernels import load
 from kvgen.kv.ssm import SSMSpec
-from kvgen.models.layers import RMSNorm
 from kvgen.models.recurrent import RecurrentLM, causal_conv, conv_state_after
 from kvgen.models.weights import WeightSource, frozen, linear
 
@@ -114,24 +113,12 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class MambaBlock(nn.Module):
-    def __init__(self, config: MambaConfig, layer: int, weights: WeightSource):
-        super().__init__()
-        prefix = f"backbone.layers.{layer}"
-        self.norm = RMSNorm(weights.take_tensor(f"{prefix}.norm.weight"), config.rms_norm_eps)
-        self.mixer = MambaMixer(config, weights, f"{prefix}.mixer")
-
-
 class MambaModel(RecurrentLM):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache (models/recurrent.py)."""
 
     def __init__(self, config: MambaConfig, weights: WeightSource):
         super().__init__(config)
-        self.embed_tokens = frozen(weights.take_tensor("backbone.embeddings.weight"))  # [V, H]
-        self.layers = nn.ModuleList([MambaBlock(config, i, weights) for i in range(config.num_layers)])
-        self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
-        head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
-        self.lm_head = linear(head)
+        self._load_backbone(weights, MambaMixer)
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         c = self.config

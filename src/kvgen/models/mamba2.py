@@ -18,7 +18,6 @@ from kvgen.config import Mamba2Config
 from kvgen.errors import UnsupportedModelError
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.kv.ssm import SSMSpec
-from kvgen.models.layers import RMSNorm
 from kvgen.models.recurrent import Captured, RecurrentLM, causal_conv, conv_state_after
 from kvgen.models.ssd import gated_rms_norm, segment_ends, ssd_scan
 from kvgen.models.weights import WeightSource, frozen, linear
@@ -75,24 +74,12 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(x.dtype)), captured
 
 
-class Mamba2Block(nn.Module):
-    def __init__(self, config: Mamba2Config, layer: int, weights: WeightSource):
-        super().__init__()
-        prefix = f"backbone.layers.{layer}"
-        self.norm = RMSNorm(weights.take_tensor(f"{prefix}.norm.weight"), config.rms_norm_eps)
-        self.mixer = Mamba2Mixer(config, weights, f"{prefix}.mixer")
-
-
 class Mamba2Model(RecurrentLM):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache (models/recurrent.py)."""
 
     def __init__(self, config: Mamba2Config, weights: WeightSource):
         super().__init__(config)
-        self.embed_tokens = frozen(weights.take_tensor("backbone.embeddings.weight"))  # [V, H]
-        self.layers = nn.ModuleList([Mamba2Block(config, i, weights) for i in range(config.num_layers)])
-        self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
-        tied = config.tie_word_embeddings and not weights.has("lm_head.weight")
-        self.lm_head = linear(self.embed_tokens.data if tied else weights.take("lm_head.weight"))
+        self._load_backbone(weights, Mamba2Mixer)
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         c = self.config

@@ -10,15 +10,17 @@ capture points per row) to (output [B, S, H], per row the (conv, recurrent) stat
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
+from kvgen.models.layers import RMSNorm
 from kvgen.models.lora import refuse_adapters
 from kvgen.models.mamba_decode import StateStep, runs_in_c
+from kvgen.models.weights import WeightSource, frozen, linear
 
 CHECKPOINT_BYTES = 2**30  # what a session's checkpoints may hold by default (Mamba-Codestral-7B: 3 states)
 Captured = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per row, per capture point: (conv, recurrent)
@@ -47,6 +49,16 @@ def conv_state_after(extended: torch.Tensor, row: int, position: int, kernel: in
     return extended[row : row + 1, :, position : position + kernel].clone()
 
 
+class SSMBlock(nn.Module):
+    """A state-space layer of Mamba's and Mamba-2's checkpoints (`backbone.layers.N`): an RMSNorm, then the mixer."""
+
+    def __init__(self, config: Any, layer: int, weights: WeightSource, mixer: Callable[[Any, WeightSource, str], nn.Module]):
+        super().__init__()
+        prefix = f"backbone.layers.{layer}"
+        self.norm = RMSNorm(weights.take_tensor(f"{prefix}.norm.weight"), config.rms_norm_eps)
+        self.mixer = mixer(config, weights, f"{prefix}.mixer")
+
+
 class RecurrentLM(nn.Module):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
 
@@ -65,6 +77,16 @@ class RecurrentLM(nn.Module):
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         raise NotImplementedError
+
+    def _load_backbone(self, weights: WeightSource, mixer: Callable[[Any, WeightSource, str], nn.Module]) -> None:
+        """Mamba's and Mamba-2's checkpoints: `backbone.*` layers of `mixer`, the head tied to the
+        embedding where the checkpoint has none and the config ties them."""
+        config = self.config
+        self.embed_tokens = frozen(weights.take_tensor("backbone.embeddings.weight"))  # [V, H]
+        self.layers = nn.ModuleList([SSMBlock(config, i, weights, mixer) for i in range(config.num_layers)])
+        self.norm = RMSNorm(weights.take_tensor("backbone.norm_f.weight"), config.rms_norm_eps)
+        tied = config.tie_word_embeddings and not weights.has("lm_head.weight")
+        self.lm_head = linear(self.embed_tokens.data if tied else weights.take("lm_head.weight"))
 
     @property
     def dtype(self) -> torch.dtype:
