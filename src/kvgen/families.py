@@ -53,7 +53,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "block-boundary states; generate_batch, server; no speculative decoding", "random tiny (transformers)"),
     FamilySupport("granitemoehybrid (Granite 4.0-H: Mamba-2 + attention layers)", "GGUF (granitehybrid), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
-                  "KV cache options refused", "no: torch path (int8 / q4 weights)",
+                  "KV cache options refused", "yes (int8 / q4 weights), layer by layer",
                   "yes: rows run one after another, one state + K/V per request; no prefix cache, no speculative decoding",
                   "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
