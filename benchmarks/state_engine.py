@@ -1,10 +1,11 @@
-"""The engine serving Mamba and T5: several requests batched against the same requests one by one
-(LLM.generate), Mamba's prefix cache of state snapshots, and T5's encoder runs.
+"""The engine serving Mamba, Granite 4.0-H and T5: several requests batched against the same
+requests one by one (LLM.generate), Mamba's prefix cache of state snapshots, and T5's encoder runs.
 
 No checkpoint of either installs offline, so the weights are random: transformers builds models of
 mamba-130m's shape (hidden 768, 24 layers) and t5-small's (d_model 512, 6 + 6 layers, 8 heads,
 d_ff 2048) with SmolLM2's 49,152-token vocabulary and saves them; kvgen loads the folders. Greedy,
-EOS ignored, fp32. Each run reports whole wall time (prefill + decode) of N requests, and that the
+EOS ignored, fp32; Mamba also with q4 weights (its decode rows then run the one-row C step each), and
+Granite 4.0-H from benchmarks/random_gguf.py's scaled-down H-Tiny file (q4) where it was written. Each run reports whole wall time (prefill + decode) of N requests, and that the
 batched tokens equal the one-by-one tokens. `--threads` sets torch's intra-op threads for both
 sides (on a machine whose cores other jobs share, a second thread waiting for a busy core turns a
 20 us attention call into milliseconds, whichever side runs).
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from common import print_table, prompt_ids, timed, write_results  # noqa: E402
+from peers.paths import peers_root  # noqa: E402
 from mamba_decode import save_mamba  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
@@ -89,6 +91,16 @@ def main() -> None:
         results["mamba"] = batched_vs_alone(llm, prompts, params)
         results["mamba_prefix"] = mamba_prefix(llm, args.shared_tokens)
         del llm
+        llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="q4")  # decode rows: one C step each
+        results["mamba (q4)"] = batched_vs_alone(llm, prompts, params)
+        del llm
+        hybrid = peers_root() / "random-granite-hybrid" / "random-granite-hybrid-q4_0.gguf"
+        if hybrid.exists():  # benchmarks/random_gguf.py --family granite-hybrid
+            llm = LLM.load(hybrid, progress=False)
+            results["granite-hybrid (q4)"] = batched_vs_alone(llm, prompts, params)
+            del llm
+        else:
+            print(f"granite-hybrid skipped: {hybrid} is missing (python benchmarks/random_gguf.py --family granite-hybrid)")
         save_t5(Path(tmp) / "t5")
         llm = LLM.load(Path(tmp) / "t5", progress=False, weights="fp32")
         inputs = [base[: args.prompt_tokens], base[1 : args.prompt_tokens + 1]]
