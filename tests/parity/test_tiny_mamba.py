@@ -19,7 +19,13 @@ from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.models.mamba import SCAN_CHUNK
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import assert_batched_rows_equal_each_row_alone, assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint, prefill_and_steps
+from tests.support.recurrent import (
+    assert_batched_rows_equal_each_row_alone,
+    assert_c_rows_equal_each_row_alone,
+    assert_c_step_follows_torch,
+    assert_session_resumes_from_a_checkpoint,
+    prefill_and_steps,
+)
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
 
@@ -162,3 +168,11 @@ def test_c_decode_step_follows_the_torch_step(mamba: tuple[Any, LLM], monkeypatc
     and the same greedy tokens."""
     _, llm = mamba
     assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 17), random_ids(24, 18), monkeypatch)
+
+
+def test_c_decode_rows_equal_each_row_alone(mamba: tuple[Any, LLM]) -> None:
+    """The engine's one-token rows of several sequences run in one C call, each weight read once
+    for them all; each row's logits and states are the bits it gets alone."""
+    _, llm = mamba
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    assert_c_rows_equal_each_row_alone(int8, [random_ids(30, 24), random_ids(7, 25), random_ids(65, 26)], [11, 12, 13])

@@ -25,7 +25,12 @@ from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import assert_batched_rows_equal_each_row_alone, assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint
+from tests.support.recurrent import (
+    assert_batched_rows_equal_each_row_alone,
+    assert_c_rows_equal_each_row_alone,
+    assert_c_step_follows_torch,
+    assert_session_resumes_from_a_checkpoint,
+)
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba2, tokenizer_folder
 
@@ -141,6 +146,15 @@ def test_c_decode_step_follows_the_torch_step(mamba2: tuple[Any, LLM], monkeypat
     linears gives the same logits up to the order of float sums and the same greedy tokens."""
     _, llm = mamba2
     assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 22), random_ids(24, 23), monkeypatch)
+
+
+def test_c_decode_rows_equal_each_row_alone(mamba2: tuple[Any, LLM]) -> None:
+    """The engine's one-token rows of several sequences run in one C call, each weight read once
+    for them all; each row's logits and states are the bits it gets alone."""
+    _, llm = mamba2
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    assert_c_rows_equal_each_row_alone(int8, [random_ids(30, 24), random_ids(7, 25), random_ids(65, 26)], [11, 12, 13])
+
 
 
 def test_config_settings_transformers_does_not_run_are_refused(mamba2: tuple[Any, LLM]) -> None:

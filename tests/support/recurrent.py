@@ -69,3 +69,22 @@ def assert_batched_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]
         for layer in range(b.spec.num_layers):
             assert torch.allclose(b.recurrent_state(layer), s.recurrent_state(layer), atol=state_tolerance)
             assert torch.allclose(b.conv_state(layer), s.conv_state(layer), atol=1e-6)  # batched GEMMs round differently
+
+
+def assert_c_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]], tokens: list[int]) -> None:
+    """One token for each of several sequences in one C call (`llm`: quantized projections): the
+    same logits and states, bit for bit, as each sequence's token run alone."""
+    model = llm.model
+    with torch.inference_mode():
+        caches = [model.new_state_cache() for _ in histories]
+        for history, cache in zip(histories, caches):
+            model(torch.tensor([history]), cache)
+        singles = [cache.fork() for cache in caches]
+        together = model.forward_batch([[t] for t in tokens], caches)  # [rows, V]
+        alone = torch.cat([model(torch.tensor([[t]]), cache)[0] for t, cache in zip(tokens, singles)])
+    assert model._step is not None
+    assert torch.equal(together, alone)
+    for b, s in zip(caches, singles):
+        for layer in range(b.spec.num_layers):
+            assert torch.equal(b.recurrent_state(layer), s.recurrent_state(layer))
+            assert torch.equal(b.conv_state(layer), s.conv_state(layer))

@@ -110,70 +110,107 @@ static void weightless_rms(float* x, int64_t n, float eps) {
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
-// conv_in / conv_out: per layer [inner, kernel] (the last `kernel` inputs, oldest first);
-// ssm_in / ssm_out: per layer [inner, state]. h: [hidden], the residual stream, updated in place.
-void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, float* h, const float* const* conv_in,
+// y [rows, l->n] = l(x [rows, l->k]) by the team: each row's activation blocks as the one-row
+// linear quantizes them, then the many-row kernel, which sums each output as it does for one row
+// (interleaved.c): a row's bits do not depend on the others. Returns after the kernel's barrier.
+static void linear_rows_of(const qlinear* l, const float* x, int64_t rows, block_x8* xq, int32_t* sums, float* y) {
+    const int64_t nb = l->k / QK;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
+        if (kind_takes_sums(l->kind)) x8_sums_into(xq + r * nb, nb, sums + r * nb);
+    }
+    const float* bias = l->has_bias ? l->bias : NULL;
+#define ROWS_GEMM_OF(STEM, SUMS) \
+    kvgen_gemm_##STEM##_team((const block_##STEM*)l->blocks, xq, (SUMS) ? sums : NULL, y, rows, l->n, l->k, bias);
+    FOR_KIND(l->kind, ROWS_GEMM_OF)
+#undef ROWS_GEMM_OF
+}
+
+// Scratch for `rows` rows of a step: `floats` shared floats, and activation blocks (and their sums)
+// for rows rows of `widest` inputs.
+typedef struct {
+    float* floats;
+    block_x8* xq;
+    int32_t* sums;
+} step_scratch;
+
+static step_scratch step_scratch_new(int64_t floats, int64_t rows, int64_t widest) {
+    const int64_t nb = rows * (widest / QK + 1);
+    step_scratch s = {malloc(sizeof(float) * (size_t)floats), malloc((sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb), NULL};
+    s.sums = (int32_t*)(s.xq + nb);
+    return s;
+}
+
+static void step_scratch_free(step_scratch s) {
+    free(s.floats);
+    free(s.xq);
+}
+
+// `rows` sequences' tokens (each its own state) through every Mamba block: h [rows, hidden],
+// updated in place; conv_in / conv_out: per layer and row (index layer * rows + r) [inner, kernel],
+// the last `kernel` inputs, oldest first; ssm_in / ssm_out likewise [inner, state].
+void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,
                       float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
-    int64_t widest = 0, hidden = blocks[0].hidden, inner = 0, projected = 0;
+    int64_t widest = 0, hidden = blocks[0].hidden, inner = 0, projected = 0, rank = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba_block_t* b = &blocks[l];
         widest = b->hidden > widest ? b->hidden : widest;
         widest = b->inner > widest ? b->inner : widest;
         inner = b->inner > inner ? b->inner : inner;
         projected = b->rank + 2 * b->state > projected ? b->rank + 2 * b->state : projected;
+        rank = b->rank > rank ? b->rank : rank;
     }
-    float* shared = malloc(sizeof(float) * (size_t)(widest + 2 * inner + inner + projected + inner + inner + hidden));
-    float *x = shared, *uz = x + widest, *u = uz + 2 * inner, *dbc = u + inner, *dt = dbc + projected;
-    float *y = dt + inner, *out = y + inner;
+    const step_scratch sc = step_scratch_new(rows * (hidden + 2 * inner + inner + projected + rank + inner + inner + hidden),
+                                             rows, widest + rank);
+    float *x = sc.floats, *uz = x + rows * hidden, *u = uz + rows * 2 * inner, *dbc = u + rows * inner;
+    float *dt_in = dbc + rows * projected, *dt = dt_in + rows * rank, *y = dt + rows * inner, *out = y + rows * inner;
 #pragma omp parallel
-    {
-        const int64_t nb = widest / QK + 1;
-        block_x8* xq = malloc((sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
-        int32_t* sums = (int32_t*)(xq + nb);
-        for (int64_t layer = 0; layer < num_layers; layer++) {
-            const mamba_block_t* b = &blocks[layer];
-            const int64_t n_inner = b->inner, n_state = b->state, k = b->kernel;
-#pragma omp single
-            rms_norm(h, b->norm, b->eps, b->hidden, x);
-            linear_team(&b->in_proj, x, xq, sums, uz);
-            const float* held = conv_in[layer];
-            float* conv = conv_out[layer];
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+        const mamba_block_t* b = &blocks[layer];
+        const int64_t n_inner = b->inner, n_state = b->state, k = b->kernel, width = b->rank + 2 * n_state;
 #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
+        linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, uz);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < n_inner; i++)
-                u[i] = conv_channel(held + i * k, uz[i], b->conv_w + i * k, b->conv_b ? b->conv_b[i] : 0.0f, conv + i * k, k);
-            linear_team(&b->x_proj, u, xq, sums, dbc);
-            float* B = dbc + b->rank;
-            float* C = B + n_state;
-            if (b->dt_b_c_eps > 0.0f) {
-#pragma omp single
-                {
-                    weightless_rms(dbc, b->rank, b->dt_b_c_eps);
-                    weightless_rms(B, n_state, b->dt_b_c_eps);
-                    weightless_rms(C, n_state, b->dt_b_c_eps);
-                }
-            }
-            if (b->dt_quantized) {
-                linear_team(&b->dt_proj, dbc, xq, sums, dt);
-            } else {
+                u[r * n_inner + i] = conv_channel(conv_in[layer * rows + r] + i * k, uz[r * 2 * n_inner + i], b->conv_w + i * k,
+                                                  b->conv_b ? b->conv_b[i] : 0.0f, conv_out[layer * rows + r] + i * k, k);
+        linear_rows_of(&b->x_proj, u, rows, sc.xq, sc.sums, dbc);
 #pragma omp for schedule(static)
-                for (int64_t i = 0; i < n_inner; i++) dt[i] = dot(b->dt_w + i * b->rank, dbc, b->rank);
+        for (int64_t r = 0; r < rows; r++) {
+            float* row = dbc + r * width;
+            if (b->dt_b_c_eps > 0.0f) {  // Falcon-Mamba
+                weightless_rms(row, b->rank, b->dt_b_c_eps);
+                weightless_rms(row + b->rank, n_state, b->dt_b_c_eps);
+                weightless_rms(row + b->rank + n_state, n_state, b->dt_b_c_eps);
             }
-            const float* s_in = ssm_in[layer];
-            float* s_out = ssm_out[layer];
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < n_inner; i++) {
-                const float step = softplus(dt[i] + b->dt_b[i]);
-                const float acc = scan_channel(b->A + i * n_state, step, 0.0f, u[i], B, C, s_in + i * n_state, s_out + i * n_state,
-                                               n_state);
-                y[i] = (acc + u[i] * b->D[i]) * silu(uz[n_inner + i]);
-            }
-            linear_team(&b->out_proj, y, xq, sums, out);
-#pragma omp single
-            for (int64_t i = 0; i < b->hidden; i++) h[i] += out[i];
+            memcpy(dt_in + r * b->rank, row, (size_t)b->rank * sizeof(float));  // dt_proj's rows, contiguous
         }
-        free(xq);
+        if (b->dt_quantized) {
+            linear_rows_of(&b->dt_proj, dt_in, rows, sc.xq, sc.sums, dt);
+        } else {
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = 0; i < n_inner; i++) dt[r * n_inner + i] = dot(b->dt_w + i * b->rank, dt_in + r * b->rank, b->rank);
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t i = 0; i < n_inner; i++) {
+                const float* B = dbc + r * width + b->rank;
+                const float step = softplus(dt[r * n_inner + i] + b->dt_b[i]), ui = u[r * n_inner + i];
+                const float acc = scan_channel(b->A + i * n_state, step, 0.0f, ui, B, B + n_state, ssm_in[layer * rows + r] + i * n_state,
+                                               ssm_out[layer * rows + r] + i * n_state, n_state);
+                y[r * n_inner + i] = (acc + ui * b->D[i]) * silu(uz[r * 2 * n_inner + n_inner + i]);
+            }
+        }
+        linear_rows_of(&b->out_proj, y, rows, sc.xq, sc.sums, out);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < b->hidden; i++) h[r * hidden + i] += out[r * b->hidden + i];
     }
-    free(shared);
+    step_scratch_free(sc);
 }
 
 // Mamba-2's block (models/mamba2.py) for one token:
@@ -197,63 +234,62 @@ typedef struct {
     float pad;
 } mamba2_block_t;
 
-// As kvgen_mamba_step: conv states per layer [conv_dim, kernel], recurrent [heads, head_dim, state].
-void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, float* h, const float* const* conv_in,
+// As kvgen_mamba_step (rows, states per layer and row): conv states [conv_dim, kernel], recurrent
+// states [heads, head_dim, state].
+void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,
                        float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
-    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden;
+    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba2_block_t* b = &blocks[l];
-        const int64_t inner = b->heads * b->head_dim, rows = 2 * inner + 2 * b->groups * b->state + b->heads;
+        const int64_t wide = b->heads * b->head_dim, width = 2 * wide + 2 * b->groups * b->state + b->heads;
         widest = b->hidden > widest ? b->hidden : widest;
-        widest = inner > widest ? inner : widest;
-        projected = rows > projected ? rows : projected;
+        widest = wide > widest ? wide : widest;
+        inner = wide > inner ? wide : inner;
+        projected = width > projected ? width : projected;
     }
-    float* shared = malloc(sizeof(float) * (size_t)(widest + 2 * projected + widest + hidden));
-    float *x = shared, *proj = x + widest, *xbc = proj + projected, *y = xbc + projected, *out = y + widest;
+    const step_scratch sc = step_scratch_new(rows * (hidden + 2 * projected + inner + hidden), rows, widest);
+    float *x = sc.floats, *proj = x + rows * hidden, *xbc = proj + rows * projected, *y = xbc + rows * projected;
+    float* out = y + rows * inner;
 #pragma omp parallel
-    {
-        const int64_t nb = widest / QK + 1;
-        block_x8* xq = malloc((sizeof(block_x8) + sizeof(int32_t)) * (size_t)nb);
-        int32_t* sums = (int32_t*)(xq + nb);
-        for (int64_t layer = 0; layer < num_layers; layer++) {
-            const mamba2_block_t* b = &blocks[layer];
-            const int64_t inner = b->heads * b->head_dim, grouped = b->groups * b->state, k = b->kernel;
-            const int64_t conv_dim = inner + 2 * grouped, per_group = b->heads / b->groups;
-#pragma omp single
-            rms_norm(h, b->norm, b->eps, b->hidden, x);
-            linear_team(&b->in_proj, x, xq, sums, proj);
-            const float* held = conv_in[layer];
-            float* window = conv_out[layer];
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+        const mamba2_block_t* b = &blocks[layer];
+        const int64_t n_inner = b->heads * b->head_dim, grouped = b->groups * b->state, k = b->kernel;
+        const int64_t conv_dim = n_inner + 2 * grouped, per_group = b->heads / b->groups, width = n_inner + conv_dim + b->heads;
 #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
+        linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < conv_dim; i++)
-                xbc[i] = conv_channel(held + i * k, proj[inner + i], b->conv_w + i * k, b->conv_b ? b->conv_b[i] : 0.0f,
-                                      window + i * k, k);
-            const float* s_in = ssm_in[layer];
-            float* s_out = ssm_out[layer];
-#pragma omp for schedule(static)
-            for (int64_t c = 0; c < inner; c++) {
+                xbc[r * conv_dim + i] = conv_channel(conv_in[layer * rows + r] + i * k, proj[r * width + n_inner + i], b->conv_w + i * k,
+                                                     b->conv_b ? b->conv_b[i] : 0.0f, conv_out[layer * rows + r] + i * k, k);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t c = 0; c < n_inner; c++) {
                 const int64_t head = c / b->head_dim, g = head / per_group;
-                const float dt = softplus(proj[inner + conv_dim + head] + b->dt_bias[head]);
-                const float* B = xbc + inner + g * b->state;
-                const float acc = scan_channel(NULL, dt, exp_lane(dt * b->A[head]), xbc[c], B, B + grouped, s_in + c * b->state,
-                                               s_out + c * b->state, b->state);
-                y[c] = (acc + xbc[c] * b->D[head]) * silu(proj[c]);  // gated: y SiLU(z)
+                const float* p = proj + r * width;
+                const float* v = xbc + r * conv_dim;
+                const float dt = softplus(p[n_inner + conv_dim + head] + b->dt_bias[head]);
+                const float* B = v + n_inner + g * b->state;
+                const float acc = scan_channel(NULL, dt, exp_lane(dt * b->A[head]), v[c], B, B + grouped,
+                                               ssm_in[layer * rows + r] + c * b->state, ssm_out[layer * rows + r] + c * b->state, b->state);
+                y[r * n_inner + c] = (acc + v[c] * b->D[head]) * silu(p[c]);  // gated: y SiLU(z)
             }
-#pragma omp single
-            {
-                const int64_t width = inner / b->groups;
-                for (int64_t g = 0; g < b->groups; g++) {
-                    float* part = y + g * width;
-                    const float inv = 1.0f / sqrtf(dot(part, part, width) / (float)width + b->gate_eps);
-                    for (int64_t i = 0; i < width; i++) part[i] = part[i] * inv * b->gate_w[g * width + i];
-                }
-            }
-            linear_team(&b->out_proj, y, xq, sums, out);
-            const float scale = b->residual_scale != 0.0f ? b->residual_scale : 1.0f;
-#pragma omp single
-            for (int64_t i = 0; i < b->hidden; i++) h[i] += out[i] * scale;
         }
-        free(xq);
+        const int64_t part_width = n_inner / b->groups;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t g = 0; g < b->groups; g++) {
+                float* part = y + r * n_inner + g * part_width;
+                const float inv = 1.0f / sqrtf(dot(part, part, part_width) / (float)part_width + b->gate_eps);
+                for (int64_t i = 0; i < part_width; i++) part[i] = part[i] * inv * b->gate_w[g * part_width + i];
+            }
+        }
+        linear_rows_of(&b->out_proj, y, rows, sc.xq, sc.sums, out);
+        const float scale = b->residual_scale != 0.0f ? b->residual_scale : 1.0f;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < b->hidden; i++) h[r * hidden + i] += out[r * b->hidden + i] * scale;
     }
-    free(shared);
+    step_scratch_free(sc);
 }

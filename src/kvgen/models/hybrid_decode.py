@@ -73,7 +73,7 @@ class HybridStep(MixerStructs):
             if mixer is not None:
                 conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
                 conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
-                lib.kvgen_mamba2_step(ctypes.addressof(mixer), 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()),
+                lib.kvgen_mamba2_step(ctypes.addressof(mixer), 1, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()),
                                       (_ptr * 1)(ssm_in.data_ptr()), (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
                 lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
                 cache.write(slot, conv_out, ssm_out, owned=True)

@@ -1,5 +1,5 @@
 """Mamba's and Mamba-2's decode step in one C call (kernels/mamba_step.c) for models whose
-projections are quantized.
+projections are quantized, for one row or the engine's several (each weight read once for all).
 
 The torch step runs ~15 small operations per block (a depthwise conv of one position, the scan's
 update, four linears), and their overhead is most of a token's time on a small model; the C step
@@ -101,17 +101,20 @@ class StateStep(MixerStructs):
         self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
         self.num_layers = len(blocks)
 
-    def __call__(self, h: torch.Tensor, conv: list[torch.Tensor], ssm: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """h [hidden] (updated in place), each layer's conv and recurrent states (any leading batch
-        dimension of 1) -> the states after the token (new tensors)."""
-        conv_in = [c.float().contiguous() for c in conv]
-        ssm_in = [s.float().contiguous() for s in ssm]
-        conv_out, ssm_out = [torch.empty_like(c) for c in conv_in], [torch.empty_like(s) for s in ssm_in]
+    def __call__(self, h: torch.Tensor, conv: list[list[torch.Tensor]], ssm: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """h [rows, hidden] (updated in place), each row's conv and recurrent states per layer
+        (conv[row][layer], any leading batch dimension of 1) -> each row's states after its token
+        (new tensors). The rows share each weight read; a row's bits do not depend on the others."""
+        rows = h.shape[0]
+        conv_in = [[c.float().contiguous() for c in row] for row in conv]
+        ssm_in = [[s.float().contiguous() for s in row] for row in ssm]
+        conv_out = [[torch.empty_like(c) for c in row] for row in conv_in]
+        ssm_out = [[torch.empty_like(s) for s in row] for row in ssm_in]
 
-        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
-            return (_ptr * len(tensors))(*(t.data_ptr() for t in tensors))
+        def pointers(states: list[list[torch.Tensor]]) -> ctypes.Array:  # layer-major: index layer * rows + row
+            return (_ptr * (rows * self.num_layers))(*(states[r][i].data_ptr() for i in range(self.num_layers) for r in range(rows)))
 
-        assert h.dtype == torch.float32 and h.is_contiguous()
-        self._function(ctypes.addressof(self._blocks), self.num_layers, h.data_ptr(), pointers(conv_in), pointers(conv_out),
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+        self._function(ctypes.addressof(self._blocks), self.num_layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
                        pointers(ssm_in), pointers(ssm_out))  # fmt: skip
         return conv_out, ssm_out

@@ -178,14 +178,14 @@ class RecurrentLM(nn.Module):
         return StateStep(self)
 
     def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
-        """One token per row, each row's blocks in one C call; the states committed as the torch
-        path commits them (the cache takes its checkpoints at commit)."""
-        rows, layers = [], range(len(self.layers))
-        for token, cache in zip(tokens, caches):
-            h = self.embed_tokens[token].float().clone()
-            convs, states = self._step(h, [cache.conv_state(i) for i in layers], [cache.recurrent_state(i) for i in layers])
+        """One token per row, all rows' blocks in one C call (each weight read once for them all);
+        the states committed as the torch path commits them (the cache takes its checkpoints at commit)."""
+        layers = range(len(self.layers))
+        h = self.embed_tokens[torch.tensor(tokens)].float().contiguous()  # [rows, hidden]
+        convs, states = self._step(h, [[c.conv_state(i) for i in layers] for c in caches],
+                                   [[c.recurrent_state(i) for i in layers] for c in caches])  # fmt: skip
+        for row, cache in enumerate(caches):
             for i in layers:
-                cache.write(i, convs[i], states[i], owned=True)  # fresh tensors only this cache holds
+                cache.write(i, convs[row][i], states[row][i], owned=True)  # fresh tensors only this cache holds
             cache.commit(1, {})
-            rows.append(h)
-        return self.lm_head(self.norm(torch.stack(rows)))  # [rows, V]
+        return self.lm_head(self.norm(h))  # [rows, V]
