@@ -140,6 +140,12 @@ def _norm_ptr(norm: RMSNorm | None) -> int | None:
     return norm.weight.data_ptr() if norm is not None else None
 
 
+def mlp_linears(mlp: nn.Module) -> list[nn.Module]:
+    """A block's MLP linears the C steps read: its gate_up and down, or every expert's and the shared one's."""
+    gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
+    return [*(m.gate_up for m in gated), *(m.down for m in gated)]
+
+
 def describe_block(config: ModelConfig, block: nn.Module, scratch: Callable[[int], int], keep: list[ctypes.Array]) -> BlockStruct:
     """A block as decode.c's block_t: `scratch(n)` gives n zeroed floats the struct may point into,
     `keep` holds the arrays of expert linears it points into. A block without attention (`attn`
@@ -238,9 +244,7 @@ class FastDecoder:
             latent = isinstance(attn, LatentAttention) and attn.qkv is not None  # V2's query latent: torch path
             if not (isinstance(attn, Attention) or latent) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
-            gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
-            linears = (attn.qkv, attn.o_proj, *(m.gate_up for m in gated), *(m.down for m in gated))
-            if not all(isinstance(layer, QuantizedLinear) for layer in linears):
+            if not all(isinstance(layer, QuantizedLinear) for layer in (attn.qkv, attn.o_proj, *mlp_linears(mlp))):
                 return False
         return True
 

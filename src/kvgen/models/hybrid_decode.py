@@ -17,10 +17,9 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
-from kvgen.models.fast_decode import BlockStruct, describe_block
+from kvgen.models.fast_decode import BlockStruct, describe_block, mlp_linears
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
-from kvgen.models.moe import SparseMoE
 
 _ptr = ctypes.c_void_p
 
@@ -28,9 +27,7 @@ _ptr = ctypes.c_void_p
 def hybrid_runs_in_c(model: nn.Module) -> bool:
     """Whether every projection the C kernels read is quantized, and the kernels are built."""
     for block in model.layers:
-        mlp = block.mlp
-        gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
-        linears = [*(m.gate_up for m in gated), *(m.down for m in gated)]
+        linears = mlp_linears(block.mlp)
         linears += [block.mixer.in_proj, block.mixer.out_proj] if block.mixer is not None else [block.attn.qkv, block.attn.o_proj]
         if not all(isinstance(linear, QuantizedLinear) for linear in linears):
             return False

@@ -76,11 +76,10 @@ class MambaMixer(nn.Module):
         y, states = torch.empty(batch, seq, inner), []
         A, D = self.A.contiguous(), self.D.contiguous()
         for row in range(batch):
-            tensors = [t[row].contiguous() for t in (u, dt, gate, B, C)]
+            u_r, dt_r, gate_r, B_r, C_r = (t[row].contiguous() for t in (u, dt, gate, B, C))
             running = state[row].clone().contiguous()
             points = torch.tensor(capture[row], dtype=torch.int64)
             caught = torch.empty(len(capture[row]), inner, self.state_size)
-            (u_r, dt_r, gate_r, B_r, C_r) = tensors
             library.kvgen_selective_scan(u_r.data_ptr(), dt_r.data_ptr(), gate_r.data_ptr(), A.data_ptr(), B_r.data_ptr(),
                                          C_r.data_ptr(), D.data_ptr(), running.data_ptr(), y[row].data_ptr(), seq, inner,
                                          self.state_size, points.data_ptr(), len(capture[row]), caught.data_ptr())  # fmt: skip
