@@ -13,6 +13,7 @@ models/ and imports both; kv/ imports no model.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvgen.config import DEFAULT_RESIDUAL, CacheConfig
@@ -73,8 +74,7 @@ class CacheFactory:
     def spec(self) -> CacheSpec:
         """What one K/V cache of this model stores (asked only of models with K/V caches)."""
         spec = CacheSpec.for_model(self.model.config, self.model.dtype)
-        layers = self._num_layers or spec.num_layers
-        return CacheSpec(layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.keys_before_rope)
+        return dataclasses.replace(spec, num_layers=self._num_layers or spec.num_layers)
 
     def codecs(self, k_dtype: str, v_dtype: str) -> tuple[Codec, Codec]:
         """The key and value codecs of two KV dtypes; kvquant3 is calibrated on the model (once)."""

@@ -33,7 +33,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); LoRA on attention only",
                   "yes",
                   "random tiny (transformers)"),
-    FamilySupport("deepseek_v2 (V2-Lite, V2; V3 / R1, Moonlight: deepseek_v3)", "GGUF, HF", _ALL_KV + " (the cache holds the latent: one KV head)",
+    FamilySupport("deepseek_v2 (V2-Lite, V2; V3 / R1, Moonlight: deepseek_v3)", "GGUF, HF", _ALL_KV + " (the cache holds the latent once: one KV head, its values the keys)",
                   "yes (int8 / q4 weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "
                   "no LoRA", "yes",
                   "random tiny (transformers)"),

@@ -314,6 +314,41 @@ def test_c_steps_decode_the_same_tokens_alone_in_a_batch_and_verifying_drafts(na
     assert_steps_give_the_prompts_bits(llm, llm.tokenizer.encode(" ".join(PROMPTS))[:40])
 
 
+def test_latent_attention_caches_hold_one_copy_of_the_latent(tiny: dict, tmp_path_factory: pytest.TempPathFactory,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    """DeepSeek's cache holds the latent once (its values are its keys): half the bytes of keys
+    and values apart, twice the engine pool's positions for one budget, block files of the keys
+    alone; the tokens equal a window cache's, which stores both, and a restarted engine's that reads
+    the blocks back from disk."""
+    from kvgen.kv import ContiguousCache, PagedStorage
+
+    _, llm, _ = get(tiny, "deepseek-v2", tmp_path_factory)
+    spec = llm.generator.caches.spec
+    apart = dataclasses.replace(spec, values_are_keys=False)
+    assert spec.values_are_keys and spec.bytes_per_token * 2 == apart.bytes_per_token
+    assert ContiguousCache(spec, 64).memory_bytes() * 2 == ContiguousCache(apart, 64).memory_bytes()
+    assert PagedStorage.create(spec, 4.0, 16).pool.num_blocks // 2 == PagedStorage.create(apart, 4.0, 16).pool.num_blocks
+    params, prompt = SamplingParams(max_new_tokens=12, ignore_eos=True), " ".join(PROMPTS)
+    tokens = llm.generate(prompt, params).token_ids
+    window = LLM.load(get(tiny, "deepseek-v2", tmp_path_factory)[2], progress=False, weights="fp32",
+                      cache=CacheConfig(kind="window", window=4096))  # fmt: skip
+    assert window.generate(prompt, params).token_ids == tokens
+    first = LLMEngine(llm, EngineConfig(num_blocks=64, kv_cache_dir=str(tmp_path)))
+    assert [r.output_ids for r in first.generate([prompt], params)] == [tokens]
+    assert first.scheduler.storage.format_key.startswith("fp32/keys/")
+    first.close()  # every indexed block to a file: a safetensors file of the block's tensors
+    from safetensors import safe_open
+
+    from kvgen.kv.block_file import SUFFIX
+
+    files = list(tmp_path.glob("*" + SUFFIX))
+    assert files and all(set(safe_open(str(f), "pt").keys()) == {"keys"} for f in files)
+    restarted = LLMEngine(llm, EngineConfig(num_blocks=64, kv_cache_dir=str(tmp_path)))
+    (request,) = restarted.generate([prompt], params)
+    assert request.output_ids == tokens and request.cached_tokens > 0
+    restarted.close()
+
+
 def test_moving_a_yarn_key_turns_it_without_the_attention_factor(tiny: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A context shift moves cached keys, which already carry YaRN's attention factor: a key placed
     at position 5 and moved by 7 must equal the key placed at 12 (scaled once, not twice); the

@@ -318,9 +318,9 @@ static void mla_pre_team(const block_t* b, const thread_scratch* t, const float*
     {
         float* k = b->qkv_out + b->num_heads * d;
         mla_key(b, b->mla_raw, k);
-        memcpy(v_out, k, (size_t)d * sizeof(float));  // the value: the key before RoPE (only its latent is read)
         rotate_half(k, cos, sin, b->rotary_dim);
         memcpy(k_out, k, (size_t)d * sizeof(float));
+        memcpy(v_out, k, (size_t)d * sizeof(float));  // the value is the key (only its latent part is read)
     }
 }
 

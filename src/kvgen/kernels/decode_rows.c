@@ -233,7 +233,7 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
     const float* cos = st->rope + (r * st->num_rope_kinds + st->rope_kind[layer]) * 2 * d;
     float* q = st->s->qkv_out + r * (nq + 2 * nkv);
     float* k = q + nq;
-    const float* v = k + nkv;
+    const float* v = b->mla_rank > 0 ? k : k + nkv;  // latent attention's value is its (turned) key
     const kv_layout kl = row_layout(kv, layer_store(kv, kv->k_base, layer), layer, rows, r);
     const kv_layout vl = row_layout(kv, layer_store(kv, kv->v_base, layer), layer, rows, r);
     qk_norm(b, q, b->q_norm, b->num_heads);
@@ -334,15 +334,14 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
     for (int64_t i = 0; i < n; i++) attend_end(st->s->attn + (r0 + i) * nq + head * d, count, d, state[i]);
 }
 
-// Row r's latent-attention query, key and value (the key before RoPE) into its qkv_out slots,
-// from its raw projection in s->mlp; row_rotate then turns and stores them as any row's.
+// Row r's latent-attention query and key into its qkv_out slots, from its raw projection in
+// s->mlp; row_rotate then turns and stores them as any row's, the turned key as the value too.
 static void mla_row(const rows_step* st, const block_t* b, int64_t r) {
     const int64_t d = b->head_dim, nq = b->num_heads * d, raw_width = b->qkv.n;
     const float* raw = st->s->mlp + r * raw_width;
     float* q = st->s->qkv_out + r * (nq + 2 * d);
     for (int64_t h = 0; h < b->num_heads; h++) mla_query(b, raw, h, q + h * d);
     mla_key(b, raw, q + nq);
-    memcpy(q + nq + d, q + nq, (size_t)d * sizeof(float));
 }
 
 // One layer's attention for every row, the new keys/values already stored, by the team (t: this

@@ -1,4 +1,5 @@
-"""Contiguous cache: one preallocated buffer per K and V, written in place, read as zero-copy views."""
+"""Contiguous cache: one preallocated buffer per K and V, written in place, read as zero-copy views
+(one buffer for both where the spec's values are its keys: DeepSeek's latent attention)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ class ContiguousCache(KVCache):
         (and the graphs captured over it). CPU buffers ask for huge pages (kv/huge_pages.py)."""
         spec = self.spec
         shape = (spec.num_layers, self.batch_size, spec.num_kv_heads, capacity, spec.head_dim)
+        stores = 1 if spec.values_are_keys else 2
         if self.device.type != "cpu":
-            both = torch.zeros((2, *shape), dtype=spec.dtype, device=self.device)
-            return both[0], both[1]
-        if self.batch_size == 1:
-            return huge_pages.empty(shape, spec.dtype), huge_pages.empty(shape, spec.dtype)
-        return huge_pages.zeros(shape, spec.dtype), huge_pages.zeros(shape, spec.dtype)
+            both = torch.zeros((stores, *shape), dtype=spec.dtype, device=self.device)
+            return both[0], both[stores - 1]
+        new = huge_pages.empty if self.batch_size == 1 else huge_pages.zeros
+        keys = new(shape, spec.dtype)
+        return keys, keys if spec.values_are_keys else new(shape, spec.dtype)
 
     @property
     def seq_len(self) -> int:
@@ -65,7 +67,8 @@ class ContiguousCache(KVCache):
         new_capacity = min(max(num_tokens, 2 * self.capacity), self.max_capacity)
         keys, values = self._new_buffers(new_capacity)
         keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
-        values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
+        if not self.spec.values_are_keys:
+            values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
         self._keys, self._values = keys, values
         self._tail_zeroed = self.device.type != "cpu" or self.batch_size > 1
 
@@ -73,7 +76,8 @@ class ContiguousCache(KVCache):
         start, end = self._seq_len, self._seq_len + keys.shape[2]
         self.reserve(end)
         self._keys[layer, :, :, start:end] = keys
-        self._values[layer, :, :, start:end] = values
+        if not self.spec.values_are_keys:
+            self._values[layer, :, :, start:end] = values
         return self._keys[layer, :, :, :end], self._values[layer, :, :, :end]
 
     def kernel_layout(self, num_tokens: int) -> KVLayout | None:
@@ -96,7 +100,8 @@ class ContiguousCache(KVCache):
         self.reserve(num_tokens)
         if not self._tail_zeroed:  # a graph attends over unwritten positions under a mask: 0 * NaN is NaN
             self._keys[:, :, :, self._seq_len :].zero_()
-            self._values[:, :, :, self._seq_len :].zero_()
+            if not self.spec.values_are_keys:
+                self._values[:, :, :, self._seq_len :].zero_()
             self._tail_zeroed = True
         return self._keys, self._values
 
@@ -124,7 +129,8 @@ class ContiguousCache(KVCache):
         for layer in range(self.spec.num_layers):
             keys = self._keys[layer, :, :, tail].clone()
             self._keys[layer, :, :, moved] = rerotate(layer, keys, -removed) if removed else keys
-            self._values[layer, :, :, moved] = self._values[layer, :, :, tail].clone()
+            if not self.spec.values_are_keys:
+                self._values[layer, :, :, moved] = self._values[layer, :, :, tail].clone()
         self._seq_len -= removed
         self._removed += removed
 
@@ -135,7 +141,8 @@ class ContiguousCache(KVCache):
             raise ValueError(f"cannot copy a batch of {source.batch_size} into a cache of batch {self.batch_size}")
         self.reserve(num_tokens)
         self._keys[:, :, :, :num_tokens] = source._keys[:, :, :, :num_tokens]
-        self._values[:, :, :, :num_tokens] = source._values[:, :, :, :num_tokens]
+        if not self.spec.values_are_keys:
+            self._values[:, :, :, :num_tokens] = source._values[:, :, :, :num_tokens]
         self._seq_len, self._removed = num_tokens, source._removed if num_tokens == source.seq_len else 0
 
     def fork(self) -> "ContiguousCache":
@@ -143,9 +150,10 @@ class ContiguousCache(KVCache):
         twin = ContiguousCache(self.spec, max(self._seq_len, 1), self.batch_size, self.max_capacity, self.device)
         twin.reserve(self.capacity)
         twin._keys[:, :, :, : self._seq_len] = self._keys[:, :, :, : self._seq_len]
-        twin._values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
+        if not self.spec.values_are_keys:
+            twin._values[:, :, :, : self._seq_len] = self._values[:, :, :, : self._seq_len]
         twin._seq_len, twin._removed = self._seq_len, self._removed
         return twin
 
     def memory_bytes(self) -> int:
-        return self._keys.numel() * self._keys.element_size() * 2
+        return self._keys.numel() * self._keys.element_size() * (1 if self.spec.values_are_keys else 2)

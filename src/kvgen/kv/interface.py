@@ -33,15 +33,21 @@ class CacheSpec:
     # Keys are stored after RoPE in the caches of this contract's first implementations; a cache that
     # stores them before RoPE (for exact context shift / better quantization) says so here.
     keys_before_rope: bool = False
+    # A position's value is its key (DeepSeek's latent attention, models/mla.py: one vector per token
+    # serves both, only its latent part read as the value). The float stores (contiguous, paged, the
+    # engine's pool) then keep one copy, hand the keys back as the values and ignore values passed
+    # to them, as llama.cpp's and vLLM's MLA caches do; every other kind stores what it is given.
+    values_are_keys: bool = False
 
     @classmethod
     def for_model(cls, config: ModelConfig, dtype: torch.dtype = torch.float32) -> "CacheSpec":
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype, values_are_keys=config.kv_lora_rank > 0)
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes of one position in a float store: keys and values, or the keys alone where values are keys."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return (1 if self.values_are_keys else 2) * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
 @dataclass(frozen=True)

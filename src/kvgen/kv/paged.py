@@ -37,7 +37,8 @@ class PagedStorage:
         # kv head is 4 KB at 16 positions, a page of its own on 4 KB pages (one request at 4,000
         # positions decoded 1.05x as fast on huge pages).
         self.keys = huge_pages.zeros(shape, spec.dtype)
-        self.values = huge_pages.zeros(shape, spec.dtype)
+        # Where values are keys (latent attention) one store serves both; writes of values are skipped.
+        self.values = self.keys if spec.values_are_keys else huge_pages.zeros(shape, spec.dtype)
         # Per layer its slot and group, as int64 for the C decode step (made once, read every step).
         self.layer_slots_and_groups = (torch.tensor(self.groups.slot_of), torch.tensor(self.groups.group_of))
 
@@ -59,7 +60,8 @@ class PagedStorage:
 
     def copy_block(self, source: int, target: int) -> None:
         self.keys[:, target] = self.keys[:, source]
-        self.values[:, target] = self.values[:, source]
+        if not self.spec.values_are_keys:
+            self.values[:, target] = self.values[:, source]
 
     def bytes_per_block(self) -> int:
         """Bytes of one pool block (one page: `groups.width` layers' keys and values)."""
@@ -68,20 +70,29 @@ class PagedStorage:
     # --- block export / import: what a lower tier (kv/disk_tier.py) stores, format-agnostic ----
     @property
     def format_key(self) -> str:
-        """Names the stored format and block size ("fp32/fp32/bs16": keys/values/block size); a
-        block exported by one storage imports only into a storage with the same format_key."""
+        """Names the stored format and block size ("fp32/fp32/bs16": keys/values/block size, the
+        values "keys" where they are the keys); a block exported by one storage imports only into a
+        storage with the same format_key."""
         name = _DTYPE_NAMES.get(self.spec.dtype, str(self.spec.dtype).removeprefix("torch."))
         grouped = "" if self.groups.is_single else f"/{self.groups.describe()}"
-        return f"{name}/{name}/bs{self.block_size}{grouped}"
+        values = "keys" if self.spec.values_are_keys else name
+        return f"{name}/{values}/bs{self.block_size}{grouped}"
+
+    def _stores(self) -> dict[str, torch.Tensor]:
+        """The stores a block lives in, by name: keys and values, or the keys alone."""
+        if self.spec.values_are_keys:
+            return {"keys": self.keys}
+        return {"keys": self.keys, "values": self.values}
 
     def export_block(self, block_id: int) -> dict[str, torch.Tensor]:
-        """Copies of every layer's stored tensors of one block: keys and values, [L, H, bs, D] each."""
-        return {"keys": self.keys[:, block_id].clone(), "values": self.values[:, block_id].clone()}
+        """Copies of every layer's stored tensors of one block: keys and values (or the keys
+        alone, where they are the values), [L, H, bs, D] each."""
+        return {name: store[:, block_id].clone() for name, store in self._stores().items()}
 
     def import_block(self, block_id: int, parts: dict[str, torch.Tensor]) -> None:
         """The inverse of export_block: ValueError (nothing written) unless `parts` has exactly the
         tensors export_block gives, with their shapes and dtypes."""
-        stores = {"keys": self.keys, "values": self.values}
+        stores = self._stores()
         if set(parts) != set(stores):
             raise ValueError(f"a {self.format_key} block holds tensors {sorted(stores)}, got {sorted(parts)}")
         for name, store in stores.items():
@@ -162,7 +173,8 @@ class PagedCache(KVCache):
         self._prepare_write(start, end)
         self._write(layer, start, keys, values)
         store_k, store_v = self.storage.layer_stores(layer)
-        return self._gather(layer, store_k, end), self._gather(layer, store_v, end)
+        keys_so_far = self._gather(layer, store_k, end)
+        return keys_so_far, keys_so_far if self.spec.values_are_keys else self._gather(layer, store_v, end)
 
     def _layer_table(self, layer: int) -> torch.Tensor:
         """The block ids `layer` reads and writes (its layer group's table)."""
@@ -178,7 +190,8 @@ class PagedCache(KVCache):
             count = min(size - offset, end - position)
             source = slice(position - start, position - start + count)
             store_k[block, :, offset : offset + count] = keys[0, :, source]
-            store_v[block, :, offset : offset + count] = values[0, :, source]
+            if not self.spec.values_are_keys:
+                store_v[block, :, offset : offset + count] = values[0, :, source]
             position += count
 
     def _gather(self, layer: int, store: torch.Tensor, length: int) -> torch.Tensor:

@@ -73,7 +73,8 @@ class PagedBatchView:
         k_store, v_store = self.storage.layer_stores(layer)  # [N, H_kv, bs, D]
         group = self.group_of[layer]
         self._write(k_store, keys, group)
-        self._write(v_store, values, group)
+        if not self.storage.spec.values_are_keys:
+            self._write(v_store, values, group)
         rows, heads, _, dim = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -116,7 +117,10 @@ class PagedBatchView:
         """keys/values [B, H_kv, S_max, D] -> every row's keys/values so far, [B, H_kv, L_max, D]."""
         k_store, v_store = self.storage.layer_stores(layer)
         group = self.group_of[layer]
-        return self._write_then_read(k_store, keys, group), self._write_then_read(v_store, values, group)
+        keys_so_far = self._write_then_read(k_store, keys, group)
+        if self.storage.spec.values_are_keys:  # one store (latent attention): the keys are the values
+            return keys_so_far, keys_so_far
+        return keys_so_far, self._write_then_read(v_store, values, group)
 
     def _write(self, store: torch.Tensor, new: torch.Tensor, group: int) -> None:
         # store [N, H, bs, D]; the real (unpadded) new tokens, [T, H, D], go to their slots.

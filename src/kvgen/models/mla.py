@@ -6,11 +6,12 @@ head's key part k_nope and value. Expanded, head h's score is q_nope . (W_UK[h] 
 and its output W_UV[h] (softmax . c). Absorbing W_UK into the query (q_lat = W_UK[h]^T q_nope)
 makes every head attend over the same per-token vector [k_pe, c] with the query [q_pe, q_lat]:
 one KV head of qk_rope_head_dim + kv_lora_rank channels, its first qk_rope_head_dim turned by RoPE
-(partial rotary), its value the same vector before RoPE (the output's latent part is softmax . c). The cache
-therefore holds the latent, as DeepSeek's own inference and vLLM's MLA do, not each head's
-expanded keys and values (for DeepSeek-V2-Lite 2 x 576 values a token and layer, the key and value
-slots holding the same vector, against 16 x (192 + 128) expanded), and every cache kind serves it
-as any one-KV-head model. The scores
+(partial rotary), its value the same vector (only the output's latent part, softmax . c, is read,
+so the value's RoPE channels may as well be turned). The cache therefore holds the latent, as
+DeepSeek's own inference and vLLM's MLA do, not each head's expanded keys and values: for
+DeepSeek-V2-Lite 576 values a token and layer against 16 x (192 + 128) expanded. Its spec says the
+values are the keys (CacheSpec.values_are_keys): the contiguous and paged stores and the engine's
+pool keep one copy, the other cache kinds store both. The scores
 keep DeepSeek's scale, 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) (times YaRN's mscale²).
 """
 
@@ -88,10 +89,9 @@ class LatentAttention(CachedAttention):
         else:
             q_lat = torch.einsum("bshn,hnr->bhsr", q_nope.float(), self.w_uk).to(x.dtype)
         c, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
-        value = torch.cat([k_pe, self.kv_norm(c)], dim=-1)[:, None]  # [B, 1, S, rope + rank]: the key before RoPE
+        key = apply_rotary(torch.cat([k_pe, self.kv_norm(c)], dim=-1)[:, None], *rope)  # [B, 1, S, rope + rank]
         query = apply_rotary(torch.cat([q_pe.transpose(1, 2), q_lat], dim=-1), *rope)  # [B, H, S, rope + rank]
-        key = apply_rotary(value, *rope)
-        out = self.attend(query, key, value, cache, mask)[..., self.rope_dim :]  # the value's latent part: softmax . c
+        out = self.attend(query, key, key, cache, mask)[..., self.rope_dim :]  # the value's latent part: softmax . c
         if self.uv_heads is not None:
             heads = torch.stack([uv(out[:, h]) for h, uv in enumerate(self.uv_heads)], dim=2)  # [B, S, H, v]
         else:
