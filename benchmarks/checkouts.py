@@ -10,12 +10,15 @@ agree) go to benchmarks/results/checkouts-<model>-<cpu class>.json. The kernels 
 commit (cached by source). With `--prefill N` each turn times the prefill of an N-token prompt (the
 benchmarks' text, `common.prompt_ids`; the prefill's own timer, one new token) instead; with
 `--verify N --context C`, one forward over N new tokens after a C-token context, as a speculative
-verify of N - 1 drafts runs (the median of `--repeats` x 5 forwards; tok/s = N / its time).
+verify of N - 1 drafts runs (the median of `--repeats` x 5 forwards; tok/s = N / its time). With
+`--context C` alone, the decode follows a C-token prompt of the benchmarks' text instead of
+`--prompt`: decode at depth, where the cache's reads weigh.
 
     python benchmarks/checkouts.py --base a52cc96 --head 6837d03 --pairs 6
     python benchmarks/checkouts.py --base feff921 --head 1db94b5 --prefill 2048 --repeats 2
     python benchmarks/checkouts.py --base 21953ce --head bc683f8 --prefill 512 --repeats 3 --name amx-prefill512
     python benchmarks/checkouts.py --base 7be3115 --head 806449f --verify 8 --context 2048
+    python benchmarks/checkouts.py --base 3148d9d --head HEAD --model M.gguf --context 3968 --new-tokens 64
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ if verify:
 llm = LLM.load(model, progress=False, weights=weights, max_context=prefill + 1 if prefill else None)
 if prefill:
     prompt, new_tokens = prompt_ids(llm.tokenizer, prefill), 1
+elif context:  # decode at depth
+    prompt = prompt_ids(llm.tokenizer, context)
 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 llm.generate(prompt, params)
 runs = [llm.generate(prompt, params) for _ in range(repeats)]
@@ -104,7 +109,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="Once upon a time")
     parser.add_argument("--prefill", type=int, default=0, help="time the prefill of a prompt of this many tokens instead")
     parser.add_argument("--verify", type=int, default=0, help="time one forward over this many new tokens instead")
-    parser.add_argument("--context", type=int, default=0, help="--verify: the tokens in the cache before them")
+    parser.add_argument("--context", type=int, default=0, help="the tokens in the cache before a decode (its prompt) or a --verify forward")
     parser.add_argument("--numerics-change", action="store_true",
                         help="the head changes the arithmetic on purpose: keep going where the tokens differ, and "
                              "record how many leading tokens agree")
@@ -114,8 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.verify and args.prefill:
         parser.error("--verify and --prefill time different things: give one")
-    if args.context and not args.verify:
-        parser.error("--context is the cache before a --verify forward: give --verify too")
+    if args.context and args.prefill:
+        parser.error("--context is the cache before a decode or a --verify forward, not a --prefill: give one")
     if args.verify and args.context < 1:
         parser.error("--verify needs --context (the tokens in the cache before the forward), at least 1")
     with tempfile.TemporaryDirectory() as scratch:
@@ -139,6 +144,8 @@ def main() -> None:
         what, default_name = f"{args.verify}-token forward after {args.context}", f"checkouts-verify{args.verify}-at{args.context}"
     elif args.prefill:
         what, default_name = f"{args.prefill}-token prefill", f"checkouts-prefill{args.prefill}"
+    elif args.context:
+        what, default_name = f"{args.new_tokens} new tokens after {args.context}", f"checkouts-at{args.context}"
     else:
         what, default_name = f"{args.new_tokens} new tokens", "checkouts"
     print(f"{args.model} ({args.weights}), {what}, {args.pairs} pairs: {base_sha[:7]} "
