@@ -12,12 +12,17 @@ reads a quantized cache through `update` (its history decoded into the scratch b
 with q4 weights the C decode step runs, and for the codecs kernels/quantized_attention.c reads
 (int8, int4, fp16/bf16/fp8) it attends over the stored codes directly; kvquant3 keeps `update`.
 
+`--caches` picks the caches; `fp32-apart` is the fp32 cache with separate key and value stores for a
+model whose values are its keys (DeepSeek's latent attention, which the fp32 cache otherwise keeps once):
+
     python benchmarks/kv_memory.py --contexts 512,2048 --weights fp32,q4
+    python benchmarks/kv_memory.py --model M.gguf --weights q4 --contexts 1000,2000 --caches fp32,fp32-apart --repeats 9 --name kv_memory-latent
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -35,7 +40,8 @@ from kvgen.kv.interface import CacheSpec, KVCache  # noqa: E402
 from kvgen.cache_factory import build_quantized_cache  # noqa: E402
 from kvgen.kv import quantized_decode_view  # noqa: E402
 
-CONFIGS = [("fp32", "fp32"), ("int8", "int8"), ("int4", "int4"), ("kvquant3", "kvquant3")]
+CONFIGS = {"fp32": ("fp32", "fp32"), "fp32-apart": ("fp32", "fp32"), "int8": ("int8", "int8"), "int4": ("int4", "int4"),
+           "kvquant3": ("kvquant3", "kvquant3")}  # fmt: skip
 
 
 def decode_speed(llm: LLM, cache: KVCache, last_logits: torch.Tensor, prompt_length: int, decode: int) -> float:
@@ -58,29 +64,37 @@ def decode_path(weights: str, k_dtype: str, cache: KVCache) -> str:
     return "C over codes" if quantized_decode_view.supports(cache) else "C + update"
 
 
-def measure(llm: LLM, weights: str, context: int, decode: int, repeats: int) -> list[dict[str, Any]]:
+def new_cache(llm: LLM, name: str, size: int) -> Any:
+    k, v = CONFIGS[name]
     spec = CacheSpec.for_model(llm.config)
+    if name == "fp32-apart":
+        return ContiguousCache(dataclasses.replace(spec, values_are_keys=False), size)
+    return ContiguousCache(spec, size) if k == "fp32" else build_quantized_cache(llm.model, llm.tokenizer, size, size, k, v)
+
+
+def measure(llm: LLM, weights: str, context: int, decode: int, repeats: int, names: list[str]) -> list[dict[str, Any]]:
     ids, size = prompt_ids(llm.tokenizer, context), context + decode
-    caches: list[tuple[str, str, Any, torch.Tensor]] = []
-    for k, v in CONFIGS:
-        cache: Any = ContiguousCache(spec, size) if k == "fp32" else build_quantized_cache(llm.model, llm.tokenizer, size, size, k, v)
+    caches: list[tuple[str, Any, torch.Tensor]] = []
+    for name in names:
+        cache = new_cache(llm, name, size)
         with torch.inference_mode():
-            caches.append((k, v, cache, llm.model(torch.tensor([ids]), cache)))
-    samples: dict[str, list[float]] = {k: [] for k, _ in CONFIGS}
+            caches.append((name, cache, llm.model(torch.tensor([ids]), cache)))
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(repeats):  # taking turns, so a busy minute on the machine hits every cache alike
-        for k, _, cache, logits in caches:
-            samples[k].append(decode_speed(llm, cache, logits, context, decode))
+        for name, cache, logits in caches:
+            samples[name].append(decode_speed(llm, cache, logits, context, decode))
     rows: list[dict[str, Any]] = []
-    fp32_held, baseline = caches[0][2].memory_bytes() / context, max(samples["fp32"])
-    for k, v, cache, _ in caches:
+    fp32_held, baseline = caches[0][1].memory_bytes() / context, max(samples[names[0]])
+    for name, cache, _ in caches:
+        k, v = CONFIGS[name]
         held = cache.memory_bytes() / context
         packed = (cache.key_store.nbytes() + cache.value_store.nbytes()) / context if k != "fp32" else held
-        speed = max(samples[k])
-        rows.append({"weights": weights, "context": context, "k": k, "v": v, "bytes_per_token_held": held,
+        speed = max(samples[name])
+        rows.append({"weights": weights, "context": context, "cache": name, "k": k, "v": v, "bytes_per_token_held": held,
                      "bytes_per_token_packed": packed, "memory_vs_fp32": held / fp32_held,
                      "decode_path": decode_path(weights, k, cache),
                      "decode_tok_s": speed, "speed_vs_fp32": speed / baseline,
-                     "samples_tok_s": [round(x, 1) for x in samples[k]]})  # fmt: skip
+                     "samples_tok_s": [round(x, 1) for x in samples[name]]})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
@@ -92,15 +106,21 @@ def main() -> None:
     parser.add_argument("--weights", default="fp32,q4", help="comma-separated: fp32 (torch path), q4, int8 (C path)")
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--caches", default="fp32,int8,int4,kvquant3", help=f"comma-separated, the first the baseline: {', '.join(CONFIGS)}")
+    parser.add_argument("--name", default="kv_memory", help="results file: results/<name>.json")
     args = parser.parse_args()
+    names = args.caches.split(",")
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown:
+        parser.error(f"--caches: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     rows: list[dict[str, Any]] = []
     for weights in args.weights.split(","):
         llm = LLM.load(args.model, progress=False, weights=weights)
         for context in (int(c) for c in args.contexts.split(",")):
-            rows += measure(llm, weights, context, args.decode, args.repeats)
+            rows += measure(llm, weights, context, args.decode, args.repeats, names)
     columns = [c for c in rows[0] if c != "samples_tok_s"]
     print_table(rows, columns)
-    print(f"\nwrote {write_results('kv_memory', {'config': vars(args), 'rows': rows})}")
+    print(f"\nwrote {write_results(args.name, {'config': vars(args), 'rows': rows})}")
 
 
 if __name__ == "__main__":
