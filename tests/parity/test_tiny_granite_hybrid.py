@@ -22,7 +22,8 @@ from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint
+from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
+                                    assert_session_resumes_from_a_checkpoint)  # fmt: skip
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
 from tests.support.tiny_hf import save_tiny_granite_hybrid, tokenizer_folder
 
@@ -124,6 +125,20 @@ def test_c_decode_step_follows_the_torch_step(name: str, hybrids: dict, monkeypa
     the same logits up to the order of float sums, and the same greedy tokens."""
     _, llm = hybrids[name]
     assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 10), random_ids(16, 11), monkeypatch)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_c_rows_of_several_sequences_equal_each_alone(name: str, hybrids: dict) -> None:
+    """The engine's one-token rows of three sequences of different lengths go through each layer
+    together in C (int8 projections: the Mamba-2 step and the MLP over all rows, attention over each
+    row's own keys): logits, states, keys and values bit for bit as each row's token alone; and the
+    engine, whose steps mix such rows with chunks of prompts, decodes what each request does alone."""
+    _, llm = hybrids[name]
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    assert_c_rows_equal_each_row_alone(int8, [random_ids(n, 20 + n) for n in (9, 30, 17)], random_ids(3, 12))
+    prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
+    engine = LLMEngine(int8, EngineConfig(max_tokens_per_step=16, block_size=8))
+    assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == [int8.generate(p, GREEDY).token_ids for p in prompts]
 
 
 def test_engine_rows_equal_transformers_and_a_cancel_frees_its_reservation(hybrids: dict) -> None:

@@ -1,4 +1,4 @@
-"""Checks shared by the state-space families' tests (Mamba, Mamba-2)."""
+"""Checks shared by the state-space families' tests (Mamba, Mamba-2, Granite 4.0-H)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,10 @@ def assert_c_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]], tok
         for layer in range(b.spec.num_layers):
             assert torch.equal(b.recurrent_state(layer), s.recurrent_state(layer))
             assert torch.equal(b.conv_state(layer), s.conv_state(layer))
+        if hasattr(b, "kv"):  # a hybrid's attention layers: the keys and values each row wrote
+            assert b.kv.seq_len == s.kv.seq_len == b.seq_len
+            none = torch.empty(1, b.kv.spec.num_kv_heads, 0, b.kv.spec.head_dim)
+            for layer in range(b.kv.spec.num_layers):
+                with torch.inference_mode():  # an update of no positions: the history as views
+                    history = b.kv.update(layer, none, none), s.kv.update(layer, none, none)
+                assert all(torch.equal(got, want) for got, want in zip(*history))

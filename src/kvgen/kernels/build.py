@@ -211,6 +211,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,
                                           pointer, pointer, pointer, pointer]  # fmt: skip
+    # blocks, num_layers, rows, h, rope, rope kinds, rope_kind, window, row_stores, pos_stride, positions, scratch
+    library.kvgen_decode_rows_own.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
+                                              count, pointer, pointer]  # fmt: skip
+    library.kvgen_mlp_rows.argtypes = [pointer, count, pointer, pointer]
     library.kvgen_decode_tree.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, pointer, count, count,
                                           pointer, pointer]  # fmt: skip
@@ -221,7 +225,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer, pointer,
                                                      pointer]  # fmt: skip
-    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_eagle_positions", "kvgen_decode_tree", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
+    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_decode_rows_own", "kvgen_mlp_rows", "kvgen_eagle_positions", "kvgen_decode_tree", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
                  *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

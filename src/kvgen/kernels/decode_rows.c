@@ -19,7 +19,8 @@ typedef struct {
 // through its group's tables, tables + layer_group[l] * rows * table_width; NULL: slot l, one table. Attention reads the same
 // fp32 store (codes == NULL), or, over a pool of K/V codes, the row's code blocks plus the fp32 run
 // that starts at its staging slot (kv/paged_codes.py): then tables hold each row's slot and
-// write_pos its offset in the block.
+// write_pos its offset in the block. Rows that each keep their own buffers (a hybrid model's
+// contiguous caches, one per sequence) give row_stores instead of a base and tables.
 typedef struct {
     float *k_base, *v_base;
     int64_t layer_stride, head_stride, pos_stride, block_stride, block_size;
@@ -35,6 +36,9 @@ typedef struct {
     const int64_t* layer_group;       // [layers], or NULL
     const int64_t* tails;             // [rows, tail_width]: a token tree's paths (kv_layout's tail), or NULL
     int64_t tail_width, tail_start;
+    // [layers, rows, 3]: row r's own keys and values of a layer (the addresses of its [kv_heads,
+    // capacity, d] buffers) and their head stride; positions pos_stride apart. NULL: the base's.
+    const int64_t* row_stores;
 } rows_kv;
 
 static float* layer_store(const rows_kv* kv, float* base, int64_t layer) {
@@ -47,11 +51,15 @@ static const int64_t* row_table(const rows_kv* kv, int64_t layer, int64_t rows, 
     return kv->tables + (group * rows + r) * kv->table_width;
 }
 
-// Where row r reads and writes one layer's keys (base: the layer's store) or values.
-static kv_layout row_layout(const rows_kv* kv, const float* base, int64_t layer, int64_t rows, int64_t r) {
-    return (kv_layout){base, kv->head_stride, kv->pos_stride, kv->block_stride, kv->block_size,
-                       row_table(kv, layer, rows, r), kv->tails != NULL ? kv->tails + r * kv->tail_width : NULL,
-                       kv->tail_start};
+// Where row r reads and writes one layer's keys (values == 0) or values.
+static kv_layout row_layout(const rows_kv* kv, int values, int64_t layer, int64_t rows, int64_t r) {
+    if (kv->row_stores != NULL) {  // the row's own buffer, one strided run of positions
+        const int64_t* own = kv->row_stores + (layer * rows + r) * 3;
+        return (kv_layout){(const float*)(intptr_t)own[values], own[2], kv->pos_stride, 0, 0, NULL, NULL, 0};
+    }
+    return (kv_layout){layer_store(kv, values ? kv->v_base : kv->k_base, layer), kv->head_stride, kv->pos_stride,
+                       kv->block_stride, kv->block_size, row_table(kv, layer, rows, r),
+                       kv->tails != NULL ? kv->tails + r * kv->tail_width : NULL, kv->tail_start};
 }
 
 // The rows step runs in one OpenMP parallel region for all its layers, as the batch-1 step does
@@ -234,8 +242,7 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
     float* q = st->s->qkv_out + r * (nq + 2 * nkv);
     float* k = q + nq;
     const float* v = b->mla_rank > 0 ? k : k + nkv;  // latent attention's value is its (turned) key
-    const kv_layout kl = row_layout(kv, layer_store(kv, kv->k_base, layer), layer, rows, r);
-    const kv_layout vl = row_layout(kv, layer_store(kv, kv->v_base, layer), layer, rows, r);
+    const kv_layout kl = row_layout(kv, 0, layer, rows, r), vl = row_layout(kv, 1, layer, rows, r);
     qk_norm(b, q, b->q_norm, b->num_heads);
     qk_norm(b, k, b->k_norm, b->num_kv_heads);
     for (int64_t head = 0; head < b->num_heads; head++) rotate_half(q + head * d, cos, cos + d, b->rotary_dim);
@@ -259,7 +266,7 @@ static void row_rotate(const rows_step* st, int64_t layer, int64_t r) {
 // Whether row r's newest keys are read by its neighbour row too (the rows of one prompt or one
 // verify share their block table). Only the speed depends on it, never the bits.
 static int row_shares_keys(const rows_kv* kv, int64_t layer, int64_t rows, int64_t r, int64_t end) {
-    if (rows < 2) return 0;
+    if (rows < 2 || kv->row_stores != NULL) return 0;
     const int64_t neighbour = r + 1 < rows ? r + 1 : r - 1, block = (end - 1) / kv->block_size;
     return row_table(kv, layer, rows, r)[block] == row_table(kv, layer, rows, neighbour)[block];
 }
@@ -299,8 +306,6 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
     const rows_kv* kv = st->kv;
     const int64_t d = b->head_dim, nq = b->num_heads * d, qkv_width = nq + 2 * b->num_kv_heads * d, rows = st->rows;
     const int64_t window = st->window[layer], kv_head = head / group;
-    float* k_layer = layer_store(kv, kv->k_base, layer);
-    float* v_layer = layer_store(kv, kv->v_base, layer);
     kv_layout kl[ROW_BLOCK], vl[ROW_BLOCK];
     softmax_state state[ROW_BLOCK][MAX_HEAD_RUN];
     int64_t start[ROW_BLOCK], end[ROW_BLOCK], tiles = 0;
@@ -309,7 +314,7 @@ static void attend_row_block(const rows_step* st, int64_t layer, int64_t r0, int
         const int64_t r = r0 + i;
         end[i] = st->positions[r] + 1;
         start[i] = window > 0 && end[i] > window ? end[i] - window : 0;
-        kl[i] = row_layout(kv, k_layer, layer, rows, r), vl[i] = row_layout(kv, v_layer, layer, rows, r);
+        kl[i] = row_layout(kv, 0, layer, rows, r), vl[i] = row_layout(kv, 1, layer, rows, r);
         cached[i] = row_keys_cached(kv, layer, rows, r, end[i], n);
         attend_begin(st->s->attn + r * nq + head * d, count, d, b->softcap, b->sinks ? b->sinks + head : NULL, state[i]);
         const int64_t row_tiles = (end[i] - start[i] + 31) / 32;
@@ -372,12 +377,15 @@ static void attend_rows_team(const rows_step* st, int64_t layer, const codes_scr
     }
 }
 
+static void mlp_row_input(const rows_step* st, const block_t* b, int64_t r);
+static void mlp_rows_team(const rows_step* st, int64_t layer);
+
 // One layer for every row, by the team, each row's input already quantized into s->xq; leaves the
 // next layer's quantized (after the last layer: only h).
 static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scratch* t) {
     const block_t* b = &st->blocks[layer];
     const rows_scratch* s = st->s;
-    const int64_t hidden = b->hidden, inter = b->intermediate, rows = st->rows;
+    const int64_t hidden = b->hidden, rows = st->rows;
     const int mla = b->mla_rank > 0;
     linear_lora_rows_team(st, layer, LORA_QKV, &b->qkv, s->x, mla ? s->mlp : s->qkv_out);
     if (mla) {
@@ -401,9 +409,23 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         add_residual(b, st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, hidden);
-        norm_input(st->h + r * hidden, b->mlp_in_norm, b->eps, hidden, s->x + r * hidden);
-        if (b->num_experts == 0) quantize_row(st, &b->gate_up, s->x, r);
+        mlp_row_input(st, b, r);
     }
+    mlp_rows_team(st, layer);
+}
+
+// Row r's input to the block's MLP: its normed h, quantized for gate_up (a mixture quantizes per expert).
+static void mlp_row_input(const rows_step* st, const block_t* b, int64_t r) {
+    norm_input(st->h + r * b->hidden, b->mlp_in_norm, b->eps, b->hidden, st->s->x + r * b->hidden);
+    if (b->num_experts == 0) quantize_row(st, &b->gate_up, st->s->x, r);
+}
+
+// The block's MLP or mixture for every row, by the team, each row's input in s->x (mlp_row_input),
+// then the residual; leaves the next layer's input quantized (after the last layer: only h).
+static void mlp_rows_team(const rows_step* st, int64_t layer) {
+    const block_t* b = &st->blocks[layer];
+    const rows_scratch* s = st->s;
+    const int64_t hidden = b->hidden, inter = b->intermediate, rows = st->rows;
     float* out = s->y;  // the MLP's output rows
     if (b->num_experts > 0) {
         experts_rows_team(st, b);
@@ -428,11 +450,11 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
 // matmuls of all rows in one tiled GEMM per weight. Row r is at positions[r] and has its own RoPE:
 // rope [rows, kinds, 2, d]. Keys and values: see rows_kv. lora: [num_layers, LORA_LINEARS] adapter
 // deltas or NULL; lora_slots[r]: row r's adapter slot (-1: none; rows without one get the bits of
-// the base-only step).
+// the base-only step). mlp_only: the one block's MLP sublayer alone (a hybrid's Mamba layer).
 static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
                         int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window, const rows_kv* kv,
                         const int64_t* positions, const rows_scratch* s, const lora_linear* lora,
-                        const int64_t* lora_slots) {
+                        const int64_t* lora_slots, int mlp_only) {
     int64_t widest = 0, nq = 0, kv_heads = 0, d = 0, group = 0, experts = 0, top_k = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const block_t* b = &blocks[l];
@@ -468,9 +490,15 @@ static void decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows,
 #pragma omp parallel
     {
         const codes_scratch t = kv->key_codes != NULL ? codes_scratch_new(d, group) : (codes_scratch){0};
+        if (mlp_only) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) row_input(&st, 0, r);
-        for (int64_t layer = 0; layer < num_layers; layer++) layer_rows_team(&st, layer, &t);
+            for (int64_t r = 0; r < rows; r++) mlp_row_input(&st, blocks, r);
+            mlp_rows_team(&st, 0);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) row_input(&st, 0, r);
+            for (int64_t layer = 0; layer < num_layers; layer++) layer_rows_team(&st, layer, &t);
+        }
         codes_scratch_free(&t);
     }
     free(routed->ids);
@@ -498,7 +526,7 @@ void kvgen_decode_rows(const block_t* blocks, int64_t num_layers, int64_t rows, 
                        const rows_scratch* s, const lora_linear* lora, const int64_t* lora_slots) {
     const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride, block_size, tables,
                         table_width, positions, NULL, NULL, NULL, 0, 0, NULL, layer_slot, layer_group};
-    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots, 0);
 }
 
 // Every block for the rows of a token tree after one sequence's fp32 cache (its block table, or
@@ -515,7 +543,7 @@ void kvgen_decode_tree(const block_t* blocks, int64_t num_layers, int64_t rows, 
     const rows_kv kv = {k_base, v_base, layer_stride, head_stride, pos_stride, block_stride,
                         table != NULL ? block_size : tail_start + tail_width, table != NULL ? table : &one_block, 0,
                         positions, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, tails, tail_width, tail_start};
-    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, NULL, NULL);
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, NULL, NULL, 0);
 }
 
 // Every block for one-token rows over a pool of K/V codes (kv/paged_codes.py): the new key/value go
@@ -532,5 +560,25 @@ void kvgen_decode_rows_over_codes(const block_t* blocks, int64_t num_layers, int
     const int64_t d = blocks[0].head_dim;
     const rows_kv kv = {stage_k, stage_v, layer_stride, head_stride, d, slot_stride, block_size, slots, 1, offsets,
                         key_codes, value_codes, code_tables, code_table_width, block_size, num_code_blocks, NULL, NULL};
-    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots);
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots, 0);
+}
+
+// Every block for one-token rows of sequences that each keep their own keys and values (a hybrid
+// model's contiguous caches): see rows_kv's row_stores. Each row is computed as the batch-1 step
+// computes its token.
+void kvgen_decode_rows_own(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
+                           int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window,
+                           const int64_t* row_stores, int64_t pos_stride, const int64_t* positions,
+                           const rows_scratch* s) {
+    rows_kv kv = {0};
+    kv.pos_stride = pos_stride, kv.write_pos = positions, kv.row_stores = row_stores;
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, NULL, NULL, 0);
+}
+
+// One block's MLP sublayer for one-token rows (a hybrid's Mamba layers, whose mixer runs in
+// mamba_step.c): h[r] += residual_scale * mlp(norm(h[r])), each row with the bits kvgen_block_mlp
+// gives it alone.
+void kvgen_mlp_rows(const block_t* block, int64_t rows, float* h, const rows_scratch* s) {
+    const rows_kv none = {0};
+    decode_rows(block, 1, rows, h, NULL, 0, NULL, NULL, &none, NULL, s, NULL, NULL, 1);
 }

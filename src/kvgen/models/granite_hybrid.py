@@ -8,9 +8,11 @@ that SwiGLU as its shared expert (models/moe.py). Embeddings times embedding_mul
 divided by logits_scaling, as Granite 3.
 
 The per-sequence memory is a HybridStateCache (kv/hybrid.py): the Mamba layers' states with their
-checkpoints, and a contiguous K/V cache over the attention layers only. Rows of a batch run one
-after another (each row's keys are its own); states at checkpoint multiples are captured during a
-prompt as Mamba's are, and the keys and values for those positions are in the K/V cache already.
+checkpoints, and a contiguous K/V cache over the attention layers only. Where the C step runs, the
+one-token rows of a batch (the engine's decodes) go through each layer together
+(models/hybrid_decode.py); other rows run one after another (each row's keys are its own). States at
+checkpoint multiples are captured during a prompt as Mamba's are, and the keys and values for those
+positions are in the K/V cache already.
 """
 
 from __future__ import annotations
@@ -80,7 +82,21 @@ class GraniteHybridModel(RecurrentLM):
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
         if not all(isinstance(c, HybridStateCache) for c in caches):
             raise ValueError("a granitemoehybrid model keeps its state in a HybridStateCache (model.new_state_cache())")
-        return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
+        decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1]
+        step = self._c_step() if len(decodes) > 1 else None
+        if step is None:
+            return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
+        # The one-token rows in one C call per layer (each weight read once for them all), the others one by one.
+        logits: list[torch.Tensor | None] = [None] * len(caches)
+        d = self.config.decoder
+        h = (self.embed_tokens[torch.tensor([token_ids[row][0] for row in decodes])].float() * d.embedding_multiplier).contiguous()
+        step.step_rows(h, [caches[row] for row in decodes])
+        for row, row_logits in zip(decodes, self.lm_head(self.norm(h)) / d.logits_scaling):
+            logits[row] = row_logits[None]
+        for row, (ids, cache, n) in enumerate(zip(token_ids, caches, num_logits)):
+            if logits[row] is None:
+                logits[row] = self._forward_row(ids, cache, n)  # type: ignore[arg-type]
+        return torch.cat(logits)  # type: ignore[arg-type]
 
     def _runs_in_c(self) -> bool:
         return hybrid_runs_in_c(self)

@@ -6,6 +6,12 @@ attention layer as decode.c's kvgen_block_pre (QKV; without RoPE cos 1, sin 0), 
 its keys, and kvgen_block_post (attention, o-proj, MLP or mixture). These are the kernels the
 transformer families' C steps and the Mamba-2 step use, over the same blocks; the torch path
 remains the reference (tests/parity/test_tiny_granite_hybrid.py compares the two).
+
+The engine's one-token rows of several sequences (`step_rows`) run each layer for all of them in
+one call, so its weights are read once a step instead of once a row: a Mamba layer's mixer as
+kvgen_mamba2_step over the rows and its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer
+as kvgen_decode_rows_own over each row's own contiguous keys and values. A row's bits are those it
+gets alone (tests/support/recurrent.py checks them).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
-from kvgen.models.fast_decode import BlockStruct, describe_block, mlp_linears
+from kvgen.models.fast_decode import BlockStruct, describe_block, mlp_linears, rows_scratch
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
 
@@ -52,6 +58,10 @@ class HybridStep(MixerStructs):
         self.k_new, self.v_new = torch.empty(1, d.num_kv_heads, 1, d.head_dim), torch.empty(1, d.num_kv_heads, 1, d.head_dim)
         self.cos, self.sin = torch.ones(d.head_dim), torch.zeros(d.head_dim)  # no RoPE (Granite 4.0-H): the identity turn
         self.rope = model.rope if model.config.rope else None
+        self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
+        self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
+        self._widths = (d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim,
+                        max(d.intermediate_size, d.expert_intermediate_size, d.shared_expert_intermediate_size))  # fmt: skip
 
     def _scratch(self, size: int) -> int:
         buffer = torch.zeros(size)
@@ -81,3 +91,49 @@ class HybridStep(MixerStructs):
             lib.kvgen_block_post(ctypes.byref(struct), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
                                  values.stride(1), values.stride(2), 0, keys.shape[2], None, -1)  # fmt: skip
         cache.commit(1, {})
+
+    def step_rows(self, h: torch.Tensor, caches: list[HybridStateCache]) -> None:
+        """h [rows, hidden] (updated in place): each row one token after its own cache, every layer
+        for all rows in one call; each cache's states and keys written, then committed."""
+        lib, rows = self.library, h.shape[0]
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == len(caches)
+        scratch, h_ptr = ctypes.byref(self._scratch_for_rows(rows)), h.data_ptr()
+        positions = torch.tensor([cache.seq_len for cache in caches], dtype=torch.int64)
+        layouts = [cache.kv.kernel_layout(cache.seq_len + 1) for cache in caches]  # room for the new key
+        rope = self._rows_rope(positions)
+
+        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+            return (_ptr * rows)(*(t.data_ptr() for t in tensors))
+
+        for mixer, struct, slot in self.layers:
+            if mixer is not None:
+                conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
+                ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
+                conv_out, ssm_out = [torch.empty_like(c) for c in conv_in], [torch.empty_like(s) for s in ssm_in]
+                lib.kvgen_mamba2_step(ctypes.addressof(mixer), 1, rows, h_ptr, pointers(conv_in), pointers(conv_out),
+                                      pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+                lib.kvgen_mlp_rows(ctypes.byref(struct), rows, h_ptr, scratch)
+                for cache, conv, ssm in zip(caches, conv_out, ssm_out):
+                    cache.write(slot, conv, ssm, owned=True)
+                continue
+            stores = torch.tensor([[layout.keys.data_ptr() + 4 * slot * layout.layer_stride,
+                                    layout.values.data_ptr() + 4 * slot * layout.layer_stride, layout.head_stride]
+                                   for layout in layouts], dtype=torch.int64)  # fmt: skip
+            lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
+                                      self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
+                                      positions.data_ptr(), scratch)  # fmt: skip
+        for cache in caches:
+            cache.commit(1, {})
+
+    def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:
+        """[rows, 1, 2, head_dim]: each row's cos and sin (without RoPE the identity turn)."""
+        if self.rope is None:
+            return torch.stack([self.cos, self.sin]).expand(len(positions), 1, 2, -1).contiguous()
+        cos, sin = self.rope(positions[:, None], torch.float32)  # [rows, 1, 1, head_dim] each
+        return torch.stack([cos.reshape(len(positions), -1), sin.reshape(len(positions), -1)], dim=1)[:, None].contiguous()
+
+    def _scratch_for_rows(self, rows: int) -> ctypes.Structure:
+        if rows > self._rows_capacity:
+            self._rows_buffers, self._rows_struct = rows_scratch(rows, *self._widths)
+            self._rows_capacity = rows
+        return self._rows_struct
