@@ -55,7 +55,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
                   "KV cache options refused", "yes (int8 / q4 weights), layer by layer",
                   "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
-                  "no prefix cache, no speculative decoding",
+                  "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
                   "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
                   "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",

@@ -150,7 +150,7 @@ def test_engine_rows_equal_transformers_and_a_cancel_frees_its_reservation(hybri
     requests = engine.generate(prompts, GREEDY)
     for ids, request in zip(prompts, requests):
         assert request.output_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
-    assert engine.scheduler.num_blocks_in_use() == 0 and engine.scheduler.prefix is None
+    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units  # only the prefix cache holds anything
     first = engine.add_request("a", prompts[0], GREEDY)
     engine.add_request("b", prompts[1], GREEDY)
     engine.step()
@@ -160,7 +160,24 @@ def test_engine_rows_equal_transformers_and_a_cancel_frees_its_reservation(hybri
         engine.check_invariants()
         engine.step()
     assert first.output_ids == requests[0].output_ids
-    assert engine.scheduler.num_blocks_in_use() == 0 and not engine.scheduler.running
+    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units and not engine.scheduler.running
+
+
+def test_engine_prefix_cache_resumes_the_states_and_the_keys(hybrids: dict) -> None:
+    """A prompt sharing 52 tokens with an earlier request's resumes from the snapshot at the last
+    block boundary inside them (the Mamba layers' states and the attention layers' keys of the
+    blocks before it, RoPE turning them) and decodes transformers' tokens; the prefix cache's blocks
+    and snapshots are what the engine's budget counts once the requests end."""
+    model, llm = hybrids["experts-rope"]
+    shared = random_ids(52, 60)
+    second = shared + random_ids(9, 62)
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
+    engine.generate([shared + random_ids(6, 61)], GREEDY)
+    (request,) = engine.generate([second], GREEDY)
+    assert request.cached_tokens == 48 and request.miss_reason == "hit"
+    assert request.output_ids == transformers_greedy(model, second, GREEDY.max_new_tokens)
+    engine.check_invariants()
+    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0
 
 
 def test_paths_the_hybrid_does_not_run_refuse_clearly(hybrids: dict) -> None:

@@ -1,10 +1,14 @@
-"""StatePrefixIndex (state snapshots at block boundaries) and the SSMStateCache hooks the engine uses."""
+"""StatePrefixIndex (state snapshots at block boundaries, with a hybrid's keys and values per block)
+and the SSMStateCache and HybridStateCache hooks the engine uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvgen.kv.contiguous import ContiguousCache
+from kvgen.kv.hybrid import HybridStateCache
+from kvgen.kv.interface import CacheSpec
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.kv.state_prefix import StatePrefixIndex
 
@@ -16,7 +20,7 @@ def snapshot(value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def test_match_returns_the_deepest_snapshot_on_the_exact_path() -> None:
-    index = StatePrefixIndex(block_size=4, max_snapshots=10)
+    index = StatePrefixIndex(block_size=4, max_units=10)
     tokens = list(range(20))
     # 6 is not a block boundary, 24 lies past the end: only 4 and 12 are kept.
     assert index.insert(tokens, {4: snapshot(4), 12: snapshot(12), 6: snapshot(6), 24: snapshot(24)}) == 2
@@ -31,7 +35,7 @@ def test_match_returns_the_deepest_snapshot_on_the_exact_path() -> None:
 
 
 def test_eviction_is_least_recently_used_and_prunes_bare_paths() -> None:
-    index = StatePrefixIndex(block_size=2, max_snapshots=2)
+    index = StatePrefixIndex(block_size=2, max_units=2)
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     index.insert(a, {2: snapshot(1)})
     index.insert(b, {4: snapshot(2)})
@@ -64,3 +68,37 @@ def test_state_cache_hands_checkpoints_over_and_restores_from_one() -> None:
     assert taken[8][0][1][0, 0, 0].item() == 3.0
     with pytest.raises(ValueError, match="empty cache"):
         twin.restore(4, taken[8])
+
+
+def test_a_hybrid_path_keeps_each_blocks_keys_once_and_restores_a_cache_from_them() -> None:
+    """A hybrid's snapshots come with the keys and values of every block on their path: a snapshot
+    costs its units, each block its positions; a shared block is held once and outlives the
+    shallower snapshot evicted before it; a cache restored from the deepest snapshot holds its
+    states and every position's keys and values."""
+    kv_spec = CacheSpec(num_layers=2, num_kv_heads=1, head_dim=3)
+    source = HybridStateCache(SPEC, ContiguousCache(kv_spec, 16), checkpoint_every=4)
+    keys = torch.arange(2 * 12 * 3, dtype=torch.float32).reshape(2, 1, 1, 12, 3)
+    for layer in range(2):
+        source.kv.update(layer, keys[layer], -keys[layer])
+        source.write(layer, torch.full(SPEC.conv_shape, 1.0), torch.full(SPEC.state_shape, 1.0))
+    source.commit(12)
+    index = StatePrefixIndex(block_size=4, max_units=100, snapshot_units=10, block_units=4)
+    tokens = list(range(12))
+    index.insert(tokens, {4: snapshot(4), 12: snapshot(12)}, kv_block=source.kv_block)
+    assert index.num_units == 2 * 10 + 3 * 4  # two snapshots, three blocks
+    index.insert(tokens[:8] + [50, 51, 52, 53], {12: snapshot(7)}, kv_block=source.kv_block)
+    assert index.num_units == 3 * 10 + 4 * 4  # the first two blocks are shared
+    assert index.shrink(1) == 1 and index.num_units == 2 * 10 + 4 * 4  # the oldest snapshot (4) goes, its block stays
+    match = index.match(tokens + [99])
+    assert match.num_tokens == 12 and len(match.kv_blocks) == 3
+    cache = HybridStateCache(SPEC, ContiguousCache(kv_spec, 4, max_capacity=64), checkpoint_every=4)
+    cache.restore(match.num_tokens, match.snapshot, match.kv_blocks)
+    assert cache.seq_len == cache.kv.seq_len == 12 and cache.recurrent_state(0)[0, 0, 0].item() == 12
+    none = torch.empty(1, 1, 0, 3)
+    restored_keys, restored_values = cache.kv.update(1, none, none)
+    assert torch.equal(restored_keys, keys[1]) and torch.equal(restored_values, -keys[1])
+    with pytest.raises(ValueError, match="snapshot alone"):
+        HybridStateCache(SPEC, ContiguousCache(kv_spec, 4)).restore(12, match.snapshot)
+    index.check_invariants()
+    index.clear()
+    assert index.num_units == 0

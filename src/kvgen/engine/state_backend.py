@@ -51,12 +51,13 @@ def state_backend(model: MambaModel | Mamba2Model | GraniteHybridModel | T5Model
 
 def _hybrid_backend(model: GraniteHybridModel, config: EngineConfig, budget_bytes: int) -> tuple[StateBudget, StateScheduler]:
     """A hybrid request reserves its Mamba layers' state and its attention layers' K/V for its
-    longest length, counted in positions of K/V (the state as that many positions' bytes). No
-    prefix cache: a state snapshot alone cannot resume a sequence whose attention needs its keys."""
+    longest length, counted in positions of K/V (the state as that many positions' bytes). Its
+    prefix cache keeps the states at block boundaries with each block's keys and values."""
     cache = model.new_state_cache()
     unit = cache.kv.spec.bytes_per_token
     state_units = -(-cache.spec.bytes_per_snapshot // unit)
     budget = StateBudget(f"granitemoehybrid-{unit}", unit, config.num_blocks or budget_bytes // unit, config.block_size,
                          lambda num_prompt, num_new: state_units + num_prompt + num_new)  # fmt: skip
     keep = config.max_tokens_per_step // config.block_size + 2
-    return budget, StateScheduler(budget, config, lambda _: model.new_state_cache(config.block_size, keep), False, None)
+    prefix = StatePrefixIndex(config.block_size, budget.num_units, state_units, config.block_size) if config.prefix_cache else None
+    return budget, StateScheduler(budget, config, lambda _: model.new_state_cache(config.block_size, keep), False, prefix)

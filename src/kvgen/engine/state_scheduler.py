@@ -10,7 +10,8 @@ reservation, so nobody is ever preempted; a request that does not fit waits.
 
 Mamba's prefix cache (kv/state_prefix.py) keeps state snapshots at block boundaries, one unit each,
 in whatever the running requests leave of the budget; before each step the snapshots the last step
-captured are handed to it. T5's sharing is the model's EncoderCache (one entry per distinct input).
+captured are handed to it. A hybrid's (Granite 4.0-H) also keeps the keys and values of each block
+on the path to a snapshot, counted in positions as a request's reservation is. T5's sharing is the model's EncoderCache (one entry per distinct input).
 A T5 prompt is the encoder's input and runs whole, in the step that admits it (past what is left of
 the step's token budget if it is longer, which ends the budget: at most one such prompt a step).
 """
@@ -23,6 +24,7 @@ from typing import Callable
 from kvgen.engine.config import EngineConfig
 from kvgen.engine.request import Request, RequestStatus
 from kvgen.engine.scheduler import ScheduledRow
+from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.ssm import SSMStateCache
 from kvgen.kv.state_prefix import StatePrefixIndex
 
@@ -77,7 +79,7 @@ class StateScheduler:
         self.waiting.sort(key=lambda r: r.sort_key)
 
     def _units_in_use(self) -> int:
-        return sum(self._units.values()) + (self.prefix.num_snapshots if self.prefix is not None else 0)
+        return sum(self._units.values()) + (self.prefix.num_units if self.prefix is not None else 0)
 
     def schedule(self) -> list[ScheduledRow]:
         for request in self.running:  # the last step's block-boundary snapshots go to the prefix cache
@@ -107,7 +109,7 @@ class StateScheduler:
         need = self.budget.units_for(len(request.prompt_ids), request.output.budget)
         short = self._units_in_use() + need - self.budget.num_units
         if short > 0 and self.prefix is not None:
-            self.prefix.evict(short)
+            self.prefix.shrink(short)
             short = self._units_in_use() + need - self.budget.num_units
         if short > 0:
             return False
@@ -116,7 +118,9 @@ class StateScheduler:
             assert isinstance(cache, SSMStateCache)
             # The last known token is always recomputed: its logits give the next token.
             match = self.prefix.match(request.all_ids, request.salt, max_tokens=len(request.all_ids) - 1)
-            if match.snapshot is not None:
+            if match.snapshot is not None and isinstance(cache, HybridStateCache):
+                cache.restore(match.num_tokens, match.snapshot, match.kv_blocks)
+            elif match.snapshot is not None:
                 cache.restore(match.num_tokens, match.snapshot)
             if request.miss_reason is None:
                 request.cached_tokens, request.miss_reason = match.num_tokens, match.reason
@@ -133,8 +137,8 @@ class StateScheduler:
     def _fit_prefix(self) -> None:
         """The prefix cache may hold what the running requests leave of the budget."""
         if self.prefix is not None:
-            self.prefix.max_snapshots = max(self.budget.num_units - sum(self._units.values()), 0)
-            self.prefix.evict(self.prefix.num_snapshots - self.prefix.max_snapshots)
+            self.prefix.max_units = max(self.budget.num_units - sum(self._units.values()), 0)
+            self.prefix.shrink(self.prefix.num_units - self.prefix.max_units)
 
     def index_blocks(self, request: Request) -> None:
         """Hand the request's block-boundary snapshots to the prefix cache (dropped without one),
@@ -144,7 +148,8 @@ class StateScheduler:
             return
         taken = cache.take_checkpoints()
         if self.prefix is not None and taken:
-            self.prefix.insert(request.all_ids, taken, request.salt)
+            kv_block = cache.kv_block if isinstance(cache, HybridStateCache) else None
+            self.prefix.insert(request.all_ids, taken, request.salt, kv_block)
 
     def release(self, request: Request) -> None:
         """Drop the request from the running or waiting set and free everything it holds."""

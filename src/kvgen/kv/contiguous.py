@@ -80,6 +80,14 @@ class ContiguousCache(KVCache):
             self._values[layer, :, :, start:end] = values
         return self._keys[layer, :, :, :end], self._values[layer, :, :, :end]
 
+    def copy_positions(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of every layer's keys and values at positions start..end-1: [L, B, H, n, D] each
+        (one tensor twice where values are keys)."""
+        if not 0 <= start <= end <= self._seq_len:
+            raise ValueError(f"cannot copy positions {start}..{end}: the cache holds {self._seq_len}")
+        keys = self._keys[:, :, :, start:end].clone()
+        return keys, keys if self.spec.values_are_keys else self._values[:, :, :, start:end].clone()
+
     def kernel_layout(self, num_tokens: int) -> KVLayout | None:
         if self.spec.dtype != torch.float32 or self.batch_size != 1:
             return None

@@ -6,10 +6,14 @@ layers only (the model numbers its attention layers 0, 1, ... for it).
 The two move together: a forward pass writes the states and updates `kv`, and `commit` takes both;
 `truncate` goes only to a length whose recurrent state is held (a checkpoint or the current length,
 as SSMStateCache's) and cuts `kv` to the same length, so a session resuming inside a shared prefix
-recomputes the same tokens for both kinds of layer.
+recomputes the same tokens for both kinds of layer. The engine's prefix cache starts one from a
+snapshot of the states and the keys and values of the positions before it (`restore`), which it
+keeps block by block (`kv_block`, kv/state_prefix.py).
 """
 
 from __future__ import annotations
+
+import torch
 
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.ssm import SSMSpec, SSMStateCache, States
@@ -28,8 +32,25 @@ class HybridStateCache(SSMStateCache):
         super().truncate(num_tokens)  # refuses a length whose state is not held, before kv changes
         self.kv.truncate(num_tokens)
 
-    def restore(self, length: int, states: States) -> None:
-        raise NotImplementedError("a hybrid's state snapshot holds no keys and values: it cannot start a cache")
+    def restore(self, length: int, states: States, kv_blocks: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Start an empty cache from a snapshot of the states after `length` tokens and the keys and
+        values of those positions, in blocks ([attention layers, 1, H, n, D] each, in order)."""
+        if kv_blocks is None or sum(keys.shape[3] for keys, _ in kv_blocks) != length:
+            raise ValueError(f"a hybrid cache starts from its states and the keys and values of all {length} positions "
+                             "before them; a state snapshot alone cannot start it")  # fmt: skip
+        if self.kv.seq_len != 0:
+            raise ValueError(f"restore needs an empty cache; this one holds {self.kv.seq_len} positions of keys")
+        super().restore(length, states)
+        if length:
+            keys, values = (torch.cat(parts, dim=3) for parts in zip(*kv_blocks))
+            for layer in range(self.kv.spec.num_layers):
+                self.kv.update(layer, keys[layer], values[layer])
+            self.kv.commit(length)
+
+    def kv_block(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the attention layers' keys and values at positions start..end-1 (what the
+        engine's prefix cache keeps of a block)."""
+        return self.kv.copy_positions(start, end)
 
     def fork(self) -> "HybridStateCache":
         twin = HybridStateCache(self.spec, self.kv.fork(), self.checkpoint_every, self.max_checkpoints)  # type: ignore[arg-type]
