@@ -1,11 +1,13 @@
 """The engine serving Mamba, Granite 4.0-H and T5: several requests batched against the same
-requests one by one (LLM.generate), Mamba's prefix cache of state snapshots, and T5's encoder runs.
+requests one by one (LLM.generate), the prefix cache of state snapshots (Mamba's, and Granite
+4.0-H's with its blocks' keys), and T5's encoder runs.
 
 No checkpoint of either installs offline, so the weights are random: transformers builds models of
 mamba-130m's shape (hidden 768, 24 layers) and t5-small's (d_model 512, 6 + 6 layers, 8 heads,
 d_ff 2048) with SmolLM2's 49,152-token vocabulary and saves them; kvgen loads the folders. Greedy,
-EOS ignored, fp32; Mamba also with q4 weights (its decode rows then run the one-row C step each), and
-Granite 4.0-H from benchmarks/random_gguf.py's scaled-down H-Tiny file (q4) where it was written. Each run reports whole wall time (prefill + decode) of N requests, and that the
+EOS ignored, fp32; Mamba also with q4 weights (its decode rows in one C call), and Granite 4.0-H from
+benchmarks/random_gguf.py's scaled-down H-Tiny file (q4) where it was written (its decode rows
+through each layer together in C). Each run reports whole wall time (prefill + decode) of N requests, and that the
 batched tokens equal the one-by-one tokens. `--threads` sets torch's intra-op threads for both
 sides (on a machine whose cores other jobs share, a second thread waiting for a busy core turns a
 20 us attention call into milliseconds, whichever side runs).
@@ -58,7 +60,7 @@ def batched_vs_alone(llm: LLM, prompts: list[list[int]], params: SamplingParams)
             "equal": [r.output_ids for r in batched] == alone}  # fmt: skip
 
 
-def mamba_prefix(llm: LLM, shared: int) -> dict:
+def prefix_hit(llm: LLM, shared: int) -> dict:
     """First token of a request whose first `shared` tokens an earlier request computed: cold vs warm."""
     engine = LLMEngine(llm, EngineConfig(block_size=64))
     base = prompt_ids(llm.tokenizer, shared + 64)
@@ -89,15 +91,16 @@ def main() -> None:
         base = prompt_ids(llm.tokenizer, args.prompt_tokens + args.requests)
         prompts = [base[i : i + args.prompt_tokens] for i in range(args.requests)]  # distinct prompts
         results["mamba"] = batched_vs_alone(llm, prompts, params)
-        results["mamba_prefix"] = mamba_prefix(llm, args.shared_tokens)
+        results["mamba_prefix"] = prefix_hit(llm, args.shared_tokens)
         del llm
-        llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="q4")  # decode rows: one C step each
+        llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="q4")  # decode rows: one C call for all
         results["mamba (q4)"] = batched_vs_alone(llm, prompts, params)
         del llm
         hybrid = peers_root() / "random-granite-hybrid" / "random-granite-hybrid-q4_0.gguf"
         if hybrid.exists():  # benchmarks/random_gguf.py --family granite-hybrid
             llm = LLM.load(hybrid, progress=False)
             results["granite-hybrid (q4)"] = batched_vs_alone(llm, prompts, params)
+            results["granite-hybrid_prefix"] = prefix_hit(llm, args.shared_tokens)
             del llm
         else:
             print(f"granite-hybrid skipped: {hybrid} is missing (python benchmarks/random_gguf.py --family granite-hybrid)")
@@ -107,10 +110,11 @@ def main() -> None:
         before = llm.model.encoder_runs
         results["t5"] = batched_vs_alone(llm, [inputs[i % 2] for i in range(args.requests)], params)
         results["t5"]["encoder_runs"] = llm.model.encoder_runs - before  # alone + batched: one per input, cached across both
-    rows = [{"model": name} | row for name, row in results.items() if name != "mamba_prefix"]
+    rows = [{"model": name} | row for name, row in results.items() if not name.endswith("_prefix")]
     print_table(rows, ["model", "requests", "alone_s", "batched_s", "alone_tok_s", "batched_tok_s", "speedup", "equal"])
     print(f"t5 encoder runs over both passes: {results['t5']['encoder_runs']}")
-    print(f"mamba prefix cache: {results['mamba_prefix']}")
+    for name in (n for n in results if n.endswith("_prefix")):
+        print(f"{name.removesuffix('_prefix')} prefix cache: {results[name]}")
     path = write_results("state_engine", {"args": vars(args)} | results)
     print(f"results: {path}")
 
