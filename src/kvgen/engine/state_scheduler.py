@@ -12,8 +12,9 @@ Mamba's prefix cache (kv/state_prefix.py) keeps state snapshots at block boundar
 in whatever the running requests leave of the budget; before each step the snapshots the last step
 captured are handed to it. A hybrid's (Granite 4.0-H) also keeps the keys and values of each block
 on the path to a snapshot, counted in positions as a request's reservation is. T5's sharing is the
-model's EncoderCache (one entry per distinct input). A T5 prompt is the encoder's input and runs whole, in the step that admits it (past what is left of
-the step's token budget if it is longer, which ends the budget: at most one such prompt a step).
+model's EncoderCache (one entry per distinct input). A T5 prompt is the encoder's input and runs
+whole, in the step that admits it (past what is left of the step's token budget if it is longer,
+which ends the budget: at most one such prompt a step).
 """
 
 from __future__ import annotations
