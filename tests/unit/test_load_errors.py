@@ -116,6 +116,14 @@ def test_hf_folder_with_quantized_weights_is_refused(tmp_path: Path) -> None:
         LLM.load(tmp_path, progress=False)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "bamba"])
+def test_hf_config_with_mlp_biases_is_refused(model_type: str, tmp_path: Path) -> None:
+    """Biases on the MLP's projections would be left unread: refused by name."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "mlp_bias": True}))
+    with pytest.raises(UnsupportedModelError, match=f"mlp_bias: true .* not supported for {model_type}"):
+        LLM.load(tmp_path, progress=False)
+
+
 _DEEPSEEK = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 128,
              "kv_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 16,
              "moe_intermediate_size": 32, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2}  # fmt: skip

@@ -38,6 +38,7 @@ HF_MODEL_TYPES = {
     "olmo2": "olmo2",
     "olmoe": "olmoe",
     "granitemoehybrid": "granitemoehybrid",  # Granite 4.0-H: Mamba-2 and attention layers (HybridConfig)
+    "bamba": "granitemoehybrid",  # Bamba: the same stack without Granite's scalars, RoPE over half of each head
 }  # fmt: skip
 _GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
@@ -68,6 +69,9 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     if method is not None and not (method == "mxfp4" and arch == "gpt_oss"):  # gpt-oss's MXFP4 experts decode at load
         raise UnsupportedModelError(f"this checkpoint's weights are quantized with {method!r} (config.json's quantization_config), "
                                     "which kvgen does not decode; load its bf16/fp16 release or a GGUF of it")  # fmt: skip
+    if raw.get("mlp_bias"):  # no MLP kvgen builds reads biases (gpt-oss's experts carry theirs without this key)
+        raise UnsupportedModelError(f"mlp_bias: true (biases on the MLP's projections) is not supported for {model_type}; "
+                                    "kvgen runs these checkpoints without them")  # fmt: skip
     if arch == "mamba":
         return _mamba_config(raw)  # type: ignore[return-value]
     if arch == "mamba2":
