@@ -1,10 +1,12 @@
 """Granite 4.0-H (Mamba-2 and attention layers) against transformers' GraniteMoeHybridForCausalLM on
-the same weights: logits, greedy tokens, sessions over its hybrid cache, the engine.
+the same weights: logits, greedy tokens, sessions over its hybrid cache, the engine; and Bamba, the
+same stack without Granite's scalars, against BambaForCausalLM.
 
 No Granite 4.0-H checkpoint installs offline: these are small random-weight models that transformers
 itself builds and saves (tests/support/tiny_hf.py): Mamba-2 layers around one attention layer, a
 mixture of 4 experts beside the shared MLP (and, as Granite-4.0-H-Micro, the shared MLP alone),
-Granite's scalars away from 1, NoPE attention (and, as the config allows, RoPE).
+Granite's scalars away from 1, NoPE attention (and, as the config allows, RoPE); Bamba's with RoPE
+over half of each head.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from tests.support.models import PROMPTS, model_path
 from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                     assert_session_resumes_from_a_checkpoint)  # fmt: skip
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
-from tests.support.tiny_hf import save_tiny_granite_hybrid, tokenizer_folder
+from tests.support.tiny_hf import save_tiny_bamba, save_tiny_granite_hybrid, tokenizer_folder
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-3
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 VARIANTS = {"experts-nope": (4, False), "dense-nope": (0, False), "experts-rope": (4, True)}
+MODELS = [*sorted(VARIANTS), "bamba"]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,8 @@ def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, LL
         folder = tmp_path_factory.mktemp(name)
         model = save_tiny_granite_hybrid(folder, tokenizer, experts=experts, rope=rope)
         built[name] = model, LLM.load(folder, progress=False, weights="fp32")
+    folder = tmp_path_factory.mktemp("bamba")
+    built["bamba"] = save_tiny_bamba(folder, tokenizer), LLM.load(folder, progress=False, weights="fp32")
     return built
 
 
@@ -54,7 +59,7 @@ def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", MODELS)
 def test_prefill_and_decode_logits_match(name: str, hybrids: dict) -> None:
     """Every position of a 70-token prefill (five Mamba-2 chunks, split at checkpoints every 24) and
     6 decode steps against transformers' forward over the same tokens."""
@@ -118,7 +123,7 @@ def test_quantized_weights_stay_near_fp32(hybrids: dict) -> None:
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", MODELS)
 def test_c_decode_step_follows_the_torch_step(name: str, hybrids: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 projections decode layer by layer in C (models/hybrid_decode.py: the Mamba-2 step, the
     blocks' MLP / mixture, attention through the cache): the torch step over the same linears gives
@@ -127,7 +132,7 @@ def test_c_decode_step_follows_the_torch_step(name: str, hybrids: dict, monkeypa
     assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 10), random_ids(16, 11), monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["dense-nope", "experts-rope"])  # a dense MLP's rows; a mixture's, with RoPE per row
+@pytest.mark.parametrize("name", ["experts-rope", "bamba"])  # a mixture's rows; a dense MLP's, RoPE over half of each head
 def test_c_rows_of_several_sequences_equal_each_alone(name: str, hybrids: dict) -> None:
     """The engine's one-token rows of three sequences of different lengths go through each layer
     together in C (int8 projections: the Mamba-2 step and the MLP over all rows, attention over each

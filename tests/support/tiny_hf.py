@@ -169,6 +169,22 @@ def save_tiny_granite_hybrid(folder: Path, tokenizer_files: Path, experts: int =
     return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
 
 
+def save_tiny_bamba(folder: Path, tokenizer_files: Path, std: float = 0.2) -> Any:
+    """transformers' BambaForCausalLM: Mamba-2 layers (8 heads of 16 channels in 2 groups, chunks of
+    16) around an attention layer turned by RoPE over half of each head, a SwiGLU after every layer.
+    Random and widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.BambaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_chunk_size=16, mamba_d_conv=4, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BambaForCausalLM(config)
+    return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
+
+
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
     """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
     `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and

@@ -1,11 +1,14 @@
 """Granite 4.0-H (HF `granitemoehybrid`: Granite-4.0-H-Micro, -Tiny, -Small; llama.cpp's
-`granitehybrid`): config.json or GGUF metadata -> HybridConfig, and the checkpoint's names -> the
-ones models/granite_hybrid.py reads.
+`granitehybrid`) and Bamba (HF `bamba`, the hybrid Granite 4.0-H grew from): config.json or GGUF
+metadata -> HybridConfig, and the checkpoint's names -> the ones models/granite_hybrid.py reads.
 
 A layer is a Mamba-2 mixer (`model.layers.N.mamba.*`, read as Mamba-2's) or attention (q/k/v/o,
 scaled by attention_multiplier, with RoPE only where position_embedding_type is "rope"); every
 layer then runs a SwiGLU `shared_mlp` and, where num_local_experts > 0, beside it a mixture as
 Granite-MoE's (its router's softmax over the chosen experts). Granite's scalars as Granite 3's.
+Bamba is the same stack without scalars or experts: attention layers at `attn_layer_indices`,
+always turned by RoPE over half of each head (transformers fixes partial_rotary_factor at 0.5), a
+SwiGLU `feed_forward` after `pre_ff_layernorm`, and `model.final_layernorm`.
 """
 
 from __future__ import annotations
@@ -28,16 +31,26 @@ _GGUF_MAMBA = {("ssm_in", "weight"): "in_proj.weight", ("ssm_conv1d", "weight"):
                ("ssm_dt", "bias"): "dt_bias", ("ssm_a", None): "A", ("ssm_d", None): "D", ("ssm_norm", "weight"): "norm.weight",
                ("ssm_out", "weight"): "out_proj.weight"}  # fmt: skip
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(ssm_\w+?)(?:\.(weight|bias))?$")
+# Bamba's names -> Granite 4.0-H's (a dense MLP, the norm before it, the final norm)
+_BAMBA_NAMES = ((re.compile(r"^(model\.layers\.\d+)\.feed_forward\."), r"\1.mlp."),
+                (re.compile(r"^(model\.layers\.\d+)\.pre_ff_layernorm\."), r"\1.post_attention_layernorm."),
+                (re.compile(r"^model\.final_layernorm\."), "model.norm."))  # fmt: skip
 
 
 def granite_hybrid_config(raw: dict[str, Any], decoder_config: Callable[[dict[str, Any]], ModelConfig]) -> HybridConfig:
     """`decoder_config`: hf.py's reader of a decoder's config.json, which reads the attention, MLP and
     scalars as Granite-MoE's (Granite 3's where there are no experts)."""
     refuse_unhonoured(raw)  # Mamba-2's time_step_limit, activation and norm
+    bamba = raw.get("model_type") == "bamba"
     try:
-        kinds = raw.get("layer_types") or raw["layers_block_type"]
+        if bamba:
+            attention = set(raw.get("attn_layer_indices") or ())
+            kinds = ["attention" if i in attention else "mamba" for i in range(int(raw["num_hidden_layers"]))]
+        else:
+            kinds = raw.get("layer_types") or raw["layers_block_type"]
         layer_types = tuple(_LAYER_KINDS[kind] for kind in kinds)
-        experts, shared = int(raw.get("num_local_experts") or 0), int(raw["shared_intermediate_size"])
+        experts = int(raw.get("num_local_experts") or 0)
+        shared = int(raw["intermediate_size" if bamba else "shared_intermediate_size"])
         hidden, heads = int(raw["hidden_size"]), int(raw["mamba_n_heads"])
         inner = int(raw.get("mamba_expand", 2)) * hidden
         head_dim = raw.get("mamba_d_head", "auto")
@@ -54,6 +67,9 @@ def granite_hybrid_config(raw: dict[str, Any], decoder_config: Callable[[dict[st
     if mamba.intermediate_size != inner:
         raise ModelLoadError(f"config.json's mamba_n_heads x mamba_d_head ({mamba.intermediate_size}) must equal mamba_expand x "
                              f"hidden_size ({inner}); it is not a consistent granitemoehybrid config")  # fmt: skip
+    if bamba:  # Llama attention over half-turned heads, a dense SwiGLU, no scalars
+        decoder = decoder_config({**raw, "model_type": "llama", "partial_rotary_factor": 0.5})
+        return HybridConfig(decoder, mamba, layer_types, rope=True)
     if experts:  # Granite-MoE's mixture, with the shared MLP as an ungated shared expert
         decoder = decoder_config({**raw, "model_type": "granitemoe", "num_local_experts": experts})
         decoder = dataclasses.replace(decoder, shared_expert_intermediate_size=shared, shared_expert_gated=False)
@@ -111,8 +127,14 @@ def granite_hybrid_mamba_name(gguf_name: str) -> str | None:
 
 def name_granite_hybrid_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], config: HybridConfig) -> None:
     """In place: shared_mlp.input_linear [2 I, H] (gate rows first) and output_linear -> the shared
-    expert's (mlp.shared_expert.*) where there is a mixture, else the layer's own MLP (mlp.*)."""
+    expert's (mlp.shared_expert.*) where there is a mixture, else the layer's own MLP (mlp.*);
+    Bamba's feed_forward, pre_ff_layernorm and final_layernorm -> mlp, post_attention_layernorm, norm."""
     part = "mlp.shared_expert" if config.decoder.num_experts else "mlp"
+    for name in list(tensors):
+        for pattern, replacement in _BAMBA_NAMES:
+            if pattern.match(name):
+                tensors[pattern.sub(replacement, name)] = tensors.pop(name)
+                break
     for name in list(tensors):
         if match := _SHARED_MLP.match(name):
             layer, which = match.groups()

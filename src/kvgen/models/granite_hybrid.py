@@ -65,8 +65,9 @@ class GraniteHybridModel(RecurrentLM):
         tied = decoder.tie_word_embeddings and not weights.has("lm_head.weight")
         self.lm_head = linear(self.embed_tokens.data if tied else weights.take("lm_head.weight"))
         # Granite 4.0-H's attention has no positions: a rotation by zero angles (the identity)
-        frequencies = inverse_frequencies(decoder.head_dim, decoder.rope_theta, decoder.rope_scaling)
-        self.rope = RotaryEmbedding(frequencies if config.rope else torch.zeros(decoder.head_dim // 2))
+        rotary_dim = decoder.rotary_dim or decoder.head_dim  # Bamba turns half of each head
+        frequencies = inverse_frequencies(rotary_dim, decoder.rope_theta, decoder.rope_scaling)
+        self.rope = RotaryEmbedding(frequencies if config.rope else torch.zeros(rotary_dim // 2))
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
         m = self.config.mamba

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels import load
@@ -126,11 +127,13 @@ class HybridStep(MixerStructs):
             cache.commit(1, {})
 
     def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:
-        """[rows, 1, 2, head_dim]: each row's cos and sin (without RoPE the identity turn)."""
+        """[rows, 1, 2, head_dim]: each row's cos and sin (without RoPE the identity turn; partial
+        rotary: the turned channels' angles first, zeros after, as the kernel reads them)."""
         if self.rope is None:
             return torch.stack([self.cos, self.sin]).expand(len(positions), 1, 2, -1).contiguous()
-        cos, sin = self.rope(positions[:, None], torch.float32)  # [rows, 1, 1, head_dim] each
-        return torch.stack([cos.reshape(len(positions), -1), sin.reshape(len(positions), -1)], dim=1)[:, None].contiguous()
+        cos, sin = self.rope(positions[:, None], torch.float32)  # [rows, 1, 1, rotary_dim] each
+        table = torch.stack([cos.reshape(len(positions), -1), sin.reshape(len(positions), -1)], dim=1)[:, None]
+        return F.pad(table, (0, len(self.cos) - table.shape[-1])).contiguous()
 
     def _scratch_for_rows(self, rows: int) -> ctypes.Structure:
         if rows > self._rows_capacity:
