@@ -73,17 +73,26 @@ def assert_batched_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]
 
 def assert_c_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]], tokens: list[int]) -> None:
     """One token for each of several sequences in one C call (`llm`: quantized projections): the
-    same logits and states, bit for bit, as each sequence's token run alone."""
+    same logits and states, bit for bit, as each sequence's token run alone; and so in a step that
+    also holds a prompt chunk (the engine's chunked prefill beside its decodes)."""
     model = llm.model
     with torch.inference_mode():
         caches = [model.new_state_cache() for _ in histories]
-        for history, cache in zip(histories, caches):
+        mixed = [model.new_state_cache() for _ in histories]
+        for history, cache, twin in zip(histories, caches, mixed):
             model(torch.tensor([history]), cache)
+            model(torch.tensor([history]), twin)
         singles = [cache.fork() for cache in caches]
         together = model.forward_batch([[t] for t in tokens], caches)  # [rows, V]
         alone = torch.cat([model(torch.tensor([[t]]), cache)[0] for t, cache in zip(tokens, singles)])
+        chunk = histories[0][:6]  # a prompt's first chunk, second among the rows, two logits asked
+        beside = model.forward_batch([[tokens[0]], chunk, *([t] for t in tokens[1:])], [mixed[0], model.new_state_cache(), *mixed[1:]],
+                                     [1, 2] + [1] * (len(tokens) - 1))  # fmt: skip
+        chunk_alone = model(torch.tensor([chunk]), model.new_state_cache(), logits_to_keep=2)[0]
     assert model._step is not None
     assert torch.equal(together, alone)
+    assert torch.equal(torch.cat([beside[:1], beside[3:]]), alone)
+    assert (beside[1:3] - chunk_alone).abs().max().item() < 1e-4  # the chunk's scan, batched or not
     for b, s in zip(caches, singles):
         for layer in range(b.spec.num_layers):
             assert torch.equal(b.recurrent_state(layer), s.recurrent_state(layer))

@@ -139,8 +139,22 @@ class RecurrentLM(nn.Module):
             return self._forward_batch(token_ids, caches, num_logits)
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
-        if all(len(ids) == 1 for ids in token_ids) and self._c_step() is not None:
+        decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1] if self._c_step() is not None else []
+        if len(decodes) == len(token_ids):
             return self._decode_in_c([ids[0] for ids in token_ids], caches)
+        if not decodes:
+            return self._scan_batch(token_ids, caches, num_logits)
+        # A step that mixes decodes with prompt chunks: the decodes still take the C step, so a row's
+        # bits do not depend on what else the step holds; the chunks take the scan.
+        others = [row for row in range(len(token_ids)) if row not in set(decodes)]
+        decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes])
+        scanned = self._scan_batch([token_ids[row] for row in others], [caches[row] for row in others],
+                                   [num_logits[row] for row in others]).split([num_logits[row] for row in others])  # fmt: skip
+        parts = dict(zip(decodes, decoded[:, None])) | dict(zip(others, scanned))
+        return torch.cat([parts[row][-num_logits[row] :] for row in range(len(token_ids))])
+
+    def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+        """Ragged rows through the torch blocks (the prefill scan) -> each row's last num_logits logits [sum, V]."""
         lengths = [len(ids) for ids in token_ids]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
