@@ -66,6 +66,13 @@ def rows_scratch(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: in
     return buffers, _RowsScratch(*(buffer.data_ptr() for buffer in buffers))
 
 
+def rows_scratch_for(config: ModelConfig, rows: int) -> tuple[list[torch.Tensor], _RowsScratch]:
+    """rows_scratch for `rows` rows of any of this model's blocks (attention, MLP, mixture)."""
+    widest_mlp = max(config.intermediate_size, config.expert_intermediate_size, config.shared_expert_intermediate_size,
+                     _latent_projection_width(config) // 2 + 1)  # the rows' mlp scratch holds latent attention's raw projection
+    return rows_scratch(rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, widest_mlp)
+
+
 def _latent_projection_width(config) -> int:
     """DeepSeek's fused q_proj + kv_a output width (0 for other models)."""
     if not config.kv_lora_rank:
@@ -426,11 +433,7 @@ class FastDecoder:
     def _scratch_for_rows(self, rows: int) -> _RowsScratch:
         if rows > self._rows_capacity:
             config = self.model.config
-            self._rows_buffers, self._rows_scratch = rows_scratch(
-                rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                max(config.intermediate_size, config.expert_intermediate_size, config.shared_expert_intermediate_size,
-                    _latent_projection_width(config) // 2 + 1),  # the rows' mlp scratch holds latent attention's raw projection
-            )  # fmt: skip
+            self._rows_buffers, self._rows_scratch = rows_scratch_for(config, rows)
             self._rows_capacity = rows
         return self._rows_scratch
 

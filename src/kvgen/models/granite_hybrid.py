@@ -83,21 +83,21 @@ class GraniteHybridModel(RecurrentLM):
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
         if not all(isinstance(c, HybridStateCache) for c in caches):
             raise ValueError("a granitemoehybrid model keeps its state in a HybridStateCache (model.new_state_cache())")
-        decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1]
-        step = self._c_step() if len(decodes) > 1 else None
-        if step is None:
-            return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
-        # The one-token rows in one C call per layer (each weight read once for them all), the others one by one.
-        logits: list[torch.Tensor | None] = [None] * len(caches)
+        return super()._forward_batch(token_ids, caches, num_logits)
+
+    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
+        """One token per row through every layer in C (models/hybrid_decode.py): a lone row by the
+        batch-1 step, several through each layer together (each weight read once for them all)."""
         d = self.config.decoder
-        h = (self.embed_tokens[torch.tensor([token_ids[row][0] for row in decodes])].float() * d.embedding_multiplier).contiguous()
-        step.step_rows(h, [caches[row] for row in decodes])
-        for row, row_logits in zip(decodes, self.lm_head(self.norm(h)) / d.logits_scaling):
-            logits[row] = row_logits[None]
-        for row, (ids, cache, n) in enumerate(zip(token_ids, caches, num_logits)):
-            if logits[row] is None:
-                logits[row] = self._forward_row(ids, cache, n)  # type: ignore[arg-type]
-        return torch.cat(logits)  # type: ignore[arg-type]
+        h = (self.embed_tokens[torch.tensor(tokens)].float() * d.embedding_multiplier).contiguous()  # [rows, hidden]
+        if len(tokens) == 1:
+            self._step.step(h[0], caches[0])
+        else:
+            self._step.step_rows(h, caches)
+        return self.lm_head(self.norm(h)) / d.logits_scaling
+
+    def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+        return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
 
     def _runs_in_c(self) -> bool:
         return hybrid_runs_in_c(self)
@@ -109,10 +109,6 @@ class GraniteHybridModel(RecurrentLM):
         """One sequence's tokens after cache.seq_len -> the logits of its last num_logits [num_logits, V]."""
         start, seq = cache.seq_len, len(ids)
         d = self.config.decoder
-        if seq == 1 and (step := self._c_step()) is not None:  # a decode: every layer in C (models/hybrid_decode.py)
-            h = (self.embed_tokens[ids[0]].float() * d.embedding_multiplier).contiguous()
-            step.step(h, cache)
-            return self.lm_head(self.norm(h[None])) / d.logits_scaling
         capture = [capture_points(cache, seq)]
         h = F.embedding(torch.tensor([ids]), self.embed_tokens) * d.embedding_multiplier  # [1, S, H]
         rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)

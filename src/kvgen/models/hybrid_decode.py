@@ -24,7 +24,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
-from kvgen.models.fast_decode import BlockStruct, describe_block, mlp_linears, rows_scratch
+from kvgen.models.fast_decode import BlockStruct, describe_block, mlp_linears, rows_scratch_for
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
 
@@ -61,8 +61,7 @@ class HybridStep(MixerStructs):
         self.rope = model.rope if model.config.rope else None
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
-        self._widths = (d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim,
-                        max(d.intermediate_size, d.expert_intermediate_size, d.shared_expert_intermediate_size))  # fmt: skip
+        self._decoder = d
 
     def _scratch(self, size: int) -> int:
         buffer = torch.zeros(size)
@@ -137,6 +136,6 @@ class HybridStep(MixerStructs):
 
     def _scratch_for_rows(self, rows: int) -> ctypes.Structure:
         if rows > self._rows_capacity:
-            self._rows_buffers, self._rows_struct = rows_scratch(rows, *self._widths)
+            self._rows_buffers, self._rows_struct = rows_scratch_for(self._decoder, rows)
             self._rows_capacity = rows
         return self._rows_struct

@@ -146,7 +146,7 @@ class RecurrentLM(nn.Module):
             return self._scan_batch(token_ids, caches, num_logits)
         # A step that mixes decodes with prompt chunks: the decodes still take the C step, so a row's
         # bits do not depend on what else the step holds; the chunks take the scan.
-        others = [row for row in range(len(token_ids)) if row not in set(decodes)]
+        others = sorted(set(range(len(token_ids))) - set(decodes))
         decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes])
         scanned = self._scan_batch([token_ids[row] for row in others], [caches[row] for row in others],
                                    [num_logits[row] for row in others]).split([num_logits[row] for row in others])  # fmt: skip
