@@ -22,6 +22,7 @@ import torch
 from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.errors import ModelLoadError
 from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
+from kvgen.models import mamba2 as mamba2_module
 from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
@@ -62,6 +63,33 @@ def test_prefill_and_decode_logits_match(mamba2: tuple[Any, LLM]) -> None:
     assert cache.checkpoints[:4] == [0, 24, 48, 72]
     assert (actual_prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
     assert (actual_steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+
+
+def test_c_scan_follows_the_chunked_torch_scan(mamba2: tuple[Any, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill's scan runs in C one position at a time, as the decode step takes it
+    (kernels/mamba_step.c's kvgen_ssd_scan); without a C compiler, the chunked SSD form in torch
+    (models/ssd.py). Both give the same logits at every position, checkpoint states and final
+    states, up to the order of float sums."""
+    _, llm = mamba2
+    prompt = random_ids(75, 30)
+
+    def prefill() -> tuple[torch.Tensor, dict, list]:
+        cache = llm.model.new_state_cache(checkpoint_every=24)
+        logits = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        return logits, cache.take_checkpoints(), [cache.recurrent_state(layer) for layer in range(llm.config.num_layers)]
+
+    with torch.inference_mode():
+        c_logits, c_checkpoints, c_states = prefill()
+        with monkeypatch.context() as patch:
+            patch.setattr(mamba2_module, "load", lambda: None)
+            torch_logits, torch_checkpoints, torch_states = prefill()
+    assert (c_logits - torch_logits).abs().max().item() < 1e-5  # measured 6e-7 (logits up to 1.8)
+    assert sorted(c_checkpoints) == sorted(torch_checkpoints) == [24, 48, 72]
+    for length in c_checkpoints:
+        for (c_conv, c_ssm), (t_conv, t_ssm) in zip(c_checkpoints[length], torch_checkpoints[length]):
+            assert (c_conv - t_conv).abs().max().item() < 1e-5
+            assert (c_ssm - t_ssm).abs().max().item() < 1e-6  # measured 7e-9 (states up to 0.06)
+    assert max((c - t).abs().max().item() for c, t in zip(c_states, torch_states)) < 1e-6
 
 
 def test_greedy_tokens_match_transformers_generate(mamba2: tuple[Any, LLM]) -> None:

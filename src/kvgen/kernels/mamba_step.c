@@ -96,6 +96,76 @@ void kvgen_selective_scan(const float* u, const float* dt, const float* z, const
     }
 }
 
+#ifdef __AVX2__
+// scan_channel for four channels of one Mamba-2 head (one decay, one B and C), each state updated
+// in place: every channel's bits are scan_channel's, its dot product in 8 lanes summed by hsum8,
+// but the four channels' chains of FMAs interleave instead of each waiting on its own.
+static void scan_four_channels(float step, float decay, const float* u, const float* B, const float* C, float* s,
+                               int64_t n, float* acc) {
+    __m256 sum[4], drive[4];
+    const __m256 same = _mm256_set1_ps(decay);
+    for (int c = 0; c < 4; c++) sum[c] = _mm256_setzero_ps(), drive[c] = _mm256_set1_ps(step * u[c]);
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256 b = _mm256_loadu_ps(B + j), cj = _mm256_loadu_ps(C + j);
+        for (int c = 0; c < 4; c++) {
+            const __m256 v = _mm256_fmadd_ps(same, _mm256_loadu_ps(s + c * n + j), _mm256_mul_ps(drive[c], b));
+            _mm256_storeu_ps(s + c * n + j, v);
+            sum[c] = _mm256_fmadd_ps(v, cj, sum[c]);
+        }
+    }
+    for (int c = 0; c < 4; c++) acc[c] = hsum8(sum[c]);
+}
+#endif
+
+// Mamba-2's scan over t_len positions of one sequence, one step at a time as kvgen_mamba2_step
+// takes it (the same decay e^(dt A[h]) and update per position, so the same bits), channels
+// (head, p) in parallel, four of a head at a time where head_dim and n allow. u is
+// [t_len, heads * head_dim], B and C [t_len, groups * n], each row `stride` floats apart (views of
+// the conv's output); dt [t_len, heads] after softplus; A, D [heads]; state [heads * head_dim, n],
+// read and left as the state after the last position; y [t_len, heads * head_dim] = C . s + D u,
+// not yet gated. capture: num_capture ascending positions whose states go to captured
+// [num_capture, heads * head_dim, n].
+void kvgen_ssd_scan(const float* u, const float* dt, const float* A, const float* B, const float* C, const float* D,
+                    int64_t stride, float* state, float* y, int64_t t_len, int64_t heads, int64_t head_dim, int64_t groups,
+                    int64_t n, const int64_t* capture, int64_t num_capture, float* captured) {
+    const int64_t inner = heads * head_dim, per_group = heads / groups;
+#ifdef __AVX2__
+    const int64_t width = head_dim % 4 == 0 && n % 8 == 0 ? 4 : 1;
+#else
+    const int64_t width = 1;
+#endif
+#pragma omp parallel
+    {
+        float* s = malloc(sizeof(float) * (size_t)(2 * n * width));
+#pragma omp for schedule(static)
+        for (int64_t first = 0; first < inner; first += width) {
+            const int64_t head = first / head_dim, g = head / per_group, bytes = n * width * (int64_t)sizeof(float);
+            float *s0 = s, *s1 = s + n * width;
+            memcpy(s0, state + first * n, (size_t)bytes);
+            for (int64_t t = 0, c = 0; t < t_len; t++) {
+                const float step = dt[t * heads + head], decay = exp_lane(step * A[head]);
+                const float *x = u + t * stride + first, *Bt = B + t * stride + g * n, *Ct = C + t * stride + g * n;
+                float acc[4];
+#ifdef __AVX2__
+                if (width == 4) {
+                    scan_four_channels(step, decay, x, Bt, Ct, s0, n, acc);
+                } else
+#endif
+                {
+                    acc[0] = scan_channel(NULL, step, decay, x[0], Bt, Ct, s0, s1, n);
+                    float* swap = s0;
+                    s0 = s1;
+                    s1 = swap;
+                }
+                for (int64_t k = 0; k < width; k++) y[t * inner + first + k] = acc[k] + x[k] * D[head];
+                if (c < num_capture && capture[c] == t) memcpy(captured + (c++ * inner + first) * n, s0, (size_t)bytes);
+            }
+            memcpy(state + first * n, s0, (size_t)bytes);
+        }
+        free(s);
+    }
+}
+
 // The conv step of one channel: the held window [kernel] shifted by the new input, SiLU(w . window + b).
 static inline float conv_channel(const float* held, float input, const float* w, float bias, float* window, int64_t k) {
     for (int64_t j = 0; j + 1 < k; j++) window[j] = held[j + 1];

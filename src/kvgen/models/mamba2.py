@@ -16,10 +16,11 @@ from torch import nn
 
 from kvgen.config import Mamba2Config
 from kvgen.errors import UnsupportedModelError
+from kvgen.kernels import load
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.kv.ssm import SSMSpec
 from kvgen.models.recurrent import Captured, RecurrentLM, causal_conv, conv_state_after
-from kvgen.models.ssd import gated_rms_norm, segment_ends, ssd_scan
+from kvgen.models.ssd import ScanShape, gated_rms_norm, scan_chunked, scan_in_c
 from kvgen.models.weights import WeightSource, frozen, linear
 
 
@@ -60,16 +61,16 @@ class Mamba2Mixer(nn.Module):
         batch, seq, _ = x.shape
         gate, xbc, dt = self.in_proj(x).split(self.widths, dim=-1)
         xbc, extended = causal_conv(conv_state, xbc.transpose(1, 2), self.conv_weight, self.conv_bias)  # [B, conv_dim, S]
-        u, B, C = xbc.transpose(1, 2).float().split([self.widths[0], self.groups * self.state_size, self.groups * self.state_size], dim=-1)
-        u = u.reshape(batch, seq, self.heads, self.head_dim)
+        columns = xbc.transpose(1, 2).float().contiguous()  # [B, S, conv_dim]: u, B, C side by side
         dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
-        wanted = {p + 1 for points in capture for p in points}  # segment ends whose states rows keep
-        B, C = B.reshape(batch, seq, self.groups, -1), C.reshape(batch, seq, self.groups, -1)
-        y, states = ssd_scan(u, dt, self.A, B, C, ssm_state.float(), segment_ends(seq, self.chunk, wanted), wanted)
-        y = (y + u * self.D[:, None]).reshape(batch, seq, -1)
+        shape = ScanShape(self.heads, self.head_dim, self.groups, self.state_size)
+        if x.device.type == "cpu" and load() is not None:
+            y, states = scan_in_c(columns, dt.contiguous(), self.A, self.D, ssm_state.float(), capture, shape)
+        else:
+            y, states = scan_chunked(columns, dt, self.A, self.D, ssm_state.float(), capture, shape, self.chunk)
         y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
         kernel = conv_state.shape[2]
-        captured = [[(conv_state_after(extended, row, p, kernel), states[p + 1][row : row + 1].clone()) for p in points]
+        captured = [[(conv_state_after(extended, row, p, kernel), state) for p, state in zip(points, states[row])]
                     for row, points in enumerate(capture)]  # fmt: skip
         return self.out_proj(y.to(x.dtype)), captured
 

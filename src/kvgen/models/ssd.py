@@ -10,12 +10,42 @@ for s <= t (0 above the diagonal):
 so a segment costs a few [T, T] matmuls per head instead of T sequential steps, and memory stays
 bounded by the segment length. Segments end at least every `chunk` positions and wherever a state
 is wanted (checkpoints, a row's last token), so captured states are exact, not interpolated.
+
+On a CPU the C scan (kernels/mamba_step.c's kvgen_ssd_scan) takes the recurrence one position at a
+time instead, as the decode step does: there the chunked form costs as many multiply-adds per
+position (T/2 P for the segment, 2 P N for the state) and several times more memory traffic. The
+chunked form is the path without a C compiler and on other devices.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from kvgen.kernels import load
+
+
+@dataclass(frozen=True)
+class ScanShape:
+    """A Mamba-2 mixer's heads of head_dim channels, reading B and C [state_size] from one of
+    `groups` groups (head h reads group h // (heads // groups))."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    def split(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [B, S, inner + 2 groups N] -> u [B, S, heads, head_dim], B and C [B, S, groups, N]."""
+        grouped = self.groups * self.state_size
+        u, B, C = columns.split([self.inner, grouped, grouped], dim=-1)
+        return u.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, (self.groups, -1)), C.unflatten(-1, (self.groups, -1))
 
 
 def segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -61,6 +91,43 @@ def ssd_scan(
         outputs.append(y.reshape(batch, end - start, heads, head_dim))
         start = end
     return torch.cat(outputs, dim=1), states
+
+
+def scan_in_c(columns: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+              capture: list[list[int]], shape: ScanShape) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:  # fmt: skip
+    """The scan of each row by kernels/mamba_step.c's kvgen_ssd_scan, one position at a time as the
+    decode step takes it: columns [B, S, inner + 2 groups N] (u, B, C side by side, contiguous), dt
+    [B, S, heads] after softplus (contiguous), A and D [heads], states [B, heads, head_dim, N] before
+    position 0 -> y + D u [B, S, inner] and, per row, the states [1, heads, head_dim, N] after each
+    position in capture[row] (0-based, ascending)."""
+    library = load()
+    batch, seq, width = columns.shape
+    grouped = shape.groups * shape.state_size
+    y, states = torch.empty(batch, seq, shape.inner), []
+    A, D = A.float().contiguous(), D.float().contiguous()
+    for row in range(batch):
+        base, floats = columns[row].data_ptr(), columns.element_size()
+        running = state[row].clone().contiguous()
+        points = torch.tensor(capture[row], dtype=torch.int64)
+        caught = torch.empty(len(capture[row]), shape.heads, shape.head_dim, shape.state_size)
+        library.kvgen_ssd_scan(base, dt[row].data_ptr(), A.data_ptr(), base + floats * shape.inner,
+                               base + floats * (shape.inner + grouped), D.data_ptr(), width, running.data_ptr(),
+                               y[row].data_ptr(), seq, shape.heads, shape.head_dim, shape.groups, shape.state_size,
+                               points.data_ptr(), len(capture[row]), caught.data_ptr())  # fmt: skip
+        states.append(list(caught.unsqueeze(1)))
+    return y, states
+
+
+def scan_chunked(columns: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                 capture: list[list[int]], shape: ScanShape, chunk: int) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:  # fmt: skip
+    """`scan_in_c` in torch, the chunked form: segments of at most `chunk` positions, ending at
+    every capture point."""
+    batch, seq, _ = columns.shape
+    u, B, C = shape.split(columns)
+    wanted = {p + 1 for points in capture for p in points}  # segment ends whose states rows keep
+    y, ends = ssd_scan(u, dt, A, B, C, state, segment_ends(seq, chunk, wanted), wanted)
+    states = [[ends[p + 1][row : row + 1].clone() for p in points] for row, points in enumerate(capture)]
+    return (y + u * D[:, None]).reshape(batch, seq, -1), states
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
