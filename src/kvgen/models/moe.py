@@ -76,11 +76,25 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(flat)
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for expert in chosen.unique().tolist():
-            rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            y = self.experts[expert](flat[rows]).float()
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+        out = self.routed(flat, weights, chosen)
         if self.shared_expert is not None:  # after the routed experts, as the C steps add it
             out += self.shared_weight(flat)[:, None] * self.shared_expert(flat).float()
         return out.to(x.dtype).reshape(x.shape)
+
+    def routed(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """flat [T, H], the router's weights and choices [T, k] -> the sum of weight * expert(x) [T, H]
+        (fp32). The (token, slot) pairs are sorted by expert once, each expert runs on its slice of
+        the gathered rows (tokens ascending, as a mask would give them), and one index_add adds
+        every token's outputs in the order of its experts."""
+        pairs = chosen.flatten()
+        order = pairs.argsort(stable=True)
+        rows = order // chosen.shape[1]  # each sorted pair's token
+        gathered = flat[rows]
+        counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                outputs.append(self.experts[expert](gathered[start : start + count]).float())
+                start += count
+        y = torch.cat(outputs) * weights.flatten()[order, None]
+        return torch.zeros(flat.shape, dtype=torch.float32, device=flat.device).index_add_(0, rows, y)
