@@ -12,7 +12,7 @@ from typing import Literal
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss", "deepseek_v2", "olmo2", "olmoe")
-STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid")  # MambaConfig, Mamba2Config, HybridConfig, below
+STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid", "lfm2")  # MambaConfig, Mamba2Config, HybridConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
@@ -213,22 +213,36 @@ class Mamba2Config:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's gated short convolution (models/short_conv.py): in_proj -> B, C, x [hidden] each; B x
+    through a causal depthwise conv of conv_kernel taps (no activation); C times that; out_proj.
+    Its state is the conv's last conv_kernel inputs, nothing recurrent."""
+
+    hidden_size: int
+    conv_kernel: int
+    num_layers: int
+    use_bias: bool = False
+
+
+@dataclass(frozen=True)
 class HybridConfig:
-    """A hybrid of Mamba-2 layers and attention layers (IBM's Granite 4.0-H, models/granite_hybrid.py):
-    `layer_types[i]` is "mamba" or "attention"; every layer then runs the MLP (or mixture) of
-    `decoder`, which also holds the attention layers' shape, the norms' epsilon, the vocabulary and
-    Granite's scalars; `mamba` the Mamba-2 mixers' shape. `rope`: whether attention turns its
-    queries and keys (Granite 4.0-H's do not: NoPE)."""
+    """A stack of state layers and attention layers (models/granite_hybrid.py): `layer_types[i]` is
+    "mamba" (a Mamba-2 mixer: IBM's Granite 4.0-H, Bamba), "conv" (a gated short convolution:
+    Liquid's LFM2) or "attention"; every layer then runs the MLP (or mixture) of `decoder`, which
+    also holds the attention layers' shape, the norms' epsilon, the vocabulary and Granite's
+    scalars; `mixer` the state layers' shape (Mamba2Config or ShortConvConfig, one kind a model).
+    `rope`: whether attention turns its queries and keys (Granite 4.0-H's do not: NoPE)."""
 
     decoder: ModelConfig
-    mamba: Mamba2Config
+    mixer: Mamba2Config | ShortConvConfig
     layer_types: tuple[str, ...]
     rope: bool = False
     architecture: str = "granitemoehybrid"
 
     def __post_init__(self) -> None:
-        if len(self.layer_types) != self.decoder.num_layers or set(self.layer_types) - {"mamba", "attention"}:
-            raise ValueError(f"layer_types must name 'mamba' or 'attention' for each of {self.decoder.num_layers} layers, "
+        state_kind = "conv" if isinstance(self.mixer, ShortConvConfig) else "mamba"
+        if len(self.layer_types) != self.decoder.num_layers or set(self.layer_types) - {state_kind, "attention"}:
+            raise ValueError(f"layer_types must name '{state_kind}' or 'attention' for each of {self.decoder.num_layers} layers, "
                              f"got {self.layer_types}")  # fmt: skip
 
     @property
@@ -236,8 +250,9 @@ class HybridConfig:
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == "attention")
 
     @property
-    def mamba_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "mamba")
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that carry a state (Mamba-2 or short conv), in the order the cache holds them."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind != "attention")
 
     # What the generator, engine and server read of any model's config: the decoder's.
     vocab_size = property(lambda self: self.decoder.vocab_size)

@@ -49,10 +49,16 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "generate_batch, server; no speculative decoding", "random tiny (transformers)"),
     FamilySupport("mamba2 (Mamba-2, Mamba-Codestral)", "GGUF, HF",
                   "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
-                  "yes (int8 / q4 weights; prefill: torch chunked scan, SSD)", "yes: one state per request, prefix cache of "
+                  "yes (int8 / q4 weights; prefill scan in C)", "yes: one state per request, prefix cache of "
                   "block-boundary states; generate_batch, server; no speculative decoding", "random tiny (transformers)"),
     FamilySupport("granitemoehybrid (Granite 4.0-H: Mamba-2 + attention layers; Bamba, HF only)", "GGUF (granitehybrid), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
+                  "KV cache options refused", "yes (int8 / q4 weights), layer by layer",
+                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
+                  "random tiny (transformers)"),
+    FamilySupport("lfm2 (LFM2: gated short convolutions + attention layers)", "GGUF, HF",
+                  "HybridStateCache (conv windows with checkpoints + contiguous K/V of the attention layers); "
                   "KV cache options refused", "yes (int8 / q4 weights), layer by layer",
                   "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",

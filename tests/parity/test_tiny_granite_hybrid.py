@@ -88,7 +88,7 @@ def test_gguf_loads_the_same_model(name: str, hybrids: dict, tmp_path: Path) -> 
     assert (ours.layer_types, ours.rope) == (theirs.layer_types, theirs.rope)
     assert math.isclose(ours.decoder.query_pre_attn_scalar, theirs.decoder.query_pre_attn_scalar, rel_tol=1e-6)
     same = {"rms_norm_eps": theirs.rms_norm_eps}
-    assert dataclasses.replace(ours.mamba, **same, chunk_size=theirs.mamba.chunk_size) == theirs.mamba
+    assert dataclasses.replace(ours.mixer, **same, chunk_size=theirs.mixer.chunk_size) == theirs.mixer
     assert dataclasses.replace(ours.decoder, **same, max_position_embeddings=theirs.max_position_embeddings,
                                query_pre_attn_scalar=theirs.decoder.query_pre_attn_scalar) == theirs.decoder  # fmt: skip
     prompt = random_ids(40, 9)

@@ -532,3 +532,57 @@ def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# LFM2's HF names -> llama.cpp's (the short conv, its operator and ffn norms, the SwiGLU's w1/w3/w2)
+_LFM2_PARTS = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
+               "feed_forward.w2": "ffn_down", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output", "self_attn.q_layernorm": "attn_q_norm",
+               "self_attn.k_layernorm": "attn_k_norm", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
+               "conv.conv": "shortconv.conv"}  # fmt: skip
+
+
+def write_lfm2_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
+                    embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
+    """A GGUF of transformers' Lfm2ForCausalLM as llama.cpp's converter writes it (`lfm2`): KV heads
+    per layer (0 for a conv layer), shortconv.l_cache, the SwiGLU's width after transformers'
+    adjustment, q/k rows as they are (llama.cpp turns LFM2 by NeoX halves), the conv's weight as
+    [hidden, taps], the final norm as token_embd_norm, the head tied; projections in `matmul_type`,
+    the token embedding in `embedding_type`."""
+    from kvgen.loading.gguf_file import GGUFFile
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(hf_model.model.layers[0].feed_forward.w1.weight.shape[0])
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv([c.num_key_value_heads if kind == "full_attention" else 0 for kind in c.layer_types])
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_shortconv_l_cache(c.conv_L_cache)
+    _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float().numpy().copy()
+        if name == "lm_head.weight":
+            continue  # tied to the embedding
+        if name in ("model.embed_tokens.weight", "model.embedding_norm.weight"):
+            gguf_name, matmul = ("token_embd.weight", True) if name == "model.embed_tokens.weight" else ("token_embd_norm.weight", False)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            part, suffix = rest.rsplit(".", 1)
+            gguf_name, matmul = f"blk.{layer}.{_LFM2_PARTS[part]}.{suffix}", part.endswith(("proj", "w1", "w2", "w3"))
+            if part == "conv.conv":  # [hidden, 1, taps] -> [hidden, taps]; its bias as it is
+                values, matmul = values.reshape(values.shape[0], -1), False
+        kind = (embedding_type if gguf_name == "token_embd.weight" else matmul_type) if matmul and gguf_name.endswith(".weight") else Q.F32
+        if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -185,6 +185,23 @@ def save_tiny_bamba(folder: Path, tokenizer_files: Path, std: float = 0.2) -> An
     return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
 
 
+def save_tiny_lfm2(folder: Path, tokenizer_files: Path, std: float = 0.2, conv_bias: bool = True) -> Any:
+    """transformers' Lfm2ForCausalLM (Liquid's LFM2): gated short-conv layers (3 taps; biased unless
+    `conv_bias` is False, as Liquid's models and llama.cpp's reader are) around two attention layers
+    with per-head q/k norms and RoPE, a SwiGLU after every layer, the head tied to the embedding.
+    Random and widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.Lfm2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"], conv_L_cache=3,
+        conv_bias=conv_bias, block_multiple_of=16, max_position_embeddings=512, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return _widen_and_save(transformers.Lfm2ForCausalLM(config), folder, tokenizer_files, std)
+
+
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
     """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
     `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and

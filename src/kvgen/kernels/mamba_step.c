@@ -166,13 +166,18 @@ void kvgen_ssd_scan(const float* u, const float* dt, const float* A, const float
     }
 }
 
-// The conv step of one channel: the held window [kernel] shifted by the new input, SiLU(w . window + b).
-static inline float conv_channel(const float* held, float input, const float* w, float bias, float* window, int64_t k) {
+// The conv step of one channel: the held window [kernel] shifted by the new input, w . window + b.
+static inline float conv_window(const float* held, float input, const float* w, float bias, float* window, int64_t k) {
     for (int64_t j = 0; j + 1 < k; j++) window[j] = held[j + 1];
     window[k - 1] = input;
     float acc = 0.0f;
     for (int64_t j = 0; j < k; j++) acc += window[j] * w[j];
-    return silu(acc + bias);
+    return acc + bias;
+}
+
+// Mamba's and Mamba-2's conv step: SiLU after the window.
+static inline float conv_channel(const float* held, float input, const float* w, float bias, float* window, int64_t k) {
+    return silu(conv_window(held, input, w, bias, window, k));
 }
 
 static void weightless_rms(float* x, int64_t n, float eps) {
@@ -360,6 +365,47 @@ void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < b->hidden; i++) h[r * hidden + i] += out[r * b->hidden + i] * scale;
+    }
+    step_scratch_free(sc);
+}
+
+// LFM2's gated short convolution, one token for each of `rows` rows, one block a call (the hybrid
+// step runs its layers one by one): x = rms_norm(h); [B, C, u] = in_proj(x); the conv window takes
+// B u (no activation); h += out_proj(C . (w . window + b)). Conv states [hidden, kernel] per row,
+// read from conv_in and written to conv_out (never in place, as kvgen_mamba2_step's).
+typedef struct {
+    int64_t hidden, kernel;
+    float eps;             // the block's RMS norm (LFM2's operator_norm)
+    float pad;
+    const float* norm;     // [hidden]
+    qlinear in_proj;       // [3 hidden, hidden]: B, C, u
+    const float* conv_w;   // [hidden, kernel]
+    const float* conv_b;   // [hidden] or NULL
+    qlinear out_proj;      // [hidden, hidden]
+} short_conv_block_t;
+
+void kvgen_short_conv_step(const short_conv_block_t* b, int64_t rows, float* h, const float* const* conv_in, float* const* conv_out) {
+    const int64_t hidden = b->hidden, k = b->kernel;
+    const step_scratch sc = step_scratch_new(rows * 6 * hidden, rows, hidden);
+    float *x = sc.floats, *proj = x + rows * hidden, *y = proj + rows * 3 * hidden, *out = y + rows * hidden;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, hidden, x + r * hidden);
+        linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t i = 0; i < hidden; i++) {
+                const float* p = proj + r * 3 * hidden;
+                const float conv = conv_window(conv_in[r] + i * k, p[i] * p[2 * hidden + i], b->conv_w + i * k,
+                                               b->conv_b ? b->conv_b[i] : 0.0f, conv_out[r] + i * k, k);
+                y[r * hidden + i] = p[hidden + i] * conv;
+            }
+        }
+        linear_rows_of(&b->out_proj, y, rows, sc.xq, sc.sums, out);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] += out[r * hidden + i];
     }
     step_scratch_free(sc);
 }

@@ -25,12 +25,13 @@ from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.granite_hybrid import granite_hybrid_config_from_gguf, granite_hybrid_mamba_name
+from kvgen.loading.lfm2 import lfm2_config_from_gguf, lfm2_gguf_name
 from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
 from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", *SSM_ARCHITECTURES)
+                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", *SSM_ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -94,7 +95,7 @@ def config_from_gguf(
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
             "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
-            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H)"
+            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -109,6 +110,8 @@ def config_from_gguf(
         return mamba2_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
     if arch == "granitehybrid":
         return granite_hybrid_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
+    if arch == "lfm2":
+        return lfm2_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
@@ -246,6 +249,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
         return mamba_hf_name(gguf_name, arch)
     if arch == "granitemoehybrid" and (mamba := granite_hybrid_mamba_name(gguf_name)) is not None:
         return mamba
+    if arch == "lfm2" and (conv := lfm2_gguf_name(gguf_name)) is not None:
+        return conv
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"

@@ -20,6 +20,7 @@ from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config, prepare_deepseek_weights
 from kvgen.loading.granite_hybrid import granite_hybrid_config, name_granite_hybrid_weights
+from kvgen.loading.lfm2 import lfm2_config, name_lfm2_weights
 from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
 from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.kernels.formats import QuantizedWeight
@@ -39,6 +40,7 @@ HF_MODEL_TYPES = {
     "olmoe": "olmoe",
     "granitemoehybrid": "granitemoehybrid",  # Granite 4.0-H: Mamba-2 and attention layers (HybridConfig)
     "bamba": "granitemoehybrid",  # Bamba: the same stack without Granite's scalars, RoPE over half of each head
+    "lfm2": "lfm2",  # LFM2: gated short convolutions and attention layers (HybridConfig)
 }  # fmt: skip
 _GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
@@ -80,6 +82,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return _t5_config(raw)  # type: ignore[return-value]
     if arch == "granitemoehybrid":
         return granite_hybrid_config(raw, config_from_hf)  # type: ignore[return-value]
+    if arch == "lfm2":
+        return lfm2_config(raw, config_from_hf)  # type: ignore[return-value]
     try:
         hidden, num_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers = int(raw["num_hidden_layers"])
@@ -350,6 +354,8 @@ def load_hf_folder(
             raise ModelLoadError(f"{file} could not be read as safetensors ({error}); it is truncated or corrupted") from error
     if config.architecture == "granitemoehybrid":
         name_granite_hybrid_weights(tensors, config)  # type: ignore[arg-type]
+    if config.architecture == "lfm2":
+        name_lfm2_weights(tensors)
     if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoehybrid"):
         _name_experts(tensors)
     if config.architecture == "deepseek_v2":

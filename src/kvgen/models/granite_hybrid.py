@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgen.config import HybridConfig
+from kvgen.config import HybridConfig, ShortConvConfig
 from kvgen.kv.contiguous import ContiguousCache
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import CacheSpec
@@ -32,6 +32,7 @@ from kvgen.models.mamba2 import Mamba2Mixer
 from kvgen.models.moe import SparseMoE
 from kvgen.models.recurrent import RecurrentLM, capture_points
 from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
+from kvgen.models.short_conv import ShortConvMixer
 from kvgen.models.weights import WeightSource, frozen, linear
 
 
@@ -41,14 +42,18 @@ class HybridBlock(nn.Module):
         prefix, decoder = f"model.layers.{layer}", config.decoder
         self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), decoder.rms_norm_eps)
         self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), decoder.rms_norm_eps)
-        self.mixer: Mamba2Mixer | None = None
+        self.mixer: Mamba2Mixer | ShortConvMixer | None = None
         self.attn: Attention | None = None
-        if config.layer_types[layer] == "mamba":
-            self.mixer = Mamba2Mixer(config.mamba, weights, f"{prefix}.mamba")
-            self.slot = config.mamba_layers.index(layer)  # its state's index in the cache
-        else:
+        kind = config.layer_types[layer]
+        if kind == "attention":
             self.slot = config.attention_layers.index(layer)  # its keys' layer in the cache's K/V
-            self.attn = Attention(decoder, self.slot, weights, f"{prefix}.self_attn", None)
+            per_head_norms = weights.has(f"{prefix}.self_attn.q_norm.weight")  # LFM2 normalises each head's q and k
+            self.attn = Attention(decoder, self.slot, weights, f"{prefix}.self_attn", 0.0 if per_head_norms else None)
+        else:
+            self.slot = config.state_layers.index(layer)  # its state's index in the cache
+            mixer = config.mixer
+            self.mixer = (ShortConvMixer(mixer, weights, f"{prefix}.conv") if isinstance(mixer, ShortConvConfig)
+                          else Mamba2Mixer(mixer, weights, f"{prefix}.mamba"))  # fmt: skip
         self.mlp = SparseMoE(decoder, weights, f"{prefix}.mlp") if decoder.num_experts else GatedMLP(decoder, weights, f"{prefix}.mlp")
         self.residual_multiplier = decoder.residual_multiplier
 
@@ -70,7 +75,9 @@ class GraniteHybridModel(RecurrentLM):
         self.rope = RotaryEmbedding(frequencies if config.rope else torch.zeros(rotary_dim // 2))
 
     def state_spec(self, batch: int = 1) -> SSMSpec:
-        m = self.config.mamba
+        m = self.config.mixer
+        if isinstance(m, ShortConvConfig):  # a conv window, nothing recurrent
+            return SSMSpec(m.num_layers, (batch, m.hidden_size, m.conv_kernel), (batch, 0))
         return SSMSpec(m.num_layers, (batch, m.conv_dim, m.conv_kernel), (batch, m.num_heads, m.head_dim, m.state_size))
 
     def new_state_cache(self, checkpoint_every: int = 64, max_checkpoints: int | None = None) -> HybridStateCache:
@@ -82,7 +89,7 @@ class GraniteHybridModel(RecurrentLM):
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
         if not all(isinstance(c, HybridStateCache) for c in caches):
-            raise ValueError("a granitemoehybrid model keeps its state in a HybridStateCache (model.new_state_cache())")
+            raise ValueError(f"a {self.config.architecture} model keeps its state in a HybridStateCache (model.new_state_cache())")
         return super()._forward_batch(token_ids, caches, num_logits)
 
     def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:

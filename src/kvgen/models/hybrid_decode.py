@@ -24,11 +24,17 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
-from kvgen.models.fast_decode import BlockStruct, describe_block, mlp_linears, rows_scratch_for
+from kvgen.models.fast_decode import BlockStruct, _QLinear, describe_block, mlp_linears, qlinear_struct, rows_scratch_for
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.short_conv import ShortConvMixer
 
-_ptr = ctypes.c_void_p
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _ShortConvBlock(ctypes.Structure):  # kernels/mamba_step.c's short_conv_block_t
+    _fields_ = [("hidden", _i64), ("kernel", _i64), ("eps", _f32), ("pad", _f32), ("norm", _ptr), ("in_proj", _QLinear),
+                ("conv_w", _ptr), ("conv_b", _ptr), ("out_proj", _QLinear)]  # fmt: skip
 
 
 def hybrid_runs_in_c(model: nn.Module) -> bool:
@@ -52,7 +58,9 @@ class HybridStep(MixerStructs):
         for block in model.layers:
             struct = describe_block(decoder, block, self._scratch, self._arrays)
             mixer = None
-            if block.mixer is not None:
+            if isinstance(block.mixer, ShortConvMixer):
+                mixer = (_ShortConvBlock * 1)(self._describe_conv(block))
+            elif block.mixer is not None:
                 mixer = (_Mamba2Block * 1)(self._describe2(block, decoder, block.input_norm, decoder.residual_multiplier))
             self.layers.append((mixer, struct, block.slot))
         d = decoder
@@ -62,6 +70,20 @@ class HybridStep(MixerStructs):
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
         self._decoder = d
+
+    def _describe_conv(self, block: nn.Module) -> "_ShortConvBlock":
+        mixer, norm = block.mixer, block.input_norm
+        return _ShortConvBlock(mixer.hidden, mixer.kernel, norm.eps, 0.0, self._pointer(norm.weight), qlinear_struct(mixer.in_proj),
+                               self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
+                               qlinear_struct(mixer.out_proj))  # fmt: skip
+
+    def _mix(self, mixer: ctypes.Array, rows: int, h_ptr: int, conv_in: ctypes.Array, conv_out: ctypes.Array, ssm_in: ctypes.Array,
+             ssm_out: ctypes.Array) -> None:  # fmt: skip
+        """A state layer's mixer over `rows` rows (pointer arrays of their states), residual added."""
+        if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
+            self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, conv_in, conv_out)
+        else:
+            self.library.kvgen_mamba2_step(ctypes.addressof(mixer), 1, rows, h_ptr, conv_in, conv_out, ssm_in, ssm_out)
 
     def _scratch(self, size: int) -> int:
         buffer = torch.zeros(size)
@@ -80,8 +102,8 @@ class HybridStep(MixerStructs):
             if mixer is not None:
                 conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
                 conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
-                lib.kvgen_mamba2_step(ctypes.addressof(mixer), 1, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()),
-                                      (_ptr * 1)(ssm_in.data_ptr()), (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
+                self._mix(mixer, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()), (_ptr * 1)(ssm_in.data_ptr()),
+                          (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
                 lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
                 cache.write(slot, conv_out, ssm_out, owned=True)
                 continue
@@ -110,8 +132,7 @@ class HybridStep(MixerStructs):
                 conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
                 ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
                 conv_out, ssm_out = [torch.empty_like(c) for c in conv_in], [torch.empty_like(s) for s in ssm_in]
-                lib.kvgen_mamba2_step(ctypes.addressof(mixer), 1, rows, h_ptr, pointers(conv_in), pointers(conv_out),
-                                      pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+                self._mix(mixer, rows, h_ptr, pointers(conv_in), pointers(conv_out), pointers(ssm_in), pointers(ssm_out))
                 lib.kvgen_mlp_rows(ctypes.byref(struct), rows, h_ptr, scratch)
                 for cache, conv, ssm in zip(caches, conv_out, ssm_out):
                     cache.write(slot, conv, ssm, owned=True)

@@ -36,12 +36,14 @@ def capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
 
 
 def causal_conv(
-    conv_state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    conv_state: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU of inputs [B, C, S] after the held window conv_state [B, C, K]
-    (the last K inputs) -> (output [B, C, S], the extended window [B, C, K-1+S] to take states from)."""
+    """Depthwise causal conv (+ SiLU; LFM2's short conv has none) of inputs [B, C, S] after the held
+    window conv_state [B, C, K] (the last K inputs) -> (output [B, C, S], the extended window
+    [B, C, K-1+S] to take states from)."""
     extended = torch.cat([conv_state[:, :, 1:], inputs], dim=2)  # the conv sees the held inputs first
-    return F.silu(F.conv1d(extended, weight, bias, groups=inputs.shape[1])), extended
+    out = F.conv1d(extended, weight, bias, groups=inputs.shape[1])
+    return (F.silu(out) if silu else out), extended
 
 
 def conv_state_after(extended: torch.Tensor, row: int, position: int, kernel: int) -> torch.Tensor:

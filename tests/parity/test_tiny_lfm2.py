@@ -1,0 +1,155 @@
+"""LFM2 (gated short convolutions and attention layers) against transformers' Lfm2ForCausalLM on the
+same weights: logits, greedy tokens, the C decode step and rows, sessions over its hybrid cache, the
+engine and its prefix cache, and GGUF.
+
+No LFM2 checkpoint installs offline: this is a small random-weight model that transformers itself
+builds and saves (tests/support/tiny_hf.py): three short-conv layers (biased) around two attention
+layers with per-head q/k norms and RoPE.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from kvgen import LLM, SamplingParams
+from kvgen.engine import EngineConfig, LLMEngine
+from kvgen.errors import ModelLoadError, UnsupportedModelError
+from kvgen.kv.hybrid import HybridStateCache
+from kvgen.loading.lfm2 import feed_forward_width, lfm2_config
+from kvgen.loading.hf import config_from_hf
+from tests.support.models import PROMPTS, model_path
+from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
+                                    assert_session_resumes_from_a_checkpoint)  # fmt: skip
+from tests.support.tiny_gguf import write_lfm2_gguf
+from tests.support.tiny_hf import save_tiny_lfm2, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-3
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM, LLM]:
+    folder = tmp_path_factory.mktemp("lfm2")
+    model = save_tiny_lfm2(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")))
+    return model, LLM.load(folder, progress=False, weights="fp32"), LLM.load(folder, progress=False, weights="int8")
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def test_prefill_and_decode_logits_match(lfm2: tuple) -> None:
+    """Every position of a 40-token prefill (split at checkpoints every 16) and 6 decode steps
+    against transformers' forward over the same tokens."""
+    model, llm, _ = lfm2
+    prompt, more = random_ids(40, 1), random_ids(6, 2)
+    with torch.inference_mode():
+        cache = llm.model.new_state_cache(checkpoint_every=16)
+        assert isinstance(cache, HybridStateCache)
+        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        steps = torch.cat([llm.model(torch.tensor([[t]]), cache)[0] for t in more])
+        expected = model(torch.tensor([prompt + more])).logits[0]
+    assert cache.checkpoints[:3] == [0, 16, 32] and cache.kv.seq_len == cache.seq_len == 46
+    assert (prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
+    assert (steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+
+
+def test_greedy_tokens_match_transformers_generate(lfm2: tuple) -> None:
+    model, llm, _ = lfm2
+    for prompt in PROMPTS[:2]:
+        ids = llm.tokenizer.encode(prompt)
+        assert llm.generate(ids, GREEDY).token_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
+
+
+def test_c_decode_step_follows_the_torch_step(lfm2: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 projections decode layer by layer in C (the short conv as kernels/mamba_step.c's
+    kvgen_short_conv_step, attention and the SwiGLU as the transformer blocks'): the torch step over
+    the same linears gives the same logits up to the order of float sums, and the same tokens."""
+    _, _, int8 = lfm2
+    assert_c_step_follows_torch(int8, random_ids(20, 10), random_ids(16, 11), monkeypatch)
+
+
+def test_c_rows_of_several_sequences_equal_each_alone(lfm2: tuple) -> None:
+    """The engine's one-token rows of three sequences go through each layer together in C: logits,
+    conv windows, keys and values bit for bit as each row alone; the engine decodes what each
+    request does alone."""
+    _, _, int8 = lfm2
+    assert_c_rows_equal_each_row_alone(int8, [random_ids(n, 20 + n) for n in (9, 30, 17)], random_ids(3, 12))
+    prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
+    engine = LLMEngine(int8, EngineConfig(max_tokens_per_step=16, block_size=8))
+    assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == [int8.generate(p, GREEDY).token_ids for p in prompts]
+
+
+def test_session_resumes_from_a_checkpoint(lfm2: tuple) -> None:
+    _, llm, _ = lfm2
+    assert_session_resumes_from_a_checkpoint(llm, GREEDY, random_ids(150, 3), random_ids(20, 4), random_ids(30, 5))
+
+
+def test_engine_rows_and_prefix_cache_match_transformers(lfm2: tuple) -> None:
+    """Prompts of different lengths run together (prefills chunked beside decodes); a prompt sharing
+    52 tokens with an earlier one resumes at the last block boundary inside them (conv windows and
+    keys restored) and decodes transformers' tokens; the prefix cache's units are all the budget
+    holds once the requests end."""
+    model, llm, _ = lfm2
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:2]] + [random_ids(60, 7)]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
+    for ids, request in zip(prompts, engine.generate(prompts, GREEDY)):
+        assert request.output_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
+    shared = random_ids(52, 60)
+    engine.generate([shared + random_ids(6, 61)], GREEDY)
+    second = shared + random_ids(9, 62)
+    (request,) = engine.generate([second], GREEDY)
+    assert request.cached_tokens == 48 and request.miss_reason == "hit"
+    assert request.output_ids == transformers_greedy(model, second, GREEDY.max_new_tokens)
+    engine.check_invariants()
+    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0
+
+
+def test_gguf_loads_the_same_model(lfm2: tuple, tmp_path: Path) -> None:
+    """An all-F32 `lfm2` file as llama.cpp's converter writes it: the same config and transformers'
+    logits; a Q8_0 file, its blocks kept (int8), decodes in C and stays near them."""
+    model, llm, _ = lfm2
+    from_gguf = LLM.load(write_lfm2_gguf(tmp_path / "f32.gguf", model, model_path("smollm2")), progress=False, weights="fp32")
+    ours, theirs = from_gguf.config, llm.config
+    assert (ours.layer_types, ours.mixer, ours.architecture) == (theirs.layer_types, theirs.mixer, "lfm2")
+    assert ours.decoder.intermediate_size == theirs.decoder.intermediate_size == 64
+    prompt = random_ids(40, 9)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0]
+        actual = from_gguf.model(torch.tensor([prompt]), from_gguf.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+        assert (actual - expected).abs().max().item() < TOLERANCE
+        q8 = LLM.load(write_lfm2_gguf(tmp_path / "q8.gguf", model, model_path("smollm2"), gguf.GGMLQuantizationType.Q8_0),
+                      progress=False, weights="int8")  # fmt: skip
+        quantized = q8.model(torch.tensor([prompt]), q8.generator.new_cache(0), logits_to_keep=len(prompt))[0]
+    assert q8.model._c_step() is not None
+    assert (quantized - expected).abs().max().item() < 0.1  # measured 0.022 (logits' std 0.3)
+    assert (quantized.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_config_reads_transformers_widths_and_refuses_unknown_layers(lfm2: tuple) -> None:
+    """The SwiGLU's width as transformers' Lfm2MLP computes it (LFM2-1.2B's numbers), layer kinds from
+    layer_types or full_attn_idxs, and a layer kind LFM2 lacks refused by name."""
+    assert feed_forward_width({"block_ff_dim": 12288, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
+                               "block_multiple_of": 256}) == 8192  # fmt: skip
+    assert feed_forward_width({"intermediate_size": 100, "block_auto_adjust_ff_dim": False}) == 100
+    raw = {"model_type": "lfm2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "full_attn_idxs": [1], "block_multiple_of": 16}  # fmt: skip
+    config = lfm2_config(raw, config_from_hf)
+    assert config.layer_types == ("conv", "attention", "conv") and config.decoder.rope_theta == 1000000.0
+    assert config.decoder.tie_word_embeddings and config.mixer.conv_kernel == 3
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        lfm2_config({**raw, "layer_types": ["conv", "sliding_attention", "conv"]}, config_from_hf)
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        lfm2_config({k: v for k, v in raw.items() if k != "hidden_size"}, config_from_hf)
