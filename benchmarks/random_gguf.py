@@ -38,6 +38,9 @@ the rest F32):
   768, Mamba-2 layers (24 heads of 64, state 128, one group) but for attention at layers 5 and 15
   (12 query / 4 KV heads of 64, no RoPE), in every layer 32 experts of width 256, 6 per token, beside
   a shared SwiGLU of width 512; Granite's scalars.
+- lfm2: LFM2-350M's shape (llama.cpp's `lfm2`): 16 layers, hidden 1024, gated short convolutions
+  of 3 taps but for attention at layers 2, 5, 8, 10, 12 and 14 (16 query / 8 KV heads of 64, per-head
+  q/k norms, RoPE), a SwiGLU of width 4608 in every layer, a tied head.
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -111,6 +114,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "position_embedding_type": "nope",
         "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 6.0, "attention_multiplier": 0.0078125,
         "tie_word_embeddings": True, "max_position_embeddings": 131072}),
+    "lfm2": ("Lfm2Config", {
+        "num_hidden_layers": 16, "hidden_size": 1024, "intermediate_size": 6656, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        "conv_L_cache": 3, "conv_bias": False, "block_multiple_of": 256, "tie_word_embeddings": True,
+        "max_position_embeddings": 128000}),
 }  # fmt: skip
 _KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias", "dt_bias")  # Mamba's decays and steps: random ones would blow up its state
 
@@ -124,7 +132,7 @@ def main() -> None:
     import transformers
 
     from tests.support.models import model_path
-    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_mamba_gguf
+    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf
 
     class_name, settings = SHAPES[args.family]
     config = getattr(transformers, class_name)(**{**_COMMON, **settings})
@@ -144,6 +152,9 @@ def main() -> None:
     experts = gguf.GGMLQuantizationType.MXFP4 if args.family == "gpt-oss" else None
     if args.family == "granite-hybrid":
         print(write_granite_hybrid_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
+        return
+    if args.family == "lfm2":
+        print(write_lfm2_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return
     if args.family in ("mamba", "mamba2"):
         print(write_mamba_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
