@@ -6,8 +6,8 @@ No checkpoint of either installs offline, so the weights are random: transformer
 mamba-130m's shape (hidden 768, 24 layers) and t5-small's (d_model 512, 6 + 6 layers, 8 heads,
 d_ff 2048) with SmolLM2's 49,152-token vocabulary and saves them; kvgen loads the folders. Greedy,
 EOS ignored, fp32; Mamba also with q4 weights (its decode rows in one C call), and Granite 4.0-H from
-benchmarks/random_gguf.py's scaled-down H-Tiny file (q4) where it was written (its decode rows
-through each layer together in C). Each run reports whole wall time (prefill + decode) of N requests, and that the
+benchmarks/random_gguf.py's scaled-down H-Tiny file (q4) and LFM2-350M-shaped file where they were
+written (their decode rows through each layer together in C). Each run reports whole wall time (prefill + decode) of N requests, and that the
 batched tokens equal the one-by-one tokens. `--threads` sets torch's intra-op threads for both
 sides (on a machine whose cores other jobs share, a second thread waiting for a busy core turns a
 20 us attention call into milliseconds, whichever side runs).
@@ -96,14 +96,15 @@ def main() -> None:
         llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="q4")  # decode rows: one C call for all
         results["mamba (q4)"] = batched_vs_alone(llm, prompts, params)
         del llm
-        hybrid = peers_root() / "random-granite-hybrid" / "random-granite-hybrid-q4_0.gguf"
-        if hybrid.exists():  # benchmarks/random_gguf.py --family granite-hybrid
+        for family in ("granite-hybrid", "lfm2"):  # benchmarks/random_gguf.py --family <family>
+            hybrid = peers_root() / f"random-{family}" / f"random-{family}-q4_0.gguf"
+            if not hybrid.exists():
+                print(f"{family} skipped: {hybrid} is missing (python benchmarks/random_gguf.py --family {family})")
+                continue
             llm = LLM.load(hybrid, progress=False)
-            results["granite-hybrid (q4)"] = batched_vs_alone(llm, prompts, params)
-            results["granite-hybrid_prefix"] = prefix_hit(llm, args.shared_tokens)
+            results[f"{family} (q4)"] = batched_vs_alone(llm, prompts, params)
+            results[f"{family}_prefix"] = prefix_hit(llm, args.shared_tokens)
             del llm
-        else:
-            print(f"granite-hybrid skipped: {hybrid} is missing (python benchmarks/random_gguf.py --family granite-hybrid)")
         save_t5(Path(tmp) / "t5")
         llm = LLM.load(Path(tmp) / "t5", progress=False, weights="fp32")
         inputs = [base[: args.prompt_tokens], base[1 : args.prompt_tokens + 1]]
