@@ -41,6 +41,10 @@ the rest F32):
 - lfm2: LFM2-350M's shape (llama.cpp's `lfm2`): 16 layers, hidden 1024, gated short convolutions
   of 3 taps but for attention at layers 2, 5, 8, 10, 12 and 14 (16 query / 8 KV heads of 64, per-head
   q/k norms, RoPE), a SwiGLU of width 4608 in every layer, a tied head.
+- lfm2-moe: a scaled-down LFM2-8B-A1B (llama.cpp's `lfm2moe`): 12 layers, hidden 768, short
+  convolutions but for attention at layers 2, 5, 8 and 10 (12 query / 4 KV heads of 64), a SwiGLU
+  of width 2048 in the first two layers and after them 32 experts of width 512, 4 per token, chosen
+  by sigmoid scores plus a bias; a tied head.
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -119,6 +123,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 8, "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
         "conv_L_cache": 3, "conv_bias": False, "block_multiple_of": 256, "tie_word_embeddings": True,
         "max_position_embeddings": 128000}),
+    "lfm2-moe": ("Lfm2MoeConfig", {
+        "num_hidden_layers": 12, "hidden_size": 768, "intermediate_size": 2048, "moe_intermediate_size": 512,
+        "num_dense_layers": 2, "num_experts": 32, "num_experts_per_tok": 4, "num_attention_heads": 12, "num_key_value_heads": 4,
+        "layer_types": ["full_attention" if i in (2, 5, 8, 10) else "conv" for i in range(12)], "conv_L_cache": 3,
+        "tie_word_embeddings": True, "max_position_embeddings": 128000}),
 }  # fmt: skip
 _KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias", "dt_bias")  # Mamba's decays and steps: random ones would blow up its state
 
@@ -143,7 +152,7 @@ def main() -> None:
             if not name.endswith(_KEEP_INIT):
                 parameter.normal_(0, 0.05)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert choice bias (zero at init)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's and LFM2-MoE's choice bias (zero at init)
                 buffer.normal_(0, 0.05)
     out = peers_root() / f"random-{args.family}" / f"random-{args.family}-{args.type.lower()}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +162,7 @@ def main() -> None:
     if args.family == "granite-hybrid":
         print(write_granite_hybrid_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return
-    if args.family == "lfm2":
+    if args.family in ("lfm2", "lfm2-moe"):
         print(write_lfm2_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return
     if args.family in ("mamba", "mamba2"):

@@ -57,7 +57,7 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
                   "random tiny (transformers)"),
-    FamilySupport("lfm2 (LFM2: gated short convolutions + attention layers)", "GGUF, HF",
+    FamilySupport("lfm2 (LFM2: gated short convolutions + attention layers; LFM2-MoE: a mixture after the first layers)", "GGUF (lfm2, lfm2moe), HF",
                   "HybridStateCache (conv windows with checkpoints + contiguous K/V of the attention layers); "
                   "KV cache options refused", "yes (int8 / q4 weights), layer by layer",
                   "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "

@@ -1,10 +1,11 @@
 """LFM2 (gated short convolutions and attention layers) against transformers' Lfm2ForCausalLM on the
 same weights: logits, greedy tokens, the C decode step and rows, sessions over its hybrid cache, the
-engine and its prefix cache, and GGUF.
+engine and its prefix cache, and GGUF; LFM2-MoE against Lfm2MoeForCausalLM.
 
-No LFM2 checkpoint installs offline: this is a small random-weight model that transformers itself
+No LFM2 checkpoint installs offline: these are small random-weight models that transformers itself
 builds and saves (tests/support/tiny_hf.py): three short-conv layers (biased) around two attention
-layers with per-head q/k norms and RoPE.
+layers with per-head q/k norms and RoPE; LFM2-MoE's with a mixture of 4 experts in its last three
+layers (sigmoid scores, a choice bias, weights scaled by 1.5).
 """
 
 from __future__ import annotations
@@ -26,18 +27,30 @@ from tests.support.models import PROMPTS, model_path
 from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                     assert_session_resumes_from_a_checkpoint)  # fmt: skip
 from tests.support.tiny_gguf import write_lfm2_gguf
-from tests.support.tiny_hf import save_tiny_lfm2, tokenizer_folder
+from tests.support.tiny_hf import save_tiny_lfm2, save_tiny_lfm2_moe, tokenizer_folder
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-3
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
+MODELS = ["lfm2", "lfm2-moe"]
+
+
 @pytest.fixture(scope="module")
-def lfm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM, LLM]:
-    folder = tmp_path_factory.mktemp("lfm2")
-    model = save_tiny_lfm2(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")))
-    return model, LLM.load(folder, progress=False, weights="fp32"), LLM.load(folder, progress=False, weights="int8")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, LLM, LLM]]:
+    tokenizer = tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+    models = {}
+    for name, save in (("lfm2", save_tiny_lfm2), ("lfm2-moe", save_tiny_lfm2_moe)):
+        folder = tmp_path_factory.mktemp(name)
+        model = save(folder, tokenizer)
+        models[name] = model, LLM.load(folder, progress=False, weights="fp32"), LLM.load(folder, progress=False, weights="int8")
+    return models
+
+
+@pytest.fixture(scope="module")
+def lfm2(built: dict) -> tuple[Any, LLM, LLM]:
+    return built["lfm2"]
 
 
 def random_ids(count: int, seed: int) -> list[int]:
@@ -50,10 +63,11 @@ def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def test_prefill_and_decode_logits_match(lfm2: tuple) -> None:
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_and_decode_logits_match(name: str, built: dict) -> None:
     """Every position of a 40-token prefill (split at checkpoints every 16) and 6 decode steps
     against transformers' forward over the same tokens."""
-    model, llm, _ = lfm2
+    model, llm, _ = built[name]
     prompt, more = random_ids(40, 1), random_ids(6, 2)
     with torch.inference_mode():
         cache = llm.model.new_state_cache(checkpoint_every=16)
@@ -73,19 +87,22 @@ def test_greedy_tokens_match_transformers_generate(lfm2: tuple) -> None:
         assert llm.generate(ids, GREEDY).token_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
 
 
-def test_c_decode_step_follows_the_torch_step(lfm2: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", MODELS)
+def test_c_decode_step_follows_the_torch_step(name: str, built: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 projections decode layer by layer in C (the short conv as kernels/mamba_step.c's
-    kvgen_short_conv_step, attention and the SwiGLU as the transformer blocks'): the torch step over
-    the same linears gives the same logits up to the order of float sums, and the same tokens."""
-    _, _, int8 = lfm2
+    kvgen_short_conv_step, attention, the SwiGLU and the mixture as the transformer blocks'): the
+    torch step over the same linears gives the same logits up to the order of float sums, and the
+    same tokens."""
+    _, _, int8 = built[name]
     assert_c_step_follows_torch(int8, random_ids(20, 10), random_ids(16, 11), monkeypatch)
 
 
-def test_c_rows_of_several_sequences_equal_each_alone(lfm2: tuple) -> None:
+@pytest.mark.parametrize("name", MODELS)
+def test_c_rows_of_several_sequences_equal_each_alone(name: str, built: dict) -> None:
     """The engine's one-token rows of three sequences go through each layer together in C: logits,
     conv windows, keys and values bit for bit as each row alone; the engine decodes what each
     request does alone."""
-    _, _, int8 = lfm2
+    _, _, int8 = built[name]
     assert_c_rows_equal_each_row_alone(int8, [random_ids(n, 20 + n) for n in (9, 30, 17)], random_ids(3, 12))
     prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
     engine = LLMEngine(int8, EngineConfig(max_tokens_per_step=16, block_size=8))
@@ -117,14 +134,17 @@ def test_engine_rows_and_prefix_cache_match_transformers(lfm2: tuple) -> None:
     assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0
 
 
-def test_gguf_loads_the_same_model(lfm2: tuple, tmp_path: Path) -> None:
-    """An all-F32 `lfm2` file as llama.cpp's converter writes it: the same config and transformers'
-    logits; a Q8_0 file, its blocks kept (int8), decodes in C and stays near them."""
-    model, llm, _ = lfm2
+@pytest.mark.parametrize("name", MODELS)
+def test_gguf_loads_the_same_model(name: str, built: dict, tmp_path: Path) -> None:
+    """An all-F32 `lfm2` (`lfm2moe`) file as llama.cpp's converter writes it: the same config and
+    transformers' logits; a Q8_0 file, its blocks kept (int8), decodes in C and stays near them."""
+    model, llm, _ = built[name]
     from_gguf = LLM.load(write_lfm2_gguf(tmp_path / "f32.gguf", model, model_path("smollm2")), progress=False, weights="fp32")
     ours, theirs = from_gguf.config, llm.config
     assert (ours.layer_types, ours.mixer, ours.architecture) == (theirs.layer_types, theirs.mixer, "lfm2")
-    assert ours.decoder.intermediate_size == theirs.decoder.intermediate_size == 64
+    assert ours.decoder.intermediate_size == theirs.decoder.intermediate_size
+    moe = ("num_experts", "experts_per_token", "expert_intermediate_size", "moe_layers", "expert_scoring", "routed_scaling_factor")
+    assert [getattr(ours.decoder, key) for key in moe] == [getattr(theirs.decoder, key) for key in moe]
     prompt = random_ids(40, 9)
     with torch.inference_mode():
         expected = model(torch.tensor([prompt])).logits[0]
@@ -153,3 +173,15 @@ def test_config_reads_transformers_widths_and_refuses_unknown_layers(lfm2: tuple
         lfm2_config({**raw, "layer_types": ["conv", "sliding_attention", "conv"]}, config_from_hf)
     with pytest.raises(ModelLoadError, match="hidden_size"):
         lfm2_config({k: v for k, v in raw.items() if k != "hidden_size"}, config_from_hf)
+
+
+def test_lfm2_moe_config_reads_its_mixture(built: dict) -> None:
+    """LFM2-MoE: its first num_dense_layers run the SwiGLU intermediate_size wide (no adjustment),
+    the rest the mixture, scored by sigmoid with the choice bias, renormalised and scaled."""
+    _, llm, _ = built["lfm2-moe"]
+    d = llm.config.decoder
+    assert (d.moe_layers, d.intermediate_size, d.expert_intermediate_size) == ((2, 3, 4), 96, 32)
+    assert (d.expert_scoring, d.normalize_expert_weights, d.routed_scaling_factor, d.experts_per_token) == ("sigmoid", True, 1.5, 2)
+    mlps = [type(block.mlp).__name__ for block in llm.model.layers]
+    assert mlps == ["GatedMLP", "GatedMLP", "SparseMoE", "SparseMoE", "SparseMoE"]
+    assert llm.model.layers[2].mlp.choice_bias is not None

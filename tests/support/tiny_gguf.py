@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -544,15 +545,17 @@ _LFM2_PARTS = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "feed_forwa
 
 def write_lfm2_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
                     embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
-    """A GGUF of transformers' Lfm2ForCausalLM as llama.cpp's converter writes it (`lfm2`): KV heads
-    per layer (0 for a conv layer), shortconv.l_cache, the SwiGLU's width after transformers'
-    adjustment, q/k rows as they are (llama.cpp turns LFM2 by NeoX halves), the conv's weight as
-    [hidden, taps], the final norm as token_embd_norm, the head tied; projections in `matmul_type`,
-    the token embedding in `embedding_type`."""
+    """A GGUF of transformers' Lfm2ForCausalLM (or Lfm2MoeForCausalLM: `lfm2moe`) as llama.cpp's
+    converter writes it (`lfm2`): KV heads per layer (0 for a conv layer), shortconv.l_cache, the
+    SwiGLU's width after transformers' adjustment, q/k rows as they are (llama.cpp turns LFM2 by NeoX
+    halves), the conv's weight as [hidden, taps], the final norm as token_embd_norm, the head tied;
+    a mixture's router as ffn_gate_inp, its experts stacked as ffn_{gate,up,down}_exps, its choice
+    bias as exp_probs_b.bias; projections in `matmul_type`, the token embedding in `embedding_type`."""
     from kvgen.loading.gguf_file import GGUFFile
 
     c = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "lfm2")
+    moe = c.model_type == "lfm2_moe"
+    writer = gguf.GGUFWriter(str(path), "lfm2moe" if moe else "lfm2")
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -563,11 +566,31 @@ def write_lfm2_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: ggu
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
     writer.add_shortconv_l_cache(c.conv_L_cache)
+    if moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_leading_dense_block_count(c.num_dense_layers)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(c.routed_scaling_factor)
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+    stacked: dict[str, np.ndarray] = {}  # a layer's experts' weights [E, rows, columns], written after the rest
     for name, tensor in hf_model.state_dict().items():
         values = tensor.detach().float().numpy().copy()
         if name == "lm_head.weight":
             continue  # tied to the embedding
+        if expert := re.match(r"^model\.layers\.(\d+)\.feed_forward\.experts\.(gate_up_proj|down_proj)$", name):
+            layer, part = expert.groups()  # transformers holds them stacked: gate_up [E, 2 I, H] (gate rows first), down [E, H, I]
+            if part == "down_proj":
+                stacked[f"blk.{layer}.ffn_down_exps.weight"] = values
+            else:
+                stacked[f"blk.{layer}.ffn_gate_exps.weight"], stacked[f"blk.{layer}.ffn_up_exps.weight"] = np.split(values, 2, axis=1)
+            continue
+        if name.endswith(("feed_forward.gate.weight", "feed_forward.expert_bias")):
+            layer = name.split(".")[2]
+            gguf_name = f"blk.{layer}.ffn_gate_inp.weight" if name.endswith("gate.weight") else f"blk.{layer}.exp_probs_b.bias"
+            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+            continue
         if name in ("model.embed_tokens.weight", "model.embedding_norm.weight"):
             gguf_name, matmul = ("token_embd.weight", True) if name == "model.embed_tokens.weight" else ("token_embd_norm.weight", False)
         else:
@@ -579,6 +602,11 @@ def write_lfm2_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: ggu
         kind = (embedding_type if gguf_name == "token_embd.weight" else matmul_type) if matmul and gguf_name.endswith(".weight") else Q.F32
         if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
             writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+    for gguf_name, values in stacked.items():
+        if matmul_type != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[matmul_type][0] == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
     writer.write_header_to_file()

@@ -113,7 +113,7 @@ def _widen_and_save(model: Any, folder: Path, tokenizer_files: Path, std: float,
             if not name.endswith(keep):
                 parameter.normal_(0, std)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's starts at zero, which would choose nothing
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's and LFM2-MoE's start at zero
                 buffer.normal_(0, 0.1)
     model.save_pretrained(folder)
     for file in tokenizer_files.iterdir():
@@ -200,6 +200,23 @@ def save_tiny_lfm2(folder: Path, tokenizer_files: Path, std: float = 0.2, conv_b
     )  # fmt: skip
     torch.manual_seed(0)
     return _widen_and_save(transformers.Lfm2ForCausalLM(config), folder, tokenizer_files, std)
+
+
+def save_tiny_lfm2_moe(folder: Path, tokenizer_files: Path, std: float = 0.2, scale: float = 1.5) -> Any:
+    """transformers' Lfm2MoeForCausalLM (LFM2-8B-A1B's kind): LFM2's layers, the first two with a
+    dense SwiGLU and the rest a mixture of 4 experts (2 a token) chosen by sigmoid scores plus a
+    bias, renormalised and scaled by `scale` (away from Liquid's 1 so that it shows). Random and
+    widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.Lfm2MoeConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
+        num_dense_layers=2, num_experts=4, num_experts_per_tok=2, routed_scaling_factor=scale, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"], conv_L_cache=3,
+        max_position_embeddings=512, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return _widen_and_save(transformers.Lfm2MoeForCausalLM(config), folder, tokenizer_files, std)
 
 
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:

@@ -31,7 +31,7 @@ from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_w
 from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", *SSM_ARCHITECTURES)
+                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", "lfm2moe", *SSM_ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -95,7 +95,7 @@ def config_from_gguf(
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
             "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
-            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2)"
+            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2, LFM2-MoE)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -110,7 +110,7 @@ def config_from_gguf(
         return mamba2_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
     if arch == "granitehybrid":
         return granite_hybrid_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         return lfm2_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))

@@ -41,6 +41,7 @@ HF_MODEL_TYPES = {
     "granitemoehybrid": "granitemoehybrid",  # Granite 4.0-H: Mamba-2 and attention layers (HybridConfig)
     "bamba": "granitemoehybrid",  # Bamba: the same stack without Granite's scalars, RoPE over half of each head
     "lfm2": "lfm2",  # LFM2: gated short convolutions and attention layers (HybridConfig)
+    "lfm2_moe": "lfm2",  # LFM2-MoE: the same stack, a mixture in its later layers
 }  # fmt: skip
 _GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
@@ -356,7 +357,7 @@ def load_hf_folder(
         name_granite_hybrid_weights(tensors, config)  # type: ignore[arg-type]
     if config.architecture == "lfm2":
         name_lfm2_weights(tensors)
-    if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoehybrid"):
+    if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoehybrid", "lfm2"):
         _name_experts(tensors)
     if config.architecture == "deepseek_v2":
         prepare_deepseek_weights(tensors, config, _name_experts)

@@ -54,7 +54,8 @@ class HybridBlock(nn.Module):
             mixer = config.mixer
             self.mixer = (ShortConvMixer(mixer, weights, f"{prefix}.conv") if isinstance(mixer, ShortConvConfig)
                           else Mamba2Mixer(mixer, weights, f"{prefix}.mamba"))  # fmt: skip
-        self.mlp = SparseMoE(decoder, weights, f"{prefix}.mlp") if decoder.num_experts else GatedMLP(decoder, weights, f"{prefix}.mlp")
+        mixture = decoder.num_experts and layer in decoder.moe_layers  # LFM2-MoE's first layers are dense
+        self.mlp = SparseMoE(decoder, weights, f"{prefix}.mlp") if mixture else GatedMLP(decoder, weights, f"{prefix}.mlp")
         self.residual_multiplier = decoder.residual_multiplier
 
 
