@@ -187,6 +187,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_rope.argtypes = [pointer] + [count] * 7 + [pointer, pointer, count, pointer]
     library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
     library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]
+    library.kvgen_block_pre_into.argtypes = [pointer] * 6 + [count, pointer, count]
     library.kvgen_block_mlp.argtypes = [pointer, pointer]
     library.kvgen_paged_decode_attention.argtypes = [pointer] * 4 + [count] * 4 + [ctypes.c_float] + [count] * 4 + [pointer, count, pointer, pointer]
     library.kvgen_decode_attention.argtypes = [pointer] * 4 + [count] * 3 + [ctypes.c_float] + [count] * 4

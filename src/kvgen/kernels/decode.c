@@ -367,18 +367,24 @@ static void block_pre_team(const block_t* b, const thread_scratch* t, const floa
     }
 }
 
-// k_out, v_out: [kv_heads, head_dim] contiguous (handed to cache.update by the caller). lora: the
+// k_out, v_out: each kv head's head_dim values `out_head_stride` floats apart (head_dim: contiguous,
+// handed to cache.update by the caller; a cache's own head stride: written in place). lora: the
 // layer's deltas or NULL, applied for adapter slot `slot` (-1: none).
-void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
-                     const lora_linear* lora, int64_t slot) {
+void kvgen_block_pre_into(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
+                          int64_t out_head_stride, const lora_linear* lora, int64_t slot) {
     float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, LORA_LINEARS) + 1));
 #pragma omp parallel
     {
         const thread_scratch t = thread_scratch_new(b, 1, (float*)h);  // h is only read here
-        block_pre_team(b, &t, cos, sin, k_out, v_out, b->head_dim, lora, &slot, xa);
+        block_pre_team(b, &t, cos, sin, k_out, v_out, out_head_stride, lora, &slot, xa);
         free(t.own);
     }
     free(xa);
+}
+
+void kvgen_block_pre(const block_t* b, const float* h, const float* cos, const float* sin, float* k_out, float* v_out,
+                     const lora_linear* lora, int64_t slot) {
+    kvgen_block_pre_into(b, h, cos, sin, k_out, v_out, b->head_dim, lora, slot);
 }
 
 // Where a cache keeps one layer's keys or values (see KVLayout in kv/interface.py): one strided

@@ -64,9 +64,9 @@ class HybridStep(MixerStructs):
                 mixer = (_Mamba2Block * 1)(self._describe2(block, decoder, block.input_norm, decoder.residual_multiplier))
             self.layers.append((mixer, struct, block.slot))
         d = decoder
-        self.k_new, self.v_new = torch.empty(1, d.num_kv_heads, 1, d.head_dim), torch.empty(1, d.num_kv_heads, 1, d.head_dim)
         self.cos, self.sin = torch.ones(d.head_dim), torch.zeros(d.head_dim)  # no RoPE (Granite 4.0-H): the identity turn
         self.rope = model.rope if model.config.rope else None
+        self._rope_table = torch.empty(0, 2, d.head_dim)  # _turn's
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
         self._decoder = d
@@ -93,26 +93,40 @@ class HybridStep(MixerStructs):
     def step(self, h: torch.Tensor, cache: HybridStateCache) -> None:
         """h [hidden] (updated in place) through every layer at position cache.seq_len; the states
         and keys written, then committed (one position)."""
-        lib, h_ptr = self.library, h.data_ptr()
+        lib, h_ptr, position = self.library, h.data_ptr(), cache.seq_len
         assert h.dtype == torch.float32 and h.is_contiguous()
-        cos, sin = self.cos, self.sin
-        if self.rope is not None:
-            cos, sin = (t.reshape(-1).contiguous() for t in self.rope(torch.tensor([[cache.seq_len]]), torch.float32))
+        cos, sin = self._turn(position)
+        layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
         for mixer, struct, slot in self.layers:
             if mixer is not None:
                 conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
-                conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
+                conv_out = torch.empty_like(conv_in)
+                ssm_out = torch.empty_like(ssm_in) if ssm_in.numel() else ssm_in  # a short conv's is empty
                 self._mix(mixer, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()), (_ptr * 1)(ssm_in.data_ptr()),
                           (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
                 lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
                 cache.write(slot, conv_out, ssm_out, owned=True)
                 continue
-            lib.kvgen_block_pre(ctypes.byref(struct), h_ptr, cos.data_ptr(), sin.data_ptr(), self.k_new.data_ptr(),
-                                self.v_new.data_ptr(), None, -1)  # fmt: skip
-            keys, values = cache.kv.update(slot, self.k_new, self.v_new)  # [1, H_kv, L, D] views
-            lib.kvgen_block_post(ctypes.byref(struct), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
-                                 values.stride(1), values.stride(2), 0, keys.shape[2], None, -1)  # fmt: skip
+            keys = layout.keys.data_ptr() + 4 * slot * layout.layer_stride
+            values = layout.values.data_ptr() + 4 * slot * layout.layer_stride
+            at = 4 * position * layout.pos_stride
+            lib.kvgen_block_pre_into(ctypes.byref(struct), h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at,
+                                     layout.head_stride, None, -1)  # fmt: skip
+            lib.kvgen_block_post(ctypes.byref(struct), h_ptr, keys, layout.head_stride, layout.pos_stride, values,
+                                 layout.head_stride, layout.pos_stride, 0, position + 1, None, -1)  # fmt: skip
         cache.commit(1, {})
+
+    def _turn(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rotary_dim] at `position` (no RoPE: the identity turn), from a table of the
+        positions so far, grown by doubling, so a step computes none (the rows step reads it too)."""
+        if self.rope is None:
+            return self.cos, self.sin
+        table = self._rope_table
+        if position >= table.shape[0]:
+            count = max(2 * table.shape[0], position + 1, 256)
+            cos, sin = self.rope(torch.arange(count)[None], torch.float32)  # [1, 1, count, rotary_dim] each
+            table = self._rope_table = torch.stack([cos[0, 0], sin[0, 0]], dim=1).contiguous()  # [count, 2, rotary_dim]
+        return table[position, 0], table[position, 1]
 
     def step_rows(self, h: torch.Tensor, caches: list[HybridStateCache]) -> None:
         """h [rows, hidden] (updated in place): each row one token after its own cache, every layer
@@ -151,9 +165,8 @@ class HybridStep(MixerStructs):
         rotary: the turned channels' angles first, zeros after, as the kernel reads them)."""
         if self.rope is None:
             return torch.stack([self.cos, self.sin]).expand(len(positions), 1, 2, -1).contiguous()
-        cos, sin = self.rope(positions[:, None], torch.float32)  # [rows, 1, 1, rotary_dim] each
-        table = torch.stack([cos.reshape(len(positions), -1), sin.reshape(len(positions), -1)], dim=1)[:, None]
-        return F.pad(table, (0, len(self.cos) - table.shape[-1])).contiguous()
+        self._turn(int(positions.max()))  # the batch-1 step's table, so a row turns by the same bits alone
+        return F.pad(self._rope_table[positions][:, None], (0, len(self.cos) - self._rope_table.shape[-1])).contiguous()
 
     def _scratch_for_rows(self, rows: int) -> ctypes.Structure:
         if rows > self._rows_capacity:
