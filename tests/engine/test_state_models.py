@@ -18,6 +18,7 @@ from kvgen.engine import EngineConfig, LLMEngine, RequestStatus
 from kvgen.speculative.config import SpeculativeConfig
 from tests.server.live import live_server
 from tests.support.models import PROMPTS
+from tests.support.recurrent import random_ids, transformers_greedy
 from tests.support.tiny_hf import save_tiny_mamba, save_tiny_mamba2, save_tiny_t5, tokenizer_folder
 
 pytestmark = pytest.mark.slow
@@ -50,16 +51,6 @@ def t5(tmp_path_factory: pytest.TempPathFactory, tokenizer_files) -> tuple[Any, 
     return model, LLM.load(folder, progress=False, weights="fp32")
 
 
-def random_ids(count: int, seed: int) -> list[int]:
-    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def mamba_reference(model: Any, ids: list[int], count: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
-
-
 def t5_reference(model: Any, ids: list[int], count: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False)
@@ -81,7 +72,7 @@ def test_mamba_engine_rows_equal_transformers_and_each_row_alone(mamba: tuple[An
     engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
     requests = engine.generate(prompts, GREEDY)
     for ids, request in zip(prompts, requests):
-        assert request.output_ids == mamba_reference(model, ids, 32)
+        assert request.output_ids == transformers_greedy(model, ids, 32)
         assert request.output_ids == llm.generate(ids, GREEDY).token_ids  # the row alone
     assert_idle(engine)
     assert engine.scheduler.prefix.num_snapshots > 0  # block-boundary states were kept
@@ -134,7 +125,7 @@ def test_mamba_admission_counts_states_and_cancel_frees_them(mamba: tuple[Any, L
 def test_mamba_served_on_completions(mamba: tuple[Any, LLM]) -> None:
     model, llm = mamba
     prompt = PROMPTS[1]
-    expected = llm.tokenizer.decode(mamba_reference(model, llm.tokenizer.encode(prompt), 12))
+    expected = llm.tokenizer.decode(transformers_greedy(model, llm.tokenizer.encode(prompt), 12))
     with live_server(llm, EngineConfig(), max_tokens_limit=64) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, n=2,
@@ -165,7 +156,7 @@ def test_mamba2_engine_rows_equal_transformers_and_resume_from_a_block_boundary_
     engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
     requests = engine.generate(prompts, GREEDY)
     for ids, request in zip(prompts, requests):
-        assert request.output_ids == mamba_reference(model, ids, 32)
+        assert request.output_ids == transformers_greedy(model, ids, 32)
         assert request.output_ids == llm.generate(ids, GREEDY).token_ids  # the row alone
     second = prompts[-1][:85] + random_ids(10, 2)
     resumed = engine.generate([second], GREEDY)[0]

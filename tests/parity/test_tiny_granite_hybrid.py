@@ -25,7 +25,8 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
 from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
-                                    assert_session_resumes_from_a_checkpoint)  # fmt: skip
+                                     assert_session_resumes_from_a_checkpoint, random_ids,
+                                     transformers_greedy)  # fmt: skip
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
 from tests.support.tiny_hf import save_tiny_bamba, save_tiny_granite_hybrid, tokenizer_folder
 
@@ -47,16 +48,6 @@ def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, LL
     folder = tmp_path_factory.mktemp("bamba")
     built["bamba"] = save_tiny_bamba(folder, tokenizer), LLM.load(folder, progress=False, weights="fp32")
     return built
-
-
-def random_ids(count: int, seed: int) -> list[int]:
-    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("name", MODELS)

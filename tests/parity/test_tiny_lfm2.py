@@ -25,7 +25,8 @@ from kvgen.loading.lfm2 import feed_forward_width, lfm2_config
 from kvgen.loading.hf import config_from_hf
 from tests.support.models import PROMPTS, model_path
 from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
-                                    assert_session_resumes_from_a_checkpoint)  # fmt: skip
+                                     assert_session_resumes_from_a_checkpoint, random_ids,
+                                     transformers_greedy)  # fmt: skip
 from tests.support.tiny_gguf import write_lfm2_gguf
 from tests.support.tiny_hf import save_tiny_lfm2, save_tiny_lfm2_moe, tokenizer_folder
 
@@ -51,16 +52,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, LLM,
 @pytest.fixture(scope="module")
 def lfm2(built: dict) -> tuple[Any, LLM, LLM]:
     return built["lfm2"]
-
-
-def random_ids(count: int, seed: int) -> list[int]:
-    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("name", MODELS)

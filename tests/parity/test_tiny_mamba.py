@@ -19,13 +19,9 @@ from kvgen import LLM, CacheConfig, SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.models.mamba import SCAN_CHUNK
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (
-    assert_batched_rows_equal_each_row_alone,
-    assert_c_rows_equal_each_row_alone,
-    assert_c_step_follows_torch,
-    assert_session_resumes_from_a_checkpoint,
-    prefill_and_steps,
-)
+from tests.support.recurrent import (assert_batched_rows_equal_each_row_alone, assert_c_rows_equal_each_row_alone,
+                                     assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint,
+                                     prefill_and_steps, random_ids)  # fmt: skip
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba, tokenizer_folder
 
@@ -38,10 +34,6 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM]:
     folder = tmp_path_factory.mktemp("mamba")
     model = save_tiny_mamba(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")))
     return model, LLM.load(folder, progress=False, weights="fp32")
-
-
-def random_ids(count: int, seed: int) -> list[int]:
-    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_prefill_and_decode_logits_match(mamba: tuple[Any, LLM]) -> None:

@@ -26,12 +26,9 @@ from kvgen.models import mamba2 as mamba2_module
 from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (
-    assert_batched_rows_equal_each_row_alone,
-    assert_c_rows_equal_each_row_alone,
-    assert_c_step_follows_torch,
-    assert_session_resumes_from_a_checkpoint,
-)
+from tests.support.recurrent import (assert_batched_rows_equal_each_row_alone, assert_c_rows_equal_each_row_alone,
+                                     assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint,
+                                     random_ids)  # fmt: skip
 from tests.support.tiny_gguf import write_mamba_gguf
 from tests.support.tiny_hf import save_tiny_mamba2, tokenizer_folder
 
@@ -44,10 +41,6 @@ def mamba2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LLM]:
     folder = tmp_path_factory.mktemp("mamba2")
     model = save_tiny_mamba2(folder, tokenizer_folder(tmp_path_factory.mktemp("tokenizer")))
     return model, LLM.load(folder, progress=False, weights="fp32")
-
-
-def random_ids(count: int, seed: int) -> list[int]:
-    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_prefill_and_decode_logits_match(mamba2: tuple[Any, LLM]) -> None:

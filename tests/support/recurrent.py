@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    """`count` token ids drawn from SmolLM2's vocabulary (the tiny models'), seeded."""
+    return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
+    """transformers' greedy `generate` of `count` tokens after `ids` (a decoder-only model)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
 
 
 def prefill_and_steps(llm: LLM, prompt: list[int], more: list[int]) -> torch.Tensor:

@@ -86,6 +86,23 @@ def quantize_q3k(values: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
+def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    """Write the header, metadata and tensors, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_float_or_quantized(writer: gguf.GGUFWriter, name: str, values: np.ndarray, kind: gguf.GGMLQuantizationType) -> None:
+    """`values` as `kind` where its rows are whole blocks of it, else as F32."""
+    if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+
+
 def write_tiny_gguf(
     path: Path,
     architecture: str = "llama",
@@ -144,11 +161,7 @@ def write_tiny_gguf(
         add(f"blk.{i}.ffn_gate.weight", (ffn, hidden))
         add(f"blk.{i}.ffn_up.weight", (ffn, hidden))
         add(f"blk.{i}.ffn_down.weight", (hidden, ffn))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 _GGUF_LAYER_PARTS = {
@@ -365,11 +378,7 @@ def write_gguf_from_hf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: 
             add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:], True)
         else:
             add(gguf_tensor_name(name, arch), values, is_matmul_weight(name))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 _MAMBA_PARTS = {"norm": "attn_norm", "mixer.in_proj": "ssm_in", "mixer.conv1d": "ssm_conv1d", "mixer.x_proj": "ssm_x",
@@ -429,15 +438,8 @@ def write_mamba_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gg
         else:
             target = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight"}[name]
         kind = embedding_type if target == "token_embd.weight" else matmul_type if is_matmul_weight(name) else Q.F32
-        if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
-            writer.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(target, np.ascontiguousarray(values, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        _add_float_or_quantized(writer, target, values, kind)
+    return _finish(writer, path)
 
 
 _HYBRID_MAMBA = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight", "conv1d.bias": "ssm_conv1d.bias",
@@ -483,11 +485,7 @@ def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
 
     def add(name: str, values: np.ndarray, matmul: bool) -> None:
-        kind = embedding_type if name == "token_embd.weight" else matmul_type if matmul else Q.F32
-        if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        _add_float_or_quantized(writer, name, values, embedding_type if name == "token_embd.weight" else matmul_type if matmul else Q.F32)
 
     shared = "_shexp" if experts else ""
     for name, tensor in hf_model.state_dict().items():
@@ -528,11 +526,7 @@ def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul
                 heads = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads
                 values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
             add(gguf_tensor_name(name, "granite"), values, is_matmul_weight(name))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 # LFM2's HF names -> llama.cpp's (the short conv, its operator and ffn norms, the SwiGLU's w1/w3/w2)
@@ -600,17 +594,7 @@ def write_lfm2_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: ggu
             if part == "conv.conv":  # [hidden, 1, taps] -> [hidden, taps]; its bias as it is
                 values, matmul = values.reshape(values.shape[0], -1), False
         kind = (embedding_type if gguf_name == "token_embd.weight" else matmul_type) if matmul and gguf_name.endswith(".weight") else Q.F32
-        if kind != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+        _add_float_or_quantized(writer, gguf_name, values, kind)
     for gguf_name, values in stacked.items():
-        if matmul_type != Q.F32 and values.shape[-1] % gguf.GGML_QUANT_SIZES[matmul_type][0] == 0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(values), matmul_type), raw_dtype=matmul_type)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        _add_float_or_quantized(writer, gguf_name, values, matmul_type)
+    return _finish(writer, path)

@@ -86,15 +86,8 @@ def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[
     expert_shared_feed_forward_length wide; attention turns by RoPE only where
     rope.scaling.finetuned says so (llama.cpp's converter writes false for Granite 4.0-H)."""
     arch = "granitehybrid"
-
-    def get(key: str) -> Any:
-        if (value := metadata.get(f"{arch}.{key}")) is None:
-            raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
-        return value
-
-    kv_heads = get("attention.head_count_kv")
-    kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * int(get("block_count"))
-    layer_types = tuple("attention" if int(n) else "mamba" for n in kv_heads)
+    get = gguf_getter(metadata, arch)
+    layer_types, kv_heads = gguf_layer_kinds(get, "mamba")
     experts = int(metadata.get(f"{arch}.expert_count", 0))
     shared = int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or get("feed_forward_length"))
     as_decoder = "granitemoe" if experts else "granite"
@@ -114,6 +107,25 @@ def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[
     )  # fmt: skip
     rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
     return HybridConfig(decoder, mamba, layer_types, rope=rope)
+
+
+def gguf_getter(metadata: dict[str, Any], arch: str) -> Callable[[str], Any]:
+    """metadata[f"{arch}.{key}"], or an error that names the key a file lacks."""
+
+    def get(key: str) -> Any:
+        if (value := metadata.get(f"{arch}.{key}")) is None:
+            raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
+        return value
+
+    return get
+
+
+def gguf_layer_kinds(get: Callable[[str], Any], state_kind: str) -> tuple[tuple[str, ...], list[int]]:
+    """A hybrid file's layer kinds from its per-layer attention.head_count_kv (llama.cpp writes 0 for
+    a state layer): ("attention" or `state_kind` per layer, the KV heads per layer)."""
+    kv_heads = get("attention.head_count_kv")
+    kv_heads = [int(n) for n in kv_heads] if isinstance(kv_heads, (list, tuple)) else [int(kv_heads)] * int(get("block_count"))
+    return tuple("attention" if n else state_kind for n in kv_heads), kv_heads
 
 
 def granite_hybrid_mamba_name(gguf_name: str) -> str | None:

@@ -23,6 +23,7 @@ import torch
 from kvgen.config import HybridConfig, ModelConfig, ShortConvConfig
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.kernels.formats import QuantizedWeight
+from kvgen.loading.granite_hybrid import gguf_getter, gguf_layer_kinds
 
 _LAYER_KINDS = {"conv": "conv", "full_attention": "attention", "attention": "attention"}
 _HF_NAMES = tuple((re.compile(pattern), replacement) for pattern, replacement in (
@@ -101,15 +102,8 @@ def lfm2_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str],
     experts from expert_count / expert_used_count / expert_feed_forward_length in the layers with a
     router (after leading_dense_block_count), scored by sigmoid (expert_gating_func 2)."""
     arch = metadata.get("general.architecture", "lfm2")
-
-    def get(key: str) -> Any:
-        if (value := metadata.get(f"{arch}.{key}")) is None:
-            raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
-        return value
-
-    kv_heads = get("attention.head_count_kv")
-    kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * int(get("block_count"))
-    layer_types = tuple("attention" if int(n) else "conv" for n in kv_heads)
+    get = gguf_getter(metadata, arch)
+    layer_types, kv_heads = gguf_layer_kinds(get, "conv")
     renamed = {(f"llama.{k[len(arch) + 1 :]}" if k.startswith(f"{arch}.") else k): v for k, v in metadata.items()}
     renamed |= {"general.architecture": "llama", "llama.attention.head_count_kv": max(int(n) for n in kv_heads)}
     decoder = decoder_config(renamed, tensor_names)
