@@ -1,17 +1,20 @@
-"""Granite 4.0-H's decode step in C, layer by layer, where its projections are quantized.
+"""The hybrids' decode step in C (Granite 4.0-H, Bamba, LFM2), layer by layer, where their
+projections are quantized.
 
 A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step over that one layer (the
-residual multiplier on its output), then its MLP or mixture as decode.c's kvgen_block_mlp; an
-attention layer as decode.c's kvgen_block_pre (QKV; without RoPE cos 1, sin 0), the cache's update of
-its keys, and kvgen_block_post (attention, o-proj, MLP or mixture). These are the kernels the
-transformer families' C steps and the Mamba-2 step use, over the same blocks; the torch path
-remains the reference (tests/parity/test_tiny_granite_hybrid.py compares the two).
+residual multiplier on its output), an LFM2 short-conv layer's as kvgen_short_conv_step, then its MLP
+or mixture as decode.c's kvgen_block_mlp; an attention layer as decode.c's kvgen_block_pre_into
+(QKV, turned by a table of RoPE angles or, without RoPE, cos 1 and sin 0; the new key and value
+written into the cache's buffer in place) and kvgen_block_post (attention, o-proj, MLP or mixture).
+These are the kernels the transformer families' C steps and the Mamba-2 step use, over the same
+blocks; the torch path remains the reference (tests/parity/test_tiny_granite_hybrid.py and
+test_tiny_lfm2.py compare the two).
 
 The engine's one-token rows of several sequences (`step_rows`) run each layer for all of them in
-one call, so its weights are read once a step instead of once a row: a Mamba layer's mixer as
-kvgen_mamba2_step over the rows and its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer
-as kvgen_decode_rows_own over each row's own contiguous keys and values. A row's bits are those it
-gets alone (tests/support/recurrent.py checks them).
+one call, so its weights are read once a step instead of once a row: a state layer's mixer over the
+rows and its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer as kvgen_decode_rows_own
+over each row's own contiguous keys and values. A row's bits are those it gets alone
+(tests/support/recurrent.py checks them).
 """
 
 from __future__ import annotations
