@@ -24,7 +24,7 @@ from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
+from tests.support.recurrent import (assert_prefill_is_chunk_invariant, assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                      assert_session_resumes_from_a_checkpoint, random_ids,
                                      transformers_greedy)  # fmt: skip
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
@@ -120,7 +120,21 @@ def test_c_decode_step_follows_the_torch_step(name: str, hybrids: dict, monkeypa
     blocks' MLP / mixture, attention through the cache): the torch step over the same linears gives
     the same logits up to the order of float sums, and the same greedy tokens."""
     _, llm = hybrids[name]
-    assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 10), random_ids(16, 11), monkeypatch)
+    # the prompt's attention blocks run in C too: a mixture's router flipped a near tie at one
+    # position of this prompt (2.3e-3); every other position and every decode step within 2e-7
+    prompt_tolerance = 1e-2 if hybrids[name][1].config.decoder.num_experts else 1e-4
+    assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 10), random_ids(16, 11), monkeypatch,
+                                prompt_tolerance)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["experts-rope", "bamba"])
+def test_prefill_gives_the_same_bits_however_the_prompt_is_split(name: str, hybrids: dict) -> None:
+    """int8 projections: the attention layers' prompt rows run as decodes of their tokens, the Mamba-2
+    scan takes its steps' softplus in C, the rest is row-invariant: a prompt's logits do not depend
+    on how it is split."""
+    _, llm = hybrids[name]
+    assert_prefill_is_chunk_invariant(LLM.load(llm.path, progress=False, weights="int8"), random_ids(70, 31),
+                                      [[66, 4], [31, 39], [1, 69], [17, 17, 36]])  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["experts-rope", "bamba"])  # a mixture's rows; a dense MLP's, RoPE over half of each head

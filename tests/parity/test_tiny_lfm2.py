@@ -24,7 +24,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.loading.lfm2 import feed_forward_width, lfm2_config
 from kvgen.loading.hf import config_from_hf
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
+from tests.support.recurrent import (assert_prefill_is_chunk_invariant, assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                      assert_session_resumes_from_a_checkpoint, random_ids,
                                      transformers_greedy)  # fmt: skip
 from tests.support.tiny_gguf import write_lfm2_gguf
@@ -98,6 +98,15 @@ def test_c_rows_of_several_sequences_equal_each_alone(name: str, built: dict) ->
     prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
     engine = LLMEngine(int8, EngineConfig(max_tokens_per_step=16, block_size=8))
     assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == [int8.generate(p, GREEDY).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_gives_the_same_bits_however_the_prompt_is_split(name: str, built: dict) -> None:
+    """With quantized projections the attention layers' prompt rows run as decodes of their tokens
+    (HybridStep.prompt_block), and the rest is row-invariant, so the engine's chunking of a prompt
+    does not move its logits."""
+    _, _, int8 = built[name]
+    assert_prefill_is_chunk_invariant(int8, random_ids(70, 31), [[66, 4], [31, 39], [1, 69], [17, 17, 36]])
 
 
 def test_session_resumes_from_a_checkpoint(lfm2: tuple) -> None:

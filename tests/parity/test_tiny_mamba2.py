@@ -26,7 +26,7 @@ from kvgen.models import mamba2 as mamba2_module
 from kvgen.models.recurrent import capture_points
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (assert_batched_rows_equal_each_row_alone, assert_c_rows_equal_each_row_alone,
+from tests.support.recurrent import (assert_prefill_is_chunk_invariant, assert_batched_rows_equal_each_row_alone, assert_c_rows_equal_each_row_alone,
                                      assert_c_step_follows_torch, assert_session_resumes_from_a_checkpoint,
                                      random_ids)  # fmt: skip
 from tests.support.tiny_gguf import write_mamba_gguf
@@ -167,6 +167,15 @@ def test_c_decode_step_follows_the_torch_step(mamba2: tuple[Any, LLM], monkeypat
     linears gives the same logits up to the order of float sums and the same greedy tokens."""
     _, llm = mamba2
     assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 22), random_ids(24, 23), monkeypatch)
+
+
+def test_prefill_gives_the_same_bits_however_the_prompt_is_split(mamba2: tuple[Any, LLM]) -> None:
+    """int8 projections: the scan runs in C with its steps' softplus there too (torch's rounds an
+    element by where it falls in the call's vectors), the rest is row-invariant: a prompt's logits
+    do not depend on how it is split."""
+    _, llm = mamba2
+    int8 = LLM.load(llm.path, progress=False, weights="int8")
+    assert_prefill_is_chunk_invariant(int8, random_ids(70, 31), [[66, 4], [31, 39], [1, 69], [17, 17, 36]])
 
 
 def test_c_decode_rows_equal_each_row_alone(mamba2: tuple[Any, LLM]) -> None:

@@ -35,6 +35,19 @@ def test_c_scan_equals_the_chunked_form(shape: ScanShape) -> None:
             assert (c - t).abs().max().item() < 1e-5
 
 
+def test_c_scan_takes_the_steps_softplus_from_raw_steps_and_their_bias() -> None:
+    """dt before softplus with dt_bias: the C scan computes softplus(dt + dt_bias) itself, as the
+    decode step does, and follows the chunked form over torch's softplus."""
+    shape = ScanShape(heads=4, head_dim=8, groups=2, state_size=16)
+    generator = torch.Generator().manual_seed(1)
+    columns = torch.randn(1, 23, shape.inner + 2 * shape.groups * shape.state_size, generator=generator)
+    raw, bias = torch.randn(1, 23, shape.heads, generator=generator), torch.randn(shape.heads, generator=generator)
+    A, D, state = -torch.rand(shape.heads, generator=generator), torch.randn(shape.heads, generator=generator), torch.zeros(1, 4, 8, 16)
+    y_c, _ = scan_in_c(columns, raw, A, D, state, [[22]], shape, dt_bias=bias)
+    y_t, _ = scan_chunked(columns, torch.nn.functional.softplus(raw + bias), A, D, state, [[22]], shape, chunk=8)
+    assert (y_c - y_t).abs().max().item() < 1e-5 * max(1.0, y_t.abs().max().item())
+
+
 def test_c_scan_leaves_the_callers_states_as_they_were() -> None:
     shape = ScanShape(heads=2, head_dim=4, groups=1, state_size=8)
     state = torch.randn(1, 2, 4, 8)

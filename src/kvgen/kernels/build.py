@@ -209,7 +209,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_mamba2_step.argtypes = [pointer, count, count] + [pointer] * 5
     library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 3
     library.kvgen_selective_scan.argtypes = [pointer] * 9 + [count] * 3 + [pointer, count, pointer]
-    library.kvgen_ssd_scan.argtypes = [pointer] * 6 + [count, pointer, pointer] + [count] * 5 + [pointer, count, pointer]
+    library.kvgen_ssd_scan.argtypes = [pointer] * 7 + [count, pointer, pointer] + [count] * 5 + [pointer, count, pointer]
     library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer]
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,

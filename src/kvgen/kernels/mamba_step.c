@@ -121,14 +121,18 @@ static void scan_four_channels(float step, float decay, const float* u, const fl
 // takes it (the same decay e^(dt A[h]) and update per position, so the same bits), channels
 // (head, p) in parallel, four of a head at a time where head_dim and n allow. u is
 // [t_len, heads * head_dim], B and C [t_len, groups * n], each row `stride` floats apart (views of
-// the conv's output); dt [t_len, heads] after softplus; A, D [heads]; state [heads * head_dim, n],
+// the conv's output); dt [t_len, heads] after softplus, or with `dt_bias` [heads] (not NULL) before
+// it: softplus(dt + dt_bias) then, as the decode step computes it, so a position's step has the
+// decode's bits whatever the prompt's length; A, D [heads]; state [heads * head_dim, n],
 // read and left as the state after the last position; y [t_len, heads * head_dim] = C . s + D u,
 // not yet gated. capture: num_capture ascending positions whose states go to captured
 // [num_capture, heads * head_dim, n].
-void kvgen_ssd_scan(const float* u, const float* dt, const float* A, const float* B, const float* C, const float* D,
-                    int64_t stride, float* state, float* y, int64_t t_len, int64_t heads, int64_t head_dim, int64_t groups,
-                    int64_t n, const int64_t* capture, int64_t num_capture, float* captured) {
+void kvgen_ssd_scan(const float* u, const float* dt_in, const float* dt_bias, const float* A, const float* B, const float* C,
+                    const float* D, int64_t stride, float* state, float* y, int64_t t_len, int64_t heads, int64_t head_dim,
+                    int64_t groups, int64_t n, const int64_t* capture, int64_t num_capture, float* captured) {
     const int64_t inner = heads * head_dim, per_group = heads / groups;
+    float* stepped = dt_bias ? malloc(sizeof(float) * (size_t)(t_len * heads + 1)) : NULL;
+    const float* dt = dt_bias ? stepped : dt_in;
 #ifdef __AVX2__
     const int64_t width = head_dim % 4 == 0 && n % 8 == 0 ? 4 : 1;
 #else
@@ -136,6 +140,10 @@ void kvgen_ssd_scan(const float* u, const float* dt, const float* A, const float
 #endif
 #pragma omp parallel
     {
+        if (dt_bias) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < t_len * heads; i++) stepped[i] = softplus(dt_in[i] + dt_bias[i % heads]);
+        }
         float* s = malloc(sizeof(float) * (size_t)(2 * n * width));
 #pragma omp for schedule(static)
         for (int64_t first = 0; first < inner; first += width) {
@@ -164,6 +172,7 @@ void kvgen_ssd_scan(const float* u, const float* dt, const float* A, const float
         }
         free(s);
     }
+    free(stepped);
 }
 
 // The conv step of one channel: the held window [kernel] shifted by the new input, w . window + b.

@@ -10,7 +10,9 @@ divided by logits_scaling, as Granite 3.
 The per-sequence memory is a HybridStateCache (kv/hybrid.py): the Mamba layers' states with their
 checkpoints, and a contiguous K/V cache over the attention layers only. Where the C step runs, the
 one-token rows of a batch (the engine's decodes) go through each layer together
-(models/hybrid_decode.py); other rows run one after another (each row's keys are its own). States at
+(models/hybrid_decode.py); other rows run one after another (each row's keys are its own), their
+attention layers' blocks in C as the decodes run them (`HybridStep.prompt_block`), so a prompt's
+attention does not round by how the engine splits it. States at
 checkpoint multiples are captured during a prompt as Mamba's are, and the keys and values for those
 positions are in the K/V cache already.
 """
@@ -122,7 +124,12 @@ class GraniteHybridModel(RecurrentLM):
         rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
         mask = AttentionMask.build(start, seq, 0, start + seq, None)
         captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per Mamba layer: states at the capture points
-        for block in self.layers:
+        step = self._c_step()
+        for index, block in enumerate(self.layers):
+            if block.attn is not None and step is not None:  # the whole block in C, each row as a decode computes it
+                h = h.contiguous()
+                step.prompt_block(index, h[0], cache, start)
+                continue
             x = block.input_norm(h)
             if block.mixer is not None:
                 out, states = block.mixer(x, cache.conv_state(block.slot), cache.recurrent_state(block.slot), capture)

@@ -27,7 +27,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
-from kvgen.models.fast_decode import BlockStruct, _QLinear, describe_block, mlp_linears, qlinear_struct, rows_scratch_for
+from kvgen.models.fast_decode import MAX_ROWS, BlockStruct, _QLinear, describe_block, mlp_linears, qlinear_struct, rows_scratch_for
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -162,6 +162,27 @@ class HybridStep(MixerStructs):
                                       positions.data_ptr(), scratch)  # fmt: skip
         for cache in caches:
             cache.commit(1, {})
+
+    def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int) -> None:
+        """Attention layer `layer`'s whole block (attention, o-proj, MLP or mixture) for a prompt's rows
+        h [S, hidden] (updated in place) at positions start.. of `cache`, in calls of at most
+        MAX_ROWS rows: each row's key and value go into the cache's buffer before any row attends, and
+        each row is computed as a decode of its token would be, so the rows' bits do not depend on
+        how the prompt was split. The keys count once the caller commits the pass."""
+        lib, (_, struct, slot) = self.library, self.layers[layer]
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+        for first in range(0, h.shape[0], MAX_ROWS):
+            part = h[first : first + MAX_ROWS]
+            rows = part.shape[0]
+            positions = torch.arange(start + first, start + first + rows, dtype=torch.int64)
+            layout = cache.kv.kernel_layout(start + first + rows)
+            store = [layout.keys.data_ptr() + 4 * slot * layout.layer_stride, layout.values.data_ptr() + 4 * slot * layout.layer_stride,
+                     layout.head_stride]  # fmt: skip
+            stores = torch.tensor([store], dtype=torch.int64).expand(rows, 3).contiguous()
+            rope = self._rows_rope(positions)
+            lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, part.data_ptr(), rope.data_ptr(), 1, self._one_layer.data_ptr(),
+                                      self._one_layer.data_ptr(), stores.data_ptr(), layout.pos_stride, positions.data_ptr(),
+                                      ctypes.byref(self._scratch_for_rows(rows)))  # fmt: skip
 
     def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:
         """[rows, 1, 2, head_dim]: each row's cos and sin (without RoPE the identity turn; partial

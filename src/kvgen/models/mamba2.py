@@ -62,11 +62,11 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = self.in_proj(x).split(self.widths, dim=-1)
         xbc, extended = causal_conv(conv_state, xbc.transpose(1, 2), self.conv_weight, self.conv_bias)  # [B, conv_dim, S]
         columns = xbc.transpose(1, 2).float().contiguous()  # [B, S, conv_dim]: u, B, C side by side
-        dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
         shape = ScanShape(self.heads, self.head_dim, self.groups, self.state_size)
-        if x.device.type == "cpu" and load() is not None:
-            y, states = scan_in_c(columns, dt.contiguous(), self.A, self.D, ssm_state.float(), capture, shape)
+        if x.device.type == "cpu" and load() is not None:  # softplus(dt + dt_bias) in C, as the decode step
+            y, states = scan_in_c(columns, dt, self.A, self.D, ssm_state.float(), capture, shape, self.dt_bias)
         else:
+            dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
             y, states = scan_chunked(columns, dt, self.A, self.D, ssm_state.float(), capture, shape, self.chunk)
         y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
         kernel = conv_state.shape[2]

@@ -94,23 +94,27 @@ def ssd_scan(
 
 
 def scan_in_c(columns: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
-              capture: list[list[int]], shape: ScanShape) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:  # fmt: skip
+              capture: list[list[int]], shape: ScanShape, dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:  # fmt: skip
     """The scan of each row by kernels/mamba_step.c's kvgen_ssd_scan, one position at a time as the
     decode step takes it: columns [B, S, inner + 2 groups N] (u, B, C side by side, contiguous), dt
-    [B, S, heads] after softplus (contiguous), A and D [heads], states [B, heads, head_dim, N] before
-    position 0 -> y + D u [B, S, inner] and, per row, the states [1, heads, head_dim, N] after each
-    position in capture[row] (0-based, ascending)."""
+    [B, S, heads] after softplus, or before it with `dt_bias` [heads] (softplus(dt + dt_bias) in C,
+    as the decode step takes it: torch's softplus rounds an element by where it falls in the call's
+    vectors), A and D [heads], states [B, heads, head_dim, N] before position 0 -> y + D u
+    [B, S, inner] and, per row, the states [1, heads, head_dim, N] after each position in
+    capture[row] (0-based, ascending)."""
     library = load()
     batch, seq, width = columns.shape
     grouped = shape.groups * shape.state_size
     y, states = torch.empty(batch, seq, shape.inner), []
-    A, D = A.float().contiguous(), D.float().contiguous()
+    A, D, dt = A.float().contiguous(), D.float().contiguous(), dt.float().contiguous()
+    bias = dt_bias.float().contiguous() if dt_bias is not None else None
     for row in range(batch):
         base, floats = columns[row].data_ptr(), columns.element_size()
         running = state[row].clone().contiguous()
         points = torch.tensor(capture[row], dtype=torch.int64)
         caught = torch.empty(len(capture[row]), shape.heads, shape.head_dim, shape.state_size)
-        library.kvgen_ssd_scan(base, dt[row].data_ptr(), A.data_ptr(), base + floats * shape.inner,
+        library.kvgen_ssd_scan(base, dt[row].data_ptr(), bias.data_ptr() if bias is not None else None, A.data_ptr(),
+                               base + floats * shape.inner,
                                base + floats * (shape.inner + grouped), D.data_ptr(), width, running.data_ptr(),
                                y[row].data_ptr(), seq, shape.heads, shape.head_dim, shape.groups, shape.state_size,
                                points.data_ptr(), len(capture[row]), caught.data_ptr())  # fmt: skip
