@@ -195,7 +195,7 @@ def save_tiny_lfm2(folder: Path, tokenizer_files: Path, std: float = 0.2, conv_b
     config = transformers.Lfm2Config(
         vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"], conv_L_cache=3,
-        conv_bias=conv_bias, block_multiple_of=16, max_position_embeddings=512, tie_word_embeddings=True,
+        conv_bias=conv_bias, block_multiple_of=16, max_position_embeddings=1024, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )  # fmt: skip
     torch.manual_seed(0)

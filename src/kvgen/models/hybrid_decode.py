@@ -171,11 +171,13 @@ class HybridStep(MixerStructs):
         how the prompt was split. The keys count once the caller commits the pass."""
         lib, (_, struct, slot) = self.library, self.layers[layer]
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+        # room for the whole prompt first: growing the buffer later would copy only the committed
+        # positions and drop the rows this pass wrote
+        layout = cache.kv.kernel_layout(start + h.shape[0])
         for first in range(0, h.shape[0], MAX_ROWS):
             part = h[first : first + MAX_ROWS]
             rows = part.shape[0]
             positions = torch.arange(start + first, start + first + rows, dtype=torch.int64)
-            layout = cache.kv.kernel_layout(start + first + rows)
             store = [layout.keys.data_ptr() + 4 * slot * layout.layer_stride, layout.values.data_ptr() + 4 * slot * layout.layer_stride,
                      layout.head_stride]  # fmt: skip
             stores = torch.tensor([store], dtype=torch.int64).expand(rows, 3).contiguous()
