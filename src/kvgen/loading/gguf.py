@@ -109,9 +109,9 @@ def config_from_gguf(
     if arch == "mamba2":
         return mamba2_config_from_gguf(metadata, tensor_names, get)  # type: ignore[return-value]
     if arch == "granitehybrid":
-        return granite_hybrid_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
+        return granite_hybrid_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
     if arch in ("lfm2", "lfm2moe"):
-        return lfm2_config_from_gguf(metadata, tensor_names, config_from_gguf)  # type: ignore[return-value]
+        return lfm2_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))

@@ -78,15 +78,14 @@ def granite_hybrid_config(raw: dict[str, Any], decoder_config: Callable[[dict[st
     return HybridConfig(decoder, mamba, layer_types, rope=raw.get("position_embedding_type") == "rope")
 
 
-def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str],
+def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], get: Callable[[str], Any],
                                     decoder_config: Callable[[dict[str, Any], set[str]], ModelConfig]) -> HybridConfig:  # fmt: skip
-    """llama.cpp's `granitehybrid` keys: the attention layers are those with KV heads (the per-layer
+    """llama.cpp's `granitehybrid` keys (`get`: config_from_gguf's reader of them): the attention layers are those with KV heads (the per-layer
     attention.head_count_kv, 0 for a Mamba layer); the rest is read as a `granitemoe` file (`granite`
     without experts) by `decoder_config` (gguf.py's config_from_gguf), the shared MLP
     expert_shared_feed_forward_length wide; attention turns by RoPE only where
     rope.scaling.finetuned says so (llama.cpp's converter writes false for Granite 4.0-H)."""
     arch = "granitehybrid"
-    get = gguf_getter(metadata, arch)
     layer_types, kv_heads = gguf_layer_kinds(get, "mamba")
     experts = int(metadata.get(f"{arch}.expert_count", 0))
     shared = int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or get("feed_forward_length"))
@@ -107,17 +106,6 @@ def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[
     )  # fmt: skip
     rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
     return HybridConfig(decoder, mamba, layer_types, rope=rope)
-
-
-def gguf_getter(metadata: dict[str, Any], arch: str) -> Callable[[str], Any]:
-    """metadata[f"{arch}.{key}"], or an error that names the key a file lacks."""
-
-    def get(key: str) -> Any:
-        if (value := metadata.get(f"{arch}.{key}")) is None:
-            raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}': the file is incomplete; convert it again")
-        return value
-
-    return get
 
 
 def gguf_layer_kinds(get: Callable[[str], Any], state_kind: str) -> tuple[tuple[str, ...], list[int]]:

@@ -23,7 +23,7 @@ import torch
 from kvgen.config import HybridConfig, ModelConfig, ShortConvConfig
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.kernels.formats import QuantizedWeight
-from kvgen.loading.granite_hybrid import gguf_getter, gguf_layer_kinds
+from kvgen.loading.granite_hybrid import gguf_layer_kinds
 
 _LAYER_KINDS = {"conv": "conv", "full_attention": "attention", "attention": "attention"}
 _HF_NAMES = tuple((re.compile(pattern), replacement) for pattern, replacement in (
@@ -94,15 +94,14 @@ def lfm2_config(raw: dict[str, Any], decoder_config: Callable[[dict[str, Any]], 
     return HybridConfig(decoder, mixer, layer_types, rope=True, architecture="lfm2")
 
 
-def lfm2_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str],
+def lfm2_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], get: Callable[[str], Any],
                           decoder_config: Callable[[dict[str, Any], set[str]], ModelConfig]) -> HybridConfig:  # fmt: skip
-    """llama.cpp's `lfm2` and `lfm2moe` keys: the attention layers are those with KV heads (the
+    """llama.cpp's `lfm2` and `lfm2moe` keys (`get`: config_from_gguf's reader of them): the attention layers are those with KV heads (the
     per-layer attention.head_count_kv, 0 for a conv layer), the conv's taps shortconv.l_cache; the
     rest is read as a `llama` file by `decoder_config` (gguf.py's config_from_gguf), a mixture's
     experts from expert_count / expert_used_count / expert_feed_forward_length in the layers with a
     router (after leading_dense_block_count), scored by sigmoid (expert_gating_func 2)."""
     arch = metadata.get("general.architecture", "lfm2")
-    get = gguf_getter(metadata, arch)
     layer_types, kv_heads = gguf_layer_kinds(get, "conv")
     renamed = {(f"llama.{k[len(arch) + 1 :]}" if k.startswith(f"{arch}.") else k): v for k, v in metadata.items()}
     renamed |= {"general.architecture": "llama", "llama.attention.head_count_kv": max(int(n) for n in kv_heads)}

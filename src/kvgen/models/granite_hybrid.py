@@ -121,10 +121,11 @@ class GraniteHybridModel(RecurrentLM):
         d = self.config.decoder
         capture = [capture_points(cache, seq)]
         h = F.embedding(torch.tensor([ids]), self.embed_tokens) * d.embedding_multiplier  # [1, S, H]
-        rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
-        mask = AttentionMask.build(start, seq, 0, start + seq, None)
         captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per Mamba layer: states at the capture points
         step = self._c_step()
+        if step is None:  # torch's attention: its angles and mask (the C blocks turn by the step's table)
+            rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
+            mask = AttentionMask.build(start, seq, 0, start + seq, None)
         for index, block in enumerate(self.layers):
             if block.attn is not None and step is not None:  # the whole block in C, each row as a decode computes it
                 h = h.contiguous()

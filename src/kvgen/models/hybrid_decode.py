@@ -27,6 +27,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
+from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import MAX_ROWS, BlockStruct, _QLinear, describe_block, mlp_linears, qlinear_struct, rows_scratch_for
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
@@ -88,6 +89,17 @@ class HybridStep(MixerStructs):
         else:
             self.library.kvgen_mamba2_step(ctypes.addressof(mixer), 1, rows, h_ptr, conv_in, conv_out, ssm_in, ssm_out)
 
+    @staticmethod
+    def _layer_store(layout: KVLayout, slot: int) -> tuple[int, int]:
+        """Addresses of attention layer `slot`'s keys and values in a cache's buffer (fp32)."""
+        return layout.keys.data_ptr() + 4 * slot * layout.layer_stride, layout.values.data_ptr() + 4 * slot * layout.layer_stride
+
+    @staticmethod
+    def _outputs_like(states: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Fresh tensors for a step's new states (the cache keeps the old ones as checkpoints); a
+        short conv's empty recurrent state is handed back as it is."""
+        return [torch.empty_like(state) if state.numel() else state for state in states]
+
     def _scratch(self, size: int) -> int:
         buffer = torch.zeros(size)
         self._keep.append(buffer)
@@ -103,15 +115,13 @@ class HybridStep(MixerStructs):
         for mixer, struct, slot in self.layers:
             if mixer is not None:
                 conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
-                conv_out = torch.empty_like(conv_in)
-                ssm_out = torch.empty_like(ssm_in) if ssm_in.numel() else ssm_in  # a short conv's is empty
+                conv_out, ssm_out = self._outputs_like([conv_in, ssm_in])
                 self._mix(mixer, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()), (_ptr * 1)(ssm_in.data_ptr()),
                           (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
                 lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
                 cache.write(slot, conv_out, ssm_out, owned=True)
                 continue
-            keys = layout.keys.data_ptr() + 4 * slot * layout.layer_stride
-            values = layout.values.data_ptr() + 4 * slot * layout.layer_stride
+            keys, values = self._layer_store(layout, slot)
             at = 4 * position * layout.pos_stride
             lib.kvgen_block_pre_into(ctypes.byref(struct), h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at,
                                      layout.head_stride, None, -1)  # fmt: skip
@@ -148,15 +158,13 @@ class HybridStep(MixerStructs):
             if mixer is not None:
                 conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
                 ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
-                conv_out, ssm_out = [torch.empty_like(c) for c in conv_in], [torch.empty_like(s) for s in ssm_in]
+                conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
                 self._mix(mixer, rows, h_ptr, pointers(conv_in), pointers(conv_out), pointers(ssm_in), pointers(ssm_out))
                 lib.kvgen_mlp_rows(ctypes.byref(struct), rows, h_ptr, scratch)
                 for cache, conv, ssm in zip(caches, conv_out, ssm_out):
                     cache.write(slot, conv, ssm, owned=True)
                 continue
-            stores = torch.tensor([[layout.keys.data_ptr() + 4 * slot * layout.layer_stride,
-                                    layout.values.data_ptr() + 4 * slot * layout.layer_stride, layout.head_stride]
-                                   for layout in layouts], dtype=torch.int64)  # fmt: skip
+            stores = torch.tensor([[*self._layer_store(layout, slot), layout.head_stride] for layout in layouts], dtype=torch.int64)
             lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                       self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
                                       positions.data_ptr(), scratch)  # fmt: skip
@@ -178,9 +186,7 @@ class HybridStep(MixerStructs):
             part = h[first : first + MAX_ROWS]
             rows = part.shape[0]
             positions = torch.arange(start + first, start + first + rows, dtype=torch.int64)
-            store = [layout.keys.data_ptr() + 4 * slot * layout.layer_stride, layout.values.data_ptr() + 4 * slot * layout.layer_stride,
-                     layout.head_stride]  # fmt: skip
-            stores = torch.tensor([store], dtype=torch.int64).expand(rows, 3).contiguous()
+            stores = torch.tensor([[*self._layer_store(layout, slot), layout.head_stride]], dtype=torch.int64).expand(rows, 3).contiguous()
             rope = self._rows_rope(positions)
             lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, part.data_ptr(), rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                       self._one_layer.data_ptr(), stores.data_ptr(), layout.pos_stride, positions.data_ptr(),
