@@ -12,7 +12,7 @@ from typing import Literal
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss", "deepseek_v2", "olmo2", "olmoe")
-STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid", "lfm2")  # MambaConfig, Mamba2Config, HybridConfig, below
+STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid", "lfm2", "nemotron_h")  # MambaConfig, Mamba2Config, HybridConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
@@ -59,7 +59,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     # swiglu_oai (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
-    hidden_act: Literal["silu", "gelu_tanh", "swiglu_oai"] = "silu"
+    hidden_act: Literal["silu", "gelu_tanh", "swiglu_oai", "relu2"] = "silu"  # relu2: Nemotron-H's ungated down(relu(up x)²)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     rope_scaling: RopeScaling | None = None
@@ -227,22 +227,26 @@ class ShortConvConfig:
 @dataclass(frozen=True)
 class HybridConfig:
     """A stack of state layers and attention layers (models/granite_hybrid.py): `layer_types[i]` is
-    "mamba" (a Mamba-2 mixer: IBM's Granite 4.0-H, Bamba), "conv" (a gated short convolution:
-    Liquid's LFM2) or "attention"; every layer then runs the MLP (or mixture) of `decoder`, which
-    also holds the attention layers' shape, the norms' epsilon, the vocabulary and Granite's
+    "mamba" (a Mamba-2 mixer: IBM's Granite 4.0-H, Bamba, NVIDIA's Nemotron-H), "conv" (a gated short
+    convolution: Liquid's LFM2), "attention", or "mlp" (an MLP or mixture alone: Nemotron-H). Where
+    `mlp_every_layer` (Granite, Bamba, LFM2) every mamba, conv and attention layer then runs the MLP (or
+    mixture) of `decoder`; otherwise (Nemotron-H) each layer is its one sublayer behind one norm.
+    `decoder` also holds the attention layers' shape, the norms' epsilon, the vocabulary and Granite's
     scalars; `mixer` the state layers' shape (Mamba2Config or ShortConvConfig, one kind a model).
-    `rope`: whether attention turns its queries and keys (Granite 4.0-H's do not: NoPE)."""
+    `rope`: whether attention turns its queries and keys (Granite 4.0-H's and Nemotron-H's do not: NoPE)."""
 
     decoder: ModelConfig
     mixer: Mamba2Config | ShortConvConfig
     layer_types: tuple[str, ...]
     rope: bool = False
     architecture: str = "granitemoehybrid"
+    mlp_every_layer: bool = True
 
     def __post_init__(self) -> None:
         state_kind = "conv" if isinstance(self.mixer, ShortConvConfig) else "mamba"
-        if len(self.layer_types) != self.decoder.num_layers or set(self.layer_types) - {state_kind, "attention"}:
-            raise ValueError(f"layer_types must name '{state_kind}' or 'attention' for each of {self.decoder.num_layers} layers, "
+        kinds = {state_kind, "attention"} | (set() if self.mlp_every_layer else {"mlp"})
+        if len(self.layer_types) != self.decoder.num_layers or set(self.layer_types) - kinds:
+            raise ValueError(f"layer_types must name one of {sorted(kinds)} for each of {self.decoder.num_layers} layers, "
                              f"got {self.layer_types}")  # fmt: skip
 
     @property
@@ -252,7 +256,11 @@ class HybridConfig:
     @property
     def state_layers(self) -> tuple[int, ...]:
         """The layers that carry a state (Mamba-2 or short conv), in the order the cache holds them."""
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind != "attention")
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ("mamba", "conv"))
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether layer `layer` runs an MLP (or mixture): every layer where mlp_every_layer, else the "mlp" layers."""
+        return self.mlp_every_layer or self.layer_types[layer] == "mlp"
 
     # What the generator, engine and server read of any model's config: the decoder's.
     vocab_size = property(lambda self: self.decoder.vocab_size)

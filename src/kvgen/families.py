@@ -63,6 +63,13 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
                   "random tiny (transformers)"),
+    FamilySupport("nemotron_h (Nemotron-H, Nemotron Nano v2: Mamba-2, attention and ReLU² MLP layers; Nemotron 3 Nano: "
+                  "mixtures of ReLU² experts)", "GGUF (nemotron_h, nemotron_h_moe), HF",
+                  "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
+                  "KV cache options refused", "yes (int8 / q4 weights), layer by layer",
+                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
+                  "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
                   "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
                   "no: torch path", "yes: rows run one after another, one encoder entry per distinct input; "

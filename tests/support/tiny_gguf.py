@@ -598,3 +598,87 @@ def write_lfm2_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: ggu
     for gguf_name, values in stacked.items():
         _add_float_or_quantized(writer, gguf_name, values, matmul_type)
     return _finish(writer, path)
+
+
+# Nemotron-H's HF names (transformers' model.*, each layer's sublayer under `mixer`) -> llama.cpp's
+_NEMOTRON_H_GLOBALS = {"model.embeddings.weight": "token_embd.weight", "model.norm_f.weight": "output_norm.weight",
+                       "lm_head.weight": "output.weight"}  # fmt: skip
+_NEMOTRON_H_PARTS = {"norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.weight", "mixer.k_proj.weight": "attn_k.weight",
+                     "mixer.v_proj.weight": "attn_v.weight", "mixer.o_proj.weight": "attn_output.weight",
+                     "mixer.up_proj.weight": "ffn_up.weight", "mixer.down_proj.weight": "ffn_down.weight",
+                     "mixer.gate.weight": "ffn_gate_inp.weight", "mixer.gate.e_score_correction_bias": "exp_probs_b.bias",
+                     "mixer.experts.up_proj": "ffn_up_exps.weight", "mixer.experts.down_proj": "ffn_down_exps.weight",
+                     "mixer.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+                     "mixer.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}  # fmt: skip
+
+
+def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
+                          embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
+    """A GGUF of transformers' NemotronHForCausalLM as llama.cpp's converter writes it (`nemotron_h`,
+    or `nemotron_h_moe` with experts): KV heads per layer (0 outside attention), feed_forward_length
+    per layer (the MLP's width, or the experts' in a mixture layer; 0 elsewhere), key and value
+    lengths, mamba2's tensors as granitehybrid's (A as -exp(A_log), the norm per group), every
+    layer's norm as attn_norm, q/k rows permuted, experts stacked as ffn_{up,down}_exps beside
+    ffn_{up,down}_shexp, the choice bias as exp_probs_b.bias; projections in `matmul_type`, the
+    token embedding in `embedding_type`."""
+    from kvgen.loading.gguf_file import GGUFFile
+
+    c = hf_model.config
+    kinds = list(c.layers_block_type)
+    moe = "moe" in kinds
+    writer = gguf.GGUFWriter(str(path), "nemotron_h_moe" if moe else "nemotron_h")
+    writer.add_block_count(len(kinds))
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    width = c.moe_intermediate_size if moe else c.intermediate_size
+    writer.add_feed_forward_length([width if kind in ("mlp", "moe") else 0 for kind in kinds])
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv([c.num_key_value_heads if kind == "full_attention" else 0 for kind in kinds])
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_ssm_conv_kernel(c.conv_kernel)
+    writer.add_ssm_state_size(c.ssm_state_size)
+    writer.add_ssm_group_count(c.n_groups)
+    writer.add_ssm_inner_size(c.mamba_num_heads * c.mamba_head_dim)
+    writer.add_ssm_time_step_rank(c.mamba_num_heads)
+    if moe:
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.moe_shared_expert_intermediate_size)
+        writer.add_expert_count(c.n_routed_experts)
+        writer.add_expert_shared_count(c.n_shared_experts)
+        writer.add_expert_weights_norm(c.norm_topk_prob)
+        writer.add_expert_weights_scale(c.routed_scaling_factor)
+        writer.add_expert_group_count(c.n_group)
+    _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+
+    def add(name: str, values: np.ndarray, matmul: bool) -> None:
+        _add_float_or_quantized(writer, name, values, embedding_type if name == "token_embd.weight" else matmul_type if matmul else Q.F32)
+
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float().numpy().copy()
+        if name in _NEMOTRON_H_GLOBALS:
+            add(_NEMOTRON_H_GLOBALS[name], values, name == "lm_head.weight")
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        stem = f"blk.{layer}"
+        if kinds[int(layer)] == "linear_attention" and rest.startswith("mixer."):
+            part = rest[len("mixer.") :]
+            if part == "A_log":
+                values = -np.exp(values)
+            if part in ("A_log", "D"):
+                values = values.reshape(-1, 1)
+            elif part == "norm.weight":
+                values = values.reshape(c.n_groups, -1)
+            elif part == "conv1d.weight":
+                values = values.reshape(values.shape[0], -1)
+            add(f"{stem}.{_HYBRID_MAMBA[part]}", values, part.endswith("proj.weight"))
+            continue
+        if rest in ("mixer.q_proj.weight", "mixer.k_proj.weight"):  # llama.cpp's interleaved RoPE rows (NoPE: the scores do not move)
+            heads = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads
+            values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
+        matmul = rest.endswith(("_proj.weight", "experts.up_proj", "experts.down_proj"))
+        add(f"{stem}.{_NEMOTRON_H_PARTS[rest]}", values, matmul)
+    return _finish(writer, path)

@@ -219,6 +219,27 @@ def save_tiny_lfm2_moe(folder: Path, tokenizer_files: Path, std: float = 0.2, sc
     return _widen_and_save(transformers.Lfm2MoeForCausalLM(config), folder, tokenizer_files, std)
 
 
+def save_tiny_nemotron_h(folder: Path, tokenizer_files: Path, experts: int = 0, std: float = 0.2, scale: float = 1.5) -> Any:
+    """transformers' NemotronHForCausalLM (NVIDIA's Nemotron-H): one sublayer a layer, Mamba-2 (8
+    heads of 16 channels in 2 groups, chunks of 16), NoPE attention and ReLU² MLPs in the pattern
+    M-M*-M-; with `experts`, Nemotron 3 Nano's kind: the MLP layers are mixtures of that many ReLU²
+    experts (2 a token, sigmoid scores plus a choice bias, renormalised and scaled by `scale`) with
+    a shared expert. Random and widened, saved with the tokenizer files."""
+    import transformers
+
+    pattern = "M-M*-M-".replace("-", "E" if experts else "-")
+    config = transformers.NemotronHConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, hybrid_override_pattern=pattern, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+        chunk_size=16, conv_kernel=4, n_routed_experts=max(experts, 1), num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64, routed_scaling_factor=scale, n_group=1, topk_group=1,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config)
+    return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
+
+
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
     """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
     `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and

@@ -25,7 +25,8 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
     float softcap;       // attention scores soft-capped to cap tanh(s / cap) (Gemma 2); 0: not
-    int32_t act;         // the gate's activation: 0 SiLU (SwiGLU), 1 tanh-GELU (GeGLU), 2 clamped SwiGLU (gpt-oss)
+    int32_t act;         // the gate's activation: 0 SiLU (SwiGLU), 1 tanh-GELU (GeGLU), 2 clamped SwiGLU (gpt-oss),
+                         // 3 ReLU² of an ungated up projection (Nemotron-H: gate_up is `up` alone, intermediate rows)
     int32_t rotary_dim;  // the channels of a head RoPE turns: head_dim, or fewer (partial rotary, Phi-4-mini)
     int32_t pad;
     const float* input_norm;
@@ -677,9 +678,18 @@ static inline float gelu_tanh(float x) {
 }
 
 // out = act(gate) * up over n values, act as block b says (b->act); gpt-oss's clamped SwiGLU (act
-// 2) is (clamp(up, -limit, limit) + 1) g / (1 + e^(-alpha g)) with g = min(gate, limit).
+// 2) is (clamp(up, -limit, limit) + 1) g / (1 + e^(-alpha g)) with g = min(gate, limit). Act 3 has
+// no gate: out = relu(gate)² of the up projection's n values in `gate` (`up` unread); one rounding,
+// so the bits of torch's relu(x).square().
 static void gated_activation(const float* gate, const float* up, float* out, int64_t n, const block_t* b) {
     const int act = b->act;
+    if (act == 3) {
+        for (int64_t i = 0; i < n; i++) {
+            const float g = gate[i] > 0.0f ? gate[i] : 0.0f;
+            out[i] = g * g;
+        }
+        return;
+    }
     const float alpha = b->swiglu_alpha, limit = b->swiglu_limit;
     int64_t i = 0;
 #ifdef __AVX2__
@@ -872,9 +882,16 @@ static void block_finish_team(const block_t* b, const thread_scratch* t, const l
     mlp_team(b, t, lora, slot, xa);
 }
 
+// Whether block b has an MLP sublayer (Nemotron-H's attention layers are attention alone).
+static inline int has_mlp(const block_t* b) { return b->intermediate > 0 || b->num_experts > 0; }
+
 // The block's MLP sublayer: norm, gated MLP or mixture, residual, into each thread's h (by every
 // thread of a team; returns after a barrier).
 static void mlp_team(const block_t* b, const thread_scratch* t, const lora_linear* lora, const int64_t* slot, float* xa) {
+    if (!has_mlp(b)) {
+#pragma omp barrier
+        return;
+    }
     norm_input(t->h, b->mlp_in_norm, b->eps, b->hidden, t->x);
     if (b->num_experts > 0) {  // no adapters on experts (the LoRA registry refuses them; attention's apply above)
         experts_team(b, t);

@@ -154,9 +154,10 @@ static void shared_expert_rows_team(const rows_step* st, const block_t* b) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) quantize_row_into(st, &b->shared_gate_up, s->x + r * hidden, r);
     gemm_rows_team(st, &b->shared_gate_up, s->mlp, rows);
+    const int64_t width = b->shared_gate_up.n;  // 2 m gated, m for an ungated up projection (act 3)
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float* gate = s->mlp + r * 2 * m;
+        float* gate = s->mlp + r * width;
         gated_activation(gate, gate + m, gate, m, b);
         quantize_row_into(st, &b->shared_down, gate, r);
     }
@@ -200,7 +201,7 @@ static void experts_rows_team(const rows_step* st, const block_t* b) {
         gemm_rows_team(st, gate_up, s->mlp, count);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {  // act(gate) * up in place of gate, then quantized for down()
-            float* gate = s->mlp + i * 2 * inter;
+            float* gate = s->mlp + i * gate_up->n;  // 2 inter gated, inter for an ungated up projection
             gated_activation(gate, gate + inter, gate, inter, b);
             quantize_row_into(st, down, gate, i);
         }
@@ -409,9 +410,12 @@ static void layer_rows_team(const rows_step* st, int64_t layer, const codes_scra
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         add_residual(b, st->h + r * hidden, s->y + r * hidden, b->attn_out_norm, hidden);
-        mlp_row_input(st, b, r);
+        if (has_mlp(b))
+            mlp_row_input(st, b, r);
+        else if (layer + 1 < st->num_layers)  // attention alone (Nemotron-H): on to the next layer's input
+            row_input(st, layer + 1, r);
     }
-    mlp_rows_team(st, layer);
+    if (has_mlp(b)) mlp_rows_team(st, layer);
 }
 
 // Row r's input to the block's MLP: its normed h, quantized for gate_up (a mixture quantizes per expert).
@@ -434,7 +438,8 @@ static void mlp_rows_team(const rows_step* st, int64_t layer) {
         linear_lora_rows_team(st, layer, LORA_GATE_UP, &b->gate_up, s->x, s->mlp);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {  // act(gate) * up, packed [rows, inter] into x for down()
-            gated_activation(s->mlp + r * 2 * inter, s->mlp + r * 2 * inter + inter, s->x + r * inter, inter, b);
+            const float* gate = s->mlp + r * b->gate_up.n;  // 2 inter gated, inter for an ungated up projection
+            gated_activation(gate, gate + inter, s->x + r * inter, inter, b);
             quantize_row(st, &b->down, s->x, r);
         }
         linear_lora_rows_team(st, layer, LORA_DOWN, &b->down, s->x, s->y);

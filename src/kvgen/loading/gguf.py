@@ -26,12 +26,14 @@ from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.granite_hybrid import granite_hybrid_config_from_gguf, granite_hybrid_mamba_name
 from kvgen.loading.lfm2 import lfm2_config_from_gguf, lfm2_gguf_name
+from kvgen.loading.nemotron_h import name_mlp_layer_norms, nemotron_h_config_from_gguf
 from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
 from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", "lfm2moe", *SSM_ARCHITECTURES)
+                      "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+                      "nemotron_h_moe", *SSM_ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -95,7 +97,7 @@ def config_from_gguf(
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
             "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
-            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2, LFM2-MoE)"
+            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2, LFM2-MoE, Nemotron-H)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -112,6 +114,8 @@ def config_from_gguf(
         return granite_hybrid_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
     if arch in ("lfm2", "lfm2moe"):
         return lfm2_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        return nemotron_h_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
@@ -247,7 +251,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
     if arch in SSM_ARCHITECTURES:
         return mamba_hf_name(gguf_name, arch)
-    if arch == "granitemoehybrid" and (mamba := granite_hybrid_mamba_name(gguf_name)) is not None:
+    if arch in ("granitemoehybrid", "nemotron_h") and (mamba := granite_hybrid_mamba_name(gguf_name)) is not None:
         return mamba
     if arch == "lfm2" and (conv := lfm2_gguf_name(gguf_name)) is not None:
         return conv
@@ -268,7 +272,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
              else _OLMO2_LAYER_NAMES if arch == "olmo2" else _LAYER_NAMES)  # fmt: skip
     if arch == "deepseek_v2" and part in ("attn_k_b", "attn_v_b"):
         return f"model.layers.{layer}.{names[part]}"  # a float tensor of its own, no .weight
-    if arch == "deepseek_v2" and part == "exp_probs_b":  # DeepSeek-V3's expert choice bias
+    if arch in ("deepseek_v2", "nemotron_h") and part == "exp_probs_b":  # DeepSeek-V3's (Nemotron 3 Nano's) expert choice bias
         return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return f"model.layers.{layer}.{names[part]}.{suffix}" if part in names else None
 
@@ -320,6 +324,8 @@ def load_gguf(
             else:
                 tensors[target] = _float_tensor(file, info, config, dtype)
             check_finite(info.name, tensors[target], path)
+    if config.architecture == "nemotron_h":
+        name_mlp_layer_norms(tensors, config)  # type: ignore[arg-type]
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
 
 
@@ -362,7 +368,7 @@ def _quantized_rows(file: GGUFFile, info: TensorInfo, mode: str) -> QuantizedWei
 
 
 def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
-    if config.architecture in ("llama", "mixtral", "granitemoehybrid"):  # llama.cpp's llama architecture, experts or not
+    if config.architecture in ("llama", "mixtral", "granitemoehybrid", "nemotron_h"):  # llama.cpp's llama architecture, experts or not
         heads = config.decoder if isinstance(config, HybridConfig) else config  # a hybrid's attention layers
         if ".attn_q." in gguf_name:
             return unpermute_qk(array, heads.num_heads)

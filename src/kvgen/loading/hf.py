@@ -21,6 +21,7 @@ from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config, prepare_deepseek_weights
 from kvgen.loading.granite_hybrid import granite_hybrid_config, name_granite_hybrid_weights
 from kvgen.loading.lfm2 import lfm2_config, name_lfm2_weights
+from kvgen.loading.nemotron_h import name_nemotron_h_weights, nemotron_h_config
 from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
 from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.kernels.formats import QuantizedWeight
@@ -42,6 +43,7 @@ HF_MODEL_TYPES = {
     "bamba": "granitemoehybrid",  # Bamba: the same stack without Granite's scalars, RoPE over half of each head
     "lfm2": "lfm2",  # LFM2: gated short convolutions and attention layers (HybridConfig)
     "lfm2_moe": "lfm2",  # LFM2-MoE: the same stack, a mixture in its later layers
+    "nemotron_h": "nemotron_h",  # Nemotron-H: Mamba-2, attention and MLP (or mixture) layers, one sublayer each
 }  # fmt: skip
 _GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
@@ -85,6 +87,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return granite_hybrid_config(raw, config_from_hf)  # type: ignore[return-value]
     if arch == "lfm2":
         return lfm2_config(raw, config_from_hf)  # type: ignore[return-value]
+    if arch == "nemotron_h":
+        return nemotron_h_config(raw, config_from_hf)  # type: ignore[return-value]
     try:
         hidden, num_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers = int(raw["num_hidden_layers"])
@@ -357,6 +361,8 @@ def load_hf_folder(
         name_granite_hybrid_weights(tensors, config)  # type: ignore[arg-type]
     if config.architecture == "lfm2":
         name_lfm2_weights(tensors)
+    if config.architecture == "nemotron_h":
+        name_nemotron_h_weights(tensors, config)  # type: ignore[arg-type]
     if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoehybrid", "lfm2"):
         _name_experts(tensors)
     if config.architecture == "deepseek_v2":

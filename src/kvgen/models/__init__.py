@@ -37,6 +37,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[RecurrentLM] | type[T5Model]] = {
     "mamba2": Mamba2Model,  # heads with scalar decays, grouped B/C, chunked SSD prefill
     "granitemoehybrid": GraniteHybridModel,  # Granite 4.0-H: Mamba-2 and attention layers
     "lfm2": GraniteHybridModel,  # LFM2: gated short convolutions and attention layers, the same stack
+    "nemotron_h": GraniteHybridModel,  # Nemotron-H: Mamba-2, attention and MLP layers, one sublayer each
     "t5": T5Model,
 }
 

@@ -115,7 +115,7 @@ class _LoraLinear(ctypes.Structure):
 
 
 LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's lora_linear order in kernels/lora_delta.c
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # decode.c block_t's act
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2, "relu2": 3}  # decode.c block_t's act
 
 
 def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
@@ -147,8 +147,11 @@ def _norm_ptr(norm: RMSNorm | None) -> int | None:
     return norm.weight.data_ptr() if norm is not None else None
 
 
-def mlp_linears(mlp: nn.Module) -> list[nn.Module]:
-    """A block's MLP linears the C steps read: its gate_up and down, or every expert's and the shared one's."""
+def mlp_linears(mlp: nn.Module | None) -> list[nn.Module]:
+    """A block's MLP linears the C steps read: its gate_up and down, or every expert's and the shared
+    one's (none for a block without an MLP: Nemotron-H's attention and Mamba layers)."""
+    if mlp is None:
+        return []
     gated = [*mlp.experts, *filter(None, [mlp.shared_expert])] if isinstance(mlp, SparseMoE) else [mlp]
     return [*(m.gate_up for m in gated), *(m.down for m in gated)]
 
@@ -156,12 +159,14 @@ def mlp_linears(mlp: nn.Module) -> list[nn.Module]:
 def describe_block(config: ModelConfig, block: nn.Module, scratch: Callable[[int], int], keep: list[ctypes.Array]) -> BlockStruct:
     """A block as decode.c's block_t: `scratch(n)` gives n zeroed floats the struct may point into,
     `keep` holds the arrays of expert linears it points into. A block without attention (`attn`
-    None: a hybrid's Mamba layer, whose MLP alone runs as kvgen_block_mlp) leaves those fields empty."""
+    None: a hybrid's Mamba layer, whose MLP alone runs as kvgen_block_mlp) leaves those fields empty;
+    one without an MLP (`mlp` None: Nemotron-H's attention layers) has intermediate 0, which the
+    kernels read as no MLP sublayer."""
     attn, mlp = block.attn, block.mlp
     gemma = hasattr(block, "pre_mlp_norm")
     qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
     experts = mlp.experts if isinstance(mlp, SparseMoE) else []
-    intermediate = experts[0].intermediate if experts else mlp.intermediate
+    intermediate = experts[0].intermediate if experts else mlp.intermediate if mlp is not None else 0
     shared = mlp.shared_expert if experts else None
     struct = BlockStruct(
         config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, intermediate,
@@ -173,7 +178,7 @@ def describe_block(config: ModelConfig, block: nn.Module, scratch: Callable[[int
         _norm_ptr(block.post_mlp_norm) if gemma else None,
         _norm_ptr(getattr(attn, "q_norm", None)), _norm_ptr(getattr(attn, "k_norm", None)),
         qlinear_struct(attn.qkv) if attn is not None else _QLinear(), qlinear_struct(attn.o_proj) if attn is not None else _QLinear(),
-        _QLinear() if experts else qlinear_struct(mlp.gate_up), _QLinear() if experts else qlinear_struct(mlp.down),
+        _QLinear() if experts or mlp is None else qlinear_struct(mlp.gate_up), _QLinear() if experts or mlp is None else qlinear_struct(mlp.down),
         scratch(config.hidden_size), scratch(qkv_width), scratch(config.num_heads * config.head_dim),
         scratch(2 * max(intermediate, shared.intermediate if shared is not None else 0)),
     )  # fmt: skip

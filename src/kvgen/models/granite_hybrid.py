@@ -1,4 +1,5 @@
-"""Granite 4.0-H (HF `granitemoehybrid`): Mamba-2 layers and attention layers in one stack.
+"""Granite 4.0-H (HF `granitemoehybrid`), Bamba, LFM2 and Nemotron-H: state layers and attention
+layers in one stack (Granite 4.0-H described here; the others differ as HybridBlock says).
 
 Each layer: h += residual_multiplier * mixer(input_norm(h)), the mixer a Mamba-2 one
 (models/mamba2.py's) or grouped-query attention (models/layers.py's, scores scaled by
@@ -29,7 +30,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import CacheSpec
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.hybrid_decode import HybridStep, hybrid_runs_in_c
-from kvgen.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
+from kvgen.models.layers import Attention, AttentionMask, GatedMLP, ReluSquaredMLP, RMSNorm, feed_forward
 from kvgen.models.mamba2 import Mamba2Mixer
 from kvgen.models.moe import SparseMoE
 from kvgen.models.recurrent import RecurrentLM, capture_points
@@ -39,25 +40,34 @@ from kvgen.models.weights import WeightSource, frozen, linear
 
 
 class HybridBlock(nn.Module):
+    """One layer: h += residual_multiplier * mixer(input_norm(h)) for a state or attention layer,
+    then, where the layer has one, h += residual_multiplier * mlp(post_attn_norm(h)). Nemotron-H's
+    layers are one sublayer each: a mamba or attention layer has no MLP (mlp None), an "mlp" layer is
+    its MLP or mixture alone behind its one norm (input_norm, mixer and attn None)."""
+
     def __init__(self, config: HybridConfig, layer: int, weights: WeightSource):
         super().__init__()
         prefix, decoder = f"model.layers.{layer}", config.decoder
-        self.input_norm = RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), decoder.rms_norm_eps)
-        self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), decoder.rms_norm_eps)
+        kind = config.layer_types[layer]
+        self.input_norm = None if kind == "mlp" else RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), decoder.rms_norm_eps)
         self.mixer: Mamba2Mixer | ShortConvMixer | None = None
         self.attn: Attention | None = None
-        kind = config.layer_types[layer]
+        self.slot = -1  # an MLP layer keeps nothing in the cache
         if kind == "attention":
             self.slot = config.attention_layers.index(layer)  # its keys' layer in the cache's K/V
             per_head_norms = weights.has(f"{prefix}.self_attn.q_norm.weight")  # LFM2 normalises each head's q and k
             self.attn = Attention(decoder, self.slot, weights, f"{prefix}.self_attn", 0.0 if per_head_norms else None)
-        else:
+        elif kind != "mlp":
             self.slot = config.state_layers.index(layer)  # its state's index in the cache
             mixer = config.mixer
             self.mixer = (ShortConvMixer(mixer, weights, f"{prefix}.conv") if isinstance(mixer, ShortConvConfig)
                           else Mamba2Mixer(mixer, weights, f"{prefix}.mamba"))  # fmt: skip
-        mixture = decoder.num_experts and layer in decoder.moe_layers  # LFM2-MoE's first layers are dense
-        self.mlp = SparseMoE(decoder, weights, f"{prefix}.mlp") if mixture else GatedMLP(decoder, weights, f"{prefix}.mlp")
+        self.post_attn_norm: RMSNorm | None = None
+        self.mlp: SparseMoE | GatedMLP | ReluSquaredMLP | None = None
+        if config.has_mlp(layer):
+            self.post_attn_norm = RMSNorm(weights.take_tensor(f"{prefix}.post_attention_layernorm.weight"), decoder.rms_norm_eps)
+            mixture = decoder.num_experts and layer in decoder.moe_layers  # LFM2-MoE's first layers are dense
+            self.mlp = SparseMoE(decoder, weights, f"{prefix}.mlp") if mixture else feed_forward(decoder, weights, f"{prefix}.mlp")
         self.residual_multiplier = decoder.residual_multiplier
 
 
@@ -131,14 +141,16 @@ class GraniteHybridModel(RecurrentLM):
                 h = h.contiguous()
                 step.prompt_block(index, h[0], cache, start)
                 continue
-            x = block.input_norm(h)
-            if block.mixer is not None:
-                out, states = block.mixer(x, cache.conv_state(block.slot), cache.recurrent_state(block.slot), capture)
-                captured.append(states[0])
-            else:
-                out = block.attn(x, rope, cache.kv, mask)
-            h = h + out * block.residual_multiplier
-            h = h + block.mlp(block.post_attn_norm(h)) * block.residual_multiplier
+            if block.input_norm is not None:
+                x = block.input_norm(h)
+                if block.mixer is not None:
+                    out, states = block.mixer(x, cache.conv_state(block.slot), cache.recurrent_state(block.slot), capture)
+                    captured.append(states[0])
+                else:
+                    out = block.attn(x, rope, cache.kv, mask)
+                h = h + out * block.residual_multiplier
+            if block.mlp is not None:
+                h = h + block.mlp(block.post_attn_norm(h)) * block.residual_multiplier
         snapshots = {point + 1: [layer[k] for layer in captured] for k, point in enumerate(capture[0])}
         for slot, (conv, recurrent) in enumerate(snapshots.pop(seq)):
             cache.write(slot, conv, recurrent)

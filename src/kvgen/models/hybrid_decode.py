@@ -1,9 +1,9 @@
-"""The hybrids' decode step in C (Granite 4.0-H, Bamba, LFM2), layer by layer, where their
-projections are quantized.
+"""The hybrids' decode step in C (Granite 4.0-H, Bamba, LFM2, Nemotron-H), layer by layer, where
+their projections are quantized.
 
 A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step over that one layer (the
 residual multiplier on its output), an LFM2 short-conv layer's as kvgen_short_conv_step, then its MLP
-or mixture as decode.c's kvgen_block_mlp; an attention layer as decode.c's kvgen_block_pre_into
+or mixture as decode.c's kvgen_block_mlp (which alone is a Nemotron-H MLP layer); an attention layer as decode.c's kvgen_block_pre_into
 (QKV, turned by a table of RoPE angles or, without RoPE, cos 1 and sin 0; the new key and value
 written into the cache's buffer in place) and kvgen_block_post (attention, o-proj, MLP or mixture).
 These are the kernels the transformer families' C steps and the Mamba-2 step use, over the same
@@ -20,6 +20,7 @@ over each row's own contiguous keys and values. A row's bits are those it gets a
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,22 @@ class _ShortConvBlock(ctypes.Structure):  # kernels/mamba_step.c's short_conv_bl
                 ("conv_w", _ptr), ("conv_b", _ptr), ("out_proj", _QLinear)]  # fmt: skip
 
 
+class _Layer(NamedTuple):
+    mixer: ctypes.Array | None  # a state layer's mixer struct
+    block: BlockStruct  # attention and MLP (decode.c's block_t)
+    slot: int  # its state's or keys' index in the cache
+    attention: bool
+    mlp: bool  # whether the layer runs an MLP or mixture (Nemotron-H's mamba and attention layers do not)
+
+
 def hybrid_runs_in_c(model: nn.Module) -> bool:
     """Whether every projection the C kernels read is quantized, and the kernels are built."""
     for block in model.layers:
         linears = mlp_linears(block.mlp)
-        linears += [block.mixer.in_proj, block.mixer.out_proj] if block.mixer is not None else [block.attn.qkv, block.attn.o_proj]
+        if block.mixer is not None:
+            linears += [block.mixer.in_proj, block.mixer.out_proj]
+        elif block.attn is not None:
+            linears += [block.attn.qkv, block.attn.o_proj]
         if not all(isinstance(linear, QuantizedLinear) for linear in linears):
             return False
     return load() is not None
@@ -58,7 +70,7 @@ class HybridStep(MixerStructs):
         super().__init__()
         self.library, self._arrays = load(), []  # _arrays: expert linears the block structs point into
         decoder = model.config.decoder
-        self.layers: list[tuple[ctypes.Array | None, BlockStruct, int]] = []  # mixer struct (Mamba layers), block struct, slot
+        self.layers: list[_Layer] = []
         for block in model.layers:
             struct = describe_block(decoder, block, self._scratch, self._arrays)
             mixer = None
@@ -66,7 +78,7 @@ class HybridStep(MixerStructs):
                 mixer = (_ShortConvBlock * 1)(self._describe_conv(block))
             elif block.mixer is not None:
                 mixer = (_Mamba2Block * 1)(self._describe2(block, decoder, block.input_norm, decoder.residual_multiplier))
-            self.layers.append((mixer, struct, block.slot))
+            self.layers.append(_Layer(mixer, struct, block.slot, block.attn is not None, block.mlp is not None))
         d = decoder
         self.cos, self.sin = torch.ones(d.head_dim), torch.zeros(d.head_dim)  # no RoPE (Granite 4.0-H): the identity turn
         self.rope = model.rope if model.config.rope else None
@@ -112,14 +124,16 @@ class HybridStep(MixerStructs):
         assert h.dtype == torch.float32 and h.is_contiguous()
         cos, sin = self._turn(position)
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
-        for mixer, struct, slot in self.layers:
-            if mixer is not None:
-                conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
-                conv_out, ssm_out = self._outputs_like([conv_in, ssm_in])
-                self._mix(mixer, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()), (_ptr * 1)(ssm_in.data_ptr()),
-                          (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
-                lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
-                cache.write(slot, conv_out, ssm_out, owned=True)
+        for mixer, struct, slot, attention, mlp in self.layers:
+            if not attention:  # a state layer's mixer, then its MLP; or an MLP layer alone (Nemotron-H)
+                if mixer is not None:
+                    conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
+                    conv_out, ssm_out = self._outputs_like([conv_in, ssm_in])
+                    self._mix(mixer, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()),
+                              (_ptr * 1)(ssm_in.data_ptr()), (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
+                    cache.write(slot, conv_out, ssm_out, owned=True)
+                if mlp:
+                    lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
                 continue
             keys, values = self._layer_store(layout, slot)
             at = 4 * position * layout.pos_stride
@@ -154,15 +168,17 @@ class HybridStep(MixerStructs):
         def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
             return (_ptr * rows)(*(t.data_ptr() for t in tensors))
 
-        for mixer, struct, slot in self.layers:
-            if mixer is not None:
-                conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
-                ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
-                conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
-                self._mix(mixer, rows, h_ptr, pointers(conv_in), pointers(conv_out), pointers(ssm_in), pointers(ssm_out))
-                lib.kvgen_mlp_rows(ctypes.byref(struct), rows, h_ptr, scratch)
-                for cache, conv, ssm in zip(caches, conv_out, ssm_out):
-                    cache.write(slot, conv, ssm, owned=True)
+        for mixer, struct, slot, attention, mlp in self.layers:
+            if not attention:
+                if mixer is not None:
+                    conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
+                    ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
+                    conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
+                    self._mix(mixer, rows, h_ptr, pointers(conv_in), pointers(conv_out), pointers(ssm_in), pointers(ssm_out))
+                    for cache, conv, ssm in zip(caches, conv_out, ssm_out):
+                        cache.write(slot, conv, ssm, owned=True)
+                if mlp:
+                    lib.kvgen_mlp_rows(ctypes.byref(struct), rows, h_ptr, scratch)
                 continue
             stores = torch.tensor([[*self._layer_store(layout, slot), layout.head_stride] for layout in layouts], dtype=torch.int64)
             lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
@@ -177,7 +193,7 @@ class HybridStep(MixerStructs):
         MAX_ROWS rows: each row's key and value go into the cache's buffer before any row attends, and
         each row is computed as a decode of its token would be, so the rows' bits do not depend on
         how the prompt was split. The keys count once the caller commits the pass."""
-        lib, (_, struct, slot) = self.library, self.layers[layer]
+        lib, (_, struct, slot, _, _) = self.library, self.layers[layer]
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
         # room for the whole prompt first: growing the buffer later would copy only the committed
         # positions and drop the rows this pass wrote

@@ -251,3 +251,26 @@ class GatedMLP(nn.Module):
             hidden = self.act(gate) * up if self.clamped is None else clamped_swiglu(gate, up, *self.clamped)
         y = self.down(hidden)
         return y if self.lora is None else self.lora.add_delta(self.layer, "down", hidden, y)
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up(x))²): Nemotron-H's ungated MLP (its experts' and shared expert's too). `gate_up`
+    holds the up projection alone: the C steps read it where a gated MLP's fused gate and up go, and
+    their activation 3 squares its relu (kernels/decode.c)."""
+
+    lora = None  # no adapters on a hybrid's layers (the LoRA registry refuses them)
+
+    def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str, intermediate: int | None = None):
+        super().__init__()
+        self.intermediate = intermediate or config.intermediate_size
+        self.gate_up = linear(weights.take(f"{prefix}.up_proj.weight"), bias_of(weights, f"{prefix}.up_proj"))
+        self.down = linear(weights.take(f"{prefix}.down_proj.weight"), bias_of(weights, f"{prefix}.down_proj"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.gate_up(x)).square())
+
+
+def feed_forward(config: ModelConfig, weights: WeightSource, prefix: str, intermediate: int | None = None) -> GatedMLP | ReluSquaredMLP:
+    """The MLP `config.hidden_act` names: ungated ReLU² (relu2) or gated (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU)."""
+    kind = ReluSquaredMLP if config.hidden_act == "relu2" else GatedMLP
+    return kind(config, weights, prefix, intermediate)

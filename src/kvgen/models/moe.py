@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import ModelConfig
-from kvgen.models.layers import GatedMLP, bias_of
+from kvgen.models.layers import bias_of, feed_forward
 from kvgen.models.weights import WeightSource, frozen
 
 
@@ -19,7 +19,7 @@ class SparseMoE(nn.Module):
     renormalised to sum to 1 where the model does so) -> sum of weight * expert(x).
 
     The router runs in fp32 (a near tie between two experts must not flip with the weights' dtype);
-    each expert is a GatedMLP over its own weights, fp32 or quantized, and runs once per step on
+    each expert is a GatedMLP (Nemotron-H: a ReluSquaredMLP) over its own weights, fp32 or quantized, and runs once per step on
     the rows routed to it."""
 
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str):
@@ -34,12 +34,12 @@ class SparseMoE(nn.Module):
         choice_bias = f"{prefix}.gate.e_score_correction_bias"  # DeepSeek-V3's: chooses, never weighs
         self.choice_bias = frozen(weights.take_tensor(choice_bias).float().contiguous()) if weights.has(choice_bias) else None
         self.experts = nn.ModuleList(
-            GatedMLP(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
+            feed_forward(config, weights, f"{prefix}.experts.{e}", intermediate=config.expert_intermediate_size)
             for e in range(config.num_experts)
         )  # fmt: skip
         self.shared_expert, self.shared_gate = None, None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(config, weights, f"{prefix}.shared_expert", intermediate=config.shared_expert_intermediate_size)
+            self.shared_expert = feed_forward(config, weights, f"{prefix}.shared_expert", intermediate=config.shared_expert_intermediate_size)
             if config.shared_expert_gated:  # Qwen2-MoE's; DeepSeek adds its shared experts as they are
                 self.shared_gate = frozen(weights.take_tensor(f"{prefix}.shared_expert_gate.weight").float().reshape(-1).contiguous())  # [H]
 
