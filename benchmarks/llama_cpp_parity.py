@@ -10,7 +10,8 @@ which layers go without RoPE) against llama.cpp's own reading, not only against 
 (llama.cpp's `mamba` architecture; Falcon-Mamba's file says ssm.dt_b_c_rms) and Mamba2ForCausalLM;
 `granite-hybrid` (`-dense`: without experts) its GraniteMoeHybridForCausalLM (Granite 4.0-H,
 llama.cpp's `granitehybrid`); `lfm2` its Lfm2ForCausalLM (Liquid's LFM2, llama.cpp's `lfm2`) and
-`lfm2-moe` its Lfm2MoeForCausalLM (`lfm2moe`).
+`lfm2-moe` its Lfm2MoeForCausalLM (`lfm2moe`); `nemotron-h` its NemotronHForCausalLM (NVIDIA's
+Nemotron-H, `nemotron_h`) and `nemotron-h-moe` the same with mixtures (Nemotron 3 Nano's kind, `nemotron_h_moe`).
 `--name` names the results file (results/<name>.json), so a run of some families does not replace
 another's.
 """
@@ -34,16 +35,17 @@ from common import write_results  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", required=True,
-                        help="tests/support/tiny_hf.py FAMILIES names, mamba, falcon-mamba, mamba2, granite-hybrid(-dense), lfm2, lfm2-moe")
+                        help="tests/support/tiny_hf.py FAMILIES names, mamba, falcon-mamba, mamba2, granite-hybrid(-dense), lfm2(-moe), "
+                             "nemotron-h(-moe)")
     parser.add_argument("--name", default="llama-cpp-parity", help="results file: results/<name>.json")
     args = parser.parse_args()
     from llama_cpp import Llama
 
     from kvgen import LLM
     from tests.support.models import PROMPTS, model_path
-    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf
+    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf, write_nemotron_h_gguf
     from tests.support.tiny_hf import (save_tiny_decoder, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_lfm2_moe, save_tiny_mamba, save_tiny_mamba2,
-                                       tokenizer_folder)  # fmt: skip
+                                       save_tiny_nemotron_h, tokenizer_folder)  # fmt: skip
 
     folder = Path(tempfile.mkdtemp())
     tokenizer = tokenizer_folder(folder / "tokenizer")
@@ -58,6 +60,9 @@ def main() -> None:
         elif name == "lfm2-moe":
             model = save_tiny_lfm2_moe(folder / name, tokenizer, scale=1.0)  # Liquid's; llama.cpp's lfm2moe reads no scale
             path = write_lfm2_gguf(folder / f"{name}.gguf", model, model_path("smollm2"))
+        elif name in ("nemotron-h", "nemotron-h-moe"):
+            model = save_tiny_nemotron_h(folder / name, tokenizer, experts=4 if name.endswith("moe") else 0)
+            path = write_nemotron_h_gguf(folder / f"{name}.gguf", model, model_path("smollm2"))
         elif name in ("mamba", "falcon-mamba", "mamba2"):
             if name == "mamba2":
                 model = save_tiny_mamba2(folder / name, tokenizer)

@@ -613,14 +613,16 @@ _NEMOTRON_H_PARTS = {"norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "
 
 
 def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
-                          embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
+                          embedding_type: gguf.GGMLQuantizationType = Q.F32, rms_epsilon: bool = True) -> Path:  # fmt: skip
     """A GGUF of transformers' NemotronHForCausalLM as llama.cpp's converter writes it (`nemotron_h`,
     or `nemotron_h_moe` with experts): KV heads per layer (0 outside attention), feed_forward_length
     per layer (the MLP's width, or the experts' in a mixture layer; 0 elsewhere), key and value
     lengths, mamba2's tensors as granitehybrid's (A as -exp(A_log), the norm per group), every
     layer's norm as attn_norm, q/k rows permuted, experts stacked as ffn_{up,down}_exps beside
     ffn_{up,down}_shexp, the choice bias as exp_probs_b.bias; projections in `matmul_type`, the
-    token embedding in `embedding_type`."""
+    token embedding in `embedding_type`. The norms' epsilon goes under attention.layer_norm_epsilon,
+    which llama.cpp's first nemotron_h reader takes, and (`rms_epsilon`) layer_norm_rms_epsilon,
+    which later ones take."""
     from kvgen.loading.gguf_file import GGUFFile
 
     c = hf_model.config
@@ -636,7 +638,9 @@ def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_typ
     writer.add_head_count_kv([c.num_key_value_heads if kind == "full_attention" else 0 for kind in kinds])
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    writer.add_layer_norm_eps(c.layer_norm_epsilon)
+    if rms_epsilon:
+        writer.add_layer_norm_rms_eps(c.layer_norm_epsilon)
     writer.add_vocab_size(c.vocab_size)
     writer.add_ssm_conv_kernel(c.conv_kernel)
     writer.add_ssm_state_size(c.ssm_state_size)

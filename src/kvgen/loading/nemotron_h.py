@@ -123,6 +123,8 @@ def nemotron_h_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str]
     renamed = {(f"llama.{k[len(arch) + 1 :]}" if k.startswith(f"{arch}.") else k): v for k, v in metadata.items()}
     renamed |= {"general.architecture": "llama", "llama.attention.head_count_kv": max(int(n) for n in kv_heads),
                 "llama.feed_forward_length": max(widths)}  # fmt: skip
+    if "llama.attention.layer_norm_rms_epsilon" not in renamed:  # the key llama.cpp's first nemotron_h files used
+        renamed["llama.attention.layer_norm_rms_epsilon"] = get("attention.layer_norm_epsilon")
     decoder = dataclasses.replace(decoder_config(renamed, tensor_names), hidden_act="relu2")
     if decoder.num_experts:
         gating = int(metadata.get(f"{arch}.expert_gating_func") or 2)
