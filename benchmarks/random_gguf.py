@@ -45,6 +45,13 @@ the rest F32):
   convolutions but for attention at layers 2, 5, 8 and 10 (12 query / 4 KV heads of 64), a SwiGLU
   of width 2048 in the first two layers and after them 32 experts of width 512, 4 per token, chosen
   by sigmoid scores plus a bias; a tied head.
+- nemotron-h: a scaled-down Nemotron-H-4B (llama.cpp's `nemotron_h`): 24 layers, hidden 768, one
+  sublayer each in Nemotron-H's pattern M-M-M-M*-M-M-M-M*-M-M-M- (Mamba-2: 24 heads of 64, state 128,
+  8 groups; two NoPE attention layers, 12 query / 4 KV heads of 64; ReLU² MLPs of width 3072).
+- nemotron-h-moe: a scaled-down Nemotron 3 Nano 30B-A3B (`nemotron_h_moe`): 20 layers, hidden 768,
+  pattern MEMEM*EMEMEM*EMEMEME (Mamba-2 as above; attention 12 query / 2 KV heads of 64; mixtures of
+  64 ReLU² experts of width 384, 6 per token by sigmoid score plus a random choice bias, weights
+  renormalised x 2.5, beside a shared ReLU² expert of width 768).
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -128,6 +135,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_dense_layers": 2, "num_experts": 32, "num_experts_per_tok": 4, "num_attention_heads": 12, "num_key_value_heads": 4,
         "layer_types": ["full_attention" if i in (2, 5, 8, 10) else "conv" for i in range(12)], "conv_L_cache": 3,
         "tie_word_embeddings": True, "max_position_embeddings": 128000}),
+    "nemotron-h": ("NemotronHConfig", {
+        "hidden_size": 768, "intermediate_size": 3072, "hybrid_override_pattern": "M-M-M-M*-M-M-M-M*-M-M-M-",
+        "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64, "mamba_num_heads": 24, "mamba_head_dim": 64,
+        "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "tie_word_embeddings": False, "max_position_embeddings": 8192}),
+    "nemotron-h-moe": ("NemotronHConfig", {
+        "hidden_size": 768, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEME", "num_attention_heads": 12,
+        "num_key_value_heads": 2, "head_dim": 64, "mamba_num_heads": 24, "mamba_head_dim": 64, "n_groups": 8,
+        "ssm_state_size": 128, "conv_kernel": 4, "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 384,
+        "moe_shared_expert_intermediate_size": 768, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+        "tie_word_embeddings": False, "max_position_embeddings": 8192}),
 }  # fmt: skip
 _KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias", "dt_bias")  # Mamba's decays and steps: random ones would blow up its state
 
@@ -141,10 +158,11 @@ def main() -> None:
     import transformers
 
     from tests.support.models import model_path
-    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf
+    from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf, write_nemotron_h_gguf
 
     class_name, settings = SHAPES[args.family]
-    config = getattr(transformers, class_name)(**{**_COMMON, **settings})
+    common = {k: v for k, v in _COMMON.items() if class_name != "NemotronHConfig" or k != "num_hidden_layers"}  # its pattern counts them
+    config = getattr(transformers, class_name)(**{**common, **settings})
     torch.manual_seed(0)
     model = getattr(transformers, class_name.replace("Config", "ForCausalLM"))(config).eval()
     with torch.no_grad():  # transformers' init is tiny (std 0.02); wider weights keep a router's choices spread
@@ -164,6 +182,9 @@ def main() -> None:
         return
     if args.family in ("lfm2", "lfm2-moe"):
         print(write_lfm2_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
+        return
+    if args.family in ("nemotron-h", "nemotron-h-moe"):
+        print(write_nemotron_h_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return
     if args.family in ("mamba", "mamba2"):
         print(write_mamba_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
