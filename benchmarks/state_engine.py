@@ -6,8 +6,9 @@ No checkpoint of either installs offline, so the weights are random: transformer
 mamba-130m's shape (hidden 768, 24 layers) and t5-small's (d_model 512, 6 + 6 layers, 8 heads,
 d_ff 2048) with SmolLM2's 49,152-token vocabulary and saves them; kvgen loads the folders. Greedy,
 EOS ignored, fp32; Mamba also with q4 weights (its decode rows in one C call), and Granite 4.0-H from
-benchmarks/random_gguf.py's scaled-down H-Tiny file (q4) and LFM2-350M-shaped file where they were
-written (their decode rows through each layer together in C). Each run reports whole wall time (prefill + decode) of N requests, and that the
+benchmarks/random_gguf.py's scaled-down H-Tiny file (q4), LFM2-350M-shaped file and scaled-down
+Nemotron-H and Nemotron 3 Nano files where they were written (their decode rows through each layer
+together in C). `--models` picks some of them and `--name` the results file. Each run reports whole wall time (prefill + decode) of N requests, and that the
 batched tokens equal the one-by-one tokens. `--threads` sets torch's intra-op threads for both
 sides (on a machine whose cores other jobs share, a second thread waiting for a busy core turns a
 20 us attention call into milliseconds, whichever side runs).
@@ -33,6 +34,9 @@ from mamba_decode import save_mamba  # noqa: E402
 from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.engine import EngineConfig, LLMEngine  # noqa: E402
 from tests.support.tiny_hf import tokenizer_folder  # noqa: E402
+
+
+_HYBRIDS = ("granite-hybrid", "lfm2", "nemotron-h", "nemotron-h-moe")
 
 
 def save_t5(folder: Path):
@@ -80,6 +84,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--shared-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--models", nargs="+", default=["mamba", *_HYBRIDS, "t5"], choices=["mamba", *_HYBRIDS, "t5"])
+    parser.add_argument("--name", default="state_engine", help="results file: results/<name>.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,13 +96,14 @@ def main() -> None:
         llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="fp32")
         base = prompt_ids(llm.tokenizer, args.prompt_tokens + args.requests)
         prompts = [base[i : i + args.prompt_tokens] for i in range(args.requests)]  # distinct prompts
-        results["mamba"] = batched_vs_alone(llm, prompts, params)
-        results["mamba_prefix"] = prefix_hit(llm, args.shared_tokens)
+        if "mamba" in args.models:
+            results["mamba"] = batched_vs_alone(llm, prompts, params)
+            results["mamba_prefix"] = prefix_hit(llm, args.shared_tokens)
+            del llm
+            llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="q4")  # decode rows: one C call for all
+            results["mamba (q4)"] = batched_vs_alone(llm, prompts, params)
         del llm
-        llm = LLM.load(Path(tmp) / "mamba", progress=False, weights="q4")  # decode rows: one C call for all
-        results["mamba (q4)"] = batched_vs_alone(llm, prompts, params)
-        del llm
-        for family in ("granite-hybrid", "lfm2"):  # benchmarks/random_gguf.py --family <family>
+        for family in (f for f in _HYBRIDS if f in args.models):  # benchmarks/random_gguf.py --family <family>
             hybrid = peers_root() / f"random-{family}" / f"random-{family}-q4_0.gguf"
             if not hybrid.exists():
                 print(f"{family} skipped: {hybrid} is missing (python benchmarks/random_gguf.py --family {family})")
@@ -105,18 +112,20 @@ def main() -> None:
             results[f"{family} (q4)"] = batched_vs_alone(llm, prompts, params)
             results[f"{family}_prefix"] = prefix_hit(llm, args.shared_tokens)
             del llm
-        save_t5(Path(tmp) / "t5")
-        llm = LLM.load(Path(tmp) / "t5", progress=False, weights="fp32")
-        inputs = [base[: args.prompt_tokens], base[1 : args.prompt_tokens + 1]]
-        before = llm.model.encoder_runs
-        results["t5"] = batched_vs_alone(llm, [inputs[i % 2] for i in range(args.requests)], params)
-        results["t5"]["encoder_runs"] = llm.model.encoder_runs - before  # alone + batched: one per input, cached across both
+        if "t5" in args.models:
+            save_t5(Path(tmp) / "t5")
+            llm = LLM.load(Path(tmp) / "t5", progress=False, weights="fp32")
+            inputs = [base[: args.prompt_tokens], base[1 : args.prompt_tokens + 1]]
+            before = llm.model.encoder_runs
+            results["t5"] = batched_vs_alone(llm, [inputs[i % 2] for i in range(args.requests)], params)
+            results["t5"]["encoder_runs"] = llm.model.encoder_runs - before  # alone + batched: one per input, cached across both
     rows = [{"model": name} | row for name, row in results.items() if not name.endswith("_prefix")]
     print_table(rows, ["model", "requests", "alone_s", "batched_s", "alone_tok_s", "batched_tok_s", "speedup", "equal"])
-    print(f"t5 encoder runs over both passes: {results['t5']['encoder_runs']}")
+    if "t5" in results:
+        print(f"t5 encoder runs over both passes: {results['t5']['encoder_runs']}")
     for name in (n for n in results if n.endswith("_prefix")):
         print(f"{name.removesuffix('_prefix')} prefix cache: {results[name]}")
-    path = write_results("state_engine", {"args": vars(args)} | results)
+    path = write_results(args.name, {"args": vars(args)} | results)
     print(f"results: {path}")
 
 
