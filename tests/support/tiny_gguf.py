@@ -447,6 +447,20 @@ _HYBRID_MAMBA = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d
                  "out_proj.weight": "ssm_out.weight"}  # fmt: skip
 
 
+def _llama_cpp_mamba2(part: str, values: np.ndarray, groups: int) -> np.ndarray:
+    """A Mamba-2 mixer's tensor (HF name `part`) as llama.cpp's converter writes it: A as -exp(A_log),
+    A and D as [heads, 1], the norm per group [groups, inner / groups], the conv as [channels, taps]."""
+    if part == "A_log":
+        values = -np.exp(values)
+    if part in ("A_log", "D"):
+        return values.reshape(-1, 1)
+    if part == "norm.weight":
+        return values.reshape(groups, -1)
+    if part == "conv1d.weight":
+        return values.reshape(values.shape[0], -1)
+    return values
+
+
 def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
                               embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
     """A GGUF of transformers' GraniteMoeHybridForCausalLM as llama.cpp's converter writes it
@@ -498,15 +512,7 @@ def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul
         stem = f"blk.{layer}"
         if rest.startswith("mamba."):
             part = rest[len("mamba.") :]
-            if part == "A_log":
-                values = -np.exp(values)
-            if part in ("A_log", "D"):
-                values = values.reshape(-1, 1)
-            elif part == "norm.weight":
-                values = values.reshape(c.mamba_n_groups, -1)
-            elif part == "conv1d.weight":
-                values = values.reshape(values.shape[0], -1)
-            add(f"{stem}.{_HYBRID_MAMBA[part]}", values, part.endswith("proj.weight"))
+            add(f"{stem}.{_HYBRID_MAMBA[part]}", _llama_cpp_mamba2(part, values, c.mamba_n_groups), part.endswith("proj.weight"))
         elif rest == "shared_mlp.input_linear.weight":
             gate, up = np.split(values, 2, axis=0)
             add(f"{stem}.ffn_gate{shared}.weight", gate, True)
@@ -670,15 +676,7 @@ def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_typ
         stem = f"blk.{layer}"
         if kinds[int(layer)] == "linear_attention" and rest.startswith("mixer."):
             part = rest[len("mixer.") :]
-            if part == "A_log":
-                values = -np.exp(values)
-            if part in ("A_log", "D"):
-                values = values.reshape(-1, 1)
-            elif part == "norm.weight":
-                values = values.reshape(c.n_groups, -1)
-            elif part == "conv1d.weight":
-                values = values.reshape(values.shape[0], -1)
-            add(f"{stem}.{_HYBRID_MAMBA[part]}", values, part.endswith("proj.weight"))
+            add(f"{stem}.{_HYBRID_MAMBA[part]}", _llama_cpp_mamba2(part, values, c.n_groups), part.endswith("proj.weight"))
             continue
         if rest in ("mixer.q_proj.weight", "mixer.k_proj.weight"):  # llama.cpp's interleaved RoPE rows (NoPE: the scores do not move)
             heads = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads

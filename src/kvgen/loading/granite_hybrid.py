@@ -97,15 +97,20 @@ def granite_hybrid_config_from_gguf(metadata: dict[str, Any], tensor_names: set[
     decoder = decoder_config(renamed, tensor_names)
     if experts:
         decoder = dataclasses.replace(decoder, shared_expert_intermediate_size=shared, shared_expert_gated=False)
+    rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
+    return HybridConfig(decoder, mamba2_config_from_gguf(get, decoder, layer_types, tensor_names), layer_types, rope=rope)
+
+
+def mamba2_config_from_gguf(get: Callable[[str], Any], decoder: ModelConfig, layer_types: tuple[str, ...],
+                            tensor_names: set[str]) -> Mamba2Config:  # fmt: skip
+    """A hybrid file's Mamba-2 layers from llama.cpp's ssm.* keys (`get`: config_from_gguf's reader)."""
     inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
-    mamba = Mamba2Config(
+    return Mamba2Config(
         vocab_size=decoder.vocab_size, hidden_size=decoder.hidden_size, num_heads=heads, head_dim=inner // heads,
         n_groups=int(get("ssm.group_count")), state_size=int(get("ssm.state_size")), conv_kernel=int(get("ssm.conv_kernel")),
         num_layers=layer_types.count("mamba"), rms_norm_eps=decoder.rms_norm_eps,
         use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in tensor_names),
     )  # fmt: skip
-    rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
-    return HybridConfig(decoder, mamba, layer_types, rope=rope)
 
 
 def gguf_layer_kinds(get: Callable[[str], Any], state_kind: str) -> tuple[tuple[str, ...], list[int]]:

@@ -25,7 +25,7 @@ import torch
 from kvgen.config import HybridConfig, Mamba2Config, ModelConfig
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.kernels.formats import QuantizedWeight
-from kvgen.loading.granite_hybrid import gguf_layer_kinds
+from kvgen.loading.granite_hybrid import gguf_layer_kinds, mamba2_config_from_gguf
 
 # transformers' layer kinds (and the older names NVIDIA's configs use) -> HybridConfig's; "moe" is an
 # MLP layer whose MLP is a mixture
@@ -137,13 +137,7 @@ def nemotron_h_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str]
             expert_groups=int(metadata.get(f"{arch}.expert_group_count") or 1),
             expert_groups_used=int(metadata.get(f"{arch}.expert_group_used_count") or 1),
         )  # fmt: skip
-    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
-    mamba = Mamba2Config(
-        vocab_size=decoder.vocab_size, hidden_size=decoder.hidden_size, num_heads=heads, head_dim=inner // heads,
-        n_groups=int(get("ssm.group_count")), state_size=int(get("ssm.state_size")), conv_kernel=int(get("ssm.conv_kernel")),
-        num_layers=layer_types.count("mamba"), rms_norm_eps=decoder.rms_norm_eps,
-        use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in tensor_names),
-    )  # fmt: skip
+    mamba = mamba2_config_from_gguf(get, decoder, layer_types, tensor_names)
     return HybridConfig(decoder, mamba, layer_types, rope=False, architecture="nemotron_h", mlp_every_layer=False)
 
 

@@ -2,10 +2,12 @@
 their projections are quantized.
 
 A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step over that one layer (the
-residual multiplier on its output), an LFM2 short-conv layer's as kvgen_short_conv_step, then its MLP
-or mixture as decode.c's kvgen_block_mlp (which alone is a Nemotron-H MLP layer); an attention layer as decode.c's kvgen_block_pre_into
-(QKV, turned by a table of RoPE angles or, without RoPE, cos 1 and sin 0; the new key and value
-written into the cache's buffer in place) and kvgen_block_post (attention, o-proj, MLP or mixture).
+residual multiplier on its output), an LFM2 short-conv layer's as kvgen_short_conv_step, then its
+MLP or mixture as decode.c's kvgen_block_mlp (which alone is a Nemotron-H MLP layer; Nemotron-H's
+Mamba layers have none); an attention layer as decode.c's kvgen_block_pre_into (QKV, turned by a
+table of RoPE angles or, without RoPE, cos 1 and sin 0; the new key and value written into the
+cache's buffer in place) and kvgen_block_post (attention, o-proj, then the MLP or mixture where the
+layer has one).
 These are the kernels the transformer families' C steps and the Mamba-2 step use, over the same
 blocks; the torch path remains the reference (tests/parity/test_tiny_granite_hybrid.py and
 test_tiny_lfm2.py compare the two).
