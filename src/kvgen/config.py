@@ -12,7 +12,7 @@ from typing import Literal
 LayerType = Literal["full", "sliding"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss", "deepseek_v2", "olmo2", "olmoe")
-STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid", "lfm2", "nemotron_h")  # MambaConfig, Mamba2Config, HybridConfig, below
+STATE_SPACE_ARCHITECTURES = ("mamba", "mamba2", "granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1")  # MambaConfig, Mamba2Config, HybridConfig, below
 ENCODER_DECODER_ARCHITECTURES = ("t5",)  # T5Config, below
 
 
@@ -195,6 +195,7 @@ class Mamba2Config:
     use_bias: bool = False
     max_position_embeddings: int = 1 << 20  # no positions: the generator caps prompt + output at this
     architecture: str = "mamba2"
+    gated_norm: bool = True  # the RMSNorm over y SiLU(z) before out_proj; Falcon-H1's mixers may go without it
 
     def __post_init__(self) -> None:
         if self.num_heads % self.n_groups:
@@ -228,7 +229,9 @@ class ShortConvConfig:
 class HybridConfig:
     """A stack of state layers and attention layers (models/granite_hybrid.py): `layer_types[i]` is
     "mamba" (a Mamba-2 mixer: IBM's Granite 4.0-H, Bamba, NVIDIA's Nemotron-H), "conv" (a gated short
-    convolution: Liquid's LFM2), "attention", or "mlp" (an MLP or mixture alone: Nemotron-H). Where
+    convolution: Liquid's LFM2), "attention", "parallel" (attention and a Mamba-2 mixer side by side
+    on one normed input, both added to the residual: TII's Falcon-H1), or "mlp" (an MLP or mixture
+    alone: Nemotron-H). Where
     `mlp_every_layer` (Granite, Bamba, LFM2) every mamba, conv and attention layer then runs the MLP (or
     mixture) of `decoder`; otherwise (Nemotron-H) each layer is its one sublayer behind one norm.
     `decoder` also holds the attention layers' shape, the norms' epsilon, the vocabulary and Granite's
@@ -244,19 +247,19 @@ class HybridConfig:
 
     def __post_init__(self) -> None:
         state_kind = "conv" if isinstance(self.mixer, ShortConvConfig) else "mamba"
-        kinds = {state_kind, "attention"} | (set() if self.mlp_every_layer else {"mlp"})
+        kinds = {state_kind, "attention"} | (set() if self.mlp_every_layer else {"mlp"}) | ({"parallel"} if state_kind == "mamba" else set())
         if len(self.layer_types) != self.decoder.num_layers or set(self.layer_types) - kinds:
             raise ValueError(f"layer_types must name one of {sorted(kinds)} for each of {self.decoder.num_layers} layers, "
                              f"got {self.layer_types}")  # fmt: skip
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "attention")
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ("attention", "parallel"))
 
     @property
     def state_layers(self) -> tuple[int, ...]:
         """The layers that carry a state (Mamba-2 or short conv), in the order the cache holds them."""
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ("mamba", "conv"))
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ("mamba", "conv", "parallel"))
 
     def has_mlp(self, layer: int) -> bool:
         """Whether layer `layer` runs an MLP (or mixture): every layer where mlp_every_layer, else the "mlp" layers."""

@@ -70,6 +70,13 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
                   "random tiny (transformers)"),
+    FamilySupport("falcon_h1 (Falcon-H1: attention and Mamba-2 side by side in every layer, µP multipliers folded at load)",
+                  "GGUF (falcon-h1), HF",
+                  "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of every layer); KV cache options refused",
+                  "yes (int8 / q4 weights), layer by layer",
+                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "prefix cache of block-boundary states with their blocks' keys; no speculative decoding",
+                  "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",
                   "EncoderCache (cross-attention K/V once per distinct input) + a contiguous decoder KV cache",
                   "no: torch path", "yes: rows run one after another, one encoder entry per distinct input; "

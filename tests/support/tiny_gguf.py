@@ -684,3 +684,69 @@ def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_typ
         matmul = rest.endswith(("_proj.weight", "experts.up_proj", "experts.down_proj"))
         add(f"{stem}.{_NEMOTRON_H_PARTS[rest]}", values, matmul)
     return _finish(writer, path)
+
+
+def write_falcon_h1_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
+                         embedding_type: gguf.GGMLQuantizationType = Q.F32) -> Path:  # fmt: skip
+    """A GGUF of transformers' FalconH1ForCausalLM as llama.cpp's converter writes it (`falcon-h1`):
+    every µP multiplier folded into its tensor (the embedding's and the head's too), q and k rows as
+    they are (llama.cpp turns Falcon-H1 by NeoX halves), mamba2's tensors as granitehybrid's, the
+    feed-forward norm as ffn_norm and the final one as output_norm; projections in `matmul_type`, the
+    token embedding in `embedding_type`."""
+    from kvgen.loading.gguf_file import GGUFFile
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "falcon-h1")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_ssm_conv_kernel(c.mamba_d_conv)
+    writer.add_ssm_state_size(c.mamba_d_state)
+    writer.add_ssm_group_count(c.mamba_n_groups)
+    writer.add_ssm_inner_size(c.mamba_d_ssm)
+    writer.add_ssm_time_step_rank(c.mamba_n_heads)
+    _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
+
+    def add(name: str, values: np.ndarray, matmul: bool) -> None:
+        _add_float_or_quantized(writer, name, values, embedding_type if name == "token_embd.weight" else matmul_type if matmul else Q.F32)
+
+    inner, grouped = c.mamba_d_ssm, c.mamba_n_groups * c.mamba_d_state
+    sections = [(c.ssm_multipliers[0], inner), (c.ssm_multipliers[1], inner), (c.ssm_multipliers[2], grouped),
+                (c.ssm_multipliers[3], grouped), (c.ssm_multipliers[4], c.mamba_n_heads)]  # fmt: skip
+    in_rows = np.concatenate([np.full(width, value, dtype=np.float32) for value, width in sections]) * c.ssm_in_multiplier
+    scales = {"self_attn.q_proj.weight": c.attention_in_multiplier, "self_attn.k_proj.weight": c.attention_in_multiplier * c.key_multiplier,
+              "self_attn.v_proj.weight": c.attention_in_multiplier, "self_attn.o_proj.weight": c.attention_out_multiplier,
+              "feed_forward.gate_proj.weight": c.mlp_multipliers[0], "feed_forward.down_proj.weight": c.mlp_multipliers[1],
+              "mamba.out_proj.weight": c.ssm_out_multiplier}  # fmt: skip
+    names = {"input_layernorm.weight": "attn_norm.weight", "pre_ff_layernorm.weight": "ffn_norm.weight",
+             "feed_forward.gate_proj.weight": "ffn_gate.weight", "feed_forward.up_proj.weight": "ffn_up.weight",
+             "feed_forward.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight"}  # fmt: skip
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            add("token_embd.weight", values * c.embedding_multiplier, True)
+        elif name == "lm_head.weight":
+            add("output.weight", values * c.lm_head_multiplier, True)
+        elif name == "model.final_layernorm.weight":
+            add("output_norm.weight", values, False)
+        elif name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            values = values * scales.get(rest, 1.0)
+            if rest.startswith("mamba."):
+                part = rest[len("mamba.") :]
+                if part == "in_proj.weight":
+                    values = values * in_rows[:, None]
+                add(f"blk.{layer}.{_HYBRID_MAMBA[part]}", _llama_cpp_mamba2(part, values, c.mamba_n_groups), part.endswith("proj.weight"))
+            else:
+                add(f"blk.{layer}.{names[rest]}", values, rest.endswith("proj.weight"))
+    return _finish(writer, path)

@@ -240,6 +240,27 @@ def save_tiny_nemotron_h(folder: Path, tokenizer_files: Path, experts: int = 0, 
     return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
 
 
+def save_tiny_falcon_h1(folder: Path, tokenizer_files: Path, std: float = 0.2, rms_norm: bool = False) -> Any:
+    """transformers' FalconH1ForCausalLM (TII's Falcon-H1): 3 layers, each attention (4 query / 2 KV
+    heads of 16, RoPE) and Mamba-2 (8 heads of 16 channels in 2 groups, chunks of 16; its gated norm
+    only where `rms_norm`) side by side, then a SwiGLU; every µP multiplier away from 1 so that each
+    folding shows. Random and widened, saved with the tokenizer files."""
+    import transformers
+
+    config = transformers.FalconH1Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=rms_norm, mamba_norm_before_gate=False,
+        max_position_embeddings=1024, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        embedding_multiplier=1.7, lm_head_multiplier=0.6, attention_in_multiplier=0.8, attention_out_multiplier=1.3,
+        key_multiplier=0.7, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+        mlp_multipliers=[0.85, 1.15],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.FalconH1ForCausalLM(config)
+    return _widen_and_save(model, folder, tokenizer_files, std, ("A_log", "dt_bias", "D"))
+
+
 def save_tiny_t5(folder: Path, tokenizer_files: Path, gated: bool = True, std: float = 0.2) -> Any:
     """transformers' T5ForConditionalGeneration (Flan-T5's gated-gelu without the output rescale when
     `gated`, else T5 v1.0's relu with the d_model**-0.5 rescale before the tied head), random and

@@ -207,6 +207,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                               pointer, pointer, pointer]  # fmt: skip
     library.kvgen_mamba_step.argtypes = [pointer, count, count] + [pointer] * 5
     library.kvgen_mamba2_step.argtypes = [pointer, count, count] + [pointer] * 5
+    library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 6
     library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 3
     library.kvgen_selective_scan.argtypes = [pointer] * 9 + [count] * 3 + [pointer, count, pointer]
     library.kvgen_ssd_scan.argtypes = [pointer] * 7 + [count, pointer, pointer] + [count] * 5 + [pointer, count, pointer]

@@ -300,7 +300,8 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, int64_t r
 // Mamba-2's block (models/mamba2.py) for one token:
 //   x = rms_norm(h); [z, xBC, dt] = in_proj(x); xBC = SiLU(causal depthwise conv over the held inputs and xBC);
 //   per head h (group g of B and C): dt = softplus(dt + dt_bias); s = e^(dt A) s + (dt x) B (each of
-//   head_dim channels, over the state); y = C . s + D x; y = rms_norm_per_group(y SiLU(z)) w; h += out_proj(y)
+//   head_dim channels, over the state); y = C . s + D x; y = rms_norm_per_group(y SiLU(z)) w (Falcon-H1
+//   without its gated norm: y = y SiLU(z), gate_w NULL); h += out_proj(y)
 typedef struct {
     int64_t hidden, heads, head_dim, groups, state, kernel;
     float eps;             // the block's RMS norm
@@ -312,7 +313,7 @@ typedef struct {
     const float* dt_bias;  // [heads]
     const float* A;        // [heads]: -exp(A_log)
     const float* D;        // [heads]
-    const float* gate_w;   // [inner]: the gated norm's weight
+    const float* gate_w;   // [inner]: the gated norm's weight; NULL: no norm, the gate alone
     qlinear out_proj;      // [hidden, inner]
     float residual_scale;  // Granite 4.0-H's residual_multiplier on the mixer's output (0: 1)
     float pad;
@@ -320,8 +321,11 @@ typedef struct {
 
 // As kvgen_mamba_step (rows, states per layer and row): conv states [conv_dim, kernel], recurrent
 // states [heads, head_dim, state].
-void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,
-                       float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
+// x: the rows the first layer norms (h itself, or, with one layer, another copy of the residual
+// stream: Falcon-H1's attention and Mamba read the same input and add into one h).
+void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
+                            const float* const* conv_in, float* const* conv_out, const float* const* ssm_in,
+                            float* const* ssm_out) {
     int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba2_block_t* b = &blocks[l];
@@ -339,8 +343,9 @@ void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t
         const mamba2_block_t* b = &blocks[layer];
         const int64_t n_inner = b->heads * b->head_dim, grouped = b->groups * b->state, k = b->kernel;
         const int64_t conv_dim = n_inner + 2 * grouped, per_group = b->heads / b->groups, width = n_inner + conv_dim + b->heads;
+        const float* source = layer == 0 ? x_in : h;
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
+        for (int64_t r = 0; r < rows; r++) rms_norm(source + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
         linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t r = 0; r < rows; r++)
@@ -363,7 +368,7 @@ void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t
         const int64_t part_width = n_inner / b->groups;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            for (int64_t g = 0; g < b->groups; g++) {
+            for (int64_t g = 0; g < (b->gate_w ? b->groups : 0); g++) {
                 float* part = y + r * n_inner + g * part_width;
                 const float inv = 1.0f / sqrtf(dot(part, part, part_width) / (float)part_width + b->gate_eps);
                 for (int64_t i = 0; i < part_width; i++) part[i] = part[i] * inv * b->gate_w[g * part_width + i];
@@ -376,6 +381,11 @@ void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t
             for (int64_t i = 0; i < b->hidden; i++) h[r * hidden + i] += out[r * b->hidden + i] * scale;
     }
     step_scratch_free(sc);
+}
+
+void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,
+                       float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
+    kvgen_mamba2_step_from(blocks, num_layers, rows, h, h, conv_in, conv_out, ssm_in, ssm_out);
 }
 
 // LFM2's gated short convolution, one token for each of `rows` rows, one block a call (the hybrid

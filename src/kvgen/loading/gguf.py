@@ -25,6 +25,7 @@ from kvgen.loading.deepseek import deepseek_config_from_gguf, rope_rows_order
 from kvgen.kernels.formats import EXACT_SOURCES, QK, QuantizedWeight
 from kvgen.loading.gguf_file import GGUFFile, TensorInfo
 from kvgen.loading.granite_hybrid import granite_hybrid_config_from_gguf, granite_hybrid_mamba_name
+from kvgen.loading.falcon_h1 import falcon_h1_config_from_gguf
 from kvgen.loading.lfm2 import lfm2_config_from_gguf, lfm2_gguf_name
 from kvgen.loading.nemotron_h import name_mlp_layer_norms, nemotron_h_config_from_gguf
 from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
@@ -33,7 +34,7 @@ from kvgen.loading.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
                       "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
-                      "nemotron_h_moe", *SSM_ARCHITECTURES)
+                      "nemotron_h_moe", "falcon-h1", *SSM_ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     "MXFP4",
@@ -97,7 +98,7 @@ def config_from_gguf(
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; kvgen runs {', '.join(GGUF_ARCHITECTURES)} "
             "(Llama, SmolLM2/3, Granite, Granite-MoE, OLMo 2, OLMoE, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3, Phi-3, Gemma 2, Gemma 3, gpt-oss, "
-            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2, LFM2-MoE, Nemotron-H)"
+            "Mamba, Falcon-Mamba, Mamba-2, Granite 4.0-H, LFM2, LFM2-MoE, Nemotron-H, Falcon-H1)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -116,6 +117,8 @@ def config_from_gguf(
         return lfm2_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
     if arch in ("nemotron_h", "nemotron_h_moe"):
         return nemotron_h_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
+    if arch == "falcon-h1":
+        return falcon_h1_config_from_gguf(metadata, tensor_names, get, config_from_gguf)  # type: ignore[return-value]
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
@@ -251,7 +254,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None: not a model weight kvgen uses)."""
     if arch in SSM_ARCHITECTURES:
         return mamba_hf_name(gguf_name, arch)
-    if arch in ("granitemoehybrid", "nemotron_h") and (mamba := granite_hybrid_mamba_name(gguf_name)) is not None:
+    if arch in ("granitemoehybrid", "nemotron_h", "falcon_h1") and (mamba := granite_hybrid_mamba_name(gguf_name)) is not None:
         return mamba
     if arch == "lfm2" and (conv := lfm2_gguf_name(gguf_name)) is not None:
         return conv

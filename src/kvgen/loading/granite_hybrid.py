@@ -108,7 +108,7 @@ def mamba2_config_from_gguf(get: Callable[[str], Any], decoder: ModelConfig, lay
     return Mamba2Config(
         vocab_size=decoder.vocab_size, hidden_size=decoder.hidden_size, num_heads=heads, head_dim=inner // heads,
         n_groups=int(get("ssm.group_count")), state_size=int(get("ssm.state_size")), conv_kernel=int(get("ssm.conv_kernel")),
-        num_layers=layer_types.count("mamba"), rms_norm_eps=decoder.rms_norm_eps,
+        num_layers=sum(kind in ("mamba", "parallel") for kind in layer_types), rms_norm_eps=decoder.rms_norm_eps,
         use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in tensor_names),
     )  # fmt: skip
 

@@ -20,6 +20,7 @@ from kvgen.errors import ModelLoadError, UnsupportedModelError
 from kvgen.loading.checkpoint import Checkpoint, check_finite
 from kvgen.loading.deepseek import deepseek_config, prepare_deepseek_weights
 from kvgen.loading.granite_hybrid import granite_hybrid_config, name_granite_hybrid_weights
+from kvgen.loading.falcon_h1 import falcon_h1_config, name_falcon_h1_weights
 from kvgen.loading.lfm2 import lfm2_config, name_lfm2_weights
 from kvgen.loading.nemotron_h import name_nemotron_h_weights, nemotron_h_config
 from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_gpt_oss_experts
@@ -44,6 +45,7 @@ HF_MODEL_TYPES = {
     "lfm2": "lfm2",  # LFM2: gated short convolutions and attention layers (HybridConfig)
     "lfm2_moe": "lfm2",  # LFM2-MoE: the same stack, a mixture in its later layers
     "nemotron_h": "nemotron_h",  # Nemotron-H: Mamba-2, attention and MLP (or mixture) layers, one sublayer each
+    "falcon_h1": "falcon_h1",  # Falcon-H1: attention and Mamba-2 side by side in every layer
 }  # fmt: skip
 _GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 # Multimodal Gemma 3 checkpoints keep the text model under a prefix.
@@ -89,6 +91,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return lfm2_config(raw, config_from_hf)  # type: ignore[return-value]
     if arch == "nemotron_h":
         return nemotron_h_config(raw, config_from_hf)  # type: ignore[return-value]
+    if arch == "falcon_h1":
+        return falcon_h1_config(raw, config_from_hf)  # type: ignore[return-value]
     try:
         hidden, num_heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers = int(raw["num_hidden_layers"])
@@ -341,7 +345,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 def load_hf_folder(
     folder: Path, dtype: torch.dtype = torch.float32, progress: bool = True, weights: WeightMode = "fp32"
 ) -> Checkpoint:
-    config = config_from_hf(read_hf_config(folder))
+    raw = read_hf_config(folder)
+    config = config_from_hf(raw)
     tokenizer = Tokenizer.from_hf_folder(folder)
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     for file in safetensors_files(folder):
@@ -363,6 +368,8 @@ def load_hf_folder(
         name_lfm2_weights(tensors)
     if config.architecture == "nemotron_h":
         name_nemotron_h_weights(tensors, config)  # type: ignore[arg-type]
+    if config.architecture == "falcon_h1":
+        name_falcon_h1_weights(tensors, raw, config)  # type: ignore[arg-type]
     if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoehybrid", "lfm2"):
         _name_experts(tensors)
     if config.architecture == "deepseek_v2":

@@ -38,6 +38,7 @@ FAMILIES: dict[str, type[DecoderLM] | type[RecurrentLM] | type[T5Model]] = {
     "granitemoehybrid": GraniteHybridModel,  # Granite 4.0-H: Mamba-2 and attention layers
     "lfm2": GraniteHybridModel,  # LFM2: gated short convolutions and attention layers, the same stack
     "nemotron_h": GraniteHybridModel,  # Nemotron-H: Mamba-2, attention and MLP layers, one sublayer each
+    "falcon_h1": GraniteHybridModel,  # Falcon-H1: attention and Mamba-2 side by side in every layer
     "t5": T5Model,
 }
 

@@ -43,7 +43,10 @@ class HybridBlock(nn.Module):
     """One layer: h += residual_multiplier * mixer(input_norm(h)) for a state or attention layer,
     then, where the layer has one, h += residual_multiplier * mlp(post_attn_norm(h)). Nemotron-H's
     layers are one sublayer each: a mamba or attention layer has no MLP (mlp None), an "mlp" layer is
-    its MLP or mixture alone behind its one norm (input_norm, mixer and attn None)."""
+    its MLP or mixture alone behind its one norm (input_norm, mixer and attn None). Falcon-H1's
+    "parallel" layers have both attn and mixer, reading the same normed input: h += attention, then
+    h += mixer (in that order on every path), then the MLP. `kv_slot` and `state_slot` index the
+    layer's keys and state in the cache (-1: none)."""
 
     def __init__(self, config: HybridConfig, layer: int, weights: WeightSource):
         super().__init__()
@@ -52,13 +55,12 @@ class HybridBlock(nn.Module):
         self.input_norm = None if kind == "mlp" else RMSNorm(weights.take_tensor(f"{prefix}.input_layernorm.weight"), decoder.rms_norm_eps)
         self.mixer: Mamba2Mixer | ShortConvMixer | None = None
         self.attn: Attention | None = None
-        self.slot = -1  # an MLP layer keeps nothing in the cache
-        if kind == "attention":
-            self.slot = config.attention_layers.index(layer)  # its keys' layer in the cache's K/V
+        self.kv_slot = config.attention_layers.index(layer) if layer in config.attention_layers else -1
+        self.state_slot = config.state_layers.index(layer) if layer in config.state_layers else -1
+        if self.kv_slot >= 0:
             per_head_norms = weights.has(f"{prefix}.self_attn.q_norm.weight")  # LFM2 normalises each head's q and k
-            self.attn = Attention(decoder, self.slot, weights, f"{prefix}.self_attn", 0.0 if per_head_norms else None)
-        elif kind != "mlp":
-            self.slot = config.state_layers.index(layer)  # its state's index in the cache
+            self.attn = Attention(decoder, self.kv_slot, weights, f"{prefix}.self_attn", 0.0 if per_head_norms else None)
+        if self.state_slot >= 0:
             mixer = config.mixer
             self.mixer = (ShortConvMixer(mixer, weights, f"{prefix}.conv") if isinstance(mixer, ShortConvConfig)
                           else Mamba2Mixer(mixer, weights, f"{prefix}.mamba"))  # fmt: skip
@@ -137,19 +139,20 @@ class GraniteHybridModel(RecurrentLM):
             rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
             mask = AttentionMask.build(start, seq, 0, start + seq, None)
         for index, block in enumerate(self.layers):
-            if block.attn is not None and step is not None:  # the whole block in C, each row as a decode computes it
-                h = h.contiguous()
-                step.prompt_block(index, h[0], cache, start)
-                continue
-            if block.input_norm is not None:
-                x = block.input_norm(h)
-                if block.mixer is not None:
-                    out, states = block.mixer(x, cache.conv_state(block.slot), cache.recurrent_state(block.slot), capture)
-                    captured.append(states[0])
+            reads_norm = block.mixer is not None or (block.attn is not None and step is None)
+            x = block.input_norm(h) if reads_norm else None  # a parallel layer's mixer reads the input its attention did
+            mlp_done = False
+            if block.attn is not None:
+                if step is not None:  # attention in C, each row as a decode computes it (and the MLP, where the C block carries it)
+                    h = h.contiguous() if block.mixer is None else h.clone()  # a parallel layer's mixer still reads x
+                    mlp_done = step.prompt_block(index, h[0], cache, start)
                 else:
-                    out = block.attn(x, rope, cache.kv, mask)
+                    h = h + block.attn(x, rope, cache.kv, mask) * block.residual_multiplier
+            if block.mixer is not None:
+                out, states = block.mixer(x, cache.conv_state(block.state_slot), cache.recurrent_state(block.state_slot), capture)
+                captured.append(states[0])
                 h = h + out * block.residual_multiplier
-            if block.mlp is not None:
+            if block.mlp is not None and not mlp_done:
                 h = h + block.mlp(block.post_attn_norm(h)) * block.residual_multiplier
         snapshots = {point + 1: [layer[k] for layer in captured] for k, point in enumerate(capture[0])}
         for slot, (conv, recurrent) in enumerate(snapshots.pop(seq)):

@@ -44,12 +44,19 @@ class _ShortConvBlock(ctypes.Structure):  # kernels/mamba_step.c's short_conv_bl
                 ("conv_w", _ptr), ("conv_b", _ptr), ("out_proj", _QLinear)]  # fmt: skip
 
 
+class _Sublayers(NamedTuple):  # the part of a layer one C block struct describes (describe_block reads these)
+    input_norm: nn.Module | None
+    attn: nn.Module | None
+    post_attn_norm: nn.Module | None
+    mlp: nn.Module | None
+
+
 class _Layer(NamedTuple):
     mixer: ctypes.Array | None  # a state layer's mixer struct
-    block: BlockStruct  # attention and MLP (decode.c's block_t)
-    slot: int  # its state's or keys' index in the cache
-    attention: bool
-    mlp: bool  # whether the layer runs an MLP or mixture (Nemotron-H's mamba and attention layers do not)
+    attention: BlockStruct | None  # attention, with the layer's MLP where it is not parallel to a mixer
+    mlp: BlockStruct | None  # the MLP or mixture of a layer whose attention struct does not carry it
+    state_slot: int  # its state's index in the cache (-1: none)
+    kv_slot: int  # its keys' index in the cache's K/V (-1: none)
 
 
 def hybrid_runs_in_c(model: nn.Module) -> bool:
@@ -74,13 +81,18 @@ class HybridStep(MixerStructs):
         decoder = model.config.decoder
         self.layers: list[_Layer] = []
         for block in model.layers:
-            struct = describe_block(decoder, block, self._scratch, self._arrays)
             mixer = None
             if isinstance(block.mixer, ShortConvMixer):
                 mixer = (_ShortConvBlock * 1)(self._describe_conv(block))
             elif block.mixer is not None:
                 mixer = (_Mamba2Block * 1)(self._describe2(block, decoder, block.input_norm, decoder.residual_multiplier))
-            self.layers.append(_Layer(mixer, struct, block.slot, block.attn is not None, block.mlp is not None))
+            attention = mlp = None
+            if block.attn is not None:  # a parallel layer's attention alone, its MLP a struct of its own
+                carried = block if block.mixer is None else _Sublayers(block.input_norm, block.attn, None, None)
+                attention = describe_block(decoder, carried, self._scratch, self._arrays)
+            if block.mlp is not None and (block.attn is None or block.mixer is not None):
+                mlp = describe_block(decoder, _Sublayers(None, None, block.post_attn_norm, block.mlp), self._scratch, self._arrays)
+            self.layers.append(_Layer(mixer, attention, mlp, block.state_slot, block.kv_slot))
         d = decoder
         self.cos, self.sin = torch.ones(d.head_dim), torch.zeros(d.head_dim)  # no RoPE (Granite 4.0-H): the identity turn
         self.rope = model.rope if model.config.rope else None
@@ -95,13 +107,26 @@ class HybridStep(MixerStructs):
                                self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
                                qlinear_struct(mixer.out_proj))  # fmt: skip
 
-    def _mix(self, mixer: ctypes.Array, rows: int, h_ptr: int, conv_in: ctypes.Array, conv_out: ctypes.Array, ssm_in: ctypes.Array,
-             ssm_out: ctypes.Array) -> None:  # fmt: skip
-        """A state layer's mixer over `rows` rows (pointer arrays of their states), residual added."""
+    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int) -> None:
+        """A state layer's mixer over the rows of h (one a cache), reading the rows at x_ptr (h's
+        own, or a parallel layer's input before its attention added to h), its output added to h;
+        each cache's new states written."""
+        rows, slot = len(caches), layer.state_slot
+
+        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+            return (_ptr * rows)(*(t.data_ptr() for t in tensors))
+
+        conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
+        ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
+        conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
+        mixer = layer.mixer
         if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
-            self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, conv_in, conv_out)
+            self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out))
         else:
-            self.library.kvgen_mamba2_step(ctypes.addressof(mixer), 1, rows, h_ptr, conv_in, conv_out, ssm_in, ssm_out)
+            self.library.kvgen_mamba2_step_from(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
+                                                pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+        for cache, conv, ssm in zip(caches, conv_out, ssm_out):
+            cache.write(slot, conv, ssm, owned=True)
 
     @staticmethod
     def _layer_store(layout: KVLayout, slot: int) -> tuple[int, int]:
@@ -126,23 +151,22 @@ class HybridStep(MixerStructs):
         assert h.dtype == torch.float32 and h.is_contiguous()
         cos, sin = self._turn(position)
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
-        for mixer, struct, slot, attention, mlp in self.layers:
-            if not attention:  # a state layer's mixer, then its MLP; or an MLP layer alone (Nemotron-H)
-                if mixer is not None:
-                    conv_in, ssm_in = cache.conv_state(slot).contiguous(), cache.recurrent_state(slot).contiguous()
-                    conv_out, ssm_out = self._outputs_like([conv_in, ssm_in])
-                    self._mix(mixer, 1, h_ptr, (_ptr * 1)(conv_in.data_ptr()), (_ptr * 1)(conv_out.data_ptr()),
-                              (_ptr * 1)(ssm_in.data_ptr()), (_ptr * 1)(ssm_out.data_ptr()))  # fmt: skip
-                    cache.write(slot, conv_out, ssm_out, owned=True)
-                if mlp:
-                    lib.kvgen_block_mlp(ctypes.byref(struct), h_ptr)
-                continue
-            keys, values = self._layer_store(layout, slot)
-            at = 4 * position * layout.pos_stride
-            lib.kvgen_block_pre_into(ctypes.byref(struct), h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at,
-                                     layout.head_stride, None, -1)  # fmt: skip
-            lib.kvgen_block_post(ctypes.byref(struct), h_ptr, keys, layout.head_stride, layout.pos_stride, values,
-                                 layout.head_stride, layout.pos_stride, 0, position + 1, None, -1)  # fmt: skip
+        for layer in self.layers:
+            x_ptr = h_ptr
+            if layer.attention is not None:
+                if layer.mixer is not None:  # parallel: the mixer reads the input the attention did
+                    x = h.clone()
+                    x_ptr = x.data_ptr()
+                struct = ctypes.byref(layer.attention)
+                keys, values = self._layer_store(layout, layer.kv_slot)
+                at = 4 * position * layout.pos_stride
+                lib.kvgen_block_pre_into(struct, h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at, layout.head_stride, None, -1)
+                lib.kvgen_block_post(struct, h_ptr, keys, layout.head_stride, layout.pos_stride, values, layout.head_stride,
+                                     layout.pos_stride, 0, position + 1, None, -1)  # fmt: skip
+            if layer.mixer is not None:
+                self._mix(layer, [cache], h_ptr, x_ptr)
+            if layer.mlp is not None:
+                lib.kvgen_block_mlp(ctypes.byref(layer.mlp), h_ptr)
         cache.commit(1, {})
 
     def _turn(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,36 +190,33 @@ class HybridStep(MixerStructs):
         positions = torch.tensor([cache.seq_len for cache in caches], dtype=torch.int64)
         layouts = [cache.kv.kernel_layout(cache.seq_len + 1) for cache in caches]  # room for the new key
         rope = self._rows_rope(positions)
-
-        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
-            return (_ptr * rows)(*(t.data_ptr() for t in tensors))
-
-        for mixer, struct, slot, attention, mlp in self.layers:
-            if not attention:
-                if mixer is not None:
-                    conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
-                    ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
-                    conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
-                    self._mix(mixer, rows, h_ptr, pointers(conv_in), pointers(conv_out), pointers(ssm_in), pointers(ssm_out))
-                    for cache, conv, ssm in zip(caches, conv_out, ssm_out):
-                        cache.write(slot, conv, ssm, owned=True)
-                if mlp:
-                    lib.kvgen_mlp_rows(ctypes.byref(struct), rows, h_ptr, scratch)
-                continue
-            stores = torch.tensor([[*self._layer_store(layout, slot), layout.head_stride] for layout in layouts], dtype=torch.int64)
-            lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
-                                      self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
-                                      positions.data_ptr(), scratch)  # fmt: skip
+        for layer in self.layers:
+            x_ptr = h_ptr
+            if layer.attention is not None:
+                if layer.mixer is not None:  # parallel: the mixer reads the rows the attention did
+                    x = h.clone()
+                    x_ptr = x.data_ptr()
+                stores = torch.tensor([[*self._layer_store(layout, layer.kv_slot), layout.head_stride] for layout in layouts],
+                                      dtype=torch.int64)  # fmt: skip
+                lib.kvgen_decode_rows_own(ctypes.byref(layer.attention), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
+                                          self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
+                                          positions.data_ptr(), scratch)  # fmt: skip
+            if layer.mixer is not None:
+                self._mix(layer, caches, h_ptr, x_ptr)
+            if layer.mlp is not None:
+                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch)
         for cache in caches:
             cache.commit(1, {})
 
-    def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int) -> None:
-        """Attention layer `layer`'s whole block (attention, o-proj, MLP or mixture) for a prompt's rows
-        h [S, hidden] (updated in place) at positions start.. of `cache`, in calls of at most
-        MAX_ROWS rows: each row's key and value go into the cache's buffer before any row attends, and
-        each row is computed as a decode of its token would be, so the rows' bits do not depend on
-        how the prompt was split. The keys count once the caller commits the pass."""
-        lib, (_, struct, slot, _, _) = self.library, self.layers[layer]
+    def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int) -> bool:
+        """Attention layer `layer`'s C block (attention, o-proj, and the MLP or mixture where the
+        block carries it: not in a parallel layer) for a prompt's rows h [S, hidden] (updated in
+        place) at positions start.. of `cache`, in calls of at most MAX_ROWS rows: each row's key and
+        value go into the cache's buffer before any row attends, and each row is computed as a decode
+        of its token would be, so the rows' bits do not depend on how the prompt was split. The keys
+        count once the caller commits the pass. Returns whether the block ran the layer's MLP."""
+        lib, chosen = self.library, self.layers[layer]
+        struct, slot = chosen.attention, chosen.kv_slot
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
         # room for the whole prompt first: growing the buffer later would copy only the committed
         # positions and drop the rows this pass wrote
@@ -209,6 +230,7 @@ class HybridStep(MixerStructs):
             lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, part.data_ptr(), rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                       self._one_layer.data_ptr(), stores.data_ptr(), layout.pos_stride, positions.data_ptr(),
                                       ctypes.byref(self._scratch_for_rows(rows)))  # fmt: skip
+        return chosen.mlp is None
 
     def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:
         """[rows, 1, 2, head_dim]: each row's cos and sin (without RoPE the identity turn; partial

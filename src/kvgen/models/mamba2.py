@@ -52,7 +52,8 @@ class Mamba2Mixer(nn.Module):
         self.D = frozen(d.reshape(-1) if d.dim() == 2 and d.shape[-1] == 1 else d)  # [H]
         if self.D.shape != (self.heads,):  # mamba_ssm's D_has_hdim: one D per channel
             raise UnsupportedModelError(f"{prefix}.D has shape {tuple(self.D.shape)}, not one value per head ({self.heads})")
-        self.norm_weight = frozen(weights.take_tensor(f"{prefix}.norm.weight").reshape(-1))  # [I]
+        # Falcon-H1 without mamba_rms_norm: y SiLU(z) goes to out_proj unnormed (the C step: gate_w NULL)
+        self.norm_weight = frozen(weights.take_tensor(f"{prefix}.norm.weight").reshape(-1)) if c.gated_norm else None  # [I]
         self.out_proj = linear(weights.take(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, capture: list[list[int]]) -> tuple[torch.Tensor, Captured]:
@@ -68,7 +69,10 @@ class Mamba2Mixer(nn.Module):
         else:
             dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
             y, states = scan_chunked(columns, dt, self.A, self.D, ssm_state.float(), capture, shape, self.chunk)
-        y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
+        if self.norm_weight is not None:
+            y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
+        else:
+            y = y * F.silu(gate.float())
         kernel = conv_state.shape[2]
         captured = [[(conv_state_after(extended, row, p, kernel), state) for p, state in zip(points, states[row])]
                     for row, points in enumerate(capture)]  # fmt: skip
