@@ -11,7 +11,9 @@ which layers go without RoPE) against llama.cpp's own reading, not only against 
 `granite-hybrid` (`-dense`: without experts) its GraniteMoeHybridForCausalLM (Granite 4.0-H,
 llama.cpp's `granitehybrid`); `lfm2` its Lfm2ForCausalLM (Liquid's LFM2, llama.cpp's `lfm2`) and
 `lfm2-moe` its Lfm2MoeForCausalLM (`lfm2moe`); `nemotron-h` its NemotronHForCausalLM (NVIDIA's
-Nemotron-H, `nemotron_h`) and `nemotron-h-moe` the same with mixtures (Nemotron 3 Nano's kind, `nemotron_h_moe`).
+Nemotron-H, `nemotron_h`) and `nemotron-h-moe` the same with mixtures (Nemotron 3 Nano's kind, `nemotron_h_moe`);
+`falcon-h1` its FalconH1ForCausalLM (TII's Falcon-H1, `falcon-h1`: the µP multipliers folded into the file's tensors;
+`-norm`: with the mixer's gated norm).
 `--name` names the results file (results/<name>.json), so a run of some families does not replace
 another's.
 """
@@ -36,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", required=True,
                         help="tests/support/tiny_hf.py FAMILIES names, mamba, falcon-mamba, mamba2, granite-hybrid(-dense), lfm2(-moe), "
-                             "nemotron-h(-moe)")
+                             "nemotron-h(-moe), falcon-h1(-norm)")
     parser.add_argument("--name", default="llama-cpp-parity", help="results file: results/<name>.json")
     args = parser.parse_args()
     from llama_cpp import Llama
@@ -44,8 +46,10 @@ def main() -> None:
     from kvgen import LLM
     from tests.support.models import PROMPTS, model_path
     from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf, write_nemotron_h_gguf
+    from tests.support.tiny_gguf import write_falcon_h1_gguf
     from tests.support.tiny_hf import (save_tiny_decoder, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_lfm2_moe, save_tiny_mamba, save_tiny_mamba2,
                                        save_tiny_nemotron_h, tokenizer_folder)  # fmt: skip
+    from tests.support.tiny_hf import save_tiny_falcon_h1
 
     folder = Path(tempfile.mkdtemp())
     tokenizer = tokenizer_folder(folder / "tokenizer")
@@ -63,6 +67,9 @@ def main() -> None:
         elif name in ("nemotron-h", "nemotron-h-moe"):
             model = save_tiny_nemotron_h(folder / name, tokenizer, experts=4 if name.endswith("moe") else 0)
             path = write_nemotron_h_gguf(folder / f"{name}.gguf", model, model_path("smollm2"))
+        elif name in ("falcon-h1", "falcon-h1-norm"):
+            model = save_tiny_falcon_h1(folder / name, tokenizer, rms_norm=name.endswith("norm"))
+            path = write_falcon_h1_gguf(folder / f"{name}.gguf", model, model_path("smollm2"))
         elif name in ("mamba", "falcon-mamba", "mamba2"):
             if name == "mamba2":
                 model = save_tiny_mamba2(folder / name, tokenizer)

@@ -691,7 +691,7 @@ def write_falcon_h1_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type
     """A GGUF of transformers' FalconH1ForCausalLM as llama.cpp's converter writes it (`falcon-h1`):
     every µP multiplier folded into its tensor (the embedding's and the head's too), q and k rows as
     they are (llama.cpp turns Falcon-H1 by NeoX halves), mamba2's tensors as granitehybrid's, the
-    feed-forward norm as ffn_norm and the final one as output_norm; projections in `matmul_type`, the
+    feed-forward norm as ffn_norm (no .weight, as the converter names it) and the final one as output_norm; projections in `matmul_type`, the
     token embedding in `embedding_type`."""
     from kvgen.loading.gguf_file import GGUFFile
 
@@ -726,7 +726,8 @@ def write_falcon_h1_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type
               "self_attn.v_proj.weight": c.attention_in_multiplier, "self_attn.o_proj.weight": c.attention_out_multiplier,
               "feed_forward.gate_proj.weight": c.mlp_multipliers[0], "feed_forward.down_proj.weight": c.mlp_multipliers[1],
               "mamba.out_proj.weight": c.ssm_out_multiplier}  # fmt: skip
-    names = {"input_layernorm.weight": "attn_norm.weight", "pre_ff_layernorm.weight": "ffn_norm.weight",
+    # llama.cpp's converter maps pre_ff_layernorm.weight as a whole, so the tensor is blk.N.ffn_norm, no suffix
+    names = {"input_layernorm.weight": "attn_norm.weight", "pre_ff_layernorm.weight": "ffn_norm",
              "feed_forward.gate_proj.weight": "ffn_gate.weight", "feed_forward.up_proj.weight": "ffn_up.weight",
              "feed_forward.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",

@@ -86,6 +86,7 @@ _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A mixture's experts: stacked [E, rows, columns] per layer (ffn_gate_exps), or one tensor each in
 # older Mixtral files (ffn_gate.3).
 _STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
+_FALCON_H1_FFN_NORM = re.compile(r"^blk\.(\d+)\.ffn_norm$")
 _ONE_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
@@ -258,6 +259,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
         return mamba
     if arch == "lfm2" and (conv := lfm2_gguf_name(gguf_name)) is not None:
         return conv
+    if arch == "falcon_h1" and (norm := _FALCON_H1_FFN_NORM.match(gguf_name)):  # the converter's name, with no .weight
+        return f"model.layers.{norm.group(1)}.post_attention_layernorm.weight"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
