@@ -142,7 +142,7 @@ bench-moe: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 
 # Gemma 2, Phi-4-mini and gpt-oss (soft-capped scores, partial RoPE, sinks and MXFP4 experts) at random weights against llama.cpp on the same files.
 bench-families: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
-	for family in qwen2-moe deepseek-v2 deepseek-v3 olmoe gemma2 phi4-mini gpt-oss mamba mamba2 granite-hybrid lfm2 lfm2-moe nemotron-h nemotron-h-moe; do \
+	for family in qwen2-moe deepseek-v2 deepseek-v3 olmoe gemma2 phi4-mini gpt-oss mamba mamba2 granite-hybrid lfm2 lfm2-moe nemotron-h nemotron-h-moe falcon-h1; do \
 		file=$$($(PY) benchmarks/random_gguf.py --family $$family | tail -1) && \
 		$(PY) benchmarks/decode.py --model $$file --weights q4 --peers llama.cpp --new-tokens 64 --repeats 5 || exit 1; \
 	done

@@ -52,6 +52,9 @@ the rest F32):
   pattern MEMEM*EMEMEM*EMEMEME (Mamba-2 as above; attention 12 query / 2 KV heads of 64; mixtures of
   64 ReLU² experts of width 384, 6 per token by sigmoid score plus a random choice bias, weights
   renormalised x 2.5, beside a shared ReLU² expert of width 768).
+- falcon-h1: Falcon-H1-0.5B's shape (llama.cpp's `falcon-h1`): 36 layers, hidden 1024, each attention
+  (8 query / 2 KV heads of 64, RoPE) beside Mamba-2 (24 heads of 64, state 128, one group, no gated
+  norm), then a SwiGLU of width 2048; multipliers at 1 (a converted file holds them in its weights).
 - phi4-mini: a scaled-down Phi-4-mini: 12 layers, hidden 1024, 8 query / 4 KV heads of 128, RoPE
   over 96 of each head's 128 channels (LongRoPE factors past 4,096 positions), SwiGLU of width 2816.
 """
@@ -145,6 +148,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "ssm_state_size": 128, "conv_kernel": 4, "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 384,
         "moe_shared_expert_intermediate_size": 768, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
         "tie_word_embeddings": False, "max_position_embeddings": 8192}),
+    "falcon-h1": ("FalconH1Config", {
+        "num_hidden_layers": 36, "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+        "mamba_d_conv": 4, "mamba_chunk_size": 128, "mamba_rms_norm": False, "tie_word_embeddings": False,
+        "max_position_embeddings": 16384, "rope_parameters": {"rope_type": "default", "rope_theta": 1e11}}),
 }  # fmt: skip
 _KEEP_INIT = ("norm.weight", "A_log", "D", "dt_proj.bias", "dt_bias")  # Mamba's decays and steps: random ones would blow up its state
 
@@ -159,6 +167,7 @@ def main() -> None:
 
     from tests.support.models import model_path
     from tests.support.tiny_gguf import write_gguf_from_hf, write_granite_hybrid_gguf, write_lfm2_gguf, write_mamba_gguf, write_nemotron_h_gguf
+    from tests.support.tiny_gguf import write_falcon_h1_gguf
 
     class_name, settings = SHAPES[args.family]
     common = {k: v for k, v in _COMMON.items() if class_name != "NemotronHConfig" or k != "num_hidden_layers"}  # its pattern counts them
@@ -185,6 +194,9 @@ def main() -> None:
         return
     if args.family in ("nemotron-h", "nemotron-h-moe"):
         print(write_nemotron_h_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
+        return
+    if args.family == "falcon-h1":
+        print(write_falcon_h1_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
         return
     if args.family in ("mamba", "mamba2"):
         print(write_mamba_gguf(out, model, model_path("smollm2"), gguf.GGMLQuantizationType[args.type], embedding_type=embedding))
