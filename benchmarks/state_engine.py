@@ -7,7 +7,7 @@ mamba-130m's shape (hidden 768, 24 layers) and t5-small's (d_model 512, 6 + 6 la
 d_ff 2048) with SmolLM2's 49,152-token vocabulary and saves them; kvgen loads the folders. Greedy,
 EOS ignored, fp32; Mamba also with q4 weights (its decode rows in one C call), and Granite 4.0-H from
 benchmarks/random_gguf.py's scaled-down H-Tiny file (q4), LFM2-350M-shaped file and scaled-down
-Nemotron-H and Nemotron 3 Nano files where they were written (their decode rows through each layer
+Nemotron-H and Nemotron 3 Nano files and Falcon-H1-0.5B-shaped file where they were written (their decode rows through each layer
 together in C). `--models` picks some of them and `--name` the results file. Each run reports whole wall time (prefill + decode) of N requests, and that the
 batched tokens equal the one-by-one tokens. `--threads` sets torch's intra-op threads for both
 sides (on a machine whose cores other jobs share, a second thread waiting for a busy core turns a
@@ -36,7 +36,7 @@ from kvgen.engine import EngineConfig, LLMEngine  # noqa: E402
 from tests.support.tiny_hf import tokenizer_folder  # noqa: E402
 
 
-_HYBRIDS = ("granite-hybrid", "lfm2", "nemotron-h", "nemotron-h-moe")
+_HYBRIDS = ("granite-hybrid", "lfm2", "nemotron-h", "nemotron-h-moe", "falcon-h1")
 
 
 def save_t5(folder: Path):
