@@ -1,5 +1,5 @@
-"""Granite 4.0-H (HF `granitemoehybrid`), Bamba, LFM2 and Nemotron-H: state layers and attention
-layers in one stack (Granite 4.0-H described here; the others differ as HybridBlock says).
+"""Granite 4.0-H (HF `granitemoehybrid`), Bamba, LFM2, Nemotron-H and Falcon-H1: state layers and
+attention layers in one stack (Granite 4.0-H described here; the others differ as HybridBlock says).
 
 Each layer: h += residual_multiplier * mixer(input_norm(h)), the mixer a Mamba-2 one
 (models/mamba2.py's) or grouped-query attention (models/layers.py's, scores scaled by
@@ -144,7 +144,7 @@ class GraniteHybridModel(RecurrentLM):
             mlp_done = False
             if block.attn is not None:
                 if step is not None:  # attention in C, each row as a decode computes it (and the MLP, where the C block carries it)
-                    h = h.contiguous() if block.mixer is None else h.clone()  # a parallel layer's mixer still reads x
+                    h = h.contiguous()  # updated in place; a parallel layer's mixer reads x, normed before
                     mlp_done = step.prompt_block(index, h[0], cache, start)
                 else:
                     h = h + block.attn(x, rope, cache.kv, mask) * block.residual_multiplier
