@@ -24,7 +24,8 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.loading.falcon_h1 import falcon_h1_config
 from kvgen.loading.hf import config_from_hf
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (assert_prefill_is_chunk_invariant, assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
+from tests.support.recurrent import (assert_engine_and_prefix_hit_follow_transformers, assert_prefill_is_chunk_invariant,
+                                     assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                      assert_session_resumes_from_a_checkpoint, random_ids,
                                      transformers_greedy)  # fmt: skip
 from tests.support.tiny_gguf import write_falcon_h1_gguf
@@ -111,18 +112,7 @@ def test_engine_rows_and_prefix_cache_match_transformers(built: dict) -> None:
     resumes at the last block boundary inside them (states and keys restored) and decodes
     transformers' tokens."""
     model, llm, _ = built["falcon-h1"]
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:2]] + [random_ids(60, 7)]
-    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
-    for ids, request in zip(prompts, engine.generate(prompts, GREEDY)):
-        assert request.output_ids == transformers_greedy(model, ids, GREEDY.max_new_tokens)
-    shared = random_ids(52, 60)
-    engine.generate([shared + random_ids(6, 61)], GREEDY)
-    second = shared + random_ids(9, 62)
-    (request,) = engine.generate([second], GREEDY)
-    assert request.cached_tokens == 48 and request.miss_reason == "hit"
-    assert request.output_ids == transformers_greedy(model, second, GREEDY.max_new_tokens)
-    engine.check_invariants()
-    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0
+    assert_engine_and_prefix_hit_follow_transformers(model, llm, GREEDY, PROMPTS[:2])
 
 
 @pytest.mark.parametrize("name", MODELS)

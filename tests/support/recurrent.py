@@ -1,4 +1,4 @@
-"""Checks shared by the state-space families' tests (Mamba, Mamba-2, Granite 4.0-H)."""
+"""Checks shared by the state-space families' tests (Mamba, Mamba-2, Granite 4.0-H, LFM2, Nemotron-H, Falcon-H1)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
+from kvgen.engine import EngineConfig, LLMEngine
 
 
 def random_ids(count: int, seed: int) -> list[int]:
@@ -135,3 +136,24 @@ def assert_prefill_is_chunk_invariant(llm: LLM, ids: list[int], splits: list[lis
                 logits = llm.model(torch.tensor([ids[start : start + length]]), cache, logits_to_keep=min(2, length))[0]
                 start += length
             assert torch.equal(logits[-1], whole[-1]), f"split {chunks}: {(logits[-1] - whole[-1]).abs().max().item()}"
+
+
+def assert_engine_and_prefix_hit_follow_transformers(model: Any, llm: LLM, params: SamplingParams, prompts: list[str]) -> None:
+    """A hybrid's engine against transformers' greedy tokens (`model`: its HF model): `prompts` and a
+    60-token one run together (prefills chunked beside decodes); a prompt sharing 52 tokens with an
+    earlier one resumes at the last block boundary inside them (48, block size 8: its states and keys
+    restored) and decodes transformers' tokens; the prefix cache's units are all the budget holds
+    once the requests end."""
+    count = params.max_new_tokens
+    encoded = [llm.tokenizer.encode(p) for p in prompts] + [random_ids(60, 7)]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=24, block_size=8))
+    for ids, request in zip(encoded, engine.generate(encoded, params)):
+        assert request.output_ids == transformers_greedy(model, ids, count)
+    shared = random_ids(52, 60)
+    engine.generate([shared + random_ids(6, 61)], params)
+    second = shared + random_ids(9, 62)
+    (request,) = engine.generate([second], params)
+    assert request.cached_tokens == 48 and request.miss_reason == "hit"
+    assert request.output_ids == transformers_greedy(model, second, count)
+    engine.check_invariants()
+    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0
