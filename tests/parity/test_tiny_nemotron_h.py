@@ -121,7 +121,8 @@ def test_engine_rows_and_prefix_cache_match_transformers(built: dict) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_gguf_loads_the_same_model(name: str, built: dict, tmp_path: Path) -> None:
     """An all-F32 `nemotron_h` (`nemotron_h_moe`) file as llama.cpp's converter writes it: the same
-    config and transformers' logits; a Q8_0 file, its blocks kept (int8), decodes in C and stays near them.
+    config and transformers' logits; a Q8_0 file, its blocks kept (int8), decodes in C and stays near them
+    (that file also counts a trailing multi-token-prediction block, which kvgen leaves unread).
     ReLU² MLPs square their inputs' rounding, so 8-bit weights move these random models' logits more than
     LFM2's (the int8 load of the HF folder: max 0.055, argmax the same at 37 of 40 positions)."""
     model, llm, _ = built[name]
@@ -140,10 +141,11 @@ def test_gguf_loads_the_same_model(name: str, built: dict, tmp_path: Path) -> No
         actual = from_gguf.model(torch.tensor([prompt]), from_gguf.generator.new_cache(0), logits_to_keep=len(prompt))[0]
         assert (actual - expected).abs().max().item() < TOLERANCE
         q8_file = write_nemotron_h_gguf(tmp_path / "q8.gguf", model, model_path("smollm2"), gguf.GGMLQuantizationType.Q8_0,
-                                        rms_epsilon=False)  # the epsilon under the first converter's key alone
+                                        rms_epsilon=False, mtp_layers=1)  # the first converter's epsilon key; an MTP block's metadata
         q8 = LLM.load(q8_file, progress=False, weights="int8")
         quantized = q8.model(torch.tensor([prompt]), q8.generator.new_cache(0), logits_to_keep=len(prompt))[0]
     assert q8.model._c_step() is not None and q8.config.decoder.rms_norm_eps == ours.decoder.rms_norm_eps
+    assert q8.config.layer_types == ours.layer_types  # the trailing MTP block left unread
     # as near as the folder's own int8 load (mean 0.006 / 0.008 against logits' std 0.29; a mixture's
     # near-tied routes flip under 8-bit rounding, so its largest difference reads 0.25 either way)
     assert (quantized - expected).abs().mean().item() < 0.02

@@ -619,7 +619,8 @@ _NEMOTRON_H_PARTS = {"norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "
 
 
 def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type: gguf.GGMLQuantizationType = Q.F32,
-                          embedding_type: gguf.GGMLQuantizationType = Q.F32, rms_epsilon: bool = True) -> Path:  # fmt: skip
+                          embedding_type: gguf.GGMLQuantizationType = Q.F32, rms_epsilon: bool = True,
+                          mtp_layers: int = 0) -> Path:  # fmt: skip
     """A GGUF of transformers' NemotronHForCausalLM as llama.cpp's converter writes it (`nemotron_h`,
     or `nemotron_h_moe` with experts): KV heads per layer (0 outside attention), feed_forward_length
     per layer (the MLP's width, or the experts' in a mixture layer; 0 elsewhere), key and value
@@ -628,20 +629,24 @@ def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_typ
     ffn_{up,down}_shexp, the choice bias as exp_probs_b.bias; projections in `matmul_type`, the
     token embedding in `embedding_type`. The norms' epsilon goes under attention.layer_norm_epsilon,
     which llama.cpp's first nemotron_h reader takes, and (`rms_epsilon`) layer_norm_rms_epsilon,
-    which later ones take."""
+    which later ones take. `mtp_layers`: trailing blocks counted as a multi-token-prediction head, as
+    the converter appends one (an attention and a mixture sublayer each; their metadata only)."""
     from kvgen.loading.gguf_file import GGUFFile
 
     c = hf_model.config
     kinds = list(c.layers_block_type)
     moe = "moe" in kinds
     writer = gguf.GGUFWriter(str(path), "nemotron_h_moe" if moe else "nemotron_h")
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
+    kinds = kinds + ["mtp"] * mtp_layers
     writer.add_block_count(len(kinds))
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     width = c.moe_intermediate_size if moe else c.intermediate_size
-    writer.add_feed_forward_length([width if kind in ("mlp", "moe") else 0 for kind in kinds])
+    writer.add_feed_forward_length([width if kind in ("mlp", "moe", "mtp") else 0 for kind in kinds])
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv([c.num_key_value_heads if kind == "full_attention" else 0 for kind in kinds])
+    writer.add_head_count_kv([c.num_key_value_heads if kind in ("full_attention", "mtp") else 0 for kind in kinds])
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_layer_norm_eps(c.layer_norm_epsilon)

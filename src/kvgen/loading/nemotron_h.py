@@ -118,11 +118,15 @@ def nemotron_h_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str]
     layer_types, kv_heads = gguf_layer_kinds(get, "mamba")
     widths = get("feed_forward_length")
     widths = [int(n) for n in widths] if isinstance(widths, (list, tuple)) else [int(widths)] * len(layer_types)
-    routed = {int(n.split(".")[1]) for n in tensor_names if n.endswith("ffn_gate_inp.weight")}
+    # llama.cpp's converter appends a multi-token-prediction head as trailing blocks (counted in
+    # block_count): a speculative head, not part of the model's forward, so it is left unread
+    layers = len(layer_types) - int(metadata.get(f"{arch}.nextn_predict_layers") or 0)
+    layer_types, kv_heads, widths = layer_types[:layers], kv_heads[:layers], widths[:layers]
+    routed = {layer for n in tensor_names if n.endswith("ffn_gate_inp.weight") and (layer := int(n.split(".")[1])) < layers}
     layer_types = tuple("mlp" if kind == "mamba" and (widths[i] or i in routed) else kind for i, kind in enumerate(layer_types))
     renamed = {(f"llama.{k[len(arch) + 1 :]}" if k.startswith(f"{arch}.") else k): v for k, v in metadata.items()}
     renamed |= {"general.architecture": "llama", "llama.attention.head_count_kv": max(int(n) for n in kv_heads),
-                "llama.feed_forward_length": max(widths)}  # fmt: skip
+                "llama.feed_forward_length": max(widths), "llama.block_count": layers}  # fmt: skip
     if "llama.attention.layer_norm_rms_epsilon" not in renamed:  # the key llama.cpp's first nemotron_h files used
         renamed["llama.attention.layer_norm_rms_epsilon"] = get("attention.layer_norm_epsilon")
     decoder = dataclasses.replace(decoder_config(renamed, tensor_names), hidden_act="relu2")
