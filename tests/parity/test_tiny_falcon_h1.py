@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
-from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.errors import UnsupportedModelError
-from kvgen.kv.hybrid import HybridStateCache
 from kvgen.loading.falcon_h1 import falcon_h1_config
 from kvgen.loading.hf import config_from_hf
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (assert_engine_and_prefix_hit_follow_transformers, assert_prefill_is_chunk_invariant,
+from tests.support.recurrent import (assert_logits_follow_transformers, assert_engine_tokens_equal_each_request_alone,
+                                     assert_engine_and_prefix_hit_follow_transformers, assert_prefill_is_chunk_invariant,
                                      assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                      assert_session_resumes_from_a_checkpoint, random_ids,
                                      transformers_greedy)  # fmt: skip
@@ -54,16 +53,7 @@ def test_prefill_and_decode_logits_match(name: str, built: dict) -> None:
     against transformers' forward over the same tokens (measured 5-7e-7: the multipliers folded
     into the weights move the logits by rounding only)."""
     model, llm, _ = built[name]
-    prompt, more = random_ids(40, 1), random_ids(6, 2)
-    with torch.inference_mode():
-        cache = llm.model.new_state_cache(checkpoint_every=16)
-        assert isinstance(cache, HybridStateCache)
-        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
-        steps = torch.cat([llm.model(torch.tensor([[t]]), cache)[0] for t in more])
-        expected = model(torch.tensor([prompt + more])).logits[0]
-    assert cache.checkpoints[:3] == [0, 16, 32] and cache.kv.seq_len == cache.seq_len == 46
-    assert (prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
-    assert (steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+    assert_logits_follow_transformers(model, llm, 40, 16, TOLERANCE)
 
 
 def test_greedy_tokens_match_transformers_generate(built: dict) -> None:
@@ -90,9 +80,7 @@ def test_c_rows_of_several_sequences_equal_each_alone(name: str, built: dict) ->
     does alone."""
     _, _, int8 = built[name]
     assert_c_rows_equal_each_row_alone(int8, [random_ids(n, 20 + n) for n in (9, 30, 17)], random_ids(3, 12))
-    prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
-    engine = LLMEngine(int8, EngineConfig(max_tokens_per_step=16, block_size=8))
-    assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == [int8.generate(p, GREEDY).token_ids for p in prompts]
+    assert_engine_tokens_equal_each_request_alone(int8, GREEDY)
 
 
 def test_prefill_gives_the_same_bits_however_the_prompt_is_split(built: dict) -> None:

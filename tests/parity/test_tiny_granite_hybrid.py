@@ -21,10 +21,10 @@ import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine
-from kvgen.kv.hybrid import HybridStateCache
 from kvgen.speculative.config import SpeculativeConfig
 from tests.support.models import PROMPTS, model_path
-from tests.support.recurrent import (assert_prefill_is_chunk_invariant, assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
+from tests.support.recurrent import (assert_logits_follow_transformers, assert_engine_tokens_equal_each_request_alone,
+                                     assert_prefill_is_chunk_invariant, assert_c_rows_equal_each_row_alone, assert_c_step_follows_torch,
                                      assert_session_resumes_from_a_checkpoint, random_ids,
                                      transformers_greedy)  # fmt: skip
 from tests.support.tiny_gguf import write_granite_hybrid_gguf
@@ -55,16 +55,7 @@ def test_prefill_and_decode_logits_match(name: str, hybrids: dict) -> None:
     """Every position of a 70-token prefill (five Mamba-2 chunks, split at checkpoints every 24) and
     6 decode steps against transformers' forward over the same tokens."""
     model, llm = hybrids[name]
-    prompt, more = random_ids(70, 1), random_ids(6, 2)
-    with torch.inference_mode():
-        cache = llm.model.new_state_cache(checkpoint_every=24)
-        assert isinstance(cache, HybridStateCache)
-        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
-        steps = torch.cat([llm.model(torch.tensor([[t]]), cache)[0] for t in more])
-        expected = model(torch.tensor([prompt + more])).logits[0]
-    assert cache.checkpoints[:3] == [0, 24, 48] and cache.kv.seq_len == cache.seq_len == 76
-    assert (prefill - expected[: len(prompt)]).abs().max().item() < TOLERANCE
-    assert (steps - expected[len(prompt) :]).abs().max().item() < TOLERANCE
+    assert_logits_follow_transformers(model, llm, 70, 24, TOLERANCE)
 
 
 @pytest.mark.parametrize("name", ["experts-nope", "dense-nope"])
@@ -146,9 +137,7 @@ def test_c_rows_of_several_sequences_equal_each_alone(name: str, hybrids: dict) 
     _, llm = hybrids[name]
     int8 = LLM.load(llm.path, progress=False, weights="int8")
     assert_c_rows_equal_each_row_alone(int8, [random_ids(n, 20 + n) for n in (9, 30, 17)], random_ids(3, 12))
-    prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
-    engine = LLMEngine(int8, EngineConfig(max_tokens_per_step=16, block_size=8))
-    assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == [int8.generate(p, GREEDY).token_ids for p in prompts]
+    assert_engine_tokens_equal_each_request_alone(int8, GREEDY)
 
 
 def test_engine_rows_equal_transformers_and_a_cancel_frees_its_reservation(hybrids: dict) -> None:

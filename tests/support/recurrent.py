@@ -9,6 +9,7 @@ import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine
+from kvgen.kv.hybrid import HybridStateCache
 
 
 def random_ids(count: int, seed: int) -> list[int]:
@@ -157,3 +158,26 @@ def assert_engine_and_prefix_hit_follow_transformers(model: Any, llm: LLM, param
     assert request.output_ids == transformers_greedy(model, second, count)
     engine.check_invariants()
     assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0
+
+
+def assert_logits_follow_transformers(model: Any, llm: LLM, prompt_tokens: int, every: int, tolerance: float) -> None:
+    """A hybrid's logits at every position of a `prompt_tokens` prefill (checkpoints every `every`)
+    and 6 decode steps after it, against transformers' forward (`model`) over the same tokens."""
+    prompt, more = random_ids(prompt_tokens, 1), random_ids(6, 2)
+    with torch.inference_mode():
+        cache = llm.model.new_state_cache(checkpoint_every=every)
+        assert isinstance(cache, HybridStateCache)
+        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
+        steps = torch.cat([llm.model(torch.tensor([[t]]), cache)[0] for t in more])
+        expected = model(torch.tensor([prompt + more])).logits[0]
+    assert cache.checkpoints[:3] == [0, every, 2 * every] and cache.kv.seq_len == cache.seq_len == prompt_tokens + 6
+    assert (prefill - expected[: len(prompt)]).abs().max().item() < tolerance
+    assert (steps - expected[len(prompt) :]).abs().max().item() < tolerance
+
+
+def assert_engine_tokens_equal_each_request_alone(llm: LLM, params: SamplingParams) -> None:
+    """Three prompts of different lengths through the engine (prefills chunked beside decodes) give
+    the tokens each gives alone through LLM.generate."""
+    prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=16, block_size=8))
+    assert [r.output_ids for r in engine.generate(prompts, params)] == [llm.generate(p, params).token_ids for p in prompts]

@@ -447,6 +447,15 @@ _HYBRID_MAMBA = {"in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d
                  "out_proj.weight": "ssm_out.weight"}  # fmt: skip
 
 
+def _add_mamba2_keys(writer: gguf.GGUFWriter, kernel: int, state: int, groups: int, inner: int, heads: int) -> None:
+    """A hybrid file's Mamba-2 keys as llama.cpp's converter writes them (heads as time_step_rank)."""
+    writer.add_ssm_conv_kernel(kernel)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(groups)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_time_step_rank(heads)
+
+
 def _llama_cpp_mamba2(part: str, values: np.ndarray, groups: int) -> np.ndarray:
     """A Mamba-2 mixer's tensor (HF name `part`) as llama.cpp's converter writes it: A as -exp(A_log),
     A and D as [heads, 1], the norm per group [groups, inner / groups], the conv as [channels, taps]."""
@@ -490,11 +499,7 @@ def write_granite_hybrid_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul
         writer.add_expert_count(experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
-    writer.add_ssm_conv_kernel(c.mamba_d_conv)
-    writer.add_ssm_state_size(c.mamba_d_state)
-    writer.add_ssm_group_count(c.mamba_n_groups)
-    writer.add_ssm_inner_size(c.mamba_n_heads * c.mamba_d_head)
-    writer.add_ssm_time_step_rank(c.mamba_n_heads)
+    _add_mamba2_keys(writer, c.mamba_d_conv, c.mamba_d_state, c.mamba_n_groups, c.mamba_n_heads * c.mamba_d_head, c.mamba_n_heads)
     writer.add_rope_scaling_finetuned(c.position_embedding_type == "rope")
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
 
@@ -653,11 +658,7 @@ def write_nemotron_h_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_typ
     if rms_epsilon:
         writer.add_layer_norm_rms_eps(c.layer_norm_epsilon)
     writer.add_vocab_size(c.vocab_size)
-    writer.add_ssm_conv_kernel(c.conv_kernel)
-    writer.add_ssm_state_size(c.ssm_state_size)
-    writer.add_ssm_group_count(c.n_groups)
-    writer.add_ssm_inner_size(c.mamba_num_heads * c.mamba_head_dim)
-    writer.add_ssm_time_step_rank(c.mamba_num_heads)
+    _add_mamba2_keys(writer, c.conv_kernel, c.ssm_state_size, c.n_groups, c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_heads)
     if moe:
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
@@ -713,11 +714,7 @@ def write_falcon_h1_gguf(path: Path, hf_model, tokenizer_gguf: Path, matmul_type
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
-    writer.add_ssm_conv_kernel(c.mamba_d_conv)
-    writer.add_ssm_state_size(c.mamba_d_state)
-    writer.add_ssm_group_count(c.mamba_n_groups)
-    writer.add_ssm_inner_size(c.mamba_d_ssm)
-    writer.add_ssm_time_step_rank(c.mamba_n_heads)
+    _add_mamba2_keys(writer, c.mamba_d_conv, c.mamba_d_state, c.mamba_n_groups, c.mamba_d_ssm, c.mamba_n_heads)
     _copy_tokenizer(writer, GGUFFile(tokenizer_gguf).metadata)
 
     def add(name: str, values: np.ndarray, matmul: bool) -> None:

@@ -65,7 +65,7 @@ def hybrid_runs_in_c(model: nn.Module) -> bool:
         linears = mlp_linears(block.mlp)
         if block.mixer is not None:
             linears += [block.mixer.in_proj, block.mixer.out_proj]
-        elif block.attn is not None:
+        if block.attn is not None:  # a parallel layer (Falcon-H1) has both
             linears += [block.attn.qkv, block.attn.o_proj]
         if not all(isinstance(linear, QuantizedLinear) for linear in linears):
             return False
@@ -99,6 +99,7 @@ class HybridStep(MixerStructs):
         self._rope_table = torch.empty(0, 2, d.head_dim)  # _turn's
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
+        self._input = torch.empty(0)  # _mixer_input's copy of a parallel layer's input
         self._decoder = d
 
     def _describe_conv(self, block: nn.Module) -> "_ShortConvBlock":
@@ -128,6 +129,16 @@ class HybridStep(MixerStructs):
         for cache, conv, ssm in zip(caches, conv_out, ssm_out):
             cache.write(slot, conv, ssm, owned=True)
 
+    def _mixer_input(self, layer: _Layer, h: torch.Tensor) -> int:
+        """Where a layer's mixer reads its rows: h itself, or, in a parallel layer, a copy of h taken
+        before its attention adds into h (one buffer, grown to the most rows seen)."""
+        if layer.attention is None or layer.mixer is None:
+            return h.data_ptr()
+        if self._input.numel() < h.numel():
+            self._input = torch.empty(h.numel())
+        self._input[: h.numel()].copy_(h.reshape(-1))
+        return self._input.data_ptr()
+
     @staticmethod
     def _layer_store(layout: KVLayout, slot: int) -> tuple[int, int]:
         """Addresses of attention layer `slot`'s keys and values in a cache's buffer (fp32)."""
@@ -152,11 +163,8 @@ class HybridStep(MixerStructs):
         cos, sin = self._turn(position)
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
         for layer in self.layers:
-            x_ptr = h_ptr
+            x_ptr = self._mixer_input(layer, h)
             if layer.attention is not None:
-                if layer.mixer is not None:  # parallel: the mixer reads the input the attention did
-                    x = h.clone()
-                    x_ptr = x.data_ptr()
                 struct = ctypes.byref(layer.attention)
                 keys, values = self._layer_store(layout, layer.kv_slot)
                 at = 4 * position * layout.pos_stride
@@ -191,11 +199,8 @@ class HybridStep(MixerStructs):
         layouts = [cache.kv.kernel_layout(cache.seq_len + 1) for cache in caches]  # room for the new key
         rope = self._rows_rope(positions)
         for layer in self.layers:
-            x_ptr = h_ptr
+            x_ptr = self._mixer_input(layer, h)
             if layer.attention is not None:
-                if layer.mixer is not None:  # parallel: the mixer reads the rows the attention did
-                    x = h.clone()
-                    x_ptr = x.data_ptr()
                 stores = torch.tensor([[*self._layer_store(layout, layer.kv_slot), layout.head_stride] for layout in layouts],
                                       dtype=torch.int64)  # fmt: skip
                 lib.kvgen_decode_rows_own(ctypes.byref(layer.attention), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
