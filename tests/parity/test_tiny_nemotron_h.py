@@ -20,7 +20,7 @@ import torch
 
 from kvgen import LLM, SamplingParams
 from kvgen.errors import UnsupportedModelError
-from kvgen.loading.hf import config_from_hf
+from kvgen.loading.hf import config_from_hf, load_hf_folder
 from kvgen.loading.nemotron_h import nemotron_h_config
 from tests.support.models import PROMPTS, model_path
 from tests.support.recurrent import (assert_logits_follow_transformers, assert_engine_tokens_equal_each_request_alone,
@@ -162,3 +162,22 @@ def test_config_reads_the_pattern_and_refuses_what_it_does_not_run(built: dict) 
         nemotron_h_config({**raw, "mlp_hidden_act": "silu"}, config_from_hf)
     with pytest.raises(UnsupportedModelError, match="X"):
         nemotron_h_config({**raw, "hybrid_override_pattern": "M*X"}, config_from_hf)
+
+
+def test_multi_token_prediction_tensors_in_a_folder_are_never_read(built: dict, tmp_path: Path) -> None:
+    """An HF folder's `mtp.*` tensors (NVIDIA ships one MTP block beside the model) and a layer past
+    the config's count (DeepSeek-V3's MTP layer) are left on disk: written here as NaN, which the
+    loader refuses in any tensor it reads, they load the same model with none of their names."""
+    from safetensors.torch import save_file
+
+    model, llm, _ = built["nemotron-h"]
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer")
+    folder = tmp_path / "with-mtp"
+    save_tiny_nemotron_h(folder, tokenizer)
+    nan = torch.full((8, 8), float("nan"))
+    save_file({"mtp.layers.0.mixer.q_proj.weight": nan, "backbone.layers.7.mixer.in_proj.weight": nan.clone()},
+              str(folder / "mtp.safetensors"))  # fmt: skip
+    assert not [name for name in load_hf_folder(folder, progress=False).tensors if "mtp" in name or ".layers.7." in name]
+    with_mtp = LLM.load(folder, progress=False, weights="fp32")
+    prompt = random_ids(12, 6)
+    assert with_mtp.generate(prompt, GREEDY).token_ids == llm.generate(prompt, GREEDY).token_ids

@@ -353,6 +353,8 @@ def load_hf_folder(
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for key in tqdm(list(handle.keys()), desc=f"loading {file.name}", disable=not progress, leave=False):
+                    if outside_the_forward(_strip_prefix(key), config.num_layers):
+                        continue
                     tensor = handle.get_tensor(key)
                     if not key.endswith(MXFP4_PARTS):  # MXFP4 experts' bytes stay bytes until decoded
                         tensor = tensor.to(dtype)
@@ -435,6 +437,21 @@ def _name_experts(tensors: dict[str, torch.Tensor | QuantizedWeight]) -> None:
                 else:
                     gate, up = weight.chunk(2, dim=0)
                     tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"] = gate.contiguous(), up.contiguous()
+
+
+_PREDICTION_HEAD = re.compile(r"^(model\.)?mtp\.")
+_LAYER_INDEX = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.")
+
+
+def outside_the_forward(name: str, num_layers: int) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction head rather than the model:
+    `mtp.*` (Nemotron-H and others) or a layer past the config's count (DeepSeek-V3's trailing MTP
+    layer). Those heads are speculative drafters outside the forward, so they are never read: a
+    Nemotron 3 Nano folder's MTP block would otherwise sit in memory as float32 for nothing."""
+    if _PREDICTION_HEAD.match(name):
+        return True
+    layer = _LAYER_INDEX.match(name)
+    return layer is not None and int(layer.group(1)) >= num_layers
 
 
 def _strip_prefix(name: str) -> str:
