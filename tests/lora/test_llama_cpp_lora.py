@@ -29,7 +29,7 @@ def random_adapter(config, seed: int = 0) -> LoraAdapter:
     generator = torch.Generator().manual_seed(seed)
     pairs, scalings = {}, {}
     for layer in range(config.num_layers):
-        for proj, (out_features, in_features) in projection_shapes(config).items():
+        for proj, (out_features, in_features) in projection_shapes(config, layer).items():
             pairs[layer, proj] = {"A": torch.randn(RANK, in_features, generator=generator) / in_features**0.5,
                                   "B": torch.randn(out_features, RANK, generator=generator) * 0.1}  # fmt: skip
             scalings[layer, proj] = 1.0

@@ -188,7 +188,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_lora_delta.argtypes = [pointer, count, count, pointer, pointer, count, pointer]
     library.kvgen_block_pre.argtypes = [pointer] * 7 + [count]
     library.kvgen_block_pre_into.argtypes = [pointer] * 6 + [count, pointer, count]
-    library.kvgen_block_mlp.argtypes = [pointer, pointer]
+    library.kvgen_block_mlp.argtypes = [pointer, pointer, pointer, count]
     library.kvgen_paged_decode_attention.argtypes = [pointer] * 4 + [count] * 4 + [ctypes.c_float] + [count] * 4 + [pointer, count, pointer, pointer]
     library.kvgen_decode_attention.argtypes = [pointer] * 4 + [count] * 3 + [ctypes.c_float] + [count] * 4
     library.kvgen_block_post.argtypes = [pointer, pointer, pointer, count, count, pointer, count, count, count, count,
@@ -207,18 +207,18 @@ def open_library(path: Path) -> ctypes.CDLL:
                                               pointer, pointer, pointer]  # fmt: skip
     library.kvgen_mamba_step.argtypes = [pointer, count, count] + [pointer] * 5
     library.kvgen_mamba2_step.argtypes = [pointer, count, count] + [pointer] * 5
-    library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 6
-    library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 3
+    library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 8
+    library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 5
     library.kvgen_selective_scan.argtypes = [pointer] * 9 + [count] * 3 + [pointer, count, pointer]
     library.kvgen_ssd_scan.argtypes = [pointer] * 7 + [count, pointer, pointer] + [count] * 5 + [pointer, count, pointer]
     library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer]
     library.kvgen_decode_rows.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, count, pointer, pointer,
                                           pointer, pointer, pointer, pointer]  # fmt: skip
-    # blocks, num_layers, rows, h, rope, rope kinds, rope_kind, window, row_stores, pos_stride, positions, scratch
+    # blocks, num_layers, rows, h, rope, rope kinds, rope_kind, window, row_stores, pos_stride, positions, scratch, lora, slots
     library.kvgen_decode_rows_own.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
-                                              count, pointer, pointer]  # fmt: skip
-    library.kvgen_mlp_rows.argtypes = [pointer, count, pointer, pointer]
+                                              count, pointer, pointer, pointer, pointer]  # fmt: skip
+    library.kvgen_mlp_rows.argtypes = [pointer, count, pointer, pointer, pointer, pointer]
     library.kvgen_decode_tree.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, pointer, count, count,
                                           pointer, pointer]  # fmt: skip

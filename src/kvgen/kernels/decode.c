@@ -908,14 +908,17 @@ static void mlp_team(const block_t* b, const thread_scratch* t, const lora_linea
 }
 
 // The MLP sublayer alone for one token (a hybrid's Mamba layers: their mixer runs in mamba_step.c):
-// h += residual_scale * mlp(norm(h)), b's attention fields unused.
-void kvgen_block_mlp(const block_t* b, float* h) {
+// h += residual_scale * mlp(norm(h)), b's attention fields unused. lora: this layer's LORA_LINEARS
+// deltas or NULL, for adapter slot `slot` (-1: none).
+void kvgen_block_mlp(const block_t* b, float* h, const lora_linear* lora, int64_t slot) {
+    float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, LORA_LINEARS) + 1));
 #pragma omp parallel
     {
         const thread_scratch t = thread_scratch_new(b, 1, h);
-        mlp_team(b, &t, NULL, NULL, NULL);
+        mlp_team(b, &t, lora, &slot, xa);
         free(t.own);
     }
+    free(xa);
 }
 
 // keys/values: the [1, kv_heads, L, head_dim] views cache.update() returned.

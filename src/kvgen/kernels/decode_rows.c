@@ -570,20 +570,21 @@ void kvgen_decode_rows_over_codes(const block_t* blocks, int64_t num_layers, int
 
 // Every block for one-token rows of sequences that each keep their own keys and values (a hybrid
 // model's contiguous caches): see rows_kv's row_stores. Each row is computed as the batch-1 step
-// computes its token.
+// computes its token. lora, lora_slots: as decode_rows's (a hybrid passes its layer's table alone).
 void kvgen_decode_rows_own(const block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* rope,
                            int64_t num_rope_kinds, const int64_t* rope_kind, const int64_t* window,
                            const int64_t* row_stores, int64_t pos_stride, const int64_t* positions,
-                           const rows_scratch* s) {
+                           const rows_scratch* s, const lora_linear* lora, const int64_t* lora_slots) {
     rows_kv kv = {0};
     kv.pos_stride = pos_stride, kv.write_pos = positions, kv.row_stores = row_stores;
-    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, NULL, NULL, 0);
+    decode_rows(blocks, num_layers, rows, h, rope, num_rope_kinds, rope_kind, window, &kv, positions, s, lora, lora_slots, 0);
 }
 
 // One block's MLP sublayer for one-token rows (a hybrid's Mamba layers, whose mixer runs in
 // mamba_step.c): h[r] += residual_scale * mlp(norm(h[r])), each row with the bits kvgen_block_mlp
-// gives it alone.
-void kvgen_mlp_rows(const block_t* block, int64_t rows, float* h, const rows_scratch* s) {
+// gives it alone. lora: the layer's LORA_LINEARS deltas or NULL; lora_slots[r]: row r's slot.
+void kvgen_mlp_rows(const block_t* block, int64_t rows, float* h, const rows_scratch* s, const lora_linear* lora,
+                    const int64_t* lora_slots) {
     const rows_kv none = {0};
-    decode_rows(block, 1, rows, h, NULL, 0, NULL, NULL, &none, NULL, s, NULL, NULL, 1);
+    decode_rows(block, 1, rows, h, NULL, 0, NULL, NULL, &none, NULL, s, lora, lora_slots, 1);
 }

@@ -22,7 +22,8 @@ typedef struct {
     int64_t part_out[4];   // parts + 1 output offsets
 } lora_linear;
 
-enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_LINEARS };  // one layer's lora_linears
+// one layer's lora_linears; a hybrid's state layer adds its mixer's in_proj and out_proj (mamba_step.c)
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_MIXER_IN, LORA_MIXER_OUT, LORA_LINEARS };
 
 // a . x: lane i % 32 accumulates with FMAs, then a fixed tree; the tail (n % 32) in order.
 static float lora_dot(const float* a, const float* x, int64_t n) {

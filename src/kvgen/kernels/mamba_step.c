@@ -323,9 +323,11 @@ typedef struct {
 // states [heads, head_dim, state].
 // x: the rows the first layer norms (h itself, or, with one layer, another copy of the residual
 // stream: Falcon-H1's attention and Mamba read the same input and add into one h).
+// lora: [num_layers, LORA_LINEARS] adapter deltas or NULL (in_proj's and out_proj's: LORA_MIXER_IN,
+// LORA_MIXER_OUT); lora_slots[r]: row r's adapter slot (-1: none, the bits of the base-only step).
 void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
                             const float* const* conv_in, float* const* conv_out, const float* const* ssm_in,
-                            float* const* ssm_out) {
+                            float* const* ssm_out, const lora_linear* lora, const int64_t* lora_slots) {
     int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba2_block_t* b = &blocks[l];
@@ -338,15 +340,18 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
     const step_scratch sc = step_scratch_new(rows * (hidden + 2 * projected + inner + hidden), rows, widest);
     float *x = sc.floats, *proj = x + rows * hidden, *xbc = proj + rows * projected, *y = xbc + rows * projected;
     float* out = y + rows * inner;
+    float* xa = malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1));  // LoRA's A x
 #pragma omp parallel
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const mamba2_block_t* b = &blocks[layer];
+        const lora_linear* layer_lora = lora ? lora + layer * LORA_LINEARS : NULL;
         const int64_t n_inner = b->heads * b->head_dim, grouped = b->groups * b->state, k = b->kernel;
         const int64_t conv_dim = n_inner + 2 * grouped, per_group = b->heads / b->groups, width = n_inner + conv_dim + b->heads;
         const float* source = layer == 0 ? x_in : h;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(source + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
         linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
+        lora_team(layer_lora, LORA_MIXER_IN, &b->in_proj, x, proj, rows, lora_slots, xa);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < conv_dim; i++)
@@ -375,17 +380,19 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
             }
         }
         linear_rows_of(&b->out_proj, y, rows, sc.xq, sc.sums, out);
+        lora_team(layer_lora, LORA_MIXER_OUT, &b->out_proj, y, out, rows, lora_slots, xa);
         const float scale = b->residual_scale != 0.0f ? b->residual_scale : 1.0f;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < b->hidden; i++) h[r * hidden + i] += out[r * b->hidden + i] * scale;
     }
+    free(xa);
     step_scratch_free(sc);
 }
 
 void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,
                        float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
-    kvgen_mamba2_step_from(blocks, num_layers, rows, h, h, conv_in, conv_out, ssm_in, ssm_out);
+    kvgen_mamba2_step_from(blocks, num_layers, rows, h, h, conv_in, conv_out, ssm_in, ssm_out, NULL, NULL);
 }
 
 // LFM2's gated short convolution, one token for each of `rows` rows, one block a call (the hybrid
@@ -403,15 +410,19 @@ typedef struct {
     qlinear out_proj;      // [hidden, hidden]
 } short_conv_block_t;
 
-void kvgen_short_conv_step(const short_conv_block_t* b, int64_t rows, float* h, const float* const* conv_in, float* const* conv_out) {
+// lora: the layer's LORA_LINEARS adapter deltas or NULL; lora_slots: as kvgen_mamba2_step_from's.
+void kvgen_short_conv_step(const short_conv_block_t* b, int64_t rows, float* h, const float* const* conv_in, float* const* conv_out,
+                           const lora_linear* lora, const int64_t* lora_slots) {
     const int64_t hidden = b->hidden, k = b->kernel;
     const step_scratch sc = step_scratch_new(rows * 6 * hidden, rows, hidden);
     float *x = sc.floats, *proj = x + rows * hidden, *y = proj + rows * 3 * hidden, *out = y + rows * hidden;
+    float* xa = malloc(sizeof(float) * (size_t)(rows * lora_width(lora, LORA_LINEARS) + 1));
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, hidden, x + r * hidden);
         linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
+        lora_team(lora, LORA_MIXER_IN, &b->in_proj, x, proj, rows, lora_slots, xa);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t i = 0; i < hidden; i++) {
@@ -422,9 +433,11 @@ void kvgen_short_conv_step(const short_conv_block_t* b, int64_t rows, float* h, 
             }
         }
         linear_rows_of(&b->out_proj, y, rows, sc.xq, sc.sums, out);
+        lora_team(lora, LORA_MIXER_OUT, &b->out_proj, y, out, rows, lora_slots, xa);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] += out[r * hidden + i];
     }
+    free(xa);
     step_scratch_free(sc);
 }

@@ -14,21 +14,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvgen.config import ModelConfig
+from kvgen.config import HybridConfig, ModelConfig, ShortConvConfig
 from kvgen.errors import ModelLoadError
 from kvgen.lora.adapter import AdapterError, LoraAdapter, build_adapter
 from kvgen.loading.gguf import unpermute_qk
 from kvgen.loading.gguf_file import GGUFFile
 
-GGUF_PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
-_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+GGUF_PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+                    "ssm_in": "mixer_in", "ssm_out": "mixer_out",  # Mamba-2 mixers (Granite 4.0-H, Nemotron-H)
+                    "shortconv.in_proj": "mixer_in", "shortconv.out_proj": "mixer_out"}  # LFM2's short convs; fmt: skip
+_NAME = re.compile(r"^blk\.(\d+)\.([\w.]+)\.weight\.lora_([ab])$")
+# llama.cpp's architecture names where kvgen's config calls the family otherwise
+_KVGEN_ARCHITECTURE = {"granitehybrid": "granitemoehybrid", "lfm2moe": "lfm2", "nemotron_h_moe": "nemotron_h", "falcon-h1": "falcon_h1"}
 
 
 def is_gguf_lora(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-def load_gguf_lora(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
+def load_gguf_lora(name: str, path: Path, config: ModelConfig | HybridConfig) -> LoraAdapter:
     import gguf
 
     try:
@@ -40,7 +44,7 @@ def load_gguf_lora(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
         raise AdapterError(f"{path} is not a GGUF LoRA adapter (general.type={meta.get('general.type')!r}, "
                            f"adapter.type={meta.get('adapter.type')!r}; expected 'adapter' and 'lora')")  # fmt: skip
     arch = meta.get("general.architecture")
-    if arch != config.architecture:
+    if _KVGEN_ARCHITECTURE.get(arch, arch) != config.architecture:
         raise AdapterError(f"{path} is a LoRA for {arch!r} models, but the loaded model is {config.architecture!r}")
     alpha = float(meta.get("adapter.lora.alpha", 0.0))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -48,7 +52,8 @@ def load_gguf_lora(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
     for tensor_name, info in file.tensors.items():
         match = _NAME.match(tensor_name)
         if match is None or match.group(2) not in GGUF_PROJECTIONS:
-            raise AdapterError(f"{path}: tensor {tensor_name!r} is not a LoRA of a q/k/v/o/gate/up/down projection; kvgen cannot apply it")
+            raise AdapterError(f"{path}: tensor {tensor_name!r} is not a LoRA of a projection kvgen applies LoRA to "
+                               f"({', '.join(GGUF_PROJECTIONS)}); kvgen cannot apply it")  # fmt: skip
         layer, proj, side = int(match.group(1)), GGUF_PROJECTIONS[match.group(2)], match.group(3).upper()
         array = np.array(gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id)), dtype=np.float32)
         if side == "B" and config.architecture == "llama" and proj in ("q", "k"):
@@ -59,16 +64,18 @@ def load_gguf_lora(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
     return build_adapter(name, path, pairs, scalings, config)
 
 
-def write_gguf_lora(adapter: LoraAdapter, config: ModelConfig, path: Path, alpha: float) -> None:
-    """Write `adapter` in llama.cpp's GGUF LoRA layout (F32). Its B holds the scaling already, so
-    it is divided back by alpha / r: llama.cpp multiplies by it again."""
+def write_gguf_lora(adapter: LoraAdapter, config: ModelConfig | HybridConfig, path: Path, alpha: float, arch: str | None = None) -> None:
+    """Write `adapter` in llama.cpp's GGUF LoRA layout (F32), for llama.cpp's architecture `arch`
+    (None: the config's). Its B holds the scaling already, so it is divided back by alpha / r:
+    llama.cpp multiplies by it again."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), config.architecture)
+    writer = gguf.GGUFWriter(str(path), arch or config.architecture)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", alpha)
-    names = {proj: gguf_name for gguf_name, proj in GGUF_PROJECTIONS.items()}
+    short_conv = isinstance(config, HybridConfig) and isinstance(config.mixer, ShortConvConfig)
+    names = {proj: gguf_name for gguf_name, proj in GGUF_PROJECTIONS.items() if gguf_name.startswith("shortconv") == short_conv or "mixer" not in proj}
     for (layer, proj), (a, b) in sorted(adapter.weights.items()):
         b = b / (alpha / a.shape[0])
         b_array = b.numpy()

@@ -20,8 +20,18 @@ from safetensors.torch import load_file
 from kvgen.config import ModelConfig
 from kvgen.lora.adapter import AdapterError, LoraAdapter, build_adapter, rank_scaling
 
-_KEY = re.compile(r"^(?:.*\.)?(layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-_SUPPORTED_TARGETS = {f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")}
+_KEY = re.compile(r"^(?:.*\.)?(layers\.(\d+)\.(\w+\.\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# A layer's module -> the projections its LoRA changes (two: Granite 4.0-H's fused gate|up, gate rows first)
+_MODULES: dict[str, tuple[str, ...]] = {
+    **{f"{parent}.{p}_proj": (p,) for parent in ("self_attn", "mlp") for p in ("q", "k", "v", "o", "gate", "up", "down")},
+    "self_attn.out_proj": ("o",),  # LFM2
+    "feed_forward.w1": ("gate",), "feed_forward.w3": ("up",), "feed_forward.w2": ("down",),  # LFM2
+    "shared_mlp.input_linear": ("gate", "up"), "shared_mlp.output_linear": ("down",),  # Granite 4.0-H
+    **{f"mixer.{p}_proj": (p,) for p in ("q", "k", "v", "o", "up", "down")},  # Nemotron-H's attention and MLP layers
+    **{f"{mixer}.in_proj": ("mixer_in",) for mixer in ("mamba", "mixer", "conv")},  # Mamba-2 (Granite, Nemotron-H), LFM2's conv
+    **{f"{mixer}.out_proj": ("mixer_out",) for mixer in ("mamba", "mixer", "conv")},
+}  # fmt: skip
+_SUPPORTED_TARGETS = {module.split(".")[1] for module in _MODULES}
 
 
 def is_peft_folder(path: Path) -> bool:
@@ -73,13 +83,17 @@ def load_peft_folder(name: str, path: Path, model_config: ModelConfig) -> LoraAd
     scalings: dict[tuple[int, str], float] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
-        if match is None:
-            raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down projection; kvgen cannot apply it")
-        module, layer, proj, side = match.group(1), int(match.group(2)), match.group(3), match.group(4)
-        pairs.setdefault((layer, proj), {})[side] = tensor
+        if match is None or match.group(3) not in _MODULES:
+            raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA A/B of a projection kvgen applies LoRA to (attention's, "
+                               "a dense MLP's, a Mamba-2 or short-conv mixer's in_proj / out_proj); kvgen cannot apply it")  # fmt: skip
+        module, layer, projections, side = match.group(1), int(match.group(2)), _MODULES[match.group(3)], match.group(4)
+        for part, proj in enumerate(projections):  # a fused module's B splits by rows; its A is each part's
+            rows = tensor.shape[0] // len(projections)
+            pairs.setdefault((layer, proj), {})[side] = tensor if side == "A" else tensor[part * rows : (part + 1) * rows]
         module_rank = _pattern_value(config.get("rank_pattern") or {}, module, rank)
         module_alpha = _pattern_value(config.get("alpha_pattern") or {}, module, alpha)
         if side == "A" and tensor.shape[0] != module_rank:
             raise AdapterError(f"{weights_file}: {key} has rank {tensor.shape[0]} but the config says r={module_rank}: the files do not match")
-        scalings[layer, proj] = rank_scaling(float(module_alpha), int(module_rank), rslora)
+        for proj in projections:
+            scalings[layer, proj] = rank_scaling(float(module_alpha), int(module_rank), rslora)
     return build_adapter(name, path, pairs, scalings, model_config)

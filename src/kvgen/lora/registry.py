@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgen.lora.adapter import AdapterError, LoraAdapter, UnknownAdapterError
+from kvgen.lora.adapter import AdapterError, LoraAdapter, UnknownAdapterError, projection_shapes
 from kvgen.lora.gguf_lora import is_gguf_lora, load_gguf_lora
 from kvgen.lora.peft_folder import is_peft_folder, load_peft_folder
-from kvgen.models.layers import Attention, GatedMLP
+from kvgen.models.granite_hybrid import HybridBlock
+from kvgen.models.layers import Attention, GatedMLP, ReluSquaredMLP
 from kvgen.models.lora import FUSED_MODULES, LoraStacks
 from kvgen.models.moe import SparseMoE
 
@@ -52,6 +53,14 @@ class _Entry:
     stats: AdapterStats = field(default_factory=AdapterStats)
 
 
+def _takes_lora(block) -> bool:  # block: an nn.Module of model.layers
+    """Whether every linear LoRA targets in `block` is one kvgen applies it to (see check_model)."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    if isinstance(block, HybridBlock):  # its attention, mixer and dense MLP all take deltas; a mixture's are refused per adapter
+        return True
+    return isinstance(attn, Attention) and isinstance(mlp, GatedMLP | SparseMoE)
+
+
 class AdapterRegistry:
     def __init__(self, model, budget_mb: float | None = None):  # model: DecoderLM
         self.model = model
@@ -74,32 +83,24 @@ class AdapterRegistry:
 
     @property
     def _out_sizes(self) -> dict[str, tuple[int, ...]]:
-        """Output width of each projection a fused linear holds (attention models only: Mamba and
-        T5 have no such config, and `check_model` refuses adapters for them before any load)."""
+        """Output width of each projection a fused linear holds (0 for one no layer has: an ungated
+        MLP's gate, a dense model's mixer). `check_model` has refused models LoRA does not reach."""
         config = self.model.config
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        sizes = {"q": q, "k": kv, "v": kv, "o": config.hidden_size, "gate": config.intermediate_size,
-                 "up": config.intermediate_size, "down": config.hidden_size}  # fmt: skip
-        return {fused: tuple(sizes[p] for p in projs) for fused, projs in FUSED_MODULES.items()}
+        num_layers = len(self.model.layers)
+        sizes = {p: out for layer in range(num_layers) for p, (out, _) in projection_shapes(config, layer).items()}
+        return {fused: tuple(sizes.get(p, 0) for p in projs) for fused, projs in FUSED_MODULES.items()}
 
     def check_model(self) -> None:
-        """AdapterError unless every block is grouped-query attention + a gated MLP or a mixture of
-        experts (the linears LoRA targets: a mixture's experts take none, its attention does)."""
-        for block in getattr(self.model, "layers", []):
-            if not isinstance(getattr(block, "attn", None), Attention) or not isinstance(getattr(block, "mlp", None), GatedMLP | SparseMoE):
-                raise AdapterError(f"LoRA adapters are not supported for {self.model.config.architecture} models")
-        if not hasattr(self.model, "layers"):
-            raise AdapterError(f"LoRA adapters are not supported for {self.model.config.architecture} models")
-
-    def check_adapter(self, adapter: LoraAdapter) -> None:
-        """AdapterError when the adapter changes a mixture's MLP (its experts): kvgen applies LoRA to
-        attention everywhere and to the MLP of dense layers only."""
-        moe = set(getattr(self.model.config, "moe_layers", ()))
-        touched = sorted({layer for layer, projection in adapter.weights if layer in moe and projection in ("gate", "up", "down")})
-        if touched:
-            raise AdapterError(f"adapter {adapter.name!r} changes the MLP of layer {touched[0]}, a mixture of experts: kvgen applies "
-                               "LoRA to a mixture's attention (q, k, v, o) and to dense layers' MLPs; train it without MLP targets "
-                               "on those layers")  # fmt: skip
+        """AdapterError unless LoRA reaches every block: grouped-query attention + a gated MLP or a
+        mixture of experts (whose experts take none, its attention does), or a hybrid's layer
+        (attention, a Mamba-2 or short-conv mixer, a dense or ReLU² MLP or a mixture, as it has them)."""
+        architecture = self.model.config.architecture
+        if architecture == "falcon_h1":
+            raise AdapterError("LoRA adapters are not supported for falcon_h1 models: kvgen folds Falcon-H1's µP multipliers into "
+                               "its projections at load, and an adapter trained beside the unfolded ones would need them too")  # fmt: skip
+        blocks = getattr(self.model, "layers", None)
+        if blocks is None or not all(_takes_lora(block) for block in blocks):
+            raise AdapterError(f"LoRA adapters are not supported for {architecture} models")
 
     # -- loading -----------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path) -> LoraAdapter:
@@ -112,7 +113,6 @@ class AdapterRegistry:
             if name in self._entries:
                 raise AdapterError(f"an adapter named {name!r} is loaded already: unload it first or pick another name")
         adapter = read_adapter(name, path, self.model.config)  # slow part outside the lock
-        self.check_adapter(adapter)
         with self._lock:
             if name in self._entries:
                 raise AdapterError(f"an adapter named {name!r} is loaded already: unload it first or pick another name")
@@ -237,9 +237,12 @@ class AdapterRegistry:
 
     def _attach(self, stacks: LoraStacks | None) -> None:
         for i, block in enumerate(self.model.layers):
-            block.attn.lora = stacks
-            if isinstance(block.mlp, GatedMLP):  # a mixture's experts take no adapter (check_adapter)
+            if block.attn is not None:
+                block.attn.lora, block.attn.lora_layer = stacks, i
+            if isinstance(block.mlp, GatedMLP | ReluSquaredMLP):  # a mixture's experts take no adapter (build_adapter)
                 block.mlp.lora, block.mlp.layer = stacks, i
+            if getattr(block, "mixer", None) is not None:  # a hybrid's state layer
+                block.mixer.lora, block.mixer.layer = stacks, i
         self.model.lora = stacks
 
     # -- introspection -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.layers import AttentionMask, RMSNorm
-from kvgen.models.lora import LoraStacks
+from kvgen.models.lora import LoraStacks, adapter_slots
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, frozen, linear
@@ -114,9 +114,7 @@ class DecoderLM(nn.Module):
         some row has one: the torch path then adds each row's delta (the C steps take slots instead)."""
         if adapters is None or all(a is None for a in adapters):
             return False
-        unknown = [a for a in adapters if a is not None and (self.lora is None or a not in self.lora.slots)]
-        if unknown:
-            raise ValueError(f"adapter {unknown[0]!r} is not loaded on this model: load it first (LLM.load_adapter)")
+        adapter_slots(self.lora, adapters)  # ValueError for one not loaded
         assert self.lora is not None
         return self.lora.activate(adapters, row_tokens)
 

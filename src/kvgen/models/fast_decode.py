@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -114,12 +114,12 @@ class _LoraLinear(ctypes.Structure):
                 ("part_out", _i64 * 4)]  # fmt: skip
 
 
-LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's lora_linear order in kernels/lora_delta.c
+LORA_LINEARS = ("qkv", "o", "gate_up", "down", "mixer_in", "mixer_out")  # a layer's lora_linear order in kernels/lora_delta.c
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2, "relu2": 3}  # decode.c block_t's act
 
 
 def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
-    """stacks -> [num_layers * 4] lora_linear structs (kernels/lora_delta.c; a = NULL where no
+    """stacks -> [num_layers * len(LORA_LINEARS)] lora_linear structs (kernels/lora_delta.c; a = NULL where no
     adapter touches a linear). They point into the stacks' tensors, valid until the next rebuild."""
     table = (_LoraLinear * (num_layers * len(LORA_LINEARS)))()
     for (layer, fused), (a, b) in stacks.stacks.items():
@@ -130,6 +130,31 @@ def lora_table(stacks: LoraStacks, num_layers: int) -> ctypes.Array:
             len(offsets) - 1, (_i64 * 4)(*offsets, *[offsets[-1]] * (4 - len(offsets))),
         )  # fmt: skip
     return table
+
+
+class LoraTables:
+    """A model's LoRA stacks as the C steps read them (lora_table), rebuilt after each restack."""
+
+    def __init__(self, model: nn.Module, num_layers: int):
+        self.model, self.num_layers = model, num_layers
+        self._stacks: LoraStacks | None = None  # the stacks (and generation) _table describes
+        self._generation = -1
+        self._table: ctypes.Array | None = None
+
+    def for_slots(self, slots: list[int]) -> ctypes.Array | None:
+        """The table when some row has an adapter (slots[r] >= 0), else None (the base-only step)."""
+        stacks = self.model.lora
+        if stacks is None or not stacks.stacks or all(s < 0 for s in slots):
+            return None
+        if stacks is not self._stacks or stacks.generation != self._generation:
+            self._table = lora_table(stacks, self.num_layers)
+            self._stacks, self._generation = stacks, stacks.generation
+        return self._table
+
+
+def layer_lora(table: ctypes.Array | None, layer: int) -> Any:
+    """A pointer to layer `layer`'s LORA_LINEARS structs in `table` (None: no table)."""
+    return ctypes.byref(table, layer * len(LORA_LINEARS) * ctypes.sizeof(_LoraLinear)) if table is not None else None
 
 
 _KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6, "iq4": 7, "q5m": 8, "mx4": 9}  # qlinear.kind in decode.c
@@ -238,9 +263,7 @@ class FastDecoder:
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
-        self._lora_stacks: LoraStacks | None = None  # the stacks (and generation) _lora_table describes
-        self._lora_generation = -1
-        self._lora_table: ctypes.Array | None = None
+        self._lora_tables = LoraTables(model, len(self.blocks))
         # Decode steps read cos/sin from tables of ROPE_CHUNK positions (the most recent few kept):
         # computing them per step cost ~0.15 ms of torch calls. LongRoPE picks its factors from
         # the largest position of a call, so its steps compute their own position alone.
@@ -271,13 +294,7 @@ class FastDecoder:
     def lora(self, slots: list[int]) -> ctypes.Array | None:
         """The C description of the model's LoRA stacks when some row has an adapter (slots[r] >= 0),
         else None (the base-only step). Rebuilt after each restack."""
-        stacks = self.model.lora
-        if stacks is None or not stacks.stacks or all(s < 0 for s in slots):
-            return None
-        if stacks is not self._lora_stacks or stacks.generation != self._lora_generation:
-            self._lora_table = lora_table(stacks, len(self.blocks))
-            self._lora_stacks, self._lora_generation = stacks, stacks.generation
-        return self._lora_table
+        return self._lora_tables.for_slots(slots)
 
     def rope_at(self, position: int) -> torch.Tensor:
         """cos/sin of every RoPE kind at `position`: [kinds, 2, head_dim], the bits a prompt row at
@@ -460,12 +477,12 @@ class FastDecoder:
         h_ptr, k_ptr, v_ptr = h.data_ptr(), self.k_new.data_ptr(), self.v_new.data_ptr()
         for layer, block in enumerate(self.blocks):
             cos, sin = ropes[layer]
-            layer_lora = ctypes.byref(lora, layer * len(LORA_LINEARS) * ctypes.sizeof(_LoraLinear)) if lora is not None else None
-            lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr, layer_lora, slot)
+            this_lora = layer_lora(lora, layer)
+            lib.kvgen_block_pre(ctypes.byref(block), h_ptr, cos.data_ptr(), sin.data_ptr(), k_ptr, v_ptr, this_lora, slot)
             keys, values = cache.update(layer, self.k_new, self.v_new)  # [1, H_kv, L, D] views
             assert keys.dtype == torch.float32 and keys.stride(3) == 1 and values.stride(3) == 1
             span = cache.attention_span(layer, config.window_for(layer))
             start, end = span.decode_start(position, cache.visible_start(layer)), keys.shape[2]
             lib.kvgen_block_post(ctypes.byref(block), h_ptr, keys.data_ptr(), keys.stride(1), keys.stride(2),
-                                 values.data_ptr(), values.stride(1), values.stride(2), start, end, layer_lora, slot)  # fmt: skip
+                                 values.data_ptr(), values.stride(1), values.stride(2), start, end, this_lora, slot)  # fmt: skip
         cache.commit(1)

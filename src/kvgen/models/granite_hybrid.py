@@ -30,6 +30,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import CacheSpec
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.hybrid_decode import HybridStep, hybrid_runs_in_c
+from kvgen.models.lora import adapter_slots
 from kvgen.models.layers import Attention, AttentionMask, GatedMLP, ReluSquaredMLP, RMSNorm, feed_forward
 from kvgen.models.mamba2 import Mamba2Mixer
 from kvgen.models.moe import SparseMoE
@@ -102,24 +103,31 @@ class GraniteHybridModel(RecurrentLM):
         kv = ContiguousCache(spec, capacity=256, max_capacity=d.max_position_embeddings)
         return HybridStateCache(state.spec, kv, state.checkpoint_every, state.max_checkpoints)
 
-    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int],
+                       slots: list[int]) -> torch.Tensor:  # fmt: skip
         if not all(isinstance(c, HybridStateCache) for c in caches):
             raise ValueError(f"a {self.config.architecture} model keeps its state in a HybridStateCache (model.new_state_cache())")
-        return super()._forward_batch(token_ids, caches, num_logits)
+        return super()._forward_batch(token_ids, caches, num_logits, slots)
 
-    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
+    def _adapter_slots(self, adapters: list[str | None]) -> list[int]:
+        """LoRA reaches a hybrid's attention, mixers and dense MLPs (kvgen/lora/registry.py attaches it)."""
+        return adapter_slots(self.lora, adapters)
+
+    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache], slots: list[int]) -> torch.Tensor:
         """One token per row through every layer in C (models/hybrid_decode.py): a lone row by the
-        batch-1 step, several through each layer together (each weight read once for them all)."""
+        batch-1 step, several through each layer together (each weight read once for them all);
+        row r under LoRA adapter slot slots[r] (-1: none)."""
         d = self.config.decoder
         h = (self.embed_tokens[torch.tensor(tokens)].float() * d.embedding_multiplier).contiguous()  # [rows, hidden]
         if len(tokens) == 1:
-            self._step.step(h[0], caches[0])
+            self._step.step(h[0], caches[0], slots[0])
         else:
-            self._step.step_rows(h, caches)
+            self._step.step_rows(h, caches, slots)
         return self.lm_head(self.norm(h)) / d.logits_scaling
 
-    def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
-        return torch.cat([self._forward_row(ids, cache, n) for ids, cache, n in zip(token_ids, caches, num_logits)])  # type: ignore[arg-type]
+    def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
+        rows = zip(token_ids, caches, num_logits, slots)
+        return torch.cat([self._forward_row(ids, cache, n, slot) for ids, cache, n, slot in rows])  # type: ignore[arg-type]
 
     def _runs_in_c(self) -> bool:
         return hybrid_runs_in_c(self)
@@ -127,14 +135,24 @@ class GraniteHybridModel(RecurrentLM):
     def _build_step(self) -> HybridStep:
         return HybridStep(self)
 
-    def _forward_row(self, ids: list[int], cache: HybridStateCache, num_logits: int) -> torch.Tensor:
-        """One sequence's tokens after cache.seq_len -> the logits of its last num_logits [num_logits, V]."""
+    def _forward_row(self, ids: list[int], cache: HybridStateCache, num_logits: int, slot: int = -1) -> torch.Tensor:
+        """One sequence's tokens after cache.seq_len, under LoRA adapter slot `slot` (-1: none) ->
+        the logits of its last num_logits [num_logits, V]."""
+        step = self._c_step()
+        # the torch layers' deltas: reduced row by row in C where the C step runs, so that chunks do not round them
+        with_lora = self.lora is not None and self.lora.activate_slots([slot], [len(ids)], step.lora_delta if step else None)
+        try:
+            return self._forward_row_layers(ids, cache, num_logits, slot, step)
+        finally:
+            if with_lora:
+                self.lora.deactivate()  # type: ignore[union-attr]
+
+    def _forward_row_layers(self, ids: list[int], cache: HybridStateCache, num_logits: int, slot: int, step: HybridStep | None) -> torch.Tensor:
         start, seq = cache.seq_len, len(ids)
         d = self.config.decoder
         capture = [capture_points(cache, seq)]
         h = F.embedding(torch.tensor([ids]), self.embed_tokens) * d.embedding_multiplier  # [1, S, H]
         captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per Mamba layer: states at the capture points
-        step = self._c_step()
         if step is None:  # torch's attention: its angles and mask (the C blocks turn by the step's table)
             rope = self.rope(torch.arange(start, start + seq)[None], h.dtype)
             mask = AttentionMask.build(start, seq, 0, start + seq, None)
@@ -145,7 +163,7 @@ class GraniteHybridModel(RecurrentLM):
             if block.attn is not None:
                 if step is not None:  # attention in C, each row as a decode computes it (and the MLP, where the C block carries it)
                     h = h.contiguous()  # updated in place; a parallel layer's mixer reads x, normed before
-                    mlp_done = step.prompt_block(index, h[0], cache, start)
+                    mlp_done = step.prompt_block(index, h[0], cache, start, slot)
                 else:
                     h = h + block.attn(x, rope, cache.kv, mask) * block.residual_multiplier
             if block.mixer is not None:

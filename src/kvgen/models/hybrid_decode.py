@@ -17,6 +17,11 @@ one call, so its weights are read once a step instead of once a row: a state lay
 rows and its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer as kvgen_decode_rows_own
 over each row's own contiguous keys and values. A row's bits are those it gets alone
 (tests/support/recurrent.py checks them).
+
+LoRA: every call takes its layer's lora_linear structs (kernels/lora_delta.c: attention's, the
+MLP's and the mixer's in_proj and out_proj) and each row's adapter slot, so a row with an adapter
+gets the same delta alone, beside other rows and in a prompt (`lora_delta`, the prompt's torch
+mixers and MLPs), and a row without one the base step's bits.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from torch import nn
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
-from kvgen.models.fast_decode import MAX_ROWS, BlockStruct, _QLinear, describe_block, mlp_linears, qlinear_struct, rows_scratch_for
+from kvgen.models.fast_decode import (LORA_LINEARS, MAX_ROWS, BlockStruct, LoraTables, _LoraLinear, _QLinear, describe_block,
+                                      layer_lora, mlp_linears, qlinear_struct, rows_scratch_for)  # fmt: skip
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -101,6 +107,7 @@ class HybridStep(MixerStructs):
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
         self._input = torch.empty(0)  # _mixer_input's copy of a parallel layer's input
         self._decoder = d
+        self._lora_tables = LoraTables(model, len(self.layers))
 
     def _describe_conv(self, block: nn.Module) -> "_ShortConvBlock":
         mixer, norm = block.mixer, block.input_norm
@@ -108,10 +115,11 @@ class HybridStep(MixerStructs):
                                self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
                                qlinear_struct(mixer.out_proj))  # fmt: skip
 
-    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int) -> None:
+    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int, lora: object, slots: int | None) -> None:
         """A state layer's mixer over the rows of h (one a cache), reading the rows at x_ptr (h's
         own, or a parallel layer's input before its attention added to h), its output added to h;
-        each cache's new states written."""
+        each cache's new states written. lora: the layer's LoRA structs or None; slots: the address
+        of each row's adapter slot (int64)."""
         rows, slot = len(caches), layer.state_slot
 
         def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -122,10 +130,10 @@ class HybridStep(MixerStructs):
         conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
         mixer = layer.mixer
         if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
-            self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out))
+            self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out), lora, slots)
         else:
             self.library.kvgen_mamba2_step_from(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
-                                                pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+                                                pointers(ssm_in), pointers(ssm_out), lora, slots)  # fmt: skip
         for cache, conv, ssm in zip(caches, conv_out, ssm_out):
             cache.write(slot, conv, ssm, owned=True)
 
@@ -155,27 +163,41 @@ class HybridStep(MixerStructs):
         self._keep.append(buffer)
         return buffer.data_ptr()
 
-    def step(self, h: torch.Tensor, cache: HybridStateCache) -> None:
-        """h [hidden] (updated in place) through every layer at position cache.seq_len; the states
-        and keys written, then committed (one position)."""
+    def step(self, h: torch.Tensor, cache: HybridStateCache, slot: int = -1) -> None:
+        """h [hidden] (updated in place) through every layer at position cache.seq_len, under LoRA
+        adapter slot `slot` (-1: none); the states and keys written, then committed (one position)."""
         lib, h_ptr, position = self.library, h.data_ptr(), cache.seq_len
         assert h.dtype == torch.float32 and h.is_contiguous()
         cos, sin = self._turn(position)
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
-        for layer in self.layers:
-            x_ptr = self._mixer_input(layer, h)
+        table, slots = self._lora_tables.for_slots([slot]), torch.tensor([slot], dtype=torch.int64)
+        for index, layer in enumerate(self.layers):
+            x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
             if layer.attention is not None:
                 struct = ctypes.byref(layer.attention)
                 keys, values = self._layer_store(layout, layer.kv_slot)
                 at = 4 * position * layout.pos_stride
-                lib.kvgen_block_pre_into(struct, h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at, layout.head_stride, None, -1)
+                lib.kvgen_block_pre_into(struct, h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at, layout.head_stride, lora, slot)
                 lib.kvgen_block_post(struct, h_ptr, keys, layout.head_stride, layout.pos_stride, values, layout.head_stride,
-                                     layout.pos_stride, 0, position + 1, None, -1)  # fmt: skip
+                                     layout.pos_stride, 0, position + 1, lora, slot)  # fmt: skip
             if layer.mixer is not None:
-                self._mix(layer, [cache], h_ptr, x_ptr)
+                self._mix(layer, [cache], h_ptr, x_ptr, lora, slots.data_ptr())
             if layer.mlp is not None:
-                lib.kvgen_block_mlp(ctypes.byref(layer.mlp), h_ptr)
+                lib.kvgen_block_mlp(ctypes.byref(layer.mlp), h_ptr, lora, slot)
         cache.commit(1, {})
+
+    def lora_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
+        """y (a linear's output for one sequence's rows x) plus adapter slot `slot`'s delta of
+        `fused` in layer `layer`, each row reduced in C as the decode steps reduce it, so a prompt's
+        rows do not round by how many there are (models/lora.py's `RowDelta`)."""
+        table = self._lora_tables.for_slots([slot])
+        assert table is not None
+        x, y = x.float().contiguous(), y.float().contiguous()
+        rows = x.numel() // x.shape[-1]
+        slots = torch.full((rows,), slot, dtype=torch.int64)
+        linear = ctypes.byref(table, (layer * len(LORA_LINEARS) + LORA_LINEARS.index(fused)) * ctypes.sizeof(_LoraLinear))
+        self.library.kvgen_lora_delta(linear, x.shape[-1], y.shape[-1], x.data_ptr(), y.data_ptr(), rows, slots.data_ptr())
+        return y
 
     def _turn(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [rotary_dim] at `position` (no RoPE: the identity turn), from a table of the
@@ -189,39 +211,44 @@ class HybridStep(MixerStructs):
             table = self._rope_table = torch.stack([cos[0, 0], sin[0, 0]], dim=1).contiguous()  # [count, 2, rotary_dim]
         return table[position, 0], table[position, 1]
 
-    def step_rows(self, h: torch.Tensor, caches: list[HybridStateCache]) -> None:
+    def step_rows(self, h: torch.Tensor, caches: list[HybridStateCache], slots: list[int] | None = None) -> None:
         """h [rows, hidden] (updated in place): each row one token after its own cache, every layer
-        for all rows in one call; each cache's states and keys written, then committed."""
+        for all rows in one call, row r under LoRA adapter slot slots[r] (-1 or None: none); each
+        cache's states and keys written, then committed."""
         lib, rows = self.library, h.shape[0]
+        slots = slots or [-1] * rows
+        table, row_slots = self._lora_tables.for_slots(slots), torch.tensor(slots, dtype=torch.int64)
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == len(caches)
         scratch, h_ptr = ctypes.byref(self._scratch_for_rows(rows)), h.data_ptr()
         positions = torch.tensor([cache.seq_len for cache in caches], dtype=torch.int64)
         layouts = [cache.kv.kernel_layout(cache.seq_len + 1) for cache in caches]  # room for the new key
         rope = self._rows_rope(positions)
-        for layer in self.layers:
-            x_ptr = self._mixer_input(layer, h)
+        for index, layer in enumerate(self.layers):
+            x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
             if layer.attention is not None:
                 stores = torch.tensor([[*self._layer_store(layout, layer.kv_slot), layout.head_stride] for layout in layouts],
                                       dtype=torch.int64)  # fmt: skip
                 lib.kvgen_decode_rows_own(ctypes.byref(layer.attention), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                           self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
-                                          positions.data_ptr(), scratch)  # fmt: skip
+                                          positions.data_ptr(), scratch, lora, row_slots.data_ptr())  # fmt: skip
             if layer.mixer is not None:
-                self._mix(layer, caches, h_ptr, x_ptr)
+                self._mix(layer, caches, h_ptr, x_ptr, lora, row_slots.data_ptr())
             if layer.mlp is not None:
-                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch)
+                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots.data_ptr())
         for cache in caches:
             cache.commit(1, {})
 
-    def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int) -> bool:
+    def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int, slot: int = -1) -> bool:
         """Attention layer `layer`'s C block (attention, o-proj, and the MLP or mixture where the
         block carries it: not in a parallel layer) for a prompt's rows h [S, hidden] (updated in
         place) at positions start.. of `cache`, in calls of at most MAX_ROWS rows: each row's key and
         value go into the cache's buffer before any row attends, and each row is computed as a decode
         of its token would be, so the rows' bits do not depend on how the prompt was split. The keys
-        count once the caller commits the pass. Returns whether the block ran the layer's MLP."""
+        count once the caller commits the pass. `slot`: the sequence's LoRA adapter slot (-1: none).
+        Returns whether the block ran the layer's MLP."""
         lib, chosen = self.library, self.layers[layer]
-        struct, slot = chosen.attention, chosen.kv_slot
+        struct, kv_slot = chosen.attention, chosen.kv_slot
+        lora = layer_lora(self._lora_tables.for_slots([slot]), layer)
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
         # room for the whole prompt first: growing the buffer later would copy only the committed
         # positions and drop the rows this pass wrote
@@ -230,11 +257,12 @@ class HybridStep(MixerStructs):
             part = h[first : first + MAX_ROWS]
             rows = part.shape[0]
             positions = torch.arange(start + first, start + first + rows, dtype=torch.int64)
-            stores = torch.tensor([[*self._layer_store(layout, slot), layout.head_stride]], dtype=torch.int64).expand(rows, 3).contiguous()
+            stores = torch.tensor([[*self._layer_store(layout, kv_slot), layout.head_stride]], dtype=torch.int64).expand(rows, 3).contiguous()
             rope = self._rows_rope(positions)
+            slots = torch.full((rows,), slot, dtype=torch.int64)
             lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, part.data_ptr(), rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                       self._one_layer.data_ptr(), stores.data_ptr(), layout.pos_stride, positions.data_ptr(),
-                                      ctypes.byref(self._scratch_for_rows(rows)))  # fmt: skip
+                                      ctypes.byref(self._scratch_for_rows(rows)), lora, slots.data_ptr())  # fmt: skip
         return chosen.mlp is None
 
     def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:

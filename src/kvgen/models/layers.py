@@ -11,7 +11,7 @@ from torch import nn
 from kvgen.config import ModelConfig
 from kvgen.kernels import load
 from kvgen.kv.interface import KVCache
-from kvgen.models.lora import LoraStacks
+from kvgen.models.lora import LoraStacks, with_delta
 from kvgen.models.rotary import apply_rotary, c_rows_take
 from kvgen.models.weights import WeightSource, frozen, fused_linear, linear
 
@@ -161,7 +161,8 @@ class Attention(CachedAttention):
 
     def __init__(self, config: ModelConfig, layer: int, weights: WeightSource, prefix: str, qk_norm_offset: float | None):
         super().__init__()
-        self.layer = layer
+        self.layer = layer  # its keys' slot in the cache
+        self.lora_layer = layer  # its model layer, which keys its adapters' weights (a hybrid's differs from its cache slot)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.attention_scale
         # Attention logit soft-capping (Gemma 2) and sink logits (gpt-oss) need the scores, so they run outside SDPA.
@@ -190,7 +191,7 @@ class Attention(CachedAttention):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x)
         if self.lora is not None:
-            qkv = self.lora.add_delta(self.layer, "qkv", x, qkv)
+            qkv = self.lora.add_delta(self.lora_layer, "qkv", x, qkv)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -203,7 +204,7 @@ class Attention(CachedAttention):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
         out = self.attend(q, k, v, cache, mask).transpose(1, 2).reshape(batch, seq, q_size)
         y = self.o_proj(out)
-        return y if self.lora is None else self.lora.add_delta(self.layer, "o", out, y)
+        return with_delta(self.lora, self.lora_layer, "o", out, y)
 
 
 def bias_of(weights: WeightSource, name: str) -> torch.Tensor | None:
@@ -250,7 +251,7 @@ class GatedMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden = self.act(gate) * up if self.clamped is None else clamped_swiglu(gate, up, *self.clamped)
         y = self.down(hidden)
-        return y if self.lora is None else self.lora.add_delta(self.layer, "down", hidden, y)
+        return with_delta(self.lora, self.layer, "down", hidden, y)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -258,7 +259,8 @@ class ReluSquaredMLP(nn.Module):
     holds the up projection alone: the C steps read it where a gated MLP's fused gate and up go, and
     their activation 3 squares its relu (kernels/decode.c)."""
 
-    lora = None  # no adapters on a hybrid's layers (the LoRA registry refuses them)
+    lora: LoraStacks | None = None  # set with `layer` while adapters are loaded; `gate_up` takes the up projection's
+    layer: int = -1
 
     def __init__(self, config: ModelConfig, weights: WeightSource, prefix: str, intermediate: int | None = None):
         super().__init__()
@@ -267,7 +269,8 @@ class ReluSquaredMLP(nn.Module):
         self.down = linear(weights.take(f"{prefix}.down_proj.weight"), bias_of(weights, f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.gate_up(x)).square())
+        hidden = F.relu(with_delta(self.lora, self.layer, "gate_up", x, self.gate_up(x))).square()
+        return with_delta(self.lora, self.layer, "down", hidden, self.down(hidden))
 
 
 def feed_forward(config: ModelConfig, weights: WeightSource, prefix: str, intermediate: int | None = None) -> GatedMLP | ReluSquaredMLP:

@@ -21,23 +21,42 @@ its own slot in one sum order, so a prompt row's delta does not depend on its ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+def with_delta(stacks: "LoraStacks | None", layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y, the output of layer `layer`'s `fused` linear for inputs x, plus the active rows' LoRA deltas
+    (y itself where no adapters are loaded)."""
+    return y if stacks is None else stacks.add_delta(layer, fused, x, y)
+
+
+def adapter_slots(stacks: "LoraStacks | None", adapters: Sequence[str | None]) -> list[int]:
+    """Each row's adapter slot in `stacks` (-1: the base model); ValueError naming the first adapter
+    that is not loaded."""
+    unknown = [a for a in adapters if a is not None and (stacks is None or a not in stacks.slots)]
+    if unknown:
+        raise ValueError(f"adapter {unknown[0]!r} is not loaded on this model: load it first (LLM.load_adapter)")
+    return [-1] * len(adapters) if stacks is None else stacks.slots_of(adapters)
+
+
 def refuse_adapters(architecture: str, adapters: Sequence[str | None] | None) -> None:
-    """Models without attention + gated-MLP linears (Mamba, T5) take the adapter arguments of the
-    forward contract and refuse any adapter (the registry refuses to load one for them already)."""
+    """Models LoRA does not reach (Mamba, Mamba-2, T5) take the adapter arguments of the forward
+    contract and refuse any adapter (the registry refuses to load one for them already)."""
     if adapters is not None and any(a is not None for a in adapters):
         raise ValueError(f"LoRA adapters are not supported for {architecture} models: leave adapter unset")
 
 
-# Fused linear -> the projections it holds, in output order (models/layers.py fuses them so).
-FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+# Fused linear -> the projections it holds, in output order (models/layers.py fuses them so). A
+# hybrid's state layers add their mixer's in_proj and out_proj (Mamba-2's or LFM2's short conv's).
+FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",),
+                                             "mixer_in": ("mixer_in",), "mixer_out": ("mixer_out",)}  # fmt: skip
 MODULE_OF = {proj: fused for fused, projs in FUSED_MODULES.items() for proj in projs}
 
 # (layer, projection) -> (A [r, in], B [out, r] with the scaling folded in)
 LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+# (layer, fused linear, x [..., in], y [..., out], slot) -> y plus slot's delta for every row
+RowDelta = Callable[[int, str, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass
@@ -48,6 +67,7 @@ class _Active:
     token_rows: list[torch.Tensor]  # per used slot: the flat indices [n] int64 of its tokens
     all_same: bool  # every token takes used[0]
     decode: tuple[torch.Tensor, torch.Tensor] | None  # one-token rows: (slot per row clamped to >= 0, [N, 1] 0/1 has-adapter)
+    exact: "RowDelta | None" = None  # one sequence's rows: the C steps' delta, the same bits however many rows
 
 
 class LoraStacks:
@@ -100,7 +120,11 @@ class LoraStacks:
     def activate(self, row_keys: Sequence[str | None], row_tokens: Sequence[int]) -> bool:
         """Rows of the next forward use these adapter keys (None: the base model); row i brings
         row_tokens[i] positions (padded rows: the padded length). False when no row has one."""
-        slots = [self.slots[key] if key is not None else -1 for key in row_keys]
+        return self.activate_slots(self.slots_of(row_keys), row_tokens)
+
+    def activate_slots(self, slots: Sequence[int], row_tokens: Sequence[int], exact: "RowDelta | None" = None) -> bool:
+        """As `activate`, by slot (-1: the base model). `exact`: where every token takes one slot, a
+        delta computed row by row in C (a hybrid's prompt rows, so they do not round by the chunk)."""
         used = sorted({s for s in slots if s >= 0})
         if not used or not self.stacks:
             self._active = None
@@ -112,7 +136,8 @@ class LoraStacks:
             slot_tensor = torch.tensor(slots)
             decode = (slot_tensor.clamp(min=0), (slot_tensor >= 0).float()[:, None])
         token_rows = [torch.nonzero(token_slot == k).flatten() for k in range(len(used))]
-        self._active = _Active(used, token_rows, len(used) == 1 and bool((local == 0).all()), decode)
+        all_same = len(used) == 1 and bool((local == 0).all())
+        self._active = _Active(used, token_rows, all_same, decode, exact if all_same else None)
         return True
 
     def deactivate(self) -> None:
@@ -123,6 +148,8 @@ class LoraStacks:
         active, stack = self._active, self.stacks.get((layer, fused))
         if active is None or stack is None:
             return y
+        if active.exact is not None:
+            return active.exact(layer, fused, x, y, active.used[0])
         a_stack, b_stack = stack
         if active.decode is not None:
             return y + self._decode_delta(active.decode, a_stack, b_stack, x).view(y.shape).to(y.dtype)

@@ -19,12 +19,16 @@ from kvgen.errors import UnsupportedModelError
 from kvgen.kernels import load
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.kv.ssm import SSMSpec
+from kvgen.models.lora import LoraStacks, with_delta
 from kvgen.models.recurrent import Captured, RecurrentLM, causal_conv, conv_state_after
 from kvgen.models.ssd import ScanShape, gated_rms_norm, scan_chunked, scan_in_c
 from kvgen.models.weights import WeightSource, frozen, linear
 
 
 class Mamba2Mixer(nn.Module):
+    lora: LoraStacks | None = None  # set with `layer` while adapters are loaded (a hybrid's mixers: in_proj, out_proj)
+    layer: int = -1
+
     def __init__(self, config: Mamba2Config, weights: WeightSource, prefix: str):
         super().__init__()
         c = config
@@ -60,7 +64,7 @@ class Mamba2Mixer(nn.Module):
         """x [B, S, H], states of the B rows before it -> output [B, S, H] and, per row, the
         (conv, recurrent) states after each position listed in capture[row] (0-based, ascending)."""
         batch, seq, _ = x.shape
-        gate, xbc, dt = self.in_proj(x).split(self.widths, dim=-1)
+        gate, xbc, dt = with_delta(self.lora, self.layer, "mixer_in", x, self.in_proj(x)).split(self.widths, dim=-1)
         xbc, extended = causal_conv(conv_state, xbc.transpose(1, 2), self.conv_weight, self.conv_bias)  # [B, conv_dim, S]
         columns = xbc.transpose(1, 2).float().contiguous()  # [B, S, conv_dim]: u, B, C side by side
         shape = ScanShape(self.heads, self.head_dim, self.groups, self.state_size)
@@ -76,7 +80,8 @@ class Mamba2Mixer(nn.Module):
         kernel = conv_state.shape[2]
         captured = [[(conv_state_after(extended, row, p, kernel), state) for p, state in zip(points, states[row])]
                     for row, points in enumerate(capture)]  # fmt: skip
-        return self.out_proj(y.to(x.dtype)), captured
+        y = y.to(x.dtype)
+        return with_delta(self.lora, self.layer, "mixer_out", y, self.out_proj(y)), captured
 
 
 class Mamba2Model(RecurrentLM):

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
-from kvgen.models.lora import refuse_adapters
+from kvgen.models.lora import LoraStacks, refuse_adapters
 from kvgen.models.mamba_decode import StateStep, runs_in_c
 from kvgen.models.weights import WeightSource, frozen, linear
 
@@ -70,6 +70,7 @@ class RecurrentLM(nn.Module):
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Module
+    lora: LoraStacks | None = None  # the loaded LoRA adapters' weights, where the family takes them (hybrids)
 
     def __init__(self, config: Any):
         super().__init__()
@@ -116,12 +117,11 @@ class RecurrentLM(nn.Module):
         """input_ids [1, S] after cache.seq_len tokens -> logits [1, logits_to_keep or S, V]; the
         state after them is committed to `cache` (with checkpoints passed on the way)."""
         name = self.config.architecture
-        refuse_adapters(name, [adapter])
         if positions is not None:
             raise ValueError(f"{name} has no positions: its state orders the tokens; call without positions")
         if input_ids.shape[0] != 1:
             raise ValueError(f"forward takes one row (got {input_ids.shape[0]}); use forward_batch for several caches")
-        logits = self.forward_batch(input_ids.tolist(), [cache], [logits_to_keep or input_ids.shape[1]])
+        logits = self.forward_batch(input_ids.tolist(), [cache], [logits_to_keep or input_ids.shape[1]], [adapter])
         return logits[None]  # [1, S', V]
 
     def forward_batch(
@@ -129,34 +129,46 @@ class RecurrentLM(nn.Module):
         adapters: list[str | None] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Ragged rows, each continuing its own cache, in one pass (padded on the right; each row's
-        state is taken at its own last token) -> logits of each row's last num_logits[i] tokens [sum, V]."""
-        refuse_adapters(self.config.architecture, adapters)
+        state is taken at its own last token) -> logits of each row's last num_logits[i] tokens [sum, V].
+        `adapters`: per row the loaded LoRA adapter it runs with (None: the base model), where the
+        family takes adapters (hybrids: models/granite_hybrid.py)."""
+        if adapters is not None and len(adapters) != len(token_ids):
+            raise ValueError(f"adapters needs one entry per row (None for the base model), got {len(adapters)} for {len(token_ids)} rows")
         if len(token_ids) != len(caches) or not caches or any(len(ids) == 0 for ids in token_ids):
             raise ValueError("forward_batch needs one cache per row and at least one token in every row")
         if not all(isinstance(c, SSMStateCache) for c in caches):
             raise ValueError(f"a {self.config.architecture} model keeps its state in an SSMStateCache (model.new_state_cache()), "
                              "not a KV cache")  # fmt: skip
         num_logits = num_logits or [1] * len(caches)
-        with self._forward_lock:
-            return self._forward_batch(token_ids, caches, num_logits)
+        with self._forward_lock:  # the slots are read under it: the adapter registry restacks under it
+            slots = self._adapter_slots(adapters or [None] * len(token_ids))
+            return self._forward_batch(token_ids, caches, num_logits, slots)
 
-    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
+    def _adapter_slots(self, adapters: list[str | None]) -> list[int]:
+        """Each row's LoRA adapter slot (-1: none). Families LoRA does not reach refuse any adapter."""
+        refuse_adapters(self.config.architecture, adapters)
+        return [-1] * len(adapters)
+
+    def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int],
+                       slots: list[int]) -> torch.Tensor:  # fmt: skip
         decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1] if self._c_step() is not None else []
         if len(decodes) == len(token_ids):
-            return self._decode_in_c([ids[0] for ids in token_ids], caches)
+            return self._decode_in_c([ids[0] for ids in token_ids], caches, slots)
         if not decodes:
-            return self._scan_batch(token_ids, caches, num_logits)
+            return self._scan_batch(token_ids, caches, num_logits, slots)
         # A step that mixes decodes with prompt chunks: the decodes still take the C step, so a row's
         # bits do not depend on what else the step holds; the chunks take the scan.
         others = sorted(set(range(len(token_ids))) - set(decodes))
-        decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes])
+        decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes], [slots[row] for row in decodes])
         scanned = self._scan_batch([token_ids[row] for row in others], [caches[row] for row in others],
-                                   [num_logits[row] for row in others]).split([num_logits[row] for row in others])  # fmt: skip
+                                   [num_logits[row] for row in others],
+                                   [slots[row] for row in others]).split([num_logits[row] for row in others])  # fmt: skip
         parts = dict(zip(decodes, decoded[:, None])) | dict(zip(others, scanned))
         return torch.cat([parts[row][-num_logits[row] :] for row in range(len(token_ids))])
 
-    def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int]) -> torch.Tensor:
-        """Ragged rows through the torch blocks (the prefill scan) -> each row's last num_logits logits [sum, V]."""
+    def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
+        """Ragged rows through the torch blocks (the prefill scan) -> each row's last num_logits logits [sum, V]
+        (slots: all -1 here, `_adapter_slots` refused any adapter)."""
         lengths = [len(ids) for ids in token_ids]
         longest = max(lengths)
         padded = torch.tensor([ids + [0] * (longest - len(ids)) for ids in token_ids])  # [B, S]
@@ -193,9 +205,10 @@ class RecurrentLM(nn.Module):
     def _build_step(self) -> Any:
         return StateStep(self)
 
-    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache]) -> torch.Tensor:
+    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache], slots: list[int]) -> torch.Tensor:
         """One token per row, all rows' blocks in one C call (each weight read once for them all);
-        the states committed as the torch path commits them (the cache takes its checkpoints at commit)."""
+        the states committed as the torch path commits them (the cache takes its checkpoints at commit).
+        slots: all -1 here (`_adapter_slots` refused any adapter)."""
         layers = range(len(self.layers))
         h = self.embed_tokens[torch.tensor(tokens)].float().contiguous()  # [rows, hidden]
         convs, states = self._step(h, [[c.conv_state(i) for i in layers] for c in caches],

@@ -13,11 +13,15 @@ from torch import nn
 
 from kvgen.config import ShortConvConfig
 from kvgen.errors import ModelLoadError
+from kvgen.models.lora import LoraStacks, with_delta
 from kvgen.models.recurrent import Captured, causal_conv, conv_state_after
 from kvgen.models.weights import WeightSource, frozen, linear
 
 
 class ShortConvMixer(nn.Module):
+    lora: LoraStacks | None = None  # set with `layer` while adapters are loaded (in_proj, out_proj)
+    layer: int = -1
+
     def __init__(self, config: ShortConvConfig, weights: WeightSource, prefix: str):
         super().__init__()
         self.hidden, self.kernel = config.hidden_size, config.conv_kernel
@@ -36,9 +40,11 @@ class ShortConvMixer(nn.Module):
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, capture: list[list[int]]) -> tuple[torch.Tensor, Captured]:
         """x [B, S, H], the rows' conv windows [B, H, K] (and their empty states [B, 0]) -> output
         [B, S, H] and, per row, the (conv window, empty state) after each position in capture[row]."""
-        B, C, inputs = self.in_proj(x).float().transpose(1, 2).chunk(3, dim=1)  # [B, H, S] each
+        projected = with_delta(self.lora, self.layer, "mixer_in", x, self.in_proj(x))
+        B, C, inputs = projected.float().transpose(1, 2).chunk(3, dim=1)  # [B, H, S] each
         conv, extended = causal_conv(conv_state.float(), B * inputs, self.conv_weight, self.conv_bias, silu=False)
         y = (C * conv).transpose(1, 2)
         captured = [[(conv_state_after(extended, row, p, self.kernel), state[row : row + 1].clone()) for p in points]
                     for row, points in enumerate(capture)]  # fmt: skip
-        return self.out_proj(y.to(x.dtype).contiguous()), captured
+        y = y.to(x.dtype).contiguous()
+        return with_delta(self.lora, self.layer, "mixer_out", y, self.out_proj(y)), captured

@@ -1,0 +1,181 @@
+"""LoRA on the hybrids (LFM2, Granite 4.0-H, Nemotron-H): adapters on attention, the dense MLPs and
+the state layers' mixers (a Mamba-2 or short-conv in_proj and out_proj) apply as peft applies them,
+on the torch path and in the C steps, per row in the engine, and through a prefix-cache hit; a
+GGUF LoRA with llama.cpp's mixer names loads as the same adapter; what LoRA does not reach is
+refused before anything changes.
+
+No hybrid checkpoint installs offline: the models are small random-weight ones that transformers
+builds (tests/support/tiny_hf.py), the adapters random ones that peft makes on them."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kvgen.engine import EngineConfig, LLMEngine
+from kvgen.llm import LLM
+from kvgen.lora.adapter import AdapterError
+from kvgen.lora.gguf_lora import write_gguf_lora
+from kvgen.sampling.params import SamplingParams
+from tests.engine.test_engine import drain
+from tests.support.recurrent import random_ids
+from tests.support.tiny_hf import save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_nemotron_h, tokenizer_folder
+
+pytestmark = pytest.mark.slow
+PROMPT = random_ids(40, 7)
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+MIXERS = ["in_proj", "out_proj"]
+# family -> (its tiny model's writer, peft's target modules: every linear but the head and the
+# embedding; the mixers'). peft refuses a Mamba out_proj on nemotron_h models (transformers' fused
+# kernel reads its weight directly), so Nemotron-H's adapters leave it out.
+FAMILIES: dict[str, tuple[Callable[..., Any], list[str], list[str]]] = {
+    "lfm2": (save_tiny_lfm2, ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3"], MIXERS),
+    "granite": (lambda folder, tokenizer: save_tiny_granite_hybrid(folder, tokenizer, experts=0),
+                ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear", "output_linear"], MIXERS),
+    "nemotron-h": (save_tiny_nemotron_h, ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"], ["in_proj"]),
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Built:
+    folder: Path
+    adapters: dict[str, tuple[Path, torch.Tensor]]  # name -> (peft's folder, peft's logits over PROMPT)
+    fp32: LLM
+    int8: LLM
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Built]:
+    """Per family: the model, two peft adapters (every linear at rank 4; the mixers alone at rank
+    2), and the model loaded with fp32 and int8 weights, both adapters loaded on each."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+    families = {}
+    for family, (save, targets, mixers) in FAMILIES.items():
+        root = tmp_path_factory.mktemp(family)
+        model = save(root / "model", tokenizer)
+        adapters = {}
+        for seed, (name, rank, modules) in enumerate((("all", 4, targets), ("mixers", 2, mixers))):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=modules, init_lora_weights=False))
+            with torch.no_grad():
+                for parameter_name, parameter in peft_model.named_parameters():
+                    if "lora_B" in parameter_name:
+                        parameter.mul_(0.5)
+                logits = peft_model(torch.tensor([PROMPT])).logits[0]
+            peft_model.save_pretrained(str(root / name))
+            adapters[name] = (root / name, logits)
+            model = peft_model.unload()
+        loaded = [LLM.load(root / "model", progress=False, weights=weights) for weights in ("fp32", "int8")]
+        for llm in loaded:
+            for name, (path, _) in adapters.items():
+                llm.load_adapter(name, path)
+        families[family] = Built(root / "model", adapters, *loaded)
+    return families
+
+
+def prompt_logits(llm: LLM, adapter: str | None) -> torch.Tensor:
+    with torch.inference_mode():
+        return llm.model(torch.tensor([PROMPT]), llm.model.new_state_cache(), logits_to_keep=len(PROMPT), adapter=adapter)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapters_on_attention_mlps_and_mixers_match_peft(family: str, built: dict[str, Built]) -> None:
+    """Logits over a 40-token prompt under each adapter against peft's on the transformers model
+    (the torch path: fp32 weights)."""
+    case = built[family]
+    base = prompt_logits(case.fp32, None)
+    for name, (_, expected) in case.adapters.items():
+        assert (expected - base).abs().max().item() > 0.05, f"{name} changes nothing: a vacuous check"
+        assert (prompt_logits(case.fp32, name) - expected).abs().max().item() < 2e-3, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_c_steps_apply_them_as_the_torch_path(family: str, built: dict[str, Built]) -> None:
+    """int8 weights: the C decode step and the prompt's C blocks give the torch path's greedy
+    tokens under each adapter, and without one the base model's."""
+    llm = built[family].int8
+    assert llm.model._c_step() is not None
+    tokens = {}
+    for adapter in (None, *built[family].adapters):
+        params = dataclasses.replace(GREEDY, adapter=adapter)
+        tokens[adapter] = llm.generate(PROMPT, params).token_ids
+        llm.model.c_decode = False
+        try:
+            assert llm.generate(PROMPT, params).token_ids == tokens[adapter], adapter
+        finally:
+            llm.model.c_decode = True
+    assert len({tuple(t) for t in tokens.values()}) == len(tokens)  # each adapter changes the text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_rows_under_different_adapters_equal_each_alone(family: str, built: dict[str, Built]) -> None:
+    """Six requests over both adapters and the base model decode together in the C rows step (each
+    row its own deltas) and give the tokens each gives alone; a second run of one prompt resumes
+    from the prefix cache under its adapter and decodes the same tokens (the prompt's deltas do not
+    round by the chunk)."""
+    llm = built[family].int8
+    names = [None, "all", "mixers"]
+    prompts = [random_ids(n, 60 + n) for n in (9, 30, 17, 41, 5, 24)]
+    params = [dataclasses.replace(GREEDY, adapter=names[i % 3]) for i in range(len(prompts))]
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=16, block_size=8))
+    requests = [engine.add_request(f"r{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    drain(engine, requests)
+    together = [r.output_ids for r in requests]
+    assert together == [llm.generate(p, q).token_ids for p, q in zip(prompts, params)]
+    again = engine.add_request("again", prompts[3], params[3])
+    drain(engine, [again])
+    assert again.cached_tokens >= 32 and again.output_ids == together[3]
+    engine.check_invariants()
+    assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0  # all the requests held is freed
+
+
+def test_a_gguf_lora_with_llama_cpps_mixer_names_loads_the_same_adapter(built: dict[str, Built], tmp_path: Path) -> None:
+    """The LFM2 adapter written as llama.cpp's GGUF LoRA (blk.N.shortconv.in_proj, ffn_gate, ...
+    under the `lfm2` architecture) gives the logits the peft folder gives."""
+    case = built["lfm2"]
+    llm = case.fp32
+    adapter = llm.adapters._entries["all"].adapter
+    path = tmp_path / "all.gguf"
+    write_gguf_lora(adapter, llm.config, path, alpha=8.0, arch="lfm2")
+    llm.load_adapter("all-gguf", path)
+    try:
+        assert (prompt_logits(llm, "all-gguf") - prompt_logits(llm, "all")).abs().max().item() < 1e-5
+    finally:
+        llm.unload_adapter("all-gguf")
+
+
+def test_what_lora_does_not_reach_is_refused_and_changes_nothing(built: dict[str, Built], tmp_path: Path) -> None:
+    """An adapter whose tensor names a projection on a layer without it (an attention projection on
+    a conv layer) is refused naming the layer; a Falcon-H1 model refuses adapters (its µP
+    multipliers are folded into the weights). The adapters loaded before are untouched."""
+    from safetensors.torch import load_file, save_file
+
+    case = built["lfm2"]
+    llm = case.fp32
+    before = prompt_logits(llm, "all")
+    source = case.adapters["mixers"][0]
+    wrong = tmp_path / "wrong-layer"
+    shutil.copytree(source, wrong)
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    stem = "base_model.model.model.layers.0.self_attn.q_proj"  # layer 0 is a conv layer
+    tensors |= {f"{stem}.lora_A.weight": torch.randn(2, 64), f"{stem}.lora_B.weight": torch.randn(64, 2)}
+    save_file(tensors, str(wrong / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="layer 0 q_proj: layer 0 is a conv layer without that projection"):
+        llm.load_adapter("wrong-layer", wrong)
+    assert llm.adapters.names() == ["all", "mixers"]
+    assert torch.equal(prompt_logits(llm, "all"), before)
+    falcon = LLM.load(_falcon_folder(tmp_path), progress=False, weights="fp32")
+    with pytest.raises(AdapterError, match="not supported for falcon_h1 models"):
+        falcon.load_adapter("mixers", source)
+
+
+def _falcon_folder(tmp_path: Path) -> Path:
+    save_tiny_falcon_h1(tmp_path / "falcon", tokenizer_folder(tmp_path / "tokenizer"))
+    return tmp_path / "falcon"
