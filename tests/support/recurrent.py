@@ -24,12 +24,13 @@ def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def prefill_and_steps(llm: LLM, prompt: list[int], more: list[int]) -> torch.Tensor:
-    """kvgen's logits at every prompt position, then after each of `more` decoded one at a time [S, V]."""
+def prefill_and_steps(llm: LLM, prompt: list[int], more: list[int], adapter: str | None = None) -> torch.Tensor:
+    """kvgen's logits at every prompt position, then after each of `more` decoded one at a time [S, V]
+    (under LoRA `adapter` where one is named)."""
     with torch.inference_mode():
         cache = llm.generator.new_cache(0)
-        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt))[0]
-        return torch.cat([prefill, *(llm.model(torch.tensor([[t]]), cache)[0] for t in more)])
+        prefill = llm.model(torch.tensor([prompt]), cache, logits_to_keep=len(prompt), adapter=adapter)[0]
+        return torch.cat([prefill, *(llm.model(torch.tensor([[t]]), cache, adapter=adapter)[0] for t in more)])
 
 
 def assert_c_step_follows_torch(llm: LLM, prompt: list[int], more: list[int], monkeypatch: pytest.MonkeyPatch,
@@ -125,16 +126,17 @@ def assert_c_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]], tok
                 assert all(torch.equal(got, want) for got, want in zip(*history))
 
 
-def assert_prefill_is_chunk_invariant(llm: LLM, ids: list[int], splits: list[list[int]]) -> None:
+def assert_prefill_is_chunk_invariant(llm: LLM, ids: list[int], splits: list[list[int]], adapter: str | None = None) -> None:
     """The last logits of a prompt run whole equal, bit for bit, those of the same prompt run in the
-    chunks of each split (chunk lengths summing to len(ids)), as the engine splits prompts."""
+    chunks of each split (chunk lengths summing to len(ids)), as the engine splits prompts; under
+    LoRA `adapter` where one is named."""
     with torch.inference_mode():
-        whole = llm.model(torch.tensor([ids]), llm.model.new_state_cache(), logits_to_keep=2)[0]
+        whole = llm.model(torch.tensor([ids]), llm.model.new_state_cache(), logits_to_keep=2, adapter=adapter)[0]
         for chunks in splits:
             assert sum(chunks) == len(ids)
             cache, start = llm.model.new_state_cache(), 0
             for length in chunks:
-                logits = llm.model(torch.tensor([ids[start : start + length]]), cache, logits_to_keep=min(2, length))[0]
+                logits = llm.model(torch.tensor([ids[start : start + length]]), cache, logits_to_keep=min(2, length), adapter=adapter)[0]
                 start += length
             assert torch.equal(logits[-1], whole[-1]), f"split {chunks}: {(logits[-1] - whole[-1]).abs().max().item()}"
 

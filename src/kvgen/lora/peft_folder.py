@@ -26,6 +26,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     **{f"{parent}.{p}_proj": (p,) for parent in ("self_attn", "mlp") for p in ("q", "k", "v", "o", "gate", "up", "down")},
     "self_attn.out_proj": ("o",),  # LFM2
     "feed_forward.w1": ("gate",), "feed_forward.w3": ("up",), "feed_forward.w2": ("down",),  # LFM2
+    **{f"feed_forward.{p}_proj": (p,) for p in ("gate", "up", "down")},  # Bamba
     "shared_mlp.input_linear": ("gate", "up"), "shared_mlp.output_linear": ("down",),  # Granite 4.0-H
     **{f"mixer.{p}_proj": (p,) for p in ("q", "k", "v", "o", "up", "down")},  # Nemotron-H's attention and MLP layers
     **{f"{mixer}.in_proj": ("mixer_in",) for mixer in ("mamba", "mixer", "conv")},  # Mamba-2 (Granite, Nemotron-H), LFM2's conv
