@@ -244,6 +244,9 @@ class HybridConfig:
     rope: bool = False
     architecture: str = "granitemoehybrid"
     mlp_every_layer: bool = True
+    # µP multipliers the loader folded into the projections (Falcon-H1 from config.json), by name;
+    # LoRA adapters trained beside the unfolded projections get the same folding (lora/adapter.py)
+    folded_multipliers: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         state_kind = "conv" if isinstance(self.mixer, ShortConvConfig) else "mamba"

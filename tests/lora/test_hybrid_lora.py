@@ -1,4 +1,4 @@
-"""LoRA on the hybrids (LFM2, Granite 4.0-H, Bamba, Nemotron-H): adapters on attention, the dense MLPs and
+"""LoRA on the hybrids (LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1): adapters on attention, the dense MLPs and
 the state layers' mixers (a Mamba-2 or short-conv in_proj and out_proj) apply as peft applies them,
 on the torch path and in the C steps, per row in the engine, and through a prefix-cache hit; a
 GGUF LoRA with llama.cpp's mixer names loads as the same adapter; what LoRA does not reach is
@@ -23,7 +23,9 @@ from kvgen.lora.adapter import AdapterError
 from kvgen.lora.gguf_lora import write_gguf_lora
 from kvgen.sampling.params import SamplingParams
 from tests.engine.test_engine import drain
+from tests.support.models import model_path
 from tests.support.recurrent import assert_prefill_is_chunk_invariant, prefill_and_steps, random_ids
+from tests.support.tiny_gguf import write_falcon_h1_gguf
 from tests.support.tiny_hf import (save_tiny_bamba, save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_nemotron_h,
                                    tokenizer_folder)  # fmt: skip
 
@@ -32,8 +34,9 @@ PROMPT = random_ids(40, 7)
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 MIXERS = ["in_proj", "out_proj"]
 # family -> (its tiny model's writer, peft's target modules: every linear but the head and the
-# embedding; the mixers'). peft refuses a Mamba out_proj on nemotron_h models (transformers' fused
-# kernel reads its weight directly), so Nemotron-H's adapters leave it out.
+# embedding; the mixers'). peft refuses a Mamba out_proj on nemotron_h and falcon_h1 models
+# (transformers' fused kernel reads its weight directly), so their adapters leave it out. The tiny
+# Falcon-H1 has every µP multiplier away from 1: its adapters' B are folded as its weights are.
 FAMILIES: dict[str, tuple[Callable[..., Any], list[str], list[str]]] = {
     "lfm2": (save_tiny_lfm2, ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3"], MIXERS),
     "granite": (lambda folder, tokenizer: save_tiny_granite_hybrid(folder, tokenizer, experts=0),
@@ -41,6 +44,8 @@ FAMILIES: dict[str, tuple[Callable[..., Any], list[str], list[str]]] = {
     "bamba": (save_tiny_bamba, ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
               MIXERS),
     "nemotron-h": (save_tiny_nemotron_h, ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"], ["in_proj"]),
+    "falcon-h1": (save_tiny_falcon_h1, ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "gate_proj", "up_proj", "down_proj"],
+                  ["in_proj"]),
 }  # fmt: skip
 
 
@@ -166,8 +171,8 @@ def test_a_gguf_lora_with_llama_cpps_mixer_names_loads_the_same_adapter(built: d
 
 def test_what_lora_does_not_reach_is_refused_and_changes_nothing(built: dict[str, Built], tmp_path: Path) -> None:
     """An adapter whose tensor names a projection on a layer without it (an attention projection on
-    a conv layer) is refused naming the layer; a Falcon-H1 model refuses adapters (its µP
-    multipliers are folded into the weights). The adapters loaded before are untouched."""
+    a conv layer) is refused naming the layer; a Falcon-H1 GGUF refuses adapters (its converter
+    folded the µP multipliers without recording them). The adapters loaded before are untouched."""
     from safetensors.torch import load_file, save_file
 
     case = built["lfm2"]
@@ -184,11 +189,10 @@ def test_what_lora_does_not_reach_is_refused_and_changes_nothing(built: dict[str
         llm.load_adapter("wrong-layer", wrong)
     assert llm.adapters.names() == ["all", "mixers"]
     assert torch.equal(prompt_logits(llm, "all"), before)
-    falcon = LLM.load(_falcon_folder(tmp_path), progress=False, weights="fp32")
-    with pytest.raises(AdapterError, match="not supported for falcon_h1 models"):
-        falcon.load_adapter("mixers", source)
+    import transformers
 
-
-def _falcon_folder(tmp_path: Path) -> Path:
-    save_tiny_falcon_h1(tmp_path / "falcon", tokenizer_folder(tmp_path / "tokenizer"))
-    return tmp_path / "falcon"
+    falcon = built["falcon-h1"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(falcon.folder)
+    gguf_model = LLM.load(write_falcon_h1_gguf(tmp_path / "falcon.gguf", reference, model_path("smollm2")), progress=False)
+    with pytest.raises(AdapterError, match="LoRA adapters on a Falcon-H1 GGUF are not supported"):
+        gguf_model.load_adapter("mixers", falcon.adapters["mixers"][0])

@@ -71,7 +71,34 @@ def falcon_h1_config(raw: dict[str, Any], decoder_config: Callable[[dict[str, An
     if mamba.intermediate_size != inner:
         raise ModelLoadError(f"config.json's mamba_n_heads x mamba_d_head ({mamba.intermediate_size}) must equal mamba_d_ssm "
                              f"({inner}); it is not a consistent falcon_h1 config")  # fmt: skip
-    return HybridConfig(decoder, mamba, ("parallel",) * layers, rope=True, architecture="falcon_h1")
+    return HybridConfig(decoder, mamba, ("parallel",) * layers, rope=True, architecture="falcon_h1",
+                        folded_multipliers=_multipliers(raw))
+
+
+def _multipliers(raw: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """config.json's µP multipliers on the projections, by name (1 where it gives none)."""
+    z, x, b, c, dt = (float(m) for m in raw.get("ssm_multipliers") or (1.0,) * 5)
+    gate, down = (float(m) for m in raw.get("mlp_multipliers") or (1.0, 1.0))
+    scalars = {key: float(raw.get(f"{key}_multiplier", 1.0)) for key in ("attention_in", "key", "attention_out", "ssm_in", "ssm_out")}
+    return tuple(scalars.items()) + (("ssm_z", z), ("ssm_x", x), ("ssm_b", b), ("ssm_c", c), ("ssm_dt", dt),
+                                     ("mlp_gate", gate), ("mlp_down", down))  # fmt: skip
+
+
+def projection_row_scales(config: HybridConfig) -> dict[str, torch.Tensor]:
+    """Per projection (q, k, v, o, gate, down, mixer_in, mixer_out), the factor on each of its
+    output rows that folds config.folded_multipliers into it: attention's input multiplier on q, k
+    and v (k also by key_multiplier), its output multiplier on o, the MLP's two on gate and down,
+    ssm_in times the z / x / B / C / dt part's multiplier on in_proj's rows, ssm_out on out_proj.
+    An input multiplier folds into the rows as well: W (m x) = (m W) x."""
+    m, mamba = dict(config.folded_multipliers), config.mixer
+    assert isinstance(mamba, Mamba2Config)
+    inner, grouped = mamba.intermediate_size, mamba.n_groups * mamba.state_size
+    parts = [(m["ssm_z"], inner), (m["ssm_x"], inner), (m["ssm_b"], grouped), (m["ssm_c"], grouped), (m["ssm_dt"], mamba.num_heads)]
+    scalars = {"q": m["attention_in"], "k": m["attention_in"] * m["key"], "v": m["attention_in"], "o": m["attention_out"],
+               "gate": m["mlp_gate"], "down": m["mlp_down"], "mixer_out": m["ssm_out"]}  # fmt: skip
+    scales = {proj: torch.tensor(value) for proj, value in scalars.items()}
+    scales["mixer_in"] = torch.cat([torch.full((width,), value) for value, width in parts]) * m["ssm_in"]
+    return scales
 
 
 def falcon_h1_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], get: Callable[[str], Any],
@@ -89,7 +116,11 @@ def falcon_h1_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str],
     return HybridConfig(decoder, mamba, layer_types, rope=True, architecture="falcon_h1")
 
 
-def name_falcon_h1_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], raw: dict[str, Any], config: HybridConfig) -> None:
+_WEIGHTS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "down": "mlp.down_proj", "mixer_in": "mamba.in_proj", "mixer_out": "mamba.out_proj"}  # fmt: skip
+
+
+def name_falcon_h1_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], config: HybridConfig) -> None:
     """In place: Falcon-H1's names -> the hybrid's (pre_ff_layernorm, feed_forward, final_layernorm),
     and its µP multipliers folded into the projections (float weights, before any quantization)."""
     for name in list(tensors):
@@ -97,29 +128,12 @@ def name_falcon_h1_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], r
             if pattern.match(name):
                 tensors[pattern.sub(replacement, name)] = tensors.pop(name)
                 break
-    attention_in, key = float(raw.get("attention_in_multiplier", 1.0)), float(raw.get("key_multiplier", 1.0))
-    gate, down = (float(m) for m in raw.get("mlp_multipliers") or (1.0, 1.0))
-    scales = {"self_attn.q_proj.weight": attention_in, "self_attn.k_proj.weight": attention_in * key,
-              "self_attn.v_proj.weight": attention_in, "self_attn.o_proj.weight": float(raw.get("attention_out_multiplier", 1.0)),
-              "mamba.out_proj.weight": float(raw.get("ssm_out_multiplier", 1.0)), "mlp.gate_proj.weight": gate,
-              "mlp.down_proj.weight": down}  # fmt: skip
-    rows = _in_proj_row_scales(raw, config.mixer)  # type: ignore[arg-type]
+    scales = projection_row_scales(config)
     for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}"
-        for part, scale in scales.items():
-            if scale != 1.0:
-                tensors[f"{prefix}.{part}"] = _float(tensors, f"{prefix}.{part}") * scale
-        name = f"{prefix}.mamba.in_proj.weight"
-        tensors[name] = _float(tensors, name) * rows[:, None]
-
-
-def _in_proj_row_scales(raw: dict[str, Any], mamba: Mamba2Config) -> torch.Tensor:
-    """in_proj's per-row multiplier: ssm_in_multiplier times ssm_multipliers' z, x, B, C, dt parts
-    (transformers' mup_vector)."""
-    z, x, b, c, dt = (float(m) for m in raw.get("ssm_multipliers") or (1.0,) * 5)
-    inner, grouped = mamba.intermediate_size, mamba.n_groups * mamba.state_size
-    parts = [(z, inner), (x, inner), (b, grouped), (c, grouped), (dt, mamba.num_heads)]
-    return torch.cat([torch.full((width,), value) for value, width in parts]) * float(raw.get("ssm_in_multiplier", 1.0))
+        for proj, scale in scales.items():
+            if scale.dim() or scale.item() != 1.0:
+                name = f"model.layers.{layer}.{_WEIGHTS[proj]}.weight"
+                tensors[name] = _float(tensors, name) * (scale[:, None] if scale.dim() else scale)
 
 
 def _float(tensors: dict[str, torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor:

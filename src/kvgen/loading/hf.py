@@ -371,7 +371,7 @@ def load_hf_folder(
     if config.architecture == "nemotron_h":
         name_nemotron_h_weights(tensors, config)  # type: ignore[arg-type]
     if config.architecture == "falcon_h1":
-        name_falcon_h1_weights(tensors, raw, config)  # type: ignore[arg-type]
+        name_falcon_h1_weights(tensors, config)  # type: ignore[arg-type]
     if config.architecture in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoehybrid", "lfm2"):
         _name_experts(tensors)
     if config.architecture == "deepseek_v2":

@@ -9,6 +9,7 @@ import torch
 
 from kvgen.config import HybridConfig, ModelConfig, ShortConvConfig
 from kvgen.errors import KvgenError
+from kvgen.loading.falcon_h1 import projection_row_scales
 from kvgen.models.lora import MODULE_OF, LoraWeights
 
 PROJECTIONS = tuple(MODULE_OF)  # q, k, v, o, gate, up, down, and a hybrid's mixer_in, mixer_out
@@ -67,6 +68,7 @@ def build_adapter(
         raise AdapterError(f"{path} holds no LoRA weights for q/k/v/o/gate/up/down projections")
     num_layers = config.decoder.num_layers if isinstance(config, HybridConfig) else config.num_layers
     weights: LoraWeights = {}
+    folds = projection_row_scales(config) if isinstance(config, HybridConfig) and config.folded_multipliers else {}
     for (layer, proj), pair in sorted(pairs.items()):
         where = f"layer {layer} {proj if proj.startswith('mixer') else proj + '_proj'}"
         if not 0 <= layer < num_layers:
@@ -90,6 +92,8 @@ def build_adapter(
             )  # fmt: skip
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{path}: {where} holds NaN or infinite values: the file is damaged")
+        if proj in folds:  # as the loader folded the base weight
+            b = b * (folds[proj][:, None] if folds[proj].dim() else folds[proj])
         weights[layer, proj] = (a.contiguous(), (b * scalings[layer, proj]).contiguous())
     rank = max(a.shape[0] for a, _ in weights.values())
     projections = tuple(p for p in PROJECTIONS if any(proj == p for _, proj in weights))

@@ -94,10 +94,12 @@ class AdapterRegistry:
         """AdapterError unless LoRA reaches every block: grouped-query attention + a gated MLP or a
         mixture of experts (whose experts take none, its attention does), or a hybrid's layer
         (attention, a Mamba-2 or short-conv mixer, a dense or ReLU² MLP or a mixture, as it has them)."""
-        architecture = self.model.config.architecture
-        if architecture == "falcon_h1":
-            raise AdapterError("LoRA adapters are not supported for falcon_h1 models: kvgen folds Falcon-H1's µP multipliers into "
-                               "its projections at load, and an adapter trained beside the unfolded ones would need them too")  # fmt: skip
+        config = self.model.config
+        architecture = config.architecture
+        if architecture == "falcon_h1" and not config.folded_multipliers:
+            raise AdapterError("LoRA adapters on a Falcon-H1 GGUF are not supported: its converter folded the µP multipliers into "
+                               "the weights without recording them, and an adapter trained beside the unfolded projections needs "
+                               "the same folding; load the model's HF folder (config.json gives them) to run adapters")  # fmt: skip
         blocks = getattr(self.model, "layers", None)
         if blocks is None or not all(_takes_lora(block) for block in blocks):
             raise AdapterError(f"LoRA adapters are not supported for {architecture} models")
