@@ -1,8 +1,9 @@
 """LoRA serving: throughput of concurrent requests over several adapters and the base model in one
 engine, against the base model alone and against the adapters' requests run one adapter at a time.
 
-Adapters: `--adapters` random rank-`--rank` LoRAs on every linear (q, k, v, o, gate, up, down), saved as
-PEFT folders (adapter_config.json + adapter_model.safetensors, peft's key names) and loaded by kvgen.
+Adapters: `--adapters` random rank-`--rank` LoRAs on every linear (q, k, v, o, gate, up, down; a
+hybrid's mixers' in_proj and out_proj too, each where the layer has it), saved as PEFT folders
+(adapter_config.json + adapter_model.safetensors, peft's key names) and loaded by kvgen.
 Workload: `--concurrency` requests with distinct prompts of `--prompt-tokens`, `--new-tokens` each,
 greedy, EOS ignored, prefix cache off; request i runs under adapter i % (adapters + 1) (0: the base).
 
@@ -19,6 +20,7 @@ each (the order rotates), every sample kept; the table shows medians. The 1-minu
 recorded with each sample: on a shared machine read the ratios with it.
 
     python benchmarks/lora.py --rounds 5
+    python benchmarks/lora.py --model .venv/peers/random-nemotron-h/model-q4.gguf --name nemotron-h   # a hybrid
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from kvgen import LLM, SamplingParams  # noqa: E402
 from kvgen.engine import EngineConfig, LLMEngine, RequestStatus  # noqa: E402
 from kvgen.lora.adapter import projection_shapes  # noqa: E402
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# projection -> the PEFT module kvgen reads it from (lora/peft_folder.py; the mixers' under Nemotron-H's names)
+MODULES = {**{p: f"self_attn.{p}_proj" for p in "qkvo"}, **{p: f"mlp.{p}_proj" for p in ("gate", "up", "down")},
+           "mixer_in": "mixer.in_proj", "mixer_out": "mixer.out_proj"}  # fmt: skip
 CONFIGS = ("base", "mixed", "grouped")
 
 
@@ -50,16 +54,16 @@ def write_peft_adapter(llm: LLM, path: Path, rank: int, seed: int) -> None:
     """A random LoRA on every linear in peft's folder layout (what `save_pretrained` writes)."""
     config = llm.model.config
     generator = torch.Generator().manual_seed(seed)
-    tensors = {}
+    tensors, targets = {}, set()
     for layer in range(config.num_layers):
-        for proj, (out_features, in_features) in projection_shapes(config).items():
-            module = f"base_model.model.model.layers.{layer}.{'mlp' if proj in ('gate', 'up', 'down') else 'self_attn'}.{proj}_proj"
+        for proj, (out_features, in_features) in projection_shapes(config, layer).items():
+            module = f"base_model.model.model.layers.{layer}.{MODULES[proj]}"
             tensors[f"{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) / in_features**0.5
             tensors[f"{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
+            targets.add(MODULES[proj].split(".")[1])
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-                      "target_modules": [f"{p}_proj" for p in TARGETS]}  # fmt: skip
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "target_modules": sorted(targets)}
     (path / "adapter_config.json").write_text(json.dumps(adapter_config))
 
 
@@ -97,6 +101,7 @@ def measure(config: str, engine: LLMEngine, prompts: list[list[int]], adapters: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--name", default=None, help="the results' name (default: --model)")
     parser.add_argument("--weights", default=None, help="kvgen weight mode (default: the model's default)")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
@@ -146,7 +151,7 @@ def main() -> None:
     print(f"mixed / base {summary['mixed_vs_base']:.2f}x, mixed / grouped {summary['mixed_vs_grouped']:.2f}x, "
           f"requests with equal tokens mixed vs grouped: {same}, mixed vs alone: {same_alone} of {args.concurrency}, "
           f"load {load_before:.2f} -> {summary['load_1min_after']:.2f}")  # fmt: skip
-    out = write_results(f"lora-{args.model}-{cpu_class()}", {"config": vars(args), "rows": rows, "summary": summary})
+    out = write_results(f"lora-{args.name or args.model}-{cpu_class()}", {"config": vars(args), "rows": rows, "summary": summary})
     print(f"\nwrote {out}")
 
 
