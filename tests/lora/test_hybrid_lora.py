@@ -23,6 +23,7 @@ from kvgen.lora.adapter import AdapterError
 from kvgen.lora.gguf_lora import write_gguf_lora
 from kvgen.sampling.params import SamplingParams
 from tests.engine.test_engine import drain
+from tests.support.lora import save_halved_peft_adapter
 from tests.support.models import model_path
 from tests.support.recurrent import assert_prefill_is_chunk_invariant, prefill_and_steps, random_ids
 from tests.support.tiny_gguf import write_falcon_h1_gguf
@@ -61,8 +62,6 @@ class Built:
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Built]:
     """Per family: the model, two peft adapters (every linear at rank 4; the mixers alone at rank
     2), and the model loaded with fp32 and int8 weights, both adapters loaded on each."""
-    from peft import LoraConfig, get_peft_model
-
     tokenizer = tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
     families = {}
     for family, (save, targets, mixers) in FAMILIES.items():
@@ -70,16 +69,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Built]:
         model = save(root / "model", tokenizer)
         adapters = {}
         for seed, (name, rank, modules) in enumerate((("all", 4, targets), ("mixers", 2, mixers))):
-            torch.manual_seed(seed)
-            peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=modules, init_lora_weights=False))
-            with torch.no_grad():
-                for parameter_name, parameter in peft_model.named_parameters():
-                    if "lora_B" in parameter_name:
-                        parameter.mul_(0.5)
-                logits = peft_model(torch.tensor([PROMPT])).logits[0]
-            peft_model.save_pretrained(str(root / name))
+            model, logits = save_halved_peft_adapter(model, root / name, PROMPT, seed, r=rank, lora_alpha=8, target_modules=modules)
             adapters[name] = (root / name, logits)
-            model = peft_model.unload()
         loaded = [LLM.load(root / "model", progress=False, weights=weights) for weights in ("fp32", "int8")]
         for llm in loaded:
             for name, (path, _) in adapters.items():

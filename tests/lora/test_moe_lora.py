@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from kvgen.llm import LLM
 from kvgen.lora.adapter import AdapterError
 from kvgen.sampling.params import SamplingParams
+from tests.support.lora import save_halved_peft_adapter
 from tests.support.tiny_hf import save_tiny_decoder, tokenizer_folder
 
 pytestmark = pytest.mark.slow
@@ -27,22 +28,12 @@ ADAPTERS = {"attention": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_pr
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tuple[Path, torch.Tensor]]]:
     """The tiny model's folder, and per adapter its folder and peft's logits over PROMPT."""
-    from peft import LoraConfig, get_peft_model
-
     root = tmp_path_factory.mktemp("moe-lora")
     model = save_tiny_decoder("qwen3-moe", root / "model", tokenizer_folder(root / "tokenizer"))
     adapters = {}
     for i, (name, settings) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(i)
-        peft_model = get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "init_lora_weights": False, **settings}))
-        with torch.no_grad():
-            for parameter_name, parameter in peft_model.named_parameters():
-                if "lora_B" in parameter_name:
-                    parameter.mul_(0.5)
-            logits = peft_model(torch.tensor([PROMPT])).logits[0]
-        peft_model.save_pretrained(str(root / name))
+        model, logits = save_halved_peft_adapter(model, root / name, PROMPT, i, **{"r": 4, "lora_alpha": 8, **settings})
         adapters[name] = (root / name, logits)
-        model = peft_model.unload()
     return root / "model", adapters
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,3 +47,20 @@ def make_peft_adapter(
     finally:
         peft_model.unload()  # the shared reference model loses its LoRA layers again
     return PeftAdapter(path, ids[0].tolist(), logits, out[0, ids.shape[1] :].tolist())
+
+
+def save_halved_peft_adapter(model: Any, path: Path, prompt: list[int], seed: int, **settings: Any) -> tuple[Any, torch.Tensor]:
+    """A random LoRA that peft makes on `model` (`settings`: LoraConfig's, init_lora_weights=False,
+    B halved so the deltas stay moderate), saved at `path`: peft's logits over `prompt` [S, V] and
+    the model with peft's layers unloaded again."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(**{"init_lora_weights": False, **settings}))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(0.5)
+        logits = peft_model(torch.tensor([prompt])).logits[0]
+    peft_model.save_pretrained(str(path))
+    return peft_model.unload(), logits
