@@ -373,13 +373,22 @@ def _quantized_rows(file: GGUFFile, info: TensorInfo, mode: str) -> QuantizedWei
     return quantize_gguf_rows(info.type_name, raw, dequantized, mode)  # type: ignore[arg-type]
 
 
+def permuted_qk_heads(config: ModelConfig | HybridConfig) -> tuple[int, int] | None:
+    """(query heads, KV heads) where llama.cpp's converter permutes Q's and K's rows for this family
+    (its llama architecture, experts or not, and the hybrids converted through it), else None. A
+    GGUF LoRA's B rows of Q and K come permuted alike (lora/gguf_lora.py)."""
+    if config.architecture not in ("llama", "mixtral", "granitemoehybrid", "nemotron_h"):
+        return None
+    heads = config.decoder if isinstance(config, HybridConfig) else config  # a hybrid's attention layers
+    return heads.num_heads, heads.num_kv_heads
+
+
 def _to_hf_layout(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
-    if config.architecture in ("llama", "mixtral", "granitemoehybrid", "nemotron_h"):  # llama.cpp's llama architecture, experts or not
-        heads = config.decoder if isinstance(config, HybridConfig) else config  # a hybrid's attention layers
+    if (heads := permuted_qk_heads(config)) is not None:
         if ".attn_q." in gguf_name:
-            return unpermute_qk(array, heads.num_heads)
+            return unpermute_qk(array, heads[0])
         if ".attn_k." in gguf_name:
-            return unpermute_qk(array, heads.num_kv_heads)
+            return unpermute_qk(array, heads[1])
     if config.architecture in _GEMMA_ARCHITECTURES and gguf_name.endswith("norm.weight") and array.dtype == np.float32:
         return array - 1.0
     if config.architecture == "deepseek_v2" and (order := rope_rows_order(gguf_name, config)) is not None:

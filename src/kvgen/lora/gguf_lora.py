@@ -2,8 +2,9 @@
 
 The layout is llama.cpp's convert_lora_to_gguf.py: per projection `blk.N.<name>.weight.lora_a`
 [r, in] and `.lora_b` [out, r] (numpy order), scale = adapter.lora.alpha / r (1 when alpha is 0,
-as llama.cpp does). For Llama, lora_b of Q and K has llama.cpp's rotary row permutation, undone
-here as the base loader does for the weights.
+as llama.cpp does). Where the converter permutes Q's and K's rows (Llama, Mixtral, Granite 4.0-H,
+Nemotron-H: gguf.py's `permuted_qk_heads`), lora_b of Q and K has the same permutation, undone here
+as the base loader does for the weights.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from kvgen.config import HybridConfig, ModelConfig, ShortConvConfig
 from kvgen.errors import ModelLoadError
 from kvgen.lora.adapter import AdapterError, LoraAdapter, build_adapter
-from kvgen.loading.gguf import unpermute_qk
+from kvgen.loading.gguf import permuted_qk_heads, unpermute_qk
 from kvgen.loading.gguf_file import GGUFFile
 
 GGUF_PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
@@ -47,6 +48,7 @@ def load_gguf_lora(name: str, path: Path, config: ModelConfig | HybridConfig) ->
     if _KVGEN_ARCHITECTURE.get(arch, arch) != config.architecture:
         raise AdapterError(f"{path} is a LoRA for {arch!r} models, but the loaded model is {config.architecture!r}")
     alpha = float(meta.get("adapter.lora.alpha", 0.0))
+    heads = permuted_qk_heads(config)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     scalings: dict[tuple[int, str], float] = {}
     for tensor_name, info in file.tensors.items():
@@ -56,8 +58,8 @@ def load_gguf_lora(name: str, path: Path, config: ModelConfig | HybridConfig) ->
                                f"({', '.join(GGUF_PROJECTIONS)}); kvgen cannot apply it")  # fmt: skip
         layer, proj, side = int(match.group(1)), GGUF_PROJECTIONS[match.group(2)], match.group(3).upper()
         array = np.array(gguf.quants.dequantize(file.raw(info), gguf.GGMLQuantizationType(info.type_id)), dtype=np.float32)
-        if side == "B" and config.architecture == "llama" and proj in ("q", "k"):
-            array = unpermute_qk(array, config.num_heads if proj == "q" else config.num_kv_heads)
+        if side == "B" and heads is not None and proj in ("q", "k"):
+            array = unpermute_qk(array, heads[0] if proj == "q" else heads[1])
         pairs.setdefault((layer, proj), {})[side] = torch.from_numpy(array)
         if side == "A":
             scalings[layer, proj] = alpha / array.shape[0] if alpha else 1.0
@@ -75,12 +77,13 @@ def write_gguf_lora(adapter: LoraAdapter, config: ModelConfig | HybridConfig, pa
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", alpha)
     short_conv = isinstance(config, HybridConfig) and isinstance(config.mixer, ShortConvConfig)
+    heads = permuted_qk_heads(config)
     names = {proj: gguf_name for gguf_name, proj in GGUF_PROJECTIONS.items() if gguf_name.startswith("shortconv") == short_conv or "mixer" not in proj}
     for (layer, proj), (a, b) in sorted(adapter.weights.items()):
         b = b / (alpha / a.shape[0])
         b_array = b.numpy()
-        if config.architecture == "llama" and proj in ("q", "k"):
-            b_array = _permute_qk(b_array, config.num_heads if proj == "q" else config.num_kv_heads)
+        if heads is not None and proj in ("q", "k"):
+            b_array = _permute_qk(b_array, heads[0] if proj == "q" else heads[1])
         writer.add_tensor(f"blk.{layer}.{names[proj]}.weight.lora_a", np.ascontiguousarray(a.numpy(), dtype=np.float32))
         writer.add_tensor(f"blk.{layer}.{names[proj]}.weight.lora_b", np.ascontiguousarray(b_array, dtype=np.float32))
     writer.write_header_to_file()
