@@ -161,9 +161,8 @@ class GenerationStream:
                              "greedy decoding already runs many steps per host round trip: generate without speculative")
         if speculative is not None and params.adapter is not None:
             raise ValueError("speculative decoding does not run with LoRA adapters: generate without speculative")
-        if speculative is not None and hasattr(generator.model, "new_state_cache"):
-            raise ValueError(f"speculative decoding needs a rewindable KV cache; {generator.model.config.architecture} "
-                             "models keep their own state: generate without speculative")
+        if speculative is not None:
+            speculative.check_target(generator.model)  # a state model: lookup or a KV-cache draft model only
         # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
         if speculative is not None:
             # raises where the request cannot have the alternatives asked for

@@ -209,6 +209,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_mamba2_step.argtypes = [pointer, count, count] + [pointer] * 5
     library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 8
     library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 5
+    library.kvgen_causal_conv.argtypes = [pointer] * 3 + [count] * 4 + [ctypes.c_int32, pointer]
+    library.kvgen_gated_norm_rows.argtypes = [pointer] * 3 + [count] * 3 + [ctypes.c_float]
     library.kvgen_selective_scan.argtypes = [pointer] * 9 + [count] * 3 + [pointer, count, pointer]
     library.kvgen_ssd_scan.argtypes = [pointer] * 7 + [count, pointer, pointer] + [count] * 5 + [pointer, count, pointer]
     library.kvgen_eagle_logits.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, pointer]

@@ -189,6 +189,46 @@ static inline float conv_channel(const float* held, float input, const float* w,
     return silu(conv_window(held, input, w, bias, window, k));
 }
 
+// A prompt's causal depthwise conv, each position as the decode step computes it (conv_window, and
+// conv_channel's SiLU where `silu_after`), so a prompt's conv outputs, and the states the scan takes
+// from them, have the bits decoding its tokens one by one gives. extended [rows, channels, k-1+len]:
+// each channel's held inputs (its last k-1) then the new ones; w [channels, k]; bias [channels] or
+// NULL -> out [rows, channels, len].
+void kvgen_causal_conv(const float* extended, const float* w, const float* bias, int64_t rows, int64_t channels, int64_t k,
+                       int64_t len, int32_t silu_after, float* out) {
+    const int64_t width = k - 1 + len;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < channels; c++) {
+            const float* held = extended + (r * channels + c) * width;
+            float* y = out + (r * channels + c) * len;
+            for (int64_t t = 0; t < len; t++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < k; j++) acc += held[t + j] * w[c * k + j];
+                acc = acc + (bias ? bias[c] : 0.0f);
+                y[t] = silu_after ? silu(acc) : acc;
+            }
+        }
+    }
+}
+
+// A prompt's Mamba-2 gate and gated norm, each row as kvgen_mamba2_step_from computes it: y [rows,
+// inner] (C . s + D x, from kvgen_ssd_scan) times SiLU(z [rows, inner]), then, where gate_w is not
+// NULL, each of `groups` slices RMS-normed and times gate_w; in place in y.
+void kvgen_gated_norm_rows(float* y, const float* z, const float* gate_w, int64_t rows, int64_t inner, int64_t groups, float eps) {
+    const int64_t part_width = inner / groups;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float* row = y + r * inner;
+        for (int64_t c = 0; c < inner; c++) row[c] = row[c] * silu(z[r * inner + c]);
+        for (int64_t g = 0; g < (gate_w ? groups : 0); g++) {
+            float* part = row + g * part_width;
+            const float inv = 1.0f / sqrtf(dot(part, part, part_width) / (float)part_width + eps);
+            for (int64_t i = 0; i < part_width; i++) part[i] = part[i] * inv * gate_w[g * part_width + i];
+        }
+    }
+}
+
 static void weightless_rms(float* x, int64_t n, float eps) {
     const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] *= inv;

@@ -50,6 +50,11 @@ class SSMStateCache:
         self._checkpoints: dict[int, States] = {}  # length -> snapshot (never modified once taken)
         self._seq_len = 0
         self._handed_over = 0  # the latest checkpoint length given away by take_checkpoints (cadence)
+        # A speculative verify sets keep_positions: its pass keeps the state after every position
+        # (_positions, apart from the checkpoints, which it neither adds to nor evicts), so the
+        # rejected drafts roll back by truncate; the next commit or truncate drops them.
+        self.keep_positions = False
+        self._positions: dict[int, States] = {}
 
     def _zeros(self) -> States:
         return [(torch.zeros(self.spec.conv_shape, dtype=self.spec.dtype), torch.zeros(self.spec.state_shape, dtype=self.spec.dtype))
@@ -91,17 +96,37 @@ class SSMStateCache:
         missing = [layer for layer in range(self.spec.num_layers) if layer not in self._staged]
         if missing:
             raise ValueError(f"commit after a pass that wrote no state for layers {missing}: write every layer first")
+        self._settle_positions()
+        kept = self._positions if self.keep_positions else self._checkpoints
         for offset, states in sorted((snapshots or {}).items()):
             if not 0 < offset < num_tokens or len(states) != self.spec.num_layers:
                 raise ValueError(f"a snapshot after {offset} of {num_tokens} tokens with {len(states)} layers cannot be kept")
-            self._checkpoints[self._seq_len + offset] = [(c.detach().to(self.spec.dtype), r.detach().to(self.spec.dtype)) for c, r in states]
+            kept[self._seq_len + offset] = [(c.detach().to(self.spec.dtype), r.detach().to(self.spec.dtype)) for c, r in states]
         self._states = [self._staged[layer] for layer in range(self.spec.num_layers)]
         self._staged = {}
         self._seq_len += num_tokens
         while len(self._checkpoints) > self.max_checkpoints:
             del self._checkpoints[min(self._checkpoints)]
-        if self._seq_len - max(self.checkpoints[-1], self._handed_over) >= self.checkpoint_every:
+        if not self.keep_positions and self._due():  # a kept pass checkpoints once it is settled
             self.checkpoint()
+
+    def _due(self, length: int | None = None) -> bool:
+        """Whether the cadence takes a checkpoint at `length` (None: seq_len)."""
+        length = self._seq_len if length is None else length
+        return length - max(self.checkpoints[-1], self._handed_over) >= self.checkpoint_every
+
+    def _settle_positions(self) -> None:
+        """Take from a keep_positions pass's states, now that truncate (or the next commit) has
+        settled how many of its tokens stay, the checkpoints one-token commits would have taken at
+        those positions and at seq_len; drop the rest."""
+        held, self._positions = self._positions, {}
+        for length in sorted(p for p in held if p < self._seq_len):
+            if self._due(length):
+                self._checkpoints[length] = held[length]
+        if held and self._due():
+            self.checkpoint()
+        while len(self._checkpoints) > self.max_checkpoints:
+            del self._checkpoints[min(self._checkpoints)]
 
     def checkpoint(self) -> None:
         """Snapshot the current state at seq_len (the oldest snapshot goes past max_checkpoints)."""
@@ -118,20 +143,23 @@ class SSMStateCache:
         return max(length for length in self.checkpoints if length <= num_tokens)
 
     def truncate(self, num_tokens: int) -> None:
+        """Back to the state after `num_tokens`: a checkpoint's, or one the last pass kept under
+        keep_positions (a speculative verify's rejected drafts)."""
         if not 0 <= num_tokens <= self._seq_len:
             raise ValueError(f"cannot truncate to {num_tokens}: the cache holds {self._seq_len} tokens")
-        point = self.resume_point(num_tokens)
+        point = num_tokens if num_tokens in self._positions else self.resume_point(num_tokens)
         if point != num_tokens:
             raise ValueError(
                 f"cannot truncate a recurrent state to {num_tokens}: the nearest checkpoint is {point}; "
                 f"truncate to {point} (resume_point) and recompute the tokens after it"
             )
         if num_tokens < self._seq_len:
-            snapshot = self._checkpoints.get(num_tokens)
+            snapshot = self._positions.get(num_tokens) or self._checkpoints.get(num_tokens)
             self._states = [(c.clone(), r.clone()) for c, r in snapshot] if snapshot else self._zeros()
         self._checkpoints = {length: s for length, s in self._checkpoints.items() if length <= num_tokens}
         self._staged, self._seq_len = {}, num_tokens
         self._handed_over = min(self._handed_over, num_tokens)
+        self._settle_positions()
 
     def take_checkpoints(self) -> dict[int, States]:
         """Hand the checkpoints over (length -> snapshot) and keep none: the engine's prefix index
@@ -172,7 +200,8 @@ class SSMStateCache:
         return twin
 
     def memory_bytes(self) -> int:
-        return (1 + len(self._checkpoints) + (1 if self._staged else 0)) * self.spec.bytes_per_snapshot
+        held = 1 + len(self._checkpoints) + len(self._positions) + (1 if self._staged else 0)
+        return held * self.spec.bytes_per_snapshot
 
     def check_invariants(self) -> None:
         assert self._seq_len >= 0

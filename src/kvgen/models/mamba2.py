@@ -60,6 +60,21 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = frozen(weights.take_tensor(f"{prefix}.norm.weight").reshape(-1)) if c.gated_norm else None  # [I]
         self.out_proj = linear(weights.take(f"{prefix}.out_proj.weight"), optional(f"{prefix}.out_proj.bias"))
 
+    def _gate(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """y SiLU(gate), then the gated norm where the mixer has one. On the CPU in fp32 in C, each row
+        as the decode step computes it (kvgen_gated_norm_rows), so a prompt's outputs, and the states
+        after them, have the bits decoding its tokens one by one gives."""
+        library = load() if y.device.type == "cpu" else None
+        if library is not None and y.dtype == torch.float32 and (self.norm_weight is None or self.norm_weight.dtype == torch.float32):
+            y, gate = y.contiguous(), gate.float().contiguous()
+            weight = self.norm_weight.contiguous() if self.norm_weight is not None else None
+            library.kvgen_gated_norm_rows(y.data_ptr(), gate.data_ptr(), weight.data_ptr() if weight is not None else None,
+                                          y.numel() // y.shape[-1], y.shape[-1], self.groups, self.eps)  # fmt: skip
+            return y
+        if self.norm_weight is not None:
+            return gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
+        return y * F.silu(gate.float())
+
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, capture: list[list[int]]) -> tuple[torch.Tensor, Captured]:
         """x [B, S, H], states of the B rows before it -> output [B, S, H] and, per row, the
         (conv, recurrent) states after each position listed in capture[row] (0-based, ascending)."""
@@ -73,10 +88,7 @@ class Mamba2Mixer(nn.Module):
         else:
             dt = F.softplus(dt.float() + self.dt_bias)  # [B, S, heads]
             y, states = scan_chunked(columns, dt, self.A, self.D, ssm_state.float(), capture, shape, self.chunk)
-        if self.norm_weight is not None:
-            y = gated_rms_norm(y, gate.float(), self.norm_weight.float(), self.groups, self.eps)
-        else:
-            y = y * F.silu(gate.float())
+        y = self._gate(y, gate)
         kernel = conv_state.shape[2]
         captured = [[(conv_state_after(extended, row, p, kernel), state) for p, state in zip(points, states[row])]
                     for row, points in enumerate(capture)]  # fmt: skip

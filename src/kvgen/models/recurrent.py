@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgen.kernels import load
 from kvgen.kv.ssm import SSMSpec, SSMStateCache
 from kvgen.models.layers import RMSNorm
 from kvgen.models.lora import LoraStacks, refuse_adapters
@@ -29,7 +30,10 @@ Captured = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per row, per capture
 def capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
     """Positions (in this pass) after which to keep the state: checkpoint multiples, and the last.
     Only the latest `max_checkpoints` multiples: the commit would drop older ones, and a long
-    prompt would otherwise hold a state per multiple until then (a Codestral state is 266 MiB)."""
+    prompt would otherwise hold a state per multiple until then (a Codestral state is 266 MiB).
+    Every position under the cache's keep_positions (a speculative verify: a few tokens)."""
+    if cache.keep_positions:
+        return list(range(num_tokens))
     every, start = cache.checkpoint_every, cache.seq_len
     points = [p - start - 1 for p in range(start // every * every + every, start + num_tokens, every)]
     return [*points[-cache.max_checkpoints :], num_tokens - 1]
@@ -40,8 +44,20 @@ def causal_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv (+ SiLU; LFM2's short conv has none) of inputs [B, C, S] after the held
     window conv_state [B, C, K] (the last K inputs) -> (output [B, C, S], the extended window
-    [B, C, K-1+S] to take states from)."""
+    [B, C, K-1+S] to take states from). On the CPU in fp32 the C kernel computes each position as
+    the decode step does (kernels/mamba_step.c's kvgen_causal_conv), so a prompt's states have the
+    bits of decoding it token by token: what a prefix hit, a session or a speculative verify resumes
+    from is the state plain decoding would hold."""
     extended = torch.cat([conv_state[:, :, 1:], inputs], dim=2)  # the conv sees the held inputs first
+    library = load() if extended.device.type == "cpu" else None
+    if library is not None and extended.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+        extended = extended.contiguous()
+        rows, channels, kernel = extended.shape[0], extended.shape[1], weight.shape[-1]
+        taps, shift = weight.reshape(channels, kernel).contiguous(), bias.contiguous() if bias is not None else None
+        out = torch.empty(rows, channels, inputs.shape[2])
+        library.kvgen_causal_conv(extended.data_ptr(), taps.data_ptr(), shift.data_ptr() if shift is not None else None, rows,
+                                  channels, kernel, inputs.shape[2], int(silu), out.data_ptr())  # fmt: skip
+        return out, extended
     out = F.conv1d(extended, weight, bias, groups=inputs.shape[1])
     return (F.silu(out) if silu else out), extended
 

@@ -138,6 +138,22 @@ class SpeculativeConfig:
                 f"of up to {self.max_draft_tokens} may be rejected: set extra >= {self.max_draft_tokens} (--kv-extra)"
             )
 
+    def check_target(self, model: Any) -> None:
+        """ValueError where this method cannot draft for `model`. A model that keeps its own state
+        (Mamba, Mamba-2, the hybrids) verifies a draft in one pass that keeps its state after every
+        position, and rolls back to the last accepted one; prompt lookup and a separate draft model
+        (one with a KV cache) need nothing more, while the layer-skip draft reads the target's own
+        first layers' keys and values and EAGLE its hidden features, which these models do not give."""
+        if not hasattr(model, "new_state_cache"):
+            return
+        if self.method in ("self", "eagle"):
+            raise ValueError(f"speculative method {self.method!r} reads the target's {'KV cache' if self.method == 'self' else 'features'}, "
+                             f"which a {model.config.architecture} model does not keep: use method 'lookup' or 'draft'")  # fmt: skip
+        draft = getattr(self.draft_model, "model", self.draft_model)
+        if self.method == "draft" and hasattr(draft, "new_state_cache"):
+            raise ValueError(f"a draft model rolls its own cache back by truncate, which a {draft.config.architecture} draft "
+                             "cannot: draft with a model that keeps a KV cache")  # fmt: skip
+
     def build_proposer(self, generator: "Generator") -> "Proposer":
         """A fresh proposer for one request on `generator`'s model (proposers hold per-request state)."""
         self.check_cache(generator.cache_config)

@@ -90,6 +90,19 @@ class SpeculativeDecoder:
         self._features = h
         return self.model.logits_from_hidden(h)
 
+    def _verify_chain(self, chain: list[int]) -> torch.Tensor:
+        """The target over the last id and the drafts -> logits [k+1, V]. A model that keeps its own
+        state (Mamba, the hybrids) keeps it after every position of this pass, so truncate can roll
+        the rejected drafts back (kv/ssm.py's keep_positions); a KV cache drops their keys."""
+        keeps_state = hasattr(self.cache, "keep_positions")
+        if keeps_state:
+            self.cache.keep_positions = True  # type: ignore[attr-defined]
+        try:
+            return self._target(chain)
+        finally:
+            if keeps_state:
+                self.cache.keep_positions = False  # type: ignore[attr-defined]
+
     def _plain_step(self) -> int:
         logits = self._target([self.ids[-1]])[-1]
         token = self.sampler(logits)
@@ -134,7 +147,7 @@ class SpeculativeDecoder:
         draft.alternatives = draft.alternatives[: max(0, rows - len(chain))]
         logits = self._verify_tree(chain, draft.alternatives) if draft.alternatives else None
         if logits is None:
-            logits = self._target(chain)  # [k+1, V]
+            logits = self._verify_chain(chain)  # [k+1, V]
         tokens = verify(logits[: len(chain)], draft, self.sampler)
         accepted = len(tokens) - 1
         kept = list(range(accepted + 1))  # the verified rows whose keys and values stay

@@ -1,0 +1,146 @@
+"""Speculative decoding on models that keep their own state (Mamba, Mamba-2, LFM2, Granite 4.0-H,
+Nemotron-H, Falcon-H1): a verify pass keeps the state after each of its positions, and the
+rejected drafts roll back to the last accepted one, so the greedy tokens are plain decoding's.
+
+No checkpoint of these families installs offline: the models are small random-weight ones that
+transformers builds (tests/support/tiny_hf.py). Random models rarely repeat their prompt, so
+besides prompt lookup the drafts come from a drafter that knows plain decoding's tokens and spoils
+one in every few (`SpoiledOracle`): every step then has accepted drafts and most a rejected one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kvgen import LLM, SamplingParams
+from kvgen.speculative.config import SpeculativeConfig
+from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
+from tests.support.models import model_path
+from tests.support.recurrent import random_ids
+from tests.support.tiny_hf import (save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_mamba, save_tiny_mamba2, save_tiny_nemotron_h,
+                                   tokenizer_folder)  # fmt: skip
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+MODELS: dict[str, Callable[..., Any]] = {
+    "mamba": save_tiny_mamba, "mamba2": save_tiny_mamba2, "lfm2": save_tiny_lfm2, "granite": lambda folder, tokenizer: save_tiny_granite_hybrid(folder, tokenizer, experts=0),
+    "nemotron-h": save_tiny_nemotron_h, "falcon-h1": save_tiny_falcon_h1,
+}  # fmt: skip
+
+
+class SpoiledOracle(Proposer):
+    """Drafts plain decoding's next tokens (`truth`: prompt + its greedy output), the last of every
+    draft of three or more replaced by another token: such drafts are accepted up to it, then
+    rejected there."""
+
+    def __init__(self, truth: list[int]):
+        self.truth = truth
+
+    def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: Any) -> Draft:
+        tokens = self.truth[len(ids) : len(ids) + num_tokens]
+        if len(tokens) >= 3:
+            tokens[-1] = (tokens[-1] + 1) % 49152
+        return Draft(tokens)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLM]:
+    """Each family with int8 projections (the C decode step), and LFM2 with fp32 (the torch path)."""
+    tokenizer = tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+    loaded = {}
+    for name, save in MODELS.items():
+        folder = tmp_path_factory.mktemp(name)
+        save(folder, tokenizer)
+        loaded[name] = LLM.load(folder, progress=False, weights="int8")
+        if name == "lfm2":
+            loaded["lfm2-fp32"] = LLM.load(folder, progress=False, weights="fp32")
+    return loaded
+
+
+@pytest.mark.parametrize("name", [name for name in MODELS if name != "mamba"])
+def test_a_prompt_leaves_the_states_decoding_it_token_by_token_leaves(name: str, models: dict[str, LLM]) -> None:
+    """What a verify (or a prefix hit, or a session) resumes from: after a 20-token prompt, ten
+    tokens as one chunk leave every layer's conv and recurrent state bit for bit as ten one-token
+    decode steps do (the prompt's conv and gated norm run the decode step's arithmetic in C).
+    Mamba (1) is left out: its prompt's dt and x projections run in torch, 1e-9 from the step's."""
+    llm, ids = models[name], random_ids(30, 3)
+    with torch.inference_mode():
+        stepped, chunked = llm.model.new_state_cache(), llm.model.new_state_cache()
+        for cache in (stepped, chunked):
+            llm.model(torch.tensor([ids[:20]]), cache)
+        for token in ids[20:]:
+            llm.model(torch.tensor([[token]]), stepped)
+        llm.model(torch.tensor([ids[20:]]), chunked)
+    for layer in range(stepped.spec.num_layers):
+        assert torch.equal(stepped.conv_state(layer), chunked.conv_state(layer)), layer
+        assert torch.equal(stepped.recurrent_state(layer), chunked.recurrent_state(layer)), layer
+
+
+@pytest.mark.parametrize("name", [*MODELS, "lfm2-fp32"])
+def test_drafts_accepted_and_rejected_give_plain_greedy_tokens(name: str, models: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = models[name]
+    prompt = random_ids(30, 3)
+    plain = llm.generate(prompt, GREEDY).token_ids
+    oracle = SpoiledOracle(prompt + plain)
+    monkeypatch.setattr(SpeculativeConfig, "build_proposer", lambda self, generator: oracle)
+    result = llm.generate(prompt, GREEDY, speculative=SpeculativeConfig("lookup", num_draft_tokens=4, adaptive=False))
+    stats = result.speculative
+    assert result.token_ids == plain
+    assert stats.verify_steps >= 8 and 0 < stats.accepted_tokens < stats.proposed_tokens, stats  # rollbacks happened
+
+
+@pytest.mark.parametrize("name", ["lfm2", "falcon-h1"])
+def test_prompt_lookup_gives_plain_greedy_tokens(name: str, models: dict[str, LLM]) -> None:
+    """Lookup's own drafts, on a prompt of a phrase said three times (these two models repeat
+    parts of it, so some drafts are accepted)."""
+    llm = models[name]
+    prompt = random_ids(12, 3) * 3
+    result = llm.generate(prompt, GREEDY, speculative=SpeculativeConfig("lookup"))
+    assert result.token_ids == llm.generate(prompt, GREEDY).token_ids
+    assert result.speculative.accepted_tokens > 0 or result.speculative.probe_accepted_tokens > 0
+
+
+def test_a_session_keeps_its_checkpoints_through_speculative_turns(models: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify's per-position states neither become checkpoints nor evict them; the checkpoints a
+    one-token step would take inside a verified run are taken from them once the run is settled:
+    after a turn of 150 tokens decoded speculatively the session's cache holds plain decoding's
+    checkpoints, bit for bit, and its next turn resumes from one and decodes what a plain session does."""
+    llm = models["granite"]
+    prompt, more = random_ids(20, 4), random_ids(5, 5)
+    turn, follow = SamplingParams(max_new_tokens=150, ignore_eos=True), SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = llm.session()
+    plain_tokens = run(plain, prompt, turn)
+    monkeypatch.setattr(SpeculativeConfig, "build_proposer", lambda self, generator: SpoiledOracle(prompt + plain_tokens))
+    session = llm.session()
+    assert run(session, prompt, turn, SpeculativeConfig("lookup", adaptive=False)) == plain_tokens
+    assert session.last_result.speculative.verify_steps > 10
+    assert session.cache.checkpoints == plain.cache.checkpoints == [0, 64, 128]
+    for length in (64, 128):
+        for ours, theirs in zip(session.cache._checkpoints[length], plain.cache._checkpoints[length]):
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    conversation = prompt + plain_tokens + more
+    assert run(session, conversation, follow) == run(plain, conversation, follow)
+    assert session.last_result.usage.cached_tokens == plain.last_result.usage.cached_tokens > 64
+
+
+def run(session: Any, ids: list[int], params: SamplingParams, speculative: SpeculativeConfig | None = None) -> list[int]:
+    stream = session.stream(ids, params, speculative=speculative)
+    for _ in stream:
+        pass
+    session.last_result = stream.result
+    return stream.result.token_ids
+
+
+def test_methods_that_read_the_targets_cache_or_features_are_refused(models: dict[str, LLM]) -> None:
+    llm, prompt = models["lfm2"], random_ids(8, 3)
+    for method in ("self", "eagle"):
+        with pytest.raises(ValueError, match=f"speculative method '{method}' reads the target's"):
+            llm.generate(prompt, GREEDY, speculative=SpeculativeConfig(method))
+    with pytest.raises(ValueError, match="draft with a model that keeps a KV cache"):
+        llm.generate(prompt, GREEDY, speculative=SpeculativeConfig("draft", draft_model=models["mamba2"]))
+    smollm2 = LLM.load(model_path("smollm2"), progress=False)  # a KV-cache draft sharing the tiny models' vocabulary
+    result = llm.generate(prompt, GREEDY, speculative=SpeculativeConfig("draft", draft_model=smollm2))
+    assert result.token_ids == llm.generate(prompt, GREEDY).token_ids
