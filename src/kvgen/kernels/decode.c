@@ -911,7 +911,7 @@ static void mlp_team(const block_t* b, const thread_scratch* t, const lora_linea
 // h += residual_scale * mlp(norm(h)), b's attention fields unused. lora: this layer's LORA_LINEARS
 // deltas or NULL, for adapter slot `slot` (-1: none).
 void kvgen_block_mlp(const block_t* b, float* h, const lora_linear* lora, int64_t slot) {
-    float* xa = malloc(sizeof(float) * (size_t)(lora_width(lora, LORA_LINEARS) + 1));
+    float* xa = lora ? malloc(sizeof(float) * (size_t)(lora_width(lora, LORA_LINEARS) + 1)) : NULL;  // no adapter: no scratch
 #pragma omp parallel
     {
         const thread_scratch t = thread_scratch_new(b, 1, h);

@@ -410,7 +410,7 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
     const step_scratch sc = step_scratch_new(rows * (hidden + 2 * projected + inner + hidden), rows, widest);
     float *x = sc.floats, *proj = x + rows * hidden, *xbc = proj + rows * projected, *y = xbc + rows * projected;
     float* out = y + rows * inner;
-    float* xa = malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1));  // LoRA's A x
+    float* xa = lora ? malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1)) : NULL;  // LoRA's A x
 #pragma omp parallel
     for (int64_t layer = 0; layer < num_layers; layer++) {
         const mamba2_block_t* b = &blocks[layer];
@@ -486,7 +486,7 @@ void kvgen_short_conv_step(const short_conv_block_t* b, int64_t rows, float* h, 
     const int64_t hidden = b->hidden, k = b->kernel;
     const step_scratch sc = step_scratch_new(rows * 6 * hidden, rows, hidden);
     float *x = sc.floats, *proj = x + rows * hidden, *y = proj + rows * 3 * hidden, *out = y + rows * hidden;
-    float* xa = malloc(sizeof(float) * (size_t)(rows * lora_width(lora, LORA_LINEARS) + 1));
+    float* xa = lora ? malloc(sizeof(float) * (size_t)(rows * lora_width(lora, LORA_LINEARS) + 1)) : NULL;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)

@@ -119,11 +119,13 @@ class SSMStateCache:
         """Take from a keep_positions pass's states, now that truncate (or the next commit) has
         settled how many of its tokens stay, the checkpoints one-token commits would have taken at
         those positions and at seq_len; drop the rest."""
+        if not self._positions:  # every commit comes here: most hold none
+            return
         held, self._positions = self._positions, {}
         for length in sorted(p for p in held if p < self._seq_len):
             if self._due(length):
                 self._checkpoints[length] = held[length]
-        if held and self._due():
+        if self._due():
             self.checkpoint()
         while len(self._checkpoints) > self.max_checkpoints:
             del self._checkpoints[min(self._checkpoints)]

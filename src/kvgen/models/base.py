@@ -114,9 +114,9 @@ class DecoderLM(nn.Module):
         some row has one: the torch path then adds each row's delta (the C steps take slots instead)."""
         if adapters is None or all(a is None for a in adapters):
             return False
-        adapter_slots(self.lora, adapters)  # ValueError for one not loaded
+        slots = adapter_slots(self.lora, adapters)  # ValueError for one not loaded
         assert self.lora is not None
-        return self.lora.activate(adapters, row_tokens)
+        return self.lora.activate_slots(slots, row_tokens)
 
     # One-token decode steps run in C when the weights are quantized (models/fast_decode.py);
     # set False to force the torch path (the reference the C path is tested against).

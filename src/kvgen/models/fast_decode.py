@@ -152,9 +152,11 @@ class LoraTables:
         return self._table
 
 
-def layer_lora(table: ctypes.Array | None, layer: int) -> Any:
-    """A pointer to layer `layer`'s LORA_LINEARS structs in `table` (None: no table)."""
-    return ctypes.byref(table, layer * len(LORA_LINEARS) * ctypes.sizeof(_LoraLinear)) if table is not None else None
+def layer_lora(table: ctypes.Array | None, layer: int, linear: str = LORA_LINEARS[0]) -> Any:
+    """A pointer to layer `layer`'s LORA_LINEARS structs in `table`, from `linear`'s (None: no table)."""
+    if table is None:
+        return None
+    return ctypes.byref(table, (layer * len(LORA_LINEARS) + LORA_LINEARS.index(linear)) * ctypes.sizeof(_LoraLinear))
 
 
 _KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6, "iq4": 7, "q5m": 8, "mx4": 9}  # qlinear.kind in decode.c

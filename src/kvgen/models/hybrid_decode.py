@@ -36,8 +36,8 @@ from torch import nn
 from kvgen.kernels import load
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
-from kvgen.models.fast_decode import (LORA_LINEARS, MAX_ROWS, BlockStruct, LoraTables, _LoraLinear, _QLinear, describe_block,
-                                      layer_lora, mlp_linears, qlinear_struct, rows_scratch_for)  # fmt: skip
+from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
+                                      qlinear_struct, rows_scratch_for)  # fmt: skip
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -78,6 +78,11 @@ def hybrid_runs_in_c(model: nn.Module) -> bool:
     return load() is not None
 
 
+def _slot_array(slots: list[int]) -> ctypes.Array:
+    """Each row's LoRA adapter slot as the C calls read them (int64)."""
+    return (_i64 * len(slots))(*slots)
+
+
 class HybridStep(MixerStructs):
     """The C step over a GraniteHybridModel's layers (which must pass `hybrid_runs_in_c`)."""
 
@@ -115,11 +120,11 @@ class HybridStep(MixerStructs):
                                self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
                                qlinear_struct(mixer.out_proj))  # fmt: skip
 
-    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int, lora: object, slots: int | None) -> None:
+    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int, lora: object, slots: ctypes.Array | None) -> None:
         """A state layer's mixer over the rows of h (one a cache), reading the rows at x_ptr (h's
         own, or a parallel layer's input before its attention added to h), its output added to h;
-        each cache's new states written. lora: the layer's LoRA structs or None; slots: the address
-        of each row's adapter slot (int64)."""
+        each cache's new states written. lora: the layer's LoRA structs or None; slots: each row's
+        adapter slot (_slot_array; None without LoRA)."""
         rows, slot = len(caches), layer.state_slot
 
         def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -170,7 +175,8 @@ class HybridStep(MixerStructs):
         assert h.dtype == torch.float32 and h.is_contiguous()
         cos, sin = self._turn(position)
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
-        table, slots = self._lora_tables.for_slots([slot]), torch.tensor([slot], dtype=torch.int64)
+        table = self._lora_tables.for_slots([slot])
+        slots = _slot_array([slot]) if table is not None else None  # no adapter: the C calls read no slots
         for index, layer in enumerate(self.layers):
             x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
             if layer.attention is not None:
@@ -181,7 +187,7 @@ class HybridStep(MixerStructs):
                 lib.kvgen_block_post(struct, h_ptr, keys, layout.head_stride, layout.pos_stride, values, layout.head_stride,
                                      layout.pos_stride, 0, position + 1, lora, slot)  # fmt: skip
             if layer.mixer is not None:
-                self._mix(layer, [cache], h_ptr, x_ptr, lora, slots.data_ptr())
+                self._mix(layer, [cache], h_ptr, x_ptr, lora, slots)
             if layer.mlp is not None:
                 lib.kvgen_block_mlp(ctypes.byref(layer.mlp), h_ptr, lora, slot)
         cache.commit(1, {})
@@ -194,9 +200,8 @@ class HybridStep(MixerStructs):
         assert table is not None
         x, y = x.float().contiguous(), y.float().contiguous()
         rows = x.numel() // x.shape[-1]
-        slots = torch.full((rows,), slot, dtype=torch.int64)
-        linear = ctypes.byref(table, (layer * len(LORA_LINEARS) + LORA_LINEARS.index(fused)) * ctypes.sizeof(_LoraLinear))
-        self.library.kvgen_lora_delta(linear, x.shape[-1], y.shape[-1], x.data_ptr(), y.data_ptr(), rows, slots.data_ptr())
+        self.library.kvgen_lora_delta(layer_lora(table, layer, fused), x.shape[-1], y.shape[-1], x.data_ptr(), y.data_ptr(), rows,
+                                      _slot_array([slot] * rows))  # fmt: skip
         return y
 
     def _turn(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +221,8 @@ class HybridStep(MixerStructs):
         for all rows in one call, row r under LoRA adapter slot slots[r] (-1 or None: none); each
         cache's states and keys written, then committed."""
         lib, rows = self.library, h.shape[0]
-        slots = slots or [-1] * rows
-        table, row_slots = self._lora_tables.for_slots(slots), torch.tensor(slots, dtype=torch.int64)
+        table = self._lora_tables.for_slots(slots or [-1] * rows)
+        row_slots = _slot_array(slots) if table is not None else None  # no adapter: the C calls read no slots
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == len(caches)
         scratch, h_ptr = ctypes.byref(self._scratch_for_rows(rows)), h.data_ptr()
         positions = torch.tensor([cache.seq_len for cache in caches], dtype=torch.int64)
@@ -230,11 +235,11 @@ class HybridStep(MixerStructs):
                                       dtype=torch.int64)  # fmt: skip
                 lib.kvgen_decode_rows_own(ctypes.byref(layer.attention), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                           self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
-                                          positions.data_ptr(), scratch, lora, row_slots.data_ptr())  # fmt: skip
+                                          positions.data_ptr(), scratch, lora, row_slots)  # fmt: skip
             if layer.mixer is not None:
-                self._mix(layer, caches, h_ptr, x_ptr, lora, row_slots.data_ptr())
+                self._mix(layer, caches, h_ptr, x_ptr, lora, row_slots)
             if layer.mlp is not None:
-                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots.data_ptr())
+                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots)
         for cache in caches:
             cache.commit(1, {})
 
@@ -259,10 +264,10 @@ class HybridStep(MixerStructs):
             positions = torch.arange(start + first, start + first + rows, dtype=torch.int64)
             stores = torch.tensor([[*self._layer_store(layout, kv_slot), layout.head_stride]], dtype=torch.int64).expand(rows, 3).contiguous()
             rope = self._rows_rope(positions)
-            slots = torch.full((rows,), slot, dtype=torch.int64)
             lib.kvgen_decode_rows_own(ctypes.byref(struct), 1, rows, part.data_ptr(), rope.data_ptr(), 1, self._one_layer.data_ptr(),
                                       self._one_layer.data_ptr(), stores.data_ptr(), layout.pos_stride, positions.data_ptr(),
-                                      ctypes.byref(self._scratch_for_rows(rows)), lora, slots.data_ptr())  # fmt: skip
+                                      ctypes.byref(self._scratch_for_rows(rows)), lora,
+                                      _slot_array([slot] * rows) if lora is not None else None)  # fmt: skip
         return chosen.mlp is None
 
     def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:
