@@ -25,7 +25,7 @@ from kvgen.sampling.params import SamplingParams
 from tests.engine.test_engine import drain
 from tests.support.lora import save_halved_peft_adapter
 from tests.support.models import model_path
-from tests.support.recurrent import assert_prefill_is_chunk_invariant, prefill_and_steps, random_ids
+from tests.support.recurrent import assert_a_chain_is_one_token_steps, assert_prefill_is_chunk_invariant, prefill_and_steps, random_ids
 from tests.support.tiny_gguf import write_falcon_h1_gguf
 from tests.support.tiny_hf import (save_tiny_bamba, save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_nemotron_h,
                                    tokenizer_folder)  # fmt: skip
@@ -123,6 +123,13 @@ def test_a_prompt_under_an_adapter_gives_the_same_bits_however_it_is_split(famil
     one-token chunk (the decode step) included."""
     splits = [[66, 4], [31, 39], [1, 69], [17, 17, 36], [35, 1, 34], [69, 1]]
     assert_prefill_is_chunk_invariant(built[family].int8, random_ids(70, 31), splits, "all")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_under_an_adapter_runs_as_one_token_steps(family: str, built: dict[str, Built]) -> None:
+    """int8 weights: a speculative verify's chain of rows (the C step over 8 positions at once)
+    adds each row's deltas as the one-token step does: logits and states bit for bit."""
+    assert_a_chain_is_one_token_steps(built[family].int8, PROMPT, random_ids(8, 5), "all")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -19,7 +19,7 @@ from kvgen import LLM, SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 from tests.support.models import model_path
-from tests.support.recurrent import random_ids
+from tests.support.recurrent import assert_a_chain_is_one_token_steps, random_ids
 from tests.support.tiny_hf import (save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_mamba, save_tiny_mamba2, save_tiny_nemotron_h,
                                    tokenizer_folder)  # fmt: skip
 
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 MODELS: dict[str, Callable[..., Any]] = {
     "mamba": save_tiny_mamba, "mamba2": save_tiny_mamba2, "lfm2": save_tiny_lfm2, "granite": lambda folder, tokenizer: save_tiny_granite_hybrid(folder, tokenizer, experts=0),
-    "nemotron-h": save_tiny_nemotron_h, "falcon-h1": save_tiny_falcon_h1,
+    "nemotron-h": save_tiny_nemotron_h, "nemotron-3-nano": lambda folder, tokenizer: save_tiny_nemotron_h(folder, tokenizer, experts=4),
+    "falcon-h1": save_tiny_falcon_h1,
 }  # fmt: skip
 
 
@@ -60,12 +61,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLM]:
     return loaded
 
 
-@pytest.mark.parametrize("name", [name for name in MODELS if name != "mamba"])
+@pytest.mark.parametrize("name", [name for name in MODELS if name not in ("mamba", "nemotron-3-nano")])
 def test_a_prompt_leaves_the_states_decoding_it_token_by_token_leaves(name: str, models: dict[str, LLM]) -> None:
     """What a verify (or a prefix hit, or a session) resumes from: after a 20-token prompt, ten
     tokens as one chunk leave every layer's conv and recurrent state bit for bit as ten one-token
     decode steps do (the prompt's conv and gated norm run the decode step's arithmetic in C).
-    Mamba (1) is left out: its prompt's dt and x projections run in torch, 1e-9 from the step's."""
+    Mamba (1) and Nemotron 3 Nano are left out: the first's prompt runs its dt and x projections in
+    torch, the second's its mixtures' routing, 1e-9 from the step's."""
     llm, ids = models[name], random_ids(30, 3)
     with torch.inference_mode():
         stepped, chunked = llm.model.new_state_cache(), llm.model.new_state_cache()
@@ -77,6 +79,14 @@ def test_a_prompt_leaves_the_states_decoding_it_token_by_token_leaves(name: str,
     for layer in range(stepped.spec.num_layers):
         assert torch.equal(stepped.conv_state(layer), chunked.conv_state(layer)), layer
         assert torch.equal(stepped.recurrent_state(layer), chunked.recurrent_state(layer)), layer
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_verify_runs_as_a_chain_of_one_token_steps(name: str, models: dict[str, LLM]) -> None:
+    """Seven drafts and the last id verified in one C pass give, at every position, the logits and
+    states of one-token decode steps, bit for bit: Mamba (1) and Nemotron 3 Nano's mixtures included,
+    whose prompts' torch projections and routing are 1e-9 from the step's."""
+    assert_a_chain_is_one_token_steps(models[name], random_ids(20, 3), random_ids(8, 4))
 
 
 @pytest.mark.parametrize("name", [*MODELS, "lfm2-fp32"])

@@ -126,6 +126,32 @@ def assert_c_rows_equal_each_row_alone(llm: LLM, histories: list[list[int]], tok
                 assert all(torch.equal(got, want) for got, want in zip(*history))
 
 
+def assert_a_chain_is_one_token_steps(llm: LLM, prompt: list[int], more: list[int], adapter: str | None = None) -> None:
+    """`more` (at most 8 tokens) after `prompt` as one pass that keeps every position's state (a
+    speculative verify): the C step runs it as a chain, and each position's logits and the states
+    after it equal one-token decode steps' bit for bit (under LoRA `adapter` where one is named)."""
+    model = llm.model
+    scans = []
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        stepped, chained = model.new_state_cache(), model.new_state_cache()
+        for cache in (stepped, chained):
+            model(torch.tensor([prompt]), cache, adapter=adapter)
+        logits, states = [], []
+        for token in more:
+            logits.append(model(torch.tensor([[token]]), stepped, adapter=adapter)[0])
+            states.append([(stepped.conv_state(i).clone(), stepped.recurrent_state(i).clone()) for i in range(stepped.spec.num_layers)])
+        scan = model._scan_batch
+        patch.setattr(model, "_scan_batch", lambda *args: scans.append(args) or scan(*args))
+        chained.keep_positions = True
+        verified = model(torch.tensor([more]), chained, logits_to_keep=len(more), adapter=adapter)[0]
+    assert not scans, "the verify ran the prompt scan, not the C chain"
+    assert torch.equal(verified, torch.cat(logits)), (verified - torch.cat(logits)).abs().max().item()
+    kept = {**chained._positions, chained.seq_len: [(chained.conv_state(i), chained.recurrent_state(i)) for i in range(chained.spec.num_layers)]}
+    for position, expected in enumerate(states, start=len(prompt) + 1):
+        for layer, ((conv, recurrent), (want_conv, want_recurrent)) in enumerate(zip(kept[position], expected)):
+            assert torch.equal(conv, want_conv) and torch.equal(recurrent, want_recurrent), (position, layer)
+
+
 def assert_prefill_is_chunk_invariant(llm: LLM, ids: list[int], splits: list[list[int]], adapter: str | None = None) -> None:
     """The last logits of a prompt run whole equal, bit for bit, those of the same prompt run in the
     chunks of each split (chunk lengths summing to len(ids)), as the engine splits prompts; under

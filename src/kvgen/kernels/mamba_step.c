@@ -8,6 +8,11 @@
 // The states are read from *_in and written to *_out (never in place): the cache keeps earlier
 // states as checkpoints, and a step that fails leaves them as they were. #included by qgemm.c after
 // decode.c (qlinear, linear_team, dot, rms_norm).
+//
+// The rows are independent sequences, or a chain: one sequence's next tokens, where row r's *_in
+// state is row r-1's *_out (a speculative verify: models/recurrent.py, `_chain_in_c`). The conv and the scan run
+// each channel's rows in order on one thread, so a chain's row reads the state the row before wrote,
+// and every row gets the bits of a one-token step.
 
 typedef struct {
     int64_t hidden, inner, state, kernel, rank;
@@ -326,9 +331,9 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, int64_t r
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
         linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, uz);
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n_inner; i++)
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_inner; i++)  // rows in order within a channel: a chain's row reads the row before's state
+            for (int64_t r = 0; r < rows; r++)
                 u[r * n_inner + i] = conv_channel(conv_in[layer * rows + r] + i * k, uz[r * 2 * n_inner + i], b->conv_w + i * k,
                                                   b->conv_b ? b->conv_b[i] : 0.0f, conv_out[layer * rows + r] + i * k, k);
         linear_rows_of(&b->x_proj, u, rows, sc.xq, sc.sums, dbc);
@@ -349,9 +354,9 @@ void kvgen_mamba_step(const mamba_block_t* blocks, int64_t num_layers, int64_t r
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t i = 0; i < n_inner; i++) dt[r * n_inner + i] = dot(b->dt_w + i * b->rank, dt_in + r * b->rank, b->rank);
         }
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t i = 0; i < n_inner; i++) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_inner; i++) {
+            for (int64_t r = 0; r < rows; r++) {
                 const float* B = dbc + r * width + b->rank;
                 const float step = softplus(dt[r * n_inner + i] + b->dt_b[i]), ui = u[r * n_inner + i];
                 const float acc = scan_channel(b->A + i * n_state, step, 0.0f, ui, B, B + n_state, ssm_in[layer * rows + r] + i * n_state,
@@ -422,14 +427,14 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
         for (int64_t r = 0; r < rows; r++) rms_norm(source + r * hidden, b->norm, b->eps, b->hidden, x + r * b->hidden);
         linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
         lora_team(layer_lora, LORA_MIXER_IN, &b->in_proj, x, proj, rows, lora_slots, xa);
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < conv_dim; i++)
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < conv_dim; i++)  // rows in order within a channel: a chain's row reads the row before's state
+            for (int64_t r = 0; r < rows; r++)
                 xbc[r * conv_dim + i] = conv_channel(conv_in[layer * rows + r] + i * k, proj[r * width + n_inner + i], b->conv_w + i * k,
                                                      b->conv_b ? b->conv_b[i] : 0.0f, conv_out[layer * rows + r] + i * k, k);
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t c = 0; c < n_inner; c++) {
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < n_inner; c++) {
+            for (int64_t r = 0; r < rows; r++) {
                 const int64_t head = c / b->head_dim, g = head / per_group;
                 const float* p = proj + r * width;
                 const float* v = xbc + r * conv_dim;
@@ -493,9 +498,9 @@ void kvgen_short_conv_step(const short_conv_block_t* b, int64_t rows, float* h, 
         for (int64_t r = 0; r < rows; r++) rms_norm(h + r * hidden, b->norm, b->eps, hidden, x + r * hidden);
         linear_rows_of(&b->in_proj, x, rows, sc.xq, sc.sums, proj);
         lora_team(lora, LORA_MIXER_IN, &b->in_proj, x, proj, rows, lora_slots, xa);
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t i = 0; i < hidden; i++) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < hidden; i++) {  // rows in order within a channel: a chain's row reads the row before's state
+            for (int64_t r = 0; r < rows; r++) {
                 const float* p = proj + r * 3 * hidden;
                 const float conv = conv_window(conv_in[r] + i * k, p[i] * p[2 * hidden + i], b->conv_w + i * k,
                                                b->conv_b ? b->conv_b[i] : 0.0f, conv_out[r] + i * k, k);

@@ -34,7 +34,7 @@ from kvgen.models.lora import adapter_slots
 from kvgen.models.layers import Attention, AttentionMask, GatedMLP, ReluSquaredMLP, RMSNorm, feed_forward
 from kvgen.models.mamba2 import Mamba2Mixer
 from kvgen.models.moe import SparseMoE
-from kvgen.models.recurrent import RecurrentLM, capture_points
+from kvgen.models.recurrent import RecurrentLM, capture_points, commit_chain
 from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
 from kvgen.models.short_conv import ShortConvMixer
 from kvgen.models.weights import WeightSource, frozen, linear
@@ -124,6 +124,15 @@ class GraniteHybridModel(RecurrentLM):
         else:
             self._step.step_rows(h, caches, slots)
         return self.lm_head(self.norm(h)) / d.logits_scaling
+
+    def _chain_in_c(self, tokens: list[int], cache: SSMStateCache, num_logits: int, slot: int) -> torch.Tensor:
+        """One sequence's next few tokens as a chain through the C step (`HybridStep.step_chain`),
+        each row as a one-token step computes it, under LoRA adapter slot `slot` (-1: none) -> the
+        last num_logits logits [num_logits, V]."""
+        d = self.config.decoder
+        h = (self.embed_tokens[torch.tensor(tokens)].float() * d.embedding_multiplier).contiguous()  # [rows, hidden]
+        commit_chain(cache, self._step.step_chain(h, cache, slot))  # type: ignore[arg-type]
+        return self.lm_head(self.norm(h[len(tokens) - num_logits :])) / d.logits_scaling
 
     def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
         rows = zip(token_ids, caches, num_logits, slots)

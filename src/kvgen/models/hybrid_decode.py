@@ -38,7 +38,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
-from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block
+from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chained_states
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
 
@@ -120,27 +120,36 @@ class HybridStep(MixerStructs):
                                self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
                                qlinear_struct(mixer.out_proj))  # fmt: skip
 
-    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int, lora: object, slots: ctypes.Array | None) -> None:
+    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int, lora: object, slots: ctypes.Array | None,
+             chain: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
         """A state layer's mixer over the rows of h (one a cache), reading the rows at x_ptr (h's
         own, or a parallel layer's input before its attention added to h), its output added to h;
         each cache's new states written. lora: the layer's LoRA structs or None; slots: each row's
-        adapter slot (_slot_array; None without LoRA)."""
-        rows, slot = len(caches), layer.state_slot
+        adapter slot (_slot_array; None without LoRA). chain: a chain of that many rows of the one
+        cache's sequence instead (row r continues row r-1's state), whose states after each row are
+        returned and not written."""
+        rows, slot = chain or len(caches), layer.state_slot
 
         def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
             return (_ptr * rows)(*(t.data_ptr() for t in tensors))
 
         conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
         ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
-        conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
+        if chain:
+            (conv_in, conv_out), (ssm_in, ssm_out) = chained_states(conv_in[0], rows), chained_states(ssm_in[0], rows)
+        else:
+            conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
         mixer = layer.mixer
         if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
             self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out), lora, slots)
         else:
             self.library.kvgen_mamba2_step_from(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
                                                 pointers(ssm_in), pointers(ssm_out), lora, slots)  # fmt: skip
+        if chain:
+            return list(zip(conv_out, ssm_out))
         for cache, conv, ssm in zip(caches, conv_out, ssm_out):
             cache.write(slot, conv, ssm, owned=True)
+        return []
 
     def _mixer_input(self, layer: _Layer, h: torch.Tensor) -> int:
         """Where a layer's mixer reads its rows: h itself, or, in a parallel layer, a copy of h taken
@@ -242,6 +251,29 @@ class HybridStep(MixerStructs):
                 lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots)
         for cache in caches:
             cache.commit(1, {})
+
+    def step_chain(self, h: torch.Tensor, cache: HybridStateCache, slot: int = -1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """h [rows, hidden] (updated in place): one sequence's next tokens at positions cache.seq_len..,
+        every layer for all rows in one call (its weights read once), each row computed as the
+        one-token step computes its token: attention as `prompt_block`, a mixer's row r continuing
+        row r-1's states, the MLP row by row; under LoRA adapter slot `slot` (-1: none). The keys are
+        written; returns each row's states per state layer ([row][state slot]: (conv, recurrent)),
+        for the caller to commit (recurrent.py's commit_chain)."""
+        lib, rows, start = self.library, h.shape[0], cache.seq_len
+        table = self._lora_tables.for_slots([slot])
+        row_slots = _slot_array([slot] * rows) if table is not None else None
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+        scratch, h_ptr = ctypes.byref(self._scratch_for_rows(rows)), h.data_ptr()
+        states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for index, layer in enumerate(self.layers):
+            x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
+            if layer.attention is not None:
+                self.prompt_block(index, h, cache, start, slot)
+            if layer.mixer is not None:
+                states[layer.state_slot] = self._mix(layer, [cache], h_ptr, x_ptr, lora, row_slots, chain=rows)
+            if layer.mlp is not None:
+                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots)
+        return [[states[s][r] for s in range(len(states))] for r in range(rows)]
 
     def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int, slot: int = -1) -> bool:
         """Attention layer `layer`'s C block (attention, o-proj, and the MLP or mixture where the

@@ -88,6 +88,15 @@ class MixerStructs:
 
 
 
+def chained_states(first: torch.Tensor, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One layer's states for a chain of `rows` rows of one sequence -> (inputs, outputs): a fresh
+    output per row, and inputs that link them (row 0 reads `first`, row r row r-1's output), as the
+    C steps run a chain (kernels/mamba_step.c). An empty state (a short conv's recurrent one) is
+    handed over as it is."""
+    outputs = [torch.empty_like(first) for _ in range(rows)] if first.numel() else [first] * rows
+    return [first, *outputs[:-1]], outputs
+
+
 class StateStep(MixerStructs):
     """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
 
@@ -101,15 +110,22 @@ class StateStep(MixerStructs):
         self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
         self.num_layers = len(blocks)
 
-    def __call__(self, h: torch.Tensor, conv: list[list[torch.Tensor]], ssm: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    def __call__(self, h: torch.Tensor, conv: list[list[torch.Tensor]], ssm: list[list[torch.Tensor]],
+                 chain: bool = False) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:  # fmt: skip
         """h [rows, hidden] (updated in place), each row's conv and recurrent states per layer
         (conv[row][layer], any leading batch dimension of 1) -> each row's states after its token
-        (new tensors). The rows share each weight read; a row's bits do not depend on the others."""
+        (new tensors). The rows share each weight read; a row's bits do not depend on the others.
+        chain: the rows are one sequence's next tokens, conv and ssm its states alone ([1][layer]),
+        and row r continues from row r-1's; each row's states are returned, as a one-token step of
+        its token would leave them."""
         rows = h.shape[0]
         conv_in = [[c.float().contiguous() for c in row] for row in conv]
         ssm_in = [[s.float().contiguous() for s in row] for row in ssm]
-        conv_out = [[torch.empty_like(c) for c in row] for row in conv_in]
-        ssm_out = [[torch.empty_like(s) for s in row] for row in ssm_in]
+        if chain:
+            (conv_in, conv_out), (ssm_in, ssm_out) = (self._chain(states[0], rows) for states in (conv_in, ssm_in))
+        else:
+            conv_out = [[torch.empty_like(c) for c in row] for row in conv_in]
+            ssm_out = [[torch.empty_like(s) for s in row] for row in ssm_in]
 
         def pointers(states: list[list[torch.Tensor]]) -> ctypes.Array:  # layer-major: index layer * rows + row
             return (_ptr * (rows * self.num_layers))(*(states[r][i].data_ptr() for i in range(self.num_layers) for r in range(rows)))
@@ -118,3 +134,9 @@ class StateStep(MixerStructs):
         self._function(ctypes.addressof(self._blocks), self.num_layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
                        pointers(ssm_in), pointers(ssm_out))  # fmt: skip
         return conv_out, ssm_out
+
+    @staticmethod
+    def _chain(layers: list[torch.Tensor], rows: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """A sequence's states per layer -> (inputs, outputs) per row and layer, linked as a chain."""
+        linked = [chained_states(state, rows) for state in layers]
+        return [[inputs[r] for inputs, _ in linked] for r in range(rows)], [[outputs[r] for _, outputs in linked] for r in range(rows)]

@@ -23,6 +23,10 @@ from kvgen.models.lora import LoraStacks, refuse_adapters
 from kvgen.models.mamba_decode import StateStep, runs_in_c
 from kvgen.models.weights import WeightSource, frozen, linear
 
+# Passes of at most this many tokens run as a chain in C where the C step runs (`_chain_in_c`): a
+# speculative verify (at most 7 drafts and the last token) and short turns. Each row's states are
+# held until the commit, so longer prompts take the scan.
+CHAIN_ROWS = 8
 CHECKPOINT_BYTES = 2**30  # what a session's checkpoints may hold by default (Mamba-Codestral-7B: 3 states)
 Captured = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per row, per capture point: (conv, recurrent)
 
@@ -37,6 +41,16 @@ def capture_points(cache: SSMStateCache, num_tokens: int) -> list[int]:
     every, start = cache.checkpoint_every, cache.seq_len
     points = [p - start - 1 for p in range(start // every * every + every, start + num_tokens, every)]
     return [*points[-cache.max_checkpoints :], num_tokens - 1]
+
+
+def commit_chain(cache: SSMStateCache, states: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Commit a chain's pass: states[r][layer], each layer's (conv, recurrent) state after row r
+    (fresh tensors only this pass holds); the last row's become the cache's, and those after the
+    positions `capture_points` asks for are kept (a speculative verify: every one)."""
+    length = len(states)
+    for layer, (conv, recurrent) in enumerate(states[-1]):
+        cache.write(layer, conv, recurrent, owned=True)
+    cache.commit(length, {point + 1: states[point] for point in capture_points(cache, length) if point < length - 1})
 
 
 def causal_conv(
@@ -167,19 +181,25 @@ class RecurrentLM(nn.Module):
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int],
                        slots: list[int]) -> torch.Tensor:  # fmt: skip
-        decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1] if self._c_step() is not None else []
+        in_c = self._c_step() is not None
+        decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1] if in_c else []
         if len(decodes) == len(token_ids):
             return self._decode_in_c([ids[0] for ids in token_ids], caches, slots)
-        if not decodes:
+        chains = [row for row, ids in enumerate(token_ids) if 1 < len(ids) <= CHAIN_ROWS] if in_c else []
+        others = sorted(set(range(len(token_ids))) - set(decodes) - set(chains))
+        if len(others) == len(token_ids):
             return self._scan_batch(token_ids, caches, num_logits, slots)
-        # A step that mixes decodes with prompt chunks: the decodes still take the C step, so a row's
-        # bits do not depend on what else the step holds; the chunks take the scan.
-        others = sorted(set(range(len(token_ids))) - set(decodes))
-        decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes], [slots[row] for row in decodes])
-        scanned = self._scan_batch([token_ids[row] for row in others], [caches[row] for row in others],
-                                   [num_logits[row] for row in others],
-                                   [slots[row] for row in others]).split([num_logits[row] for row in others])  # fmt: skip
-        parts = dict(zip(decodes, decoded[:, None])) | dict(zip(others, scanned))
+        # The decodes take the C step and the short passes the C chain, so a row's bits do not
+        # depend on what else the step holds; longer prompt chunks take the scan.
+        parts = {row: self._chain_in_c(token_ids[row], caches[row], num_logits[row], slots[row]) for row in chains}
+        if decodes:
+            decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes],
+                                        [slots[row] for row in decodes])  # fmt: skip
+            parts |= dict(zip(decodes, decoded[:, None]))
+        if others:
+            scanned = self._scan_batch([token_ids[row] for row in others], [caches[row] for row in others],
+                                       [num_logits[row] for row in others], [slots[row] for row in others])  # fmt: skip
+            parts |= dict(zip(others, scanned.split([num_logits[row] for row in others])))
         return torch.cat([parts[row][-num_logits[row] :] for row in range(len(token_ids))])
 
     def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
@@ -234,3 +254,14 @@ class RecurrentLM(nn.Module):
                 cache.write(i, convs[row][i], states[row][i], owned=True)  # fresh tensors only this cache holds
             cache.commit(1, {})
         return self.lm_head(self.norm(h))  # [rows, V]
+
+    def _chain_in_c(self, tokens: list[int], cache: SSMStateCache, num_logits: int, slot: int) -> torch.Tensor:
+        """One sequence's next few tokens as a chain through the C step: every block's weights read
+        once for them all, each row computed as a one-token step of its token is, so a verify's
+        states and logits are plain decoding's bit for bit -> the last num_logits logits [num_logits, V].
+        slot: -1 here (`_adapter_slots` refused any adapter)."""
+        layers = range(len(self.layers))
+        h = self.embed_tokens[torch.tensor(tokens)].float().contiguous()  # [rows, hidden]
+        convs, states = self._step(h, [[cache.conv_state(i) for i in layers]], [[cache.recurrent_state(i) for i in layers]], chain=True)
+        commit_chain(cache, [list(zip(conv, state)) for conv, state in zip(convs, states)])
+        return self.lm_head(self.norm(h[len(tokens) - num_logits :]))  # [num_logits, V]
