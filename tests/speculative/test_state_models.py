@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvgen import LLM, SamplingParams
+from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 from tests.support.models import model_path
@@ -33,15 +34,18 @@ MODELS: dict[str, Callable[..., Any]] = {
 
 
 class SpoiledOracle(Proposer):
-    """Drafts plain decoding's next tokens (`truth`: prompt + its greedy output), the last of every
-    draft of three or more replaced by another token: such drafts are accepted up to it, then
-    rejected there."""
+    """Drafts plain decoding's next tokens (a `truth`: a prompt + its greedy output; the one the ids
+    so far begin), the last of every draft of three or more replaced by another token: such drafts
+    are accepted up to it, then rejected there."""
 
-    def __init__(self, truth: list[int]):
-        self.truth = truth
+    drafts_for_free = True  # as prompt lookup's, which it stands in for: the engine lets every decoding request draft
+
+    def __init__(self, *truths: list[int]):
+        self.truths = truths
 
     def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: Any) -> Draft:
-        tokens = self.truth[len(ids) : len(ids) + num_tokens]
+        truth = next(truth for truth in self.truths if truth[: len(ids)] == ids)
+        tokens = truth[len(ids) : len(ids) + num_tokens]
         if len(tokens) >= 3:
             tokens[-1] = (tokens[-1] + 1) % 49152
         return Draft(tokens)
@@ -142,6 +146,33 @@ def run(session: Any, ids: list[int], params: SamplingParams, speculative: Specu
         pass
     session.last_result = stream.result
     return stream.result.token_ids
+
+
+@pytest.mark.parametrize("name", ["mamba", "granite", "nemotron-3-nano"])
+def test_the_engine_verifies_drafts_beside_other_requests(name: str, models: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests decode together in the engine, each verifying drafts that are accepted and
+    rejected in the same steps as the others' (one of them a plain request): each gives the tokens
+    it gives alone without drafts. Two stop at a token that an accepted draft went past; the engine
+    holds nothing of them once they end."""
+    llm = models[name]
+    prompts = [random_ids(12 + 5 * i, 20 + i) for i in range(4)]
+    unstopped = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    truths = [prompt + llm.generate(prompt, unstopped).token_ids for prompt in prompts]
+    stops = (truths[0][len(prompts[0]) + 13], truths[1][len(prompts[1]) + 17])
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=stops)
+    plain = [llm.generate(prompt, params).token_ids for prompt in prompts]
+    assert len(plain[0]) <= 14 and len(plain[1]) <= 18  # the stops cut them short
+    monkeypatch.setattr(SpeculativeConfig, "build_proposer", lambda self, generator: SpoiledOracle(*truths))
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=32, block_size=8))
+    speculative = SpeculativeConfig("lookup", num_draft_tokens=4, adaptive=False)
+    requests = [engine.add_request(f"r{i}", prompt, params, speculative=None if i == 3 else speculative) for i, prompt in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+    assert [request.output_ids for request in requests] == plain
+    totals = engine.speculative_totals
+    assert totals.verify_steps >= 8 and 0 < totals.accepted_tokens < totals.proposed_tokens, totals
+    assert not engine.scheduler.running and engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units
 
 
 def test_methods_that_read_the_targets_cache_or_features_are_refused(models: dict[str, LLM]) -> None:

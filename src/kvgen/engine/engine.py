@@ -24,7 +24,9 @@ from kvgen.cache_factory import CacheFactory
 from kvgen.config import CacheConfig
 from kvgen.kv.disk_store import DiskBlockStore, model_fingerprint
 from kvgen.kv.disk_tier import PrefixDiskTier
+from kvgen.kv.ssm import SSMStateCache
 from kvgen.lora.adapter import UnknownAdapterError
+from kvgen.models.recurrent import RecurrentLM
 from kvgen.prompt_checks import check_params, encode_prompt
 from kvgen.sampling.params import SamplingParams
 from kvgen.sampling.request_state import RequestState
@@ -120,8 +122,10 @@ class LLMEngine:
             salt = f"{salt}\x00{self._adapter_key(params.adapter, speculative)}"
         longest = min(len(ids) + params.max_new_tokens, self.max_context)
         if self.state_model:
-            if speculative is not None:
+            if speculative is not None and not isinstance(self.model, RecurrentLM):  # T5: its encoder cache keeps no positions
                 raise ValueError(f"speculative decoding is not supported for {self.model.config.architecture} models: leave it off")
+            if speculative is not None:  # a verify keeps the state after each draft: lookup or a KV-cache draft model
+                speculative.check_target(self.model)
             self.scheduler.check_fits(len(ids), longest - len(ids))
         elif (needed := self._most_blocks(longest)) > (pool := self.storage.pool).num_blocks:
             raise ValueError(
@@ -220,7 +224,7 @@ class LLMEngine:
             if output.finished:
                 # A speculative run may have gone past the finishing token: the cache keeps exactly
                 # the ids before the last, as after plain decoding, so the index matches its blocks.
-                request.cache.truncate(min(request.cache.seq_len, len(request.all_ids) - 1))
+                cut_to_ids(request.cache, min(request.cache.seq_len, len(request.all_ids) - 1))
                 self.scheduler.index_blocks(request)
                 self.scheduler.release(request)
                 request.release_speculation()
@@ -262,3 +266,13 @@ class LLMEngine:
         self.scheduler.check_invariants()
         for request in self.requests.values():
             assert request.status is not RequestStatus.FINISHED, f"finished request {request.request_id} still tracked"
+
+
+def cut_to_ids(cache: object, length: int) -> None:
+    """Cut a finished request's cache back to `length` tokens (the ids before its last), so the
+    prefix index matches what it holds. A state cache whose verify went past the finishing token
+    holds no state there: it goes back to its latest checkpoint at or before it instead (dropping
+    the later ones), as the state is released right after."""
+    if isinstance(cache, SSMStateCache):
+        length = cache.resume_point(length)
+    cache.truncate(length)  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.engine.scheduler import ScheduledRow
+from kvgen.kv.ssm import SSMStateCache
 from kvgen.models.base import DecoderLM
 
 
@@ -69,10 +70,18 @@ class ModelRunner:
         adapters = [row.request.params.adapter for row in rows]
         # EAGLE rows read the target's features at their tokens: the forward returns them too.
         with_hidden = any(row.request.speculation is not None and row.request.speculation.needs_features for row in rows)
-        if with_hidden:
-            logits, hidden = self.model.forward_batch(token_ids, caches, num_logits, adapters, with_hidden=True)
-        else:
-            logits, hidden = self.model.forward_batch(token_ids, caches, num_logits, adapters), None
+        # A state model's verify keeps the state after each draft, so truncate can roll the rejected ones back.
+        verifying = [cache for cache, n in zip(caches, num_logits) if n > 1 and isinstance(cache, SSMStateCache)]
+        for cache in verifying:
+            cache.keep_positions = True
+        try:
+            if with_hidden:
+                logits, hidden = self.model.forward_batch(token_ids, caches, num_logits, adapters, with_hidden=True)
+            else:
+                logits, hidden = self.model.forward_batch(token_ids, caches, num_logits, adapters), None
+        finally:
+            for cache in verifying:
+                cache.keep_positions = False
         self.num_forwards += 1
         self.num_tokens += sum(len(ids) for ids in token_ids)
         new_tokens: list[list[int]] = []

@@ -6,7 +6,8 @@ K/V cache that grows to at most prompt-independent `max_new_tokens + 1` position
 reserving blocks step by step, a request reserves its whole need in *units* when it is admitted
 (`StateBudget`: one state for Mamba; one position of every decoder layer's K and V for T5, counted
 for its encoder input and its longest output) and keeps it until it ends. Nothing grows past its
-reservation, so nobody is ever preempted; a request that does not fit waits.
+reservation, so nobody is ever preempted; a request that does not fit waits. (A speculative
+verify keeps a state after each of its drafts for the length of its step: its truncate frees them.)
 
 Mamba's prefix cache (kv/state_prefix.py) keeps state snapshots at block boundaries, one unit each,
 in whatever the running requests leave of the budget; before each step the snapshots the last step
@@ -91,6 +92,7 @@ class StateScheduler:
             if budget == 0:
                 break
             count = min(request.num_pending, budget)
+            count += self._fit_draft(request, budget - count)
             rows.append(ScheduledRow(request, count))
             budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -103,6 +105,18 @@ class StateScheduler:
             rows.append(ScheduledRow(request, count))
             budget -= min(count, budget)
         return rows
+
+    @staticmethod
+    def _fit_draft(request: Request, spare_budget: int) -> int:
+        """How many of a decoding request's drafts run with its last token this step: as many as
+        the spare budget allows (the rest dropped). The states a verify keeps after each draft are
+        the request's own for the step: its truncate frees them."""
+        speculation = request.speculation
+        if speculation is None or not speculation.draft:
+            return 0
+        extra = min(len(speculation.draft), spare_budget) if request.is_decoding else 0
+        speculation.trim(extra)
+        return extra
 
     def _admit(self, request: Request) -> bool:
         """Reserve the request's units (evicting prefix snapshots if needed) and give it a cache,
