@@ -10,7 +10,7 @@
 // decode.c (qlinear, linear_team, dot, rms_norm).
 //
 // The rows are independent sequences, or a chain: one sequence's next tokens, where row r's *_in
-// state is row r-1's *_out (a speculative verify: models/recurrent.py, `_chain_in_c`). The conv and the scan run
+// state is row r-1's *_out (a speculative verify: models/recurrent.py, `_steps_in_c`). The conv and the scan run
 // each channel's rows in order on one thread, so a chain's row reads the state the row before wrote,
 // and every row gets the bits of a one-token step.
 

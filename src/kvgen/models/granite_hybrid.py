@@ -34,7 +34,7 @@ from kvgen.models.lora import adapter_slots
 from kvgen.models.layers import Attention, AttentionMask, GatedMLP, ReluSquaredMLP, RMSNorm, feed_forward
 from kvgen.models.mamba2 import Mamba2Mixer
 from kvgen.models.moe import SparseMoE
-from kvgen.models.recurrent import RecurrentLM, capture_points, commit_chain
+from kvgen.models.recurrent import RecurrentLM, capture_points
 from kvgen.models.rotary import RotaryEmbedding, inverse_frequencies
 from kvgen.models.short_conv import ShortConvMixer
 from kvgen.models.weights import WeightSource, frozen, linear
@@ -113,26 +113,20 @@ class GraniteHybridModel(RecurrentLM):
         """LoRA reaches a hybrid's attention, mixers and dense MLPs (kvgen/lora/registry.py attaches it)."""
         return adapter_slots(self.lora, adapters)
 
-    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache], slots: list[int]) -> torch.Tensor:
-        """One token per row through every layer in C (models/hybrid_decode.py): a lone row by the
-        batch-1 step, several through each layer together (each weight read once for them all);
-        row r under LoRA adapter slot slots[r] (-1: none)."""
-        d = self.config.decoder
-        h = (self.embed_tokens[torch.tensor(tokens)].float() * d.embedding_multiplier).contiguous()  # [rows, hidden]
-        if len(tokens) == 1:
-            self._step.step(h[0], caches[0], slots[0])
-        else:
-            self._step.step_rows(h, caches, slots)
-        return self.lm_head(self.norm(h)) / d.logits_scaling
+    def _embed_rows(self, tokens: list[int]) -> torch.Tensor:
+        return (self.embed_tokens[torch.tensor(tokens)].float() * self.config.decoder.embedding_multiplier).contiguous()
 
-    def _chain_in_c(self, tokens: list[int], cache: SSMStateCache, num_logits: int, slot: int) -> torch.Tensor:
-        """One sequence's next few tokens as a chain through the C step (`HybridStep.step_chain`),
-        each row as a one-token step computes it, under LoRA adapter slot `slot` (-1: none) -> the
-        last num_logits logits [num_logits, V]."""
-        d = self.config.decoder
-        h = (self.embed_tokens[torch.tensor(tokens)].float() * d.embedding_multiplier).contiguous()  # [rows, hidden]
-        commit_chain(cache, self._step.step_chain(h, cache, slot))  # type: ignore[arg-type]
-        return self.lm_head(self.norm(h[len(tokens) - num_logits :])) / d.logits_scaling
+    def _logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)) / self.config.decoder.logits_scaling
+
+    def _run_c_step(self, h: torch.Tensor, caches: list[SSMStateCache], counts: list[int], slots: list[int]) -> None:
+        """Every layer in C (models/hybrid_decode.py): a lone token by the batch-1 step, several
+        rows through each layer together (each weight read once for them all; a cache's rows as a
+        chain); row r under LoRA adapter slot slots[r] (-1: none); each cache committed."""
+        if counts == [1]:
+            self._step.step(h[0], caches[0], slots[0])  # type: ignore[arg-type]
+        else:
+            self._step.step_rows(h, caches, slots, counts)  # type: ignore[arg-type]
 
     def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
         rows = zip(token_ids, caches, num_logits, slots)

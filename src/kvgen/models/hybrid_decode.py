@@ -12,11 +12,13 @@ These are the kernels the transformer families' C steps and the Mamba-2 step use
 blocks; the torch path remains the reference (tests/parity/test_tiny_granite_hybrid.py and
 test_tiny_lfm2.py compare the two).
 
-The engine's one-token rows of several sequences (`step_rows`) run each layer for all of them in
-one call, so its weights are read once a step instead of once a row: a state layer's mixer over the
-rows and its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer as kvgen_decode_rows_own
-over each row's own contiguous keys and values. A row's bits are those it gets alone
-(tests/support/recurrent.py checks them).
+The engine's rows of several sequences (`step_rows`) run each layer for all of them in one call,
+so its weights are read once a step instead of once a row: a state layer's mixer over the rows and
+its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer as kvgen_decode_rows_own over each
+row's own contiguous keys and values. A sequence may bring a few tokens (a speculative verify, a
+short turn): its rows run as a chain, each row's mixer continuing the row before's states and its
+attention reading the keys up to its own position, so every row is computed as the one-token step
+computes it. A row's bits are those it gets alone (tests/support/recurrent.py checks them).
 
 LoRA: every call takes its layer's lora_linear structs (kernels/lora_delta.c: attention's, the
 MLP's and the mixer's in_proj and out_proj) and each row's adapter slot, so a row with an adapter
@@ -38,7 +40,8 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
-from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chained_states
+from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, linked_rows
+from kvgen.models.recurrent import commit_chain
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
 
@@ -120,36 +123,26 @@ class HybridStep(MixerStructs):
                                self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
                                qlinear_struct(mixer.out_proj))  # fmt: skip
 
-    def _mix(self, layer: _Layer, caches: list[HybridStateCache], h_ptr: int, x_ptr: int, lora: object, slots: ctypes.Array | None,
-             chain: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """A state layer's mixer over the rows of h (one a cache), reading the rows at x_ptr (h's
-        own, or a parallel layer's input before its attention added to h), its output added to h;
-        each cache's new states written. lora: the layer's LoRA structs or None; slots: each row's
-        adapter slot (_slot_array; None without LoRA). chain: a chain of that many rows of the one
-        cache's sequence instead (row r continues row r-1's state), whose states after each row are
-        returned and not written."""
-        rows, slot = chain or len(caches), layer.state_slot
+    def _mix(self, layer: _Layer, caches: list[HybridStateCache], counts: list[int], h_ptr: int, x_ptr: int, lora: object,
+             slots: ctypes.Array | None) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """A state layer's mixer over the rows of h (cache i's next counts[i] tokens, a chain),
+        reading the rows at x_ptr (h's own, or a parallel layer's input before its attention added
+        to h), its output added to h -> each row's new states (conv, recurrent), to commit. lora:
+        the layer's LoRA structs or None; slots: each row's adapter slot (_slot_array; None without LoRA)."""
+        rows, slot = sum(counts), layer.state_slot
 
-        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
-            return (_ptr * rows)(*(t.data_ptr() for t in tensors))
+        def pointers(tensors: list[list[torch.Tensor]]) -> ctypes.Array:
+            return (_ptr * rows)(*(t[0].data_ptr() for t in tensors))
 
-        conv_in = [cache.conv_state(slot).contiguous() for cache in caches]
-        ssm_in = [cache.recurrent_state(slot).contiguous() for cache in caches]
-        if chain:
-            (conv_in, conv_out), (ssm_in, ssm_out) = chained_states(conv_in[0], rows), chained_states(ssm_in[0], rows)
-        else:
-            conv_out, ssm_out = self._outputs_like(conv_in), self._outputs_like(ssm_in)
+        (conv_in, conv_out), (ssm_in, ssm_out) = (linked_rows([[state(slot)] for state in states], counts)
+                                                  for states in ([c.conv_state for c in caches], [c.recurrent_state for c in caches]))  # fmt: skip
         mixer = layer.mixer
         if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
             self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out), lora, slots)
         else:
             self.library.kvgen_mamba2_step_from(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
                                                 pointers(ssm_in), pointers(ssm_out), lora, slots)  # fmt: skip
-        if chain:
-            return list(zip(conv_out, ssm_out))
-        for cache, conv, ssm in zip(caches, conv_out, ssm_out):
-            cache.write(slot, conv, ssm, owned=True)
-        return []
+        return [(conv[0], ssm[0]) for conv, ssm in zip(conv_out, ssm_out)]
 
     def _mixer_input(self, layer: _Layer, h: torch.Tensor) -> int:
         """Where a layer's mixer reads its rows: h itself, or, in a parallel layer, a copy of h taken
@@ -166,12 +159,6 @@ class HybridStep(MixerStructs):
         """Addresses of attention layer `slot`'s keys and values in a cache's buffer (fp32)."""
         return layout.keys.data_ptr() + 4 * slot * layout.layer_stride, layout.values.data_ptr() + 4 * slot * layout.layer_stride
 
-    @staticmethod
-    def _outputs_like(states: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Fresh tensors for a step's new states (the cache keeps the old ones as checkpoints); a
-        short conv's empty recurrent state is handed back as it is."""
-        return [torch.empty_like(state) if state.numel() else state for state in states]
-
     def _scratch(self, size: int) -> int:
         buffer = torch.zeros(size)
         self._keep.append(buffer)
@@ -186,6 +173,7 @@ class HybridStep(MixerStructs):
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
         table = self._lora_tables.for_slots([slot])
         slots = _slot_array([slot]) if table is not None else None  # no adapter: the C calls read no slots
+        states = []
         for index, layer in enumerate(self.layers):
             x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
             if layer.attention is not None:
@@ -196,10 +184,10 @@ class HybridStep(MixerStructs):
                 lib.kvgen_block_post(struct, h_ptr, keys, layout.head_stride, layout.pos_stride, values, layout.head_stride,
                                      layout.pos_stride, 0, position + 1, lora, slot)  # fmt: skip
             if layer.mixer is not None:
-                self._mix(layer, [cache], h_ptr, x_ptr, lora, slots)
+                states += self._mix(layer, [cache], [1], h_ptr, x_ptr, lora, slots)
             if layer.mlp is not None:
                 lib.kvgen_block_mlp(ctypes.byref(layer.mlp), h_ptr, lora, slot)
-        cache.commit(1, {})
+        commit_chain(cache, [states])
 
     def lora_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
         """y (a linear's output for one sequence's rows x) plus adapter slot `slot`'s delta of
@@ -225,18 +213,24 @@ class HybridStep(MixerStructs):
             table = self._rope_table = torch.stack([cos[0, 0], sin[0, 0]], dim=1).contiguous()  # [count, 2, rotary_dim]
         return table[position, 0], table[position, 1]
 
-    def step_rows(self, h: torch.Tensor, caches: list[HybridStateCache], slots: list[int] | None = None) -> None:
-        """h [rows, hidden] (updated in place): each row one token after its own cache, every layer
-        for all rows in one call, row r under LoRA adapter slot slots[r] (-1 or None: none); each
-        cache's states and keys written, then committed."""
-        lib, rows = self.library, h.shape[0]
-        table = self._lora_tables.for_slots(slots or [-1] * rows)
+    def step_rows(self, h: torch.Tensor, caches: list[HybridStateCache], slots: list[int] | None = None,
+                  counts: list[int] | None = None) -> None:  # fmt: skip
+        """h [rows, hidden] (updated in place): cache i's next counts[i] tokens (None: one each), its
+        rows consecutive, every layer for all rows in one call; a cache's rows run as a chain, each
+        row as the one-token step computes its token (attention over its cache up to its own
+        position, the keys of every row written first; a mixer's row continuing the row before's
+        states); cache i's rows under LoRA adapter slot slots[i] (-1 or None: none). Each cache's
+        states and keys written, then committed (`commit_chain`: a verify keeps every position's)."""
+        lib, rows, counts = self.library, h.shape[0], counts or [1] * len(caches)
+        slots = [slot for slot, count in zip(slots or [-1] * len(caches), counts) for _ in range(count)]  # per row
+        table = self._lora_tables.for_slots(slots)
         row_slots = _slot_array(slots) if table is not None else None  # no adapter: the C calls read no slots
-        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == len(caches)
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == sum(counts) == len(slots)
         scratch, h_ptr = ctypes.byref(self._scratch_for_rows(rows)), h.data_ptr()
-        positions = torch.tensor([cache.seq_len for cache in caches], dtype=torch.int64)
-        layouts = [cache.kv.kernel_layout(cache.seq_len + 1) for cache in caches]  # room for the new key
+        positions = torch.tensor([cache.seq_len + j for cache, count in zip(caches, counts) for j in range(count)], dtype=torch.int64)
+        layouts = [layout for cache, count in zip(caches, counts) for layout in [cache.kv.kernel_layout(cache.seq_len + count)] * count]
         rope = self._rows_rope(positions)
+        states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]  # per row, its state layers'
         for index, layer in enumerate(self.layers):
             x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
             if layer.attention is not None:
@@ -246,34 +240,14 @@ class HybridStep(MixerStructs):
                                           self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
                                           positions.data_ptr(), scratch, lora, row_slots)  # fmt: skip
             if layer.mixer is not None:
-                self._mix(layer, caches, h_ptr, x_ptr, lora, row_slots)
+                for row, state in enumerate(self._mix(layer, caches, counts, h_ptr, x_ptr, lora, row_slots)):
+                    states[row].append(state)
             if layer.mlp is not None:
                 lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots)
-        for cache in caches:
-            cache.commit(1, {})
-
-    def step_chain(self, h: torch.Tensor, cache: HybridStateCache, slot: int = -1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """h [rows, hidden] (updated in place): one sequence's next tokens at positions cache.seq_len..,
-        every layer for all rows in one call (its weights read once), each row computed as the
-        one-token step computes its token: attention as `prompt_block`, a mixer's row r continuing
-        row r-1's states, the MLP row by row; under LoRA adapter slot `slot` (-1: none). The keys are
-        written; returns each row's states per state layer ([row][state slot]: (conv, recurrent)),
-        for the caller to commit (recurrent.py's commit_chain)."""
-        lib, rows, start = self.library, h.shape[0], cache.seq_len
-        table = self._lora_tables.for_slots([slot])
-        row_slots = _slot_array([slot] * rows) if table is not None else None
-        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
-        scratch, h_ptr = ctypes.byref(self._scratch_for_rows(rows)), h.data_ptr()
-        states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for index, layer in enumerate(self.layers):
-            x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
-            if layer.attention is not None:
-                self.prompt_block(index, h, cache, start, slot)
-            if layer.mixer is not None:
-                states[layer.state_slot] = self._mix(layer, [cache], h_ptr, x_ptr, lora, row_slots, chain=rows)
-            if layer.mlp is not None:
-                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots)
-        return [[states[s][r] for s in range(len(states))] for r in range(rows)]
+        first = 0
+        for cache, count in zip(caches, counts):
+            commit_chain(cache, states[first : first + count])
+            first += count
 
     def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int, slot: int = -1) -> bool:
         """Attention layer `layer`'s C block (attention, o-proj, and the MLP or mixture where the

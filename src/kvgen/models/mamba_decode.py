@@ -97,6 +97,18 @@ def chained_states(first: torch.Tensor, rows: int) -> tuple[list[torch.Tensor], 
     return [first, *outputs[:-1]], outputs
 
 
+def linked_rows(states: list[list[torch.Tensor]], counts: list[int]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Sequences' states per layer (states[i][layer]) and how many rows each runs -> (inputs,
+    outputs) per row and layer, each sequence's rows linked as a chain (`chained_states`)."""
+    inputs: list[list[torch.Tensor]] = []
+    outputs: list[list[torch.Tensor]] = []
+    for layers, count in zip(states, counts):
+        linked = [chained_states(state.float().contiguous(), count) for state in layers]
+        inputs += [[ins[r] for ins, _ in linked] for r in range(count)]
+        outputs += [[outs[r] for _, outs in linked] for r in range(count)]
+    return inputs, outputs
+
+
 class StateStep(MixerStructs):
     """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
 
@@ -111,32 +123,21 @@ class StateStep(MixerStructs):
         self.num_layers = len(blocks)
 
     def __call__(self, h: torch.Tensor, conv: list[list[torch.Tensor]], ssm: list[list[torch.Tensor]],
-                 chain: bool = False) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:  # fmt: skip
-        """h [rows, hidden] (updated in place), each row's conv and recurrent states per layer
-        (conv[row][layer], any leading batch dimension of 1) -> each row's states after its token
-        (new tensors). The rows share each weight read; a row's bits do not depend on the others.
-        chain: the rows are one sequence's next tokens, conv and ssm its states alone ([1][layer]),
-        and row r continues from row r-1's; each row's states are returned, as a one-token step of
-        its token would leave them."""
+                 counts: list[int] | None = None) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:  # fmt: skip
+        """h [rows, hidden] (updated in place): sequence i's next counts[i] tokens (None: one each),
+        its rows consecutive; conv[i][layer], ssm[i][layer]: its conv and recurrent states (any
+        leading batch dimension of 1) -> each row's states after its token ([row][layer], new
+        tensors). A sequence's rows run as a chain (row r continues row r-1's states) and every row
+        as a one-token step of its token runs; the rows share each weight read, and a row's bits do
+        not depend on the others."""
         rows = h.shape[0]
-        conv_in = [[c.float().contiguous() for c in row] for row in conv]
-        ssm_in = [[s.float().contiguous() for s in row] for row in ssm]
-        if chain:
-            (conv_in, conv_out), (ssm_in, ssm_out) = (self._chain(states[0], rows) for states in (conv_in, ssm_in))
-        else:
-            conv_out = [[torch.empty_like(c) for c in row] for row in conv_in]
-            ssm_out = [[torch.empty_like(s) for s in row] for row in ssm_in]
+        counts = counts or [1] * len(conv)
+        (conv_in, conv_out), (ssm_in, ssm_out) = linked_rows(conv, counts), linked_rows(ssm, counts)
 
         def pointers(states: list[list[torch.Tensor]]) -> ctypes.Array:  # layer-major: index layer * rows + row
             return (_ptr * (rows * self.num_layers))(*(states[r][i].data_ptr() for i in range(self.num_layers) for r in range(rows)))
 
-        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == sum(counts)
         self._function(ctypes.addressof(self._blocks), self.num_layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
                        pointers(ssm_in), pointers(ssm_out))  # fmt: skip
         return conv_out, ssm_out
-
-    @staticmethod
-    def _chain(layers: list[torch.Tensor], rows: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        """A sequence's states per layer -> (inputs, outputs) per row and layer, linked as a chain."""
-        linked = [chained_states(state, rows) for state in layers]
-        return [[inputs[r] for inputs, _ in linked] for r in range(rows)], [[outputs[r] for _, outputs in linked] for r in range(rows)]

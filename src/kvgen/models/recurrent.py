@@ -23,7 +23,7 @@ from kvgen.models.lora import LoraStacks, refuse_adapters
 from kvgen.models.mamba_decode import StateStep, runs_in_c
 from kvgen.models.weights import WeightSource, frozen, linear
 
-# Passes of at most this many tokens run as a chain in C where the C step runs (`_chain_in_c`): a
+# Passes of at most this many tokens run as a chain in C where the C step runs (`_steps_in_c`): a
 # speculative verify (at most 7 drafts and the last token) and short turns. Each row's states are
 # held until the commit, so longer prompts take the scan.
 CHAIN_ROWS = 8
@@ -94,7 +94,7 @@ class SSMBlock(nn.Module):
 class RecurrentLM(nn.Module):
     """forward(input_ids, cache) like DecoderLM's, over an SSMStateCache instead of a KV cache."""
 
-    use_fast_decode = False  # the attention blocks' C path; one token per row runs _decode_in_c instead
+    use_fast_decode = False  # the attention blocks' C path; short rows run _steps_in_c instead
     c_decode = True  # False: one token per row runs the torch step too (the reference the C step is tested against)
     embed_tokens: nn.Parameter
     layers: nn.ModuleList
@@ -181,26 +181,20 @@ class RecurrentLM(nn.Module):
 
     def _forward_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int],
                        slots: list[int]) -> torch.Tensor:  # fmt: skip
-        in_c = self._c_step() is not None
-        decodes = [row for row, ids in enumerate(token_ids) if len(ids) == 1] if in_c else []
-        if len(decodes) == len(token_ids):
-            return self._decode_in_c([ids[0] for ids in token_ids], caches, slots)
-        chains = [row for row, ids in enumerate(token_ids) if 1 < len(ids) <= CHAIN_ROWS] if in_c else []
-        others = sorted(set(range(len(token_ids))) - set(decodes) - set(chains))
-        if len(others) == len(token_ids):
+        short = [row for row, ids in enumerate(token_ids) if len(ids) <= CHAIN_ROWS] if self._c_step() is not None else []
+        if len(short) == len(token_ids):
+            return self._steps_in_c(token_ids, caches, num_logits, slots)
+        if not short:
             return self._scan_batch(token_ids, caches, num_logits, slots)
-        # The decodes take the C step and the short passes the C chain, so a row's bits do not
+        # The short rows (decodes, verifies, short chunks) take the C step, so a row's bits do not
         # depend on what else the step holds; longer prompt chunks take the scan.
-        parts = {row: self._chain_in_c(token_ids[row], caches[row], num_logits[row], slots[row]) for row in chains}
-        if decodes:
-            decoded = self._decode_in_c([token_ids[row][0] for row in decodes], [caches[row] for row in decodes],
-                                        [slots[row] for row in decodes])  # fmt: skip
-            parts |= dict(zip(decodes, decoded[:, None]))
-        if others:
-            scanned = self._scan_batch([token_ids[row] for row in others], [caches[row] for row in others],
-                                       [num_logits[row] for row in others], [slots[row] for row in others])  # fmt: skip
-            parts |= dict(zip(others, scanned.split([num_logits[row] for row in others])))
-        return torch.cat([parts[row][-num_logits[row] :] for row in range(len(token_ids))])
+        others = sorted(set(range(len(token_ids))) - set(short))
+        parts = {}
+        for rows, run in ((short, self._steps_in_c), (others, self._scan_batch)):
+            logits = run([token_ids[row] for row in rows], [caches[row] for row in rows], [num_logits[row] for row in rows],
+                         [slots[row] for row in rows])  # fmt: skip
+            parts |= dict(zip(rows, logits.split([num_logits[row] for row in rows])))
+        return torch.cat([parts[row] for row in range(len(token_ids))])
 
     def _scan_batch(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
         """Ragged rows through the torch blocks (the prefill scan) -> each row's last num_logits logits [sum, V]
@@ -241,27 +235,32 @@ class RecurrentLM(nn.Module):
     def _build_step(self) -> Any:
         return StateStep(self)
 
-    def _decode_in_c(self, tokens: list[int], caches: list[SSMStateCache], slots: list[int]) -> torch.Tensor:
-        """One token per row, all rows' blocks in one C call (each weight read once for them all);
-        the states committed as the torch path commits them (the cache takes its checkpoints at commit).
-        slots: all -1 here (`_adapter_slots` refused any adapter)."""
-        layers = range(len(self.layers))
-        h = self.embed_tokens[torch.tensor(tokens)].float().contiguous()  # [rows, hidden]
-        convs, states = self._step(h, [[c.conv_state(i) for i in layers] for c in caches],
-                                   [[c.recurrent_state(i) for i in layers] for c in caches])  # fmt: skip
-        for row, cache in enumerate(caches):
-            for i in layers:
-                cache.write(i, convs[row][i], states[row][i], owned=True)  # fresh tensors only this cache holds
-            cache.commit(1, {})
-        return self.lm_head(self.norm(h))  # [rows, V]
+    def _steps_in_c(self, token_ids: list[list[int]], caches: list[SSMStateCache], num_logits: list[int], slots: list[int]) -> torch.Tensor:
+        """Each row's few tokens (at most CHAIN_ROWS: a decode, a speculative verify, a short chunk)
+        through the C step in one call per block for all of them, every weight read once; a row's
+        tokens run as a chain, each as a one-token step of it runs, so a verify's or a short turn's
+        states and logits are plain decoding's bit for bit -> each row's last num_logits logits [sum, V]."""
+        counts = [len(ids) for ids in token_ids]
+        h = self._embed_rows([token for ids in token_ids for token in ids])  # [sum(counts), hidden]
+        self._run_c_step(h, caches, counts, slots)
+        if counts != num_logits:  # only the rows whose logits are asked for
+            ends = torch.tensor(counts).cumsum(0).tolist()
+            h = h[[end - n + j for end, n in zip(ends, num_logits) for j in range(n)]]
+        return self._logits_of(h)
 
-    def _chain_in_c(self, tokens: list[int], cache: SSMStateCache, num_logits: int, slot: int) -> torch.Tensor:
-        """One sequence's next few tokens as a chain through the C step: every block's weights read
-        once for them all, each row computed as a one-token step of its token is, so a verify's
-        states and logits are plain decoding's bit for bit -> the last num_logits logits [num_logits, V].
-        slot: -1 here (`_adapter_slots` refused any adapter)."""
+    def _embed_rows(self, tokens: list[int]) -> torch.Tensor:
+        return self.embed_tokens[torch.tensor(tokens)].float().contiguous()
+
+    def _logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def _run_c_step(self, h: torch.Tensor, caches: list[SSMStateCache], counts: list[int], slots: list[int]) -> None:
+        """h [sum(counts), hidden] (updated in place) through every block, cache i's next counts[i]
+        tokens; each cache's states committed (slots: all -1 here, `_adapter_slots` refused any adapter)."""
         layers = range(len(self.layers))
-        h = self.embed_tokens[torch.tensor(tokens)].float().contiguous()  # [rows, hidden]
-        convs, states = self._step(h, [[cache.conv_state(i) for i in layers]], [[cache.recurrent_state(i) for i in layers]], chain=True)
-        commit_chain(cache, [list(zip(conv, state)) for conv, state in zip(convs, states)])
-        return self.lm_head(self.norm(h[len(tokens) - num_logits :]))  # [num_logits, V]
+        convs, states = self._step(h, [[c.conv_state(i) for i in layers] for c in caches],
+                                   [[c.recurrent_state(i) for i in layers] for c in caches], counts)  # fmt: skip
+        first = 0
+        for cache, count in zip(caches, counts):
+            commit_chain(cache, [list(zip(convs[row], states[row])) for row in range(first, first + count)])
+            first += count
