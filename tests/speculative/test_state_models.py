@@ -148,7 +148,7 @@ def run(session: Any, ids: list[int], params: SamplingParams, speculative: Specu
     return stream.result.token_ids
 
 
-@pytest.mark.parametrize("name", ["mamba", "granite", "nemotron-3-nano"])
+@pytest.mark.parametrize("name", ["mamba", "lfm2", "granite", "nemotron-3-nano"])
 def test_the_engine_verifies_drafts_beside_other_requests(name: str, models: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
     """Four requests decode together in the engine, each verifying drafts that are accepted and
     rejected in the same steps as the others' (one of them a plain request): each gives the tokens

@@ -10,6 +10,7 @@ import torch
 from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
+from kvgen.kv.ssm import materialized
 
 
 def random_ids(count: int, seed: int) -> list[int]:
@@ -146,7 +147,7 @@ def assert_a_chain_is_one_token_steps(llm: LLM, prompt: list[int], more: list[in
         verified = model(torch.tensor([more]), chained, logits_to_keep=len(more), adapter=adapter)[0]
     assert not scans, "the verify ran the prompt scan, not the C chain"
     assert torch.equal(verified, torch.cat(logits)), (verified - torch.cat(logits)).abs().max().item()
-    kept = {**chained._positions, chained.seq_len: [(chained.conv_state(i), chained.recurrent_state(i)) for i in range(chained.spec.num_layers)]}
+    kept = {**{p: materialized(states) for p, states in chained._positions.items()}, chained.seq_len: [(chained.conv_state(i), chained.recurrent_state(i)) for i in range(chained.spec.num_layers)]}
     for position, expected in enumerate(states, start=len(prompt) + 1):
         for layer, ((conv, recurrent), (want_conv, want_recurrent)) in enumerate(zip(kept[position], expected)):
             assert torch.equal(conv, want_conv) and torch.equal(recurrent, want_recurrent), (position, layer)

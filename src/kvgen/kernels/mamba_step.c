@@ -400,10 +400,27 @@ typedef struct {
 // stream: Falcon-H1's attention and Mamba read the same input and add into one h).
 // lora: [num_layers, LORA_LINEARS] adapter deltas or NULL (in_proj's and out_proj's: LORA_MIXER_IN,
 // LORA_MIXER_OUT); lora_slots[r]: row r's adapter slot (-1: none, the bits of the base-only step).
-void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
-                            const float* const* conv_in, float* const* conv_out, const float* const* ssm_in,
-                            float* const* ssm_out, const lora_linear* lora, const int64_t* lora_slots) {
-    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0;
+// In a chain, ssm_in[r] NULL continues from the row before's recurrent state and ssm_out[r] NULL
+// keeps it only in the kernel: a verify writes one state, not one a draft (a state is megabytes,
+// and writing them cost most of a verify). trace (one layer; NULL: none) then takes each row's
+// recurrence inputs [rows, conv_dim + heads] (the conv's output, then the raw dt), from which
+// kvgen_mamba2_replay rebuilds the state after any row with the same bits.
+// Each row's and head's dt = softplus(raw dt + bias) and decay e^(dt A), once a head instead of once
+// a channel (steps [rows, heads, 2]; raw: row r's raw dts at raw + r * stride). Inside a team.
+static void head_steps(const mamba2_block_t* b, int64_t rows, const float* raw, int64_t stride, float* steps) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * b->heads; i++) {
+        const int64_t r = i / b->heads, head = i % b->heads;
+        const float dt = softplus(raw[r * stride + head] + b->dt_bias[head]);
+        steps[2 * i] = dt;
+        steps[2 * i + 1] = exp_lane(dt * b->A[head]);
+    }
+}
+
+static void mamba2_rows(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
+                        const float* const* conv_in, float* const* conv_out, const float* const* ssm_in, float* const* ssm_out,
+                        const lora_linear* lora, const int64_t* lora_slots, float* trace) {
+    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0, heads = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba2_block_t* b = &blocks[l];
         const int64_t wide = b->heads * b->head_dim, width = 2 * wide + 2 * b->groups * b->state + b->heads;
@@ -411,10 +428,11 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
         widest = wide > widest ? wide : widest;
         inner = wide > inner ? wide : inner;
         projected = width > projected ? width : projected;
+        heads = b->heads > heads ? b->heads : heads;
     }
-    const step_scratch sc = step_scratch_new(rows * (hidden + 2 * projected + inner + hidden), rows, widest);
+    const step_scratch sc = step_scratch_new(rows * (hidden + 2 * projected + inner + hidden + 2 * heads), rows, widest);
     float *x = sc.floats, *proj = x + rows * hidden, *xbc = proj + rows * projected, *y = xbc + rows * projected;
-    float* out = y + rows * inner;
+    float *out = y + rows * inner, *steps = out + rows * hidden;
     float* xa = lora ? malloc(sizeof(float) * (size_t)(rows * lora_width(lora, num_layers * LORA_LINEARS) + 1)) : NULL;  // LoRA's A x
 #pragma omp parallel
     for (int64_t layer = 0; layer < num_layers; layer++) {
@@ -432,17 +450,29 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
             for (int64_t r = 0; r < rows; r++)
                 xbc[r * conv_dim + i] = conv_channel(conv_in[layer * rows + r] + i * k, proj[r * width + n_inner + i], b->conv_w + i * k,
                                                      b->conv_b ? b->conv_b[i] : 0.0f, conv_out[layer * rows + r] + i * k, k);
+        if (trace) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                memcpy(trace + r * (conv_dim + b->heads), xbc + r * conv_dim, sizeof(float) * (size_t)conv_dim);
+                memcpy(trace + r * (conv_dim + b->heads) + conv_dim, proj + r * width + n_inner + conv_dim, sizeof(float) * (size_t)b->heads);
+            }
+        }
+        head_steps(b, rows, proj + n_inner + conv_dim, width, steps);
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < n_inner; c++) {
+            float held[2][b->state];  // a chain's states that are not kept
+            const float* previous = NULL;
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t head = c / b->head_dim, g = head / per_group;
                 const float* p = proj + r * width;
                 const float* v = xbc + r * conv_dim;
-                const float dt = softplus(p[n_inner + conv_dim + head] + b->dt_bias[head]);
+                const float* step = steps + 2 * (r * b->heads + head);
                 const float* B = v + n_inner + g * b->state;
-                const float acc = scan_channel(NULL, dt, exp_lane(dt * b->A[head]), v[c], B, B + grouped,
-                                               ssm_in[layer * rows + r] + c * b->state, ssm_out[layer * rows + r] + c * b->state, b->state);
+                const float* s_in = ssm_in[layer * rows + r] ? ssm_in[layer * rows + r] + c * b->state : previous;
+                float* s_out = ssm_out[layer * rows + r] ? ssm_out[layer * rows + r] + c * b->state : held[r & 1];
+                const float acc = scan_channel(NULL, step[0], step[1], v[c], B, B + grouped, s_in, s_out, b->state);
                 y[r * n_inner + c] = (acc + v[c] * b->D[head]) * silu(p[c]);  // gated: y SiLU(z)
+                previous = s_out;
             }
         }
         const int64_t part_width = n_inner / b->groups;
@@ -463,6 +493,46 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
     }
     free(xa);
     step_scratch_free(sc);
+}
+
+void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
+                            const float* const* conv_in, float* const* conv_out, const float* const* ssm_in,
+                            float* const* ssm_out, const lora_linear* lora, const int64_t* lora_slots) {
+    mamba2_rows(blocks, num_layers, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, NULL);
+}
+
+// One layer's rows, a chain among them, with its trace (see mamba2_rows).
+void kvgen_mamba2_chain(const mamba2_block_t* block, int64_t rows, const float* x_in, float* h, const float* const* conv_in,
+                        float* const* conv_out, const float* const* ssm_in, float* const* ssm_out, const lora_linear* lora,
+                        const int64_t* lora_slots, float* trace) {
+    mamba2_rows(block, 1, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, trace);
+}
+
+// The recurrent state after the first `rows` rows of a chain that started from s_in, from its trace
+// (kvgen_mamba2_chain's): each channel's update as the step computed it, so the same bits.
+void kvgen_mamba2_replay(const mamba2_block_t* b, int64_t rows, const float* trace, const float* s_in, float* s_out) {
+    const int64_t n_inner = b->heads * b->head_dim, grouped = b->groups * b->state, conv_dim = n_inner + 2 * grouped;
+    const int64_t per_group = b->heads / b->groups;
+    float* steps = malloc(sizeof(float) * (size_t)(2 * rows * b->heads));
+#pragma omp parallel
+    {
+        head_steps(b, rows, trace + conv_dim, conv_dim + b->heads, steps);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < n_inner; c++) {
+            float held[2][b->state];
+            const int64_t head = c / b->head_dim, g = head / per_group;
+            const float* previous = s_in + c * b->state;
+            for (int64_t r = 0; r < rows; r++) {
+                const float* v = trace + r * (conv_dim + b->heads);
+                const float* step = steps + 2 * (r * b->heads + head);
+                const float* B = v + n_inner + g * b->state;
+                float* s_out_r = r == rows - 1 ? s_out + c * b->state : held[r & 1];
+                scan_channel(NULL, step[0], step[1], v[c], B, B + grouped, previous, s_out_r, b->state);
+                previous = s_out_r;
+            }
+        }
+    }
+    free(steps);
 }
 
 void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,

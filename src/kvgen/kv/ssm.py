@@ -18,6 +18,7 @@ them all at `commit`, so a pass that fails half-way leaves the cache as it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,7 +36,19 @@ class SSMSpec:
         return self.num_layers * (torch.Size(self.conv_shape).numel() + torch.Size(self.state_shape).numel()) * element
 
 
-States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: conv, recurrent
+class DeferredState(Protocol):
+    """A recurrent state a pass did not write out, built on demand: a verify writes only its last
+    position's (a state is megabytes) and keeps what rebuilds the others (models/hybrid_decode.py)."""
+
+    def materialize(self) -> torch.Tensor: ...
+
+
+States = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: conv, recurrent (a kept position's: maybe a DeferredState)
+
+
+def materialized(states: States) -> States:
+    """The states with any deferred recurrent state built."""
+    return [(conv, recurrent if isinstance(recurrent, torch.Tensor) else recurrent.materialize()) for conv, recurrent in states]
 
 
 class SSMStateCache:
@@ -101,7 +114,9 @@ class SSMStateCache:
         for offset, states in sorted((snapshots or {}).items()):
             if not 0 < offset < num_tokens or len(states) != self.spec.num_layers:
                 raise ValueError(f"a snapshot after {offset} of {num_tokens} tokens with {len(states)} layers cannot be kept")
-            kept[self._seq_len + offset] = [(c.detach().to(self.spec.dtype), r.detach().to(self.spec.dtype)) for c, r in states]
+            if not self.keep_positions:  # a checkpoint holds tensors
+                states = materialized(states)
+            kept[self._seq_len + offset] = [(self._own(c), self._own(r)) for c, r in states]
         self._states = [self._staged[layer] for layer in range(self.spec.num_layers)]
         self._staged = {}
         self._seq_len += num_tokens
@@ -109,6 +124,9 @@ class SSMStateCache:
             del self._checkpoints[min(self._checkpoints)]
         if not self.keep_positions and self._due():  # a kept pass checkpoints once it is settled
             self.checkpoint()
+
+    def _own(self, state: "torch.Tensor | DeferredState") -> "torch.Tensor | DeferredState":
+        return state.detach().to(self.spec.dtype) if isinstance(state, torch.Tensor) else state
 
     def _due(self, length: int | None = None) -> bool:
         """Whether the cadence takes a checkpoint at `length` (None: seq_len)."""
@@ -124,7 +142,7 @@ class SSMStateCache:
         held, self._positions = self._positions, {}
         for length in sorted(p for p in held if p < self._seq_len):
             if self._due(length):
-                self._checkpoints[length] = held[length]
+                self._checkpoints[length] = materialized(held[length])
         if self._due():
             self.checkpoint()
         while len(self._checkpoints) > self.max_checkpoints:
@@ -155,8 +173,11 @@ class SSMStateCache:
                 f"cannot truncate a recurrent state to {num_tokens}: the nearest checkpoint is {point}; "
                 f"truncate to {point} (resume_point) and recompute the tokens after it"
             )
-        if num_tokens < self._seq_len:
-            snapshot = self._positions.get(num_tokens) or self._checkpoints.get(num_tokens)
+        if num_tokens in self._positions and num_tokens < self._seq_len:
+            # a verify's own states (nothing modifies a state in place: the next step writes new ones)
+            self._states = self._positions[num_tokens] = materialized(self._positions[num_tokens])
+        elif num_tokens < self._seq_len:
+            snapshot = self._checkpoints.get(num_tokens)
             self._states = [(c.clone(), r.clone()) for c, r in snapshot] if snapshot else self._zeros()
         self._checkpoints = {length: s for length, s in self._checkpoints.items() if length <= num_tokens}
         self._staged, self._seq_len = {}, num_tokens

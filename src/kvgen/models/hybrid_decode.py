@@ -86,6 +86,25 @@ def _slot_array(slots: list[int]) -> ctypes.Array:
     return (_i64 * len(slots))(*slots)
 
 
+def _nullable(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+    return (_ptr * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+class _Replay:
+    """A Mamba-2 layer's recurrent state after the first rows of a chain, which the chain did not
+    write out (kv/ssm.py's DeferredState): kvgen_mamba2_replay rebuilds it from the state the chain
+    started from and the rows' trace, with the bits the step computed."""
+
+    def __init__(self, library: ctypes.CDLL, block: ctypes.Array, start: torch.Tensor, trace: torch.Tensor):
+        self.library, self.block, self.start, self.trace = library, block, start, trace
+
+    def materialize(self) -> torch.Tensor:
+        state = torch.empty_like(self.start)
+        self.library.kvgen_mamba2_replay(ctypes.addressof(self.block), self.trace.shape[0], self.trace.data_ptr(), self.start.data_ptr(),
+                                         state.data_ptr())  # fmt: skip
+        return state
+
+
 class HybridStep(MixerStructs):
     """The C step over a GraniteHybridModel's layers (which must pass `hybrid_runs_in_c`)."""
 
@@ -134,15 +153,33 @@ class HybridStep(MixerStructs):
         def pointers(tensors: list[list[torch.Tensor]]) -> ctypes.Array:
             return (_ptr * rows)(*(t[0].data_ptr() for t in tensors))
 
-        (conv_in, conv_out), (ssm_in, ssm_out) = (linked_rows([[state(slot)] for state in states], counts)
-                                                  for states in ([c.conv_state for c in caches], [c.recurrent_state for c in caches]))  # fmt: skip
+        conv_in, conv_out = linked_rows([[cache.conv_state(slot)] for cache in caches], counts)
         mixer = layer.mixer
         if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
             self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out), lora, slots)
-        else:
+            empty = [cache.recurrent_state(slot) for cache, count in zip(caches, counts) for _ in range(count)]
+            return [(conv[0], recurrent) for conv, recurrent in zip(conv_out, empty)]
+        if counts == [1] * len(caches):
+            ssm_in, ssm_out = linked_rows([[cache.recurrent_state(slot)] for cache in caches], counts)
             self.library.kvgen_mamba2_step_from(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
                                                 pointers(ssm_in), pointers(ssm_out), lora, slots)  # fmt: skip
-        return [(conv[0], ssm[0]) for conv, ssm in zip(conv_out, ssm_out)]
+            return [(conv[0], ssm[0]) for conv, ssm in zip(conv_out, ssm_out)]
+        # A chain writes each sequence's last recurrent state only, and a trace that rebuilds the others.
+        block = mixer[0]
+        trace = torch.empty(rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
+        starts = [cache.recurrent_state(slot).float().contiguous() for cache in caches]
+        ends = [torch.empty_like(start) for start in starts]
+        ssm_in = [start if j == 0 else None for start, count in zip(starts, counts) for j in range(count)]
+        ssm_out = [end if j == count - 1 else None for end, count in zip(ends, counts) for j in range(count)]
+        self.library.kvgen_mamba2_chain(ctypes.addressof(mixer), rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
+                                        _nullable(ssm_in), _nullable(ssm_out), lora, slots, trace.data_ptr())  # fmt: skip
+        states, first = [], 0
+        for start, end, count in zip(starts, ends, counts):
+            for j in range(count):
+                recurrent = end if j == count - 1 else _Replay(self.library, mixer, start, trace[first : first + j + 1])
+                states.append((conv_out[first + j][0], recurrent))
+            first += count
+        return states
 
     def _mixer_input(self, layer: _Layer, h: torch.Tensor) -> int:
         """Where a layer's mixer reads its rows: h itself, or, in a parallel layer, a copy of h taken
