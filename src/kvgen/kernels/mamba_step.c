@@ -402,9 +402,10 @@ typedef struct {
 // LORA_MIXER_OUT); lora_slots[r]: row r's adapter slot (-1: none, the bits of the base-only step).
 // In a chain, ssm_in[r] NULL continues from the row before's recurrent state and ssm_out[r] NULL
 // keeps it only in the kernel: a verify writes one state, not one a draft (a state is megabytes,
-// and writing them cost most of a verify). trace (one layer; NULL: none) then takes each row's
-// recurrence inputs [rows, conv_dim + heads] (the conv's output, then the raw dt), from which
-// kvgen_mamba2_replay rebuilds the state after any row with the same bits.
+// and writing them cost most of a verify). trace (NULL: none) then takes each row's recurrence
+// inputs, layer l's [rows, conv_dim + heads] at trace + l * rows * (the widest layer's conv_dim +
+// heads): the conv's output, then the raw dt, from which kvgen_mamba2_replay rebuilds the state
+// after any row with the same bits.
 // Each row's and head's dt = softplus(raw dt + bias) and decay e^(dt A), once a head instead of once
 // a channel (steps [rows, heads, 2]; raw: row r's raw dts at raw + r * stride). Inside a team.
 static void head_steps(const mamba2_block_t* b, int64_t rows, const float* raw, int64_t stride, float* steps) {
@@ -420,10 +421,11 @@ static void head_steps(const mamba2_block_t* b, int64_t rows, const float* raw, 
 static void mamba2_rows(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
                         const float* const* conv_in, float* const* conv_out, const float* const* ssm_in, float* const* ssm_out,
                         const lora_linear* lora, const int64_t* lora_slots, float* trace) {
-    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0, heads = 0;
+    int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0, heads = 0, traced = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba2_block_t* b = &blocks[l];
         const int64_t wide = b->heads * b->head_dim, width = 2 * wide + 2 * b->groups * b->state + b->heads;
+        traced = width - wide > traced ? width - wide : traced;  // conv_dim + heads
         widest = b->hidden > widest ? b->hidden : widest;
         widest = wide > widest ? wide : widest;
         inner = wide > inner ? wide : inner;
@@ -451,10 +453,12 @@ static void mamba2_rows(const mamba2_block_t* blocks, int64_t num_layers, int64_
                 xbc[r * conv_dim + i] = conv_channel(conv_in[layer * rows + r] + i * k, proj[r * width + n_inner + i], b->conv_w + i * k,
                                                      b->conv_b ? b->conv_b[i] : 0.0f, conv_out[layer * rows + r] + i * k, k);
         if (trace) {
+            float* layer_trace = trace + layer * rows * traced;
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
-                memcpy(trace + r * (conv_dim + b->heads), xbc + r * conv_dim, sizeof(float) * (size_t)conv_dim);
-                memcpy(trace + r * (conv_dim + b->heads) + conv_dim, proj + r * width + n_inner + conv_dim, sizeof(float) * (size_t)b->heads);
+                memcpy(layer_trace + r * (conv_dim + b->heads), xbc + r * conv_dim, sizeof(float) * (size_t)conv_dim);
+                memcpy(layer_trace + r * (conv_dim + b->heads) + conv_dim, proj + r * width + n_inner + conv_dim,
+                       sizeof(float) * (size_t)b->heads);
             }
         }
         head_steps(b, rows, proj + n_inner + conv_dim, width, steps);
@@ -501,11 +505,11 @@ void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, in
     mamba2_rows(blocks, num_layers, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, NULL);
 }
 
-// One layer's rows, a chain among them, with its trace (see mamba2_rows).
-void kvgen_mamba2_chain(const mamba2_block_t* block, int64_t rows, const float* x_in, float* h, const float* const* conv_in,
-                        float* const* conv_out, const float* const* ssm_in, float* const* ssm_out, const lora_linear* lora,
-                        const int64_t* lora_slots, float* trace) {
-    mamba2_rows(block, 1, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, trace);
+// Rows with chains among them, with their trace (see mamba2_rows).
+void kvgen_mamba2_chain(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
+                        const float* const* conv_in, float* const* conv_out, const float* const* ssm_in, float* const* ssm_out,
+                        const lora_linear* lora, const int64_t* lora_slots, float* trace) {
+    mamba2_rows(blocks, num_layers, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, trace);
 }
 
 // The recurrent state after the first `rows` rows of a chain that started from s_in, from its trace

@@ -40,7 +40,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
-from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, linked_rows
+from kvgen.models.mamba_decode import MixerStructs, Replay, _Mamba2Block, linked_rows, nullable
 from kvgen.models.recurrent import commit_chain
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -84,25 +84,6 @@ def hybrid_runs_in_c(model: nn.Module) -> bool:
 def _slot_array(slots: list[int]) -> ctypes.Array:
     """Each row's LoRA adapter slot as the C calls read them (int64)."""
     return (_i64 * len(slots))(*slots)
-
-
-def _nullable(tensors: list[torch.Tensor | None]) -> ctypes.Array:
-    return (_ptr * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
-
-
-class _Replay:
-    """A Mamba-2 layer's recurrent state after the first rows of a chain, which the chain did not
-    write out (kv/ssm.py's DeferredState): kvgen_mamba2_replay rebuilds it from the state the chain
-    started from and the rows' trace, with the bits the step computed."""
-
-    def __init__(self, library: ctypes.CDLL, block: ctypes.Array, start: torch.Tensor, trace: torch.Tensor):
-        self.library, self.block, self.start, self.trace = library, block, start, trace
-
-    def materialize(self) -> torch.Tensor:
-        state = torch.empty_like(self.start)
-        self.library.kvgen_mamba2_replay(ctypes.addressof(self.block), self.trace.shape[0], self.trace.data_ptr(), self.start.data_ptr(),
-                                         state.data_ptr())  # fmt: skip
-        return state
 
 
 class HybridStep(MixerStructs):
@@ -171,12 +152,12 @@ class HybridStep(MixerStructs):
         ends = [torch.empty_like(start) for start in starts]
         ssm_in = [start if j == 0 else None for start, count in zip(starts, counts) for j in range(count)]
         ssm_out = [end if j == count - 1 else None for end, count in zip(ends, counts) for j in range(count)]
-        self.library.kvgen_mamba2_chain(ctypes.addressof(mixer), rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
-                                        _nullable(ssm_in), _nullable(ssm_out), lora, slots, trace.data_ptr())  # fmt: skip
+        self.library.kvgen_mamba2_chain(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
+                                        nullable(ssm_in), nullable(ssm_out), lora, slots, trace.data_ptr())  # fmt: skip
         states, first = [], 0
         for start, end, count in zip(starts, ends, counts):
             for j in range(count):
-                recurrent = end if j == count - 1 else _Replay(self.library, mixer, start, trace[first : first + j + 1])
+                recurrent = end if j == count - 1 else Replay(self.library, mixer, 0, start, trace[first : first + j + 1])
                 states.append((conv_out[first + j][0], recurrent))
             first += count
         return states

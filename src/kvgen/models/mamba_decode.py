@@ -109,6 +109,27 @@ def linked_rows(states: list[list[torch.Tensor]], counts: list[int]) -> tuple[li
     return inputs, outputs
 
 
+def nullable(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+    """Pointers to the tensors' data, NULL for a None (a chain's state the kernel keeps to itself)."""
+    return (_ptr * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+class Replay:
+    """A Mamba-2 layer's recurrent state after the first rows of a chain, which the chain did not
+    write out (kv/ssm.py's DeferredState): kvgen_mamba2_replay rebuilds it from the state the chain
+    started from and the rows' trace, with the bits the step computed. blocks[index] is the layer's
+    struct (the array is kept alive with it)."""
+
+    def __init__(self, library: ctypes.CDLL, blocks: ctypes.Array, index: int, start: torch.Tensor, trace: torch.Tensor):
+        self.library, self.blocks, self.index, self.start, self.trace = library, blocks, index, start, trace
+
+    def materialize(self) -> torch.Tensor:
+        state = torch.empty_like(self.start)
+        block = ctypes.addressof(self.blocks) + self.index * ctypes.sizeof(_Mamba2Block)
+        self.library.kvgen_mamba2_replay(block, self.trace.shape[0], self.trace.data_ptr(), self.start.data_ptr(), state.data_ptr())
+        return state
+
+
 class StateStep(MixerStructs):
     """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
 
@@ -120,6 +141,7 @@ class StateStep(MixerStructs):
         blocks = [describe(block, model.config) for block in model.layers]
         self._blocks = (struct * len(blocks))(*blocks)
         self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
+        self._mamba2 = mamba2
         self.num_layers = len(blocks)
 
     def __call__(self, h: torch.Tensor, conv: list[list[torch.Tensor]], ssm: list[list[torch.Tensor]],
@@ -130,14 +152,31 @@ class StateStep(MixerStructs):
         tensors). A sequence's rows run as a chain (row r continues row r-1's states) and every row
         as a one-token step of its token runs; the rows share each weight read, and a row's bits do
         not depend on the others."""
-        rows = h.shape[0]
+        rows, layers = h.shape[0], self.num_layers
         counts = counts or [1] * len(conv)
         (conv_in, conv_out), (ssm_in, ssm_out) = linked_rows(conv, counts), linked_rows(ssm, counts)
 
-        def pointers(states: list[list[torch.Tensor]]) -> ctypes.Array:  # layer-major: index layer * rows + row
-            return (_ptr * (rows * self.num_layers))(*(states[r][i].data_ptr() for i in range(self.num_layers) for r in range(rows)))
+        def pointers(states: list[list[torch.Tensor | None]]) -> ctypes.Array:  # layer-major: index layer * rows + row
+            return nullable([states[r][i] for i in range(layers) for r in range(rows)])
 
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == sum(counts)
-        self._function(ctypes.addressof(self._blocks), self.num_layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
-                       pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+        if not self._mamba2 or counts == [1] * len(counts):
+            self._function(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
+                           pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+            return conv_out, ssm_out
+        # A Mamba-2 chain writes each sequence's last recurrent states only, and a trace that rebuilds the others.
+        block = self._blocks[0]
+        trace = torch.empty(layers, rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
+        bounds = torch.tensor(counts).cumsum(0).tolist()  # each sequence's rows end there
+        firsts, lasts = {end - count for end, count in zip(bounds, counts)}, {end - 1 for end in bounds}
+        ssm_in = [states if row in firsts else [None] * layers for row, states in enumerate(ssm_in)]
+        kept = [states if row in lasts else [None] * layers for row, states in enumerate(ssm_out)]
+        self.library.kvgen_mamba2_chain(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), h.data_ptr(), pointers(conv_in),
+                                        pointers(conv_out), pointers(ssm_in), pointers(kept), None, None, trace.data_ptr())  # fmt: skip
+        first = 0
+        for count in counts:
+            starts = ssm_in[first]
+            for j in range(count - 1):
+                ssm_out[first + j] = [Replay(self.library, self._blocks, i, starts[i], trace[i, first : first + j + 1]) for i in range(layers)]
+            first += count
         return conv_out, ssm_out
