@@ -1,4 +1,4 @@
-"""What a speculative verify costs on a model that keeps its own state (the hybrids, Mamba-2): the
+"""What a speculative verify costs on a model that keeps its own state (the hybrids, Mamba-2, Mamba): the
 target over the last id and k drafts in one pass that keeps the state after each position, then
 the roll back to the first, against k + 1 plain one-token decode steps.
 
@@ -11,7 +11,7 @@ per verify), the bound prompt lookup approaches on text it can copy.
 Files: benchmarks/random_gguf.py's random q4 files (`--models` names their families), 256-token
 context, medians of `--repeats` calls each, the calls taking turns.
 
-    python benchmarks/state_verify.py --models nemotron-h lfm2-moe falcon-h1
+    python benchmarks/state_verify.py --models nemotron-h lfm2-moe falcon-h1 mamba2 mamba
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def verify_costs(llm: LLM, drafts: list[int], repeats: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["nemotron-h", "lfm2-moe", "falcon-h1"])
+    parser.add_argument("--models", nargs="+", default=["nemotron-h", "lfm2-moe", "falcon-h1", "mamba2", "mamba"])
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 4, 7])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
