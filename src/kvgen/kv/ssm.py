@@ -38,7 +38,7 @@ class SSMSpec:
 
 class DeferredState(Protocol):
     """A recurrent state a pass did not write out, built on demand: a verify writes only its last
-    position's (a state is megabytes) and keeps what rebuilds the others (models/hybrid_decode.py)."""
+    position's (a state is megabytes) and keeps what rebuilds the others (models/mamba_decode.py's Replay)."""
 
     def materialize(self) -> torch.Tensor: ...
 
