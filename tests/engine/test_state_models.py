@@ -18,7 +18,7 @@ from kvgen.engine import EngineConfig, LLMEngine, RequestStatus
 from kvgen.speculative.config import SpeculativeConfig
 from tests.server.live import live_server
 from tests.support.models import PROMPTS
-from tests.support.recurrent import random_ids, transformers_greedy
+from tests.support.recurrent import assert_idle, random_ids, transformers_greedy
 from tests.support.tiny_hf import save_tiny_mamba, save_tiny_mamba2, save_tiny_t5, tokenizer_folder
 
 pytestmark = pytest.mark.slow
@@ -55,14 +55,6 @@ def t5_reference(model: Any, ids: list[int], count: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False)
     return out[0, 1:].tolist()  # after the decoder start token
-
-
-def assert_idle(engine: LLMEngine) -> None:
-    """Nothing runs and every unit in use is a prefix snapshot."""
-    engine.check_invariants()
-    prefix = engine.scheduler.prefix
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.scheduler.num_blocks_in_use() == (prefix.num_snapshots if prefix else 0)
 
 
 def test_mamba_engine_rows_equal_transformers_and_each_row_alone(mamba: tuple[Any, LLM]) -> None:

@@ -20,7 +20,7 @@ from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 from tests.support.models import model_path
-from tests.support.recurrent import assert_a_chain_is_one_token_steps, random_ids
+from tests.support.recurrent import assert_a_chain_is_one_token_steps, assert_idle, random_ids
 from tests.support.tiny_hf import (save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_mamba, save_tiny_mamba2, save_tiny_nemotron_h,
                                    tokenizer_folder)  # fmt: skip
 
@@ -172,7 +172,38 @@ def test_the_engine_verifies_drafts_beside_other_requests(name: str, models: dic
     assert [request.output_ids for request in requests] == plain
     totals = engine.speculative_totals
     assert totals.verify_steps >= 8 and 0 < totals.accepted_tokens < totals.proposed_tokens, totals
-    assert not engine.scheduler.running and engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units
+    assert_idle(engine)
+
+
+def test_a_verify_that_fails_frees_its_requests(models: dict[str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose verify fails inside the C step (after some layers wrote their states) fails
+    its requests and frees all they held, the states the verify kept included; the engine goes on,
+    and the same speculative request then gives plain decoding's tokens."""
+    llm, prompt = models["granite"], random_ids(16, 40)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = llm.generate(prompt, params).token_ids
+    monkeypatch.setattr(SpeculativeConfig, "build_proposer", lambda self, generator: SpoiledOracle(prompt + plain))
+    speculative = SpeculativeConfig("lookup", num_draft_tokens=4, adaptive=False)
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=32, block_size=8))
+    request = engine.add_request("broken", prompt, params, speculative=speculative)
+    engine.step()  # the prompt, and its first token
+    step = llm.model._c_step()
+    step_rows = step.step_rows
+
+    def fails_after_writing(h: torch.Tensor, caches: list, slots: list, counts: list) -> None:
+        step_rows(h, caches, slots, counts)  # every layer's states written and committed, keep_positions on
+        raise RuntimeError("injected failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(step, "step_rows", fails_after_writing)
+        outputs = engine.step()
+    assert [(o.finish_reason, o.error) for o in outputs] == [("error", "RuntimeError: injected failure")]
+    assert request.cache is None and not engine.has_unfinished()
+    assert_idle(engine)
+    again = engine.add_request("again", prompt, params, speculative=speculative)
+    while engine.has_unfinished():
+        engine.step()
+    assert again.output_ids == plain and engine.speculative_totals.accepted_tokens > 0
 
 
 def test_methods_that_read_the_targets_cache_or_features_are_refused(models: dict[str, LLM]) -> None:

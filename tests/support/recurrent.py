@@ -18,6 +18,15 @@ def random_ids(count: int, seed: int) -> list[int]:
     return torch.randint(0, 49152, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def assert_idle(engine: LLMEngine) -> None:
+    """A state model's engine runs nothing and every unit in use is the prefix cache's (its
+    snapshots, and a hybrid's blocks of keys and values)."""
+    engine.check_invariants()
+    prefix = engine.scheduler.prefix
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.scheduler.num_blocks_in_use() == (prefix.num_units if prefix else 0)
+
+
 def transformers_greedy(model: Any, ids: list[int], count: int) -> list[int]:
     """transformers' greedy `generate` of `count` tokens after `ids` (a decoder-only model)."""
     with torch.inference_mode():
