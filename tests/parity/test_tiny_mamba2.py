@@ -163,7 +163,7 @@ def test_quantized_weights_read_the_files_blocks_and_follow_fp32(mamba2: tuple[A
 
 def test_c_decode_step_follows_the_torch_step(mamba2: tuple[Any, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
     """Quantized projections decode in one C call per token (kernels/mamba_step.c's
-    kvgen_mamba2_step): the torch step (the chunked scan for one position) over the same int8
+    kvgen_mamba2_step_from): the torch step (the chunked scan for one position) over the same int8
     linears gives the same logits up to the order of float sums and the same greedy tokens."""
     _, llm = mamba2
     assert_c_step_follows_torch(LLM.load(llm.path, progress=False, weights="int8"), random_ids(20, 22), random_ids(24, 23), monkeypatch)

@@ -67,7 +67,7 @@ def test_greedy_tokens_match_transformers_generate(name: str, built: dict) -> No
 
 @pytest.mark.parametrize("name", MODELS)
 def test_c_decode_step_follows_the_torch_step(name: str, built: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """int8 projections decode layer by layer in C (Mamba-2 as kvgen_mamba2_step, attention without
+    """int8 projections decode layer by layer in C (Mamba-2 as kvgen_mamba2_step_from, attention without
     an MLP, the ReLU² MLP and mixture as the transformer blocks' kernels with activation 3): the torch
     step over the same linears gives the same logits up to the order of float sums."""
     _, _, int8 = built[name]

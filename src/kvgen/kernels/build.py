@@ -206,9 +206,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                               pointer, pointer, pointer, pointer, pointer, count, count, count, pointer,
                                               pointer, pointer, pointer]  # fmt: skip
     library.kvgen_mamba_step.argtypes = [pointer, count, count] + [pointer] * 5
-    library.kvgen_mamba2_step.argtypes = [pointer, count, count] + [pointer] * 5
-    library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 8
-    library.kvgen_mamba2_chain.argtypes = [pointer, count, count] + [pointer] * 9
+    library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 9
     library.kvgen_mamba2_replay.argtypes = [pointer, count] + [pointer] * 3
     library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 5
     library.kvgen_causal_conv.argtypes = [pointer] * 3 + [count] * 4 + [ctypes.c_int32, pointer]

@@ -130,7 +130,7 @@ static void scan_four_channels(float step, float decay, const float* u, const fl
 }
 #endif
 
-// Mamba-2's scan over t_len positions of one sequence, one step at a time as kvgen_mamba2_step
+// Mamba-2's scan over t_len positions of one sequence, one step at a time as kvgen_mamba2_step_from
 // takes it (the same decay e^(dt A[h]) and update per position, so the same bits), channels
 // (head, p) in parallel, four of a head at a time where head_dim and n allow. u is
 // [t_len, heads * head_dim], B and C [t_len, groups * n], each row `stride` floats apart (views of
@@ -394,18 +394,6 @@ typedef struct {
     float pad;
 } mamba2_block_t;
 
-// As kvgen_mamba_step (rows, states per layer and row): conv states [conv_dim, kernel], recurrent
-// states [heads, head_dim, state].
-// x: the rows the first layer norms (h itself, or, with one layer, another copy of the residual
-// stream: Falcon-H1's attention and Mamba read the same input and add into one h).
-// lora: [num_layers, LORA_LINEARS] adapter deltas or NULL (in_proj's and out_proj's: LORA_MIXER_IN,
-// LORA_MIXER_OUT); lora_slots[r]: row r's adapter slot (-1: none, the bits of the base-only step).
-// In a chain, ssm_in[r] NULL continues from the row before's recurrent state and ssm_out[r] NULL
-// keeps it only in the kernel: a verify writes one state, not one a draft (a state is megabytes,
-// and writing them cost most of a verify). trace (NULL: none) then takes each row's recurrence
-// inputs, layer l's [rows, conv_dim + heads] at trace + l * rows * (the widest layer's conv_dim +
-// heads): the conv's output, then the raw dt, from which kvgen_mamba2_replay rebuilds the state
-// after any row with the same bits.
 // Each row's and head's dt = softplus(raw dt + bias) and decay e^(dt A), once a head instead of once
 // a channel (steps [rows, heads, 2]; raw: row r's raw dts at raw + r * stride). Inside a team.
 static void head_steps(const mamba2_block_t* b, int64_t rows, const float* raw, int64_t stride, float* steps) {
@@ -418,9 +406,21 @@ static void head_steps(const mamba2_block_t* b, int64_t rows, const float* raw, 
     }
 }
 
-static void mamba2_rows(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
-                        const float* const* conv_in, float* const* conv_out, const float* const* ssm_in, float* const* ssm_out,
-                        const lora_linear* lora, const int64_t* lora_slots, float* trace) {
+// As kvgen_mamba_step (rows, states per layer and row): conv states [conv_dim, kernel], recurrent
+// states [heads, head_dim, state].
+// x: the rows the first layer norms (h itself, or, with one layer, another copy of the residual
+// stream: Falcon-H1's attention and Mamba read the same input and add into one h).
+// lora: [num_layers, LORA_LINEARS] adapter deltas or NULL (in_proj's and out_proj's: LORA_MIXER_IN,
+// LORA_MIXER_OUT); lora_slots[r]: row r's adapter slot (-1: none, the bits of the base-only step).
+// In a chain, ssm_in[r] NULL continues from the row before's recurrent state and ssm_out[r] NULL
+// keeps it only in the kernel: a verify writes one state, not one a draft (a state is megabytes,
+// and writing them cost most of a verify). trace (NULL: none) then takes each row's recurrence
+// inputs, layer l's [rows, conv_dim + heads] at trace + l * rows * (the widest layer's conv_dim +
+// heads): the conv's output, then the raw dt, from which kvgen_mamba2_replay rebuilds the state
+// after any row with the same bits.
+void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
+                            const float* const* conv_in, float* const* conv_out, const float* const* ssm_in,
+                            float* const* ssm_out, const lora_linear* lora, const int64_t* lora_slots, float* trace) {
     int64_t widest = 0, projected = 0, hidden = blocks[0].hidden, inner = 0, heads = 0, traced = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const mamba2_block_t* b = &blocks[l];
@@ -499,21 +499,8 @@ static void mamba2_rows(const mamba2_block_t* blocks, int64_t num_layers, int64_
     step_scratch_free(sc);
 }
 
-void kvgen_mamba2_step_from(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
-                            const float* const* conv_in, float* const* conv_out, const float* const* ssm_in,
-                            float* const* ssm_out, const lora_linear* lora, const int64_t* lora_slots) {
-    mamba2_rows(blocks, num_layers, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, NULL);
-}
-
-// Rows with chains among them, with their trace (see mamba2_rows).
-void kvgen_mamba2_chain(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, const float* x_in, float* h,
-                        const float* const* conv_in, float* const* conv_out, const float* const* ssm_in, float* const* ssm_out,
-                        const lora_linear* lora, const int64_t* lora_slots, float* trace) {
-    mamba2_rows(blocks, num_layers, rows, x_in, h, conv_in, conv_out, ssm_in, ssm_out, lora, lora_slots, trace);
-}
-
 // The recurrent state after the first `rows` rows of a chain that started from s_in, from its trace
-// (kvgen_mamba2_chain's): each channel's update as the step computed it, so the same bits.
+// (kvgen_mamba2_step_from's): each channel's update as the step computed it, so the same bits.
 void kvgen_mamba2_replay(const mamba2_block_t* b, int64_t rows, const float* trace, const float* s_in, float* s_out) {
     const int64_t n_inner = b->heads * b->head_dim, grouped = b->groups * b->state, conv_dim = n_inner + 2 * grouped;
     const int64_t per_group = b->heads / b->groups;
@@ -539,15 +526,10 @@ void kvgen_mamba2_replay(const mamba2_block_t* b, int64_t rows, const float* tra
     free(steps);
 }
 
-void kvgen_mamba2_step(const mamba2_block_t* blocks, int64_t num_layers, int64_t rows, float* h, const float* const* conv_in,
-                       float* const* conv_out, const float* const* ssm_in, float* const* ssm_out) {
-    kvgen_mamba2_step_from(blocks, num_layers, rows, h, h, conv_in, conv_out, ssm_in, ssm_out, NULL, NULL);
-}
-
 // LFM2's gated short convolution, one token for each of `rows` rows, one block a call (the hybrid
 // step runs its layers one by one): x = rms_norm(h); [B, C, u] = in_proj(x); the conv window takes
 // B u (no activation); h += out_proj(C . (w . window + b)). Conv states [hidden, kernel] per row,
-// read from conv_in and written to conv_out (never in place, as kvgen_mamba2_step's).
+// read from conv_in and written to conv_out (never in place, as kvgen_mamba2_step_from's).
 typedef struct {
     int64_t hidden, kernel;
     float eps;             // the block's RMS norm (LFM2's operator_norm)

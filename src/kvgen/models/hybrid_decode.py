@@ -1,7 +1,7 @@
 """The hybrids' decode step in C (Granite 4.0-H, Bamba, LFM2, Nemotron-H), layer by layer, where
 their projections are quantized.
 
-A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step over that one layer (the
+A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step_from over that one layer (the
 residual multiplier on its output), an LFM2 short-conv layer's as kvgen_short_conv_step, then its
 MLP or mixture as decode.c's kvgen_block_mlp (which alone is a Nemotron-H MLP layer; Nemotron-H's
 Mamba layers have none); an attention layer as decode.c's kvgen_block_pre_into (QKV, turned by a
@@ -40,7 +40,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
-from kvgen.models.mamba_decode import MixerStructs, Replay, _Mamba2Block, linked_rows, nullable
+from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, linked_rows, mamba2_step_rows
 from kvgen.models.recurrent import commit_chain
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -140,27 +140,9 @@ class HybridStep(MixerStructs):
             self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out), lora, slots)
             empty = [cache.recurrent_state(slot) for cache, count in zip(caches, counts) for _ in range(count)]
             return [(conv[0], recurrent) for conv, recurrent in zip(conv_out, empty)]
-        if counts == [1] * len(caches):
-            ssm_in, ssm_out = linked_rows([[cache.recurrent_state(slot)] for cache in caches], counts)
-            self.library.kvgen_mamba2_step_from(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
-                                                pointers(ssm_in), pointers(ssm_out), lora, slots)  # fmt: skip
-            return [(conv[0], ssm[0]) for conv, ssm in zip(conv_out, ssm_out)]
-        # A chain writes each sequence's last recurrent state only, and a trace that rebuilds the others.
-        block = mixer[0]
-        trace = torch.empty(rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
-        starts = [cache.recurrent_state(slot).float().contiguous() for cache in caches]
-        ends = [torch.empty_like(start) for start in starts]
-        ssm_in = [start if j == 0 else None for start, count in zip(starts, counts) for j in range(count)]
-        ssm_out = [end if j == count - 1 else None for end, count in zip(ends, counts) for j in range(count)]
-        self.library.kvgen_mamba2_chain(ctypes.addressof(mixer), 1, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
-                                        nullable(ssm_in), nullable(ssm_out), lora, slots, trace.data_ptr())  # fmt: skip
-        states, first = [], 0
-        for start, end, count in zip(starts, ends, counts):
-            for j in range(count):
-                recurrent = end if j == count - 1 else Replay(self.library, mixer, 0, start, trace[first : first + j + 1])
-                states.append((conv_out[first + j][0], recurrent))
-            first += count
-        return states
+        recurrent = mamba2_step_rows(self.library, mixer, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
+                                     [[cache.recurrent_state(slot)] for cache in caches], counts, lora, slots)  # fmt: skip
+        return [(conv[0], state[0]) for conv, state in zip(conv_out, recurrent)]
 
     def _mixer_input(self, layer: _Layer, h: torch.Tensor) -> int:
         """Where a layer's mixer reads its rows: h itself, or, in a parallel layer, a copy of h taken

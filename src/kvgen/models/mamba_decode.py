@@ -130,6 +130,39 @@ class Replay:
         return state
 
 
+def mamba2_step_rows(library: ctypes.CDLL, blocks: ctypes.Array, rows: int, x_ptr: int, h_ptr: int, conv_in: ctypes.Array,
+                     conv_out: ctypes.Array, states: list[list[torch.Tensor]], counts: list[int], lora: object = None,
+                     slots: ctypes.Array | None = None) -> list[list["torch.Tensor | Replay"]]:  # fmt: skip
+    """kvgen_mamba2_step_from over `blocks`' layers for rows that are sequence i's next counts[i]
+    tokens (a chain), the conv states' pointers given (layer-major); states[i][layer]: sequence i's
+    recurrent states -> each row's recurrent states after it ([row][layer]). A sequence's last row
+    gets fresh tensors; a chain's other rows are not written out but kept as a trace, each its
+    Replay (a state is megabytes: writing one a draft cost most of a verify)."""
+    layers = len(blocks)
+    inputs: list[list[torch.Tensor | None]] = []
+    outputs: list[list[torch.Tensor | Replay | None]] = []
+    for sequence, count in zip(states, counts):
+        starts = [state.float().contiguous() for state in sequence]
+        inputs += [starts] + [[None] * layers] * (count - 1)
+        outputs += [[None] * layers] * (count - 1) + [[torch.empty_like(start) for start in starts]]
+    trace = None
+    if rows > len(counts):  # a chain: its trace [layers, rows, conv_dim + heads]
+        block = blocks[0]
+        trace = torch.empty(layers, rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
+
+    def pointers(per_row: list) -> ctypes.Array:  # layer-major: index layer * rows + row
+        return nullable([per_row[r][i] for i in range(layers) for r in range(rows)])
+
+    library.kvgen_mamba2_step_from(ctypes.addressof(blocks), layers, rows, x_ptr, h_ptr, conv_in, conv_out, pointers(inputs),
+                                   pointers(outputs), lora, slots, trace.data_ptr() if trace is not None else None)  # fmt: skip
+    first = 0
+    for count in counts:
+        for j in range(count - 1):
+            outputs[first + j] = [Replay(library, blocks, i, start, trace[i, first : first + j + 1]) for i, start in enumerate(inputs[first])]
+        first += count
+    return outputs  # type: ignore[return-value]
+
+
 class StateStep(MixerStructs):
     """The C step over a MambaModel's or Mamba2Model's blocks (which must pass `runs_in_c`)."""
 
@@ -140,7 +173,6 @@ class StateStep(MixerStructs):
         describe, struct = (self._describe2, _Mamba2Block) if mamba2 else (self._describe, _MambaBlock)
         blocks = [describe(block, model.config) for block in model.layers]
         self._blocks = (struct * len(blocks))(*blocks)
-        self._function = self.library.kvgen_mamba2_step if mamba2 else self.library.kvgen_mamba_step
         self._mamba2 = mamba2
         self.num_layers = len(blocks)
 
@@ -149,34 +181,21 @@ class StateStep(MixerStructs):
         """h [rows, hidden] (updated in place): sequence i's next counts[i] tokens (None: one each),
         its rows consecutive; conv[i][layer], ssm[i][layer]: its conv and recurrent states (any
         leading batch dimension of 1) -> each row's states after its token ([row][layer], new
-        tensors). A sequence's rows run as a chain (row r continues row r-1's states) and every row
+        tensors; in a Mamba-2 chain, the rows before a sequence's last give Replays). A sequence's rows run as a chain (row r continues row r-1's states) and every row
         as a one-token step of its token runs; the rows share each weight read, and a row's bits do
         not depend on the others."""
         rows, layers = h.shape[0], self.num_layers
         counts = counts or [1] * len(conv)
-        (conv_in, conv_out), (ssm_in, ssm_out) = linked_rows(conv, counts), linked_rows(ssm, counts)
+        conv_in, conv_out = linked_rows(conv, counts)
 
-        def pointers(states: list[list[torch.Tensor | None]]) -> ctypes.Array:  # layer-major: index layer * rows + row
+        def pointers(states: list[list[torch.Tensor]]) -> ctypes.Array:  # layer-major: index layer * rows + row
             return nullable([states[r][i] for i in range(layers) for r in range(rows)])
 
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == sum(counts)
-        if not self._mamba2 or counts == [1] * len(counts):
-            self._function(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
-                           pointers(ssm_in), pointers(ssm_out))  # fmt: skip
-            return conv_out, ssm_out
-        # A Mamba-2 chain writes each sequence's last recurrent states only, and a trace that rebuilds the others.
-        block = self._blocks[0]
-        trace = torch.empty(layers, rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
-        bounds = torch.tensor(counts).cumsum(0).tolist()  # each sequence's rows end there
-        firsts, lasts = {end - count for end, count in zip(bounds, counts)}, {end - 1 for end in bounds}
-        ssm_in = [states if row in firsts else [None] * layers for row, states in enumerate(ssm_in)]
-        kept = [states if row in lasts else [None] * layers for row, states in enumerate(ssm_out)]
-        self.library.kvgen_mamba2_chain(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), h.data_ptr(), pointers(conv_in),
-                                        pointers(conv_out), pointers(ssm_in), pointers(kept), None, None, trace.data_ptr())  # fmt: skip
-        first = 0
-        for count in counts:
-            starts = ssm_in[first]
-            for j in range(count - 1):
-                ssm_out[first + j] = [Replay(self.library, self._blocks, i, starts[i], trace[i, first : first + j + 1]) for i in range(layers)]
-            first += count
+        if self._mamba2:
+            return conv_out, mamba2_step_rows(self.library, self._blocks, rows, h.data_ptr(), h.data_ptr(), pointers(conv_in),
+                                              pointers(conv_out), ssm, counts)  # fmt: skip
+        ssm_in, ssm_out = linked_rows(ssm, counts)
+        self.library.kvgen_mamba_step(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
+                                      pointers(ssm_in), pointers(ssm_out))  # fmt: skip
         return conv_out, ssm_out
