@@ -160,5 +160,6 @@ DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 
 #include "decode.c"
 #include "mamba_step.c"
+#include "hybrid_step.c"
 #include "eagle_step.c"
 #include "rows_ops.c"

@@ -1,5 +1,6 @@
-"""The hybrids' decode step in C (Granite 4.0-H, Bamba, LFM2, Nemotron-H), layer by layer, where
-their projections are quantized.
+"""The hybrids' decode step in C (Granite 4.0-H, Bamba, LFM2, Nemotron-H, Falcon-H1), where their
+projections are quantized; a lone token's step runs every layer in one call (kernels/hybrid_step.c's
+kvgen_hybrid_step, which makes the calls below for each layer in turn).
 
 A Mamba layer's mixer runs as kernels/mamba_step.c's kvgen_mamba2_step_from over that one layer (the
 residual multiplier on its output), an LFM2 short-conv layer's as kvgen_short_conv_step, then its
@@ -51,6 +52,10 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 class _ShortConvBlock(ctypes.Structure):  # kernels/mamba_step.c's short_conv_block_t
     _fields_ = [("hidden", _i64), ("kernel", _i64), ("eps", _f32), ("pad", _f32), ("norm", _ptr), ("in_proj", _QLinear),
                 ("conv_w", _ptr), ("conv_b", _ptr), ("out_proj", _QLinear)]  # fmt: skip
+
+
+class _HybridLayer(ctypes.Structure):  # kernels/hybrid_step.c's hybrid_layer_t
+    _fields_ = [("attention", _ptr), ("mamba2", _ptr), ("conv", _ptr), ("mlp", _ptr), ("state_slot", _i64), ("kv_slot", _i64)]
 
 
 class _Sublayers(NamedTuple):  # the part of a layer one C block struct describes (describe_block reads these)
@@ -116,6 +121,17 @@ class HybridStep(MixerStructs):
         self._input = torch.empty(0)  # _mixer_input's copy of a parallel layer's input
         self._decoder = d
         self._lora_tables = LoraTables(model, len(self.layers))
+        self._step_layers = (_HybridLayer * len(self.layers))(*(self._step_layer(layer) for layer in self.layers))
+        self._state_layers = sum(layer.state_slot >= 0 for layer in self.layers)
+        self._step_input = torch.empty(d.hidden_size)  # a parallel layer's mixer input (step's x_copy)
+
+    @staticmethod
+    def _step_layer(layer: _Layer) -> _HybridLayer:
+        """A layer as kvgen_hybrid_step reads it: its structs' addresses (NULL where it has none)."""
+        address = lambda struct: ctypes.addressof(struct) if struct is not None else None  # noqa: E731
+        mamba2 = layer.mixer is not None and isinstance(layer.mixer[0], _Mamba2Block)
+        return _HybridLayer(address(layer.attention), address(layer.mixer) if mamba2 else None,
+                            None if mamba2 else address(layer.mixer), address(layer.mlp), layer.state_slot, layer.kv_slot)  # fmt: skip
 
     def _describe_conv(self, block: nn.Module) -> "_ShortConvBlock":
         mixer, norm = block.mixer, block.input_norm
@@ -166,28 +182,27 @@ class HybridStep(MixerStructs):
 
     def step(self, h: torch.Tensor, cache: HybridStateCache, slot: int = -1) -> None:
         """h [hidden] (updated in place) through every layer at position cache.seq_len, under LoRA
-        adapter slot `slot` (-1: none); the states and keys written, then committed (one position)."""
-        lib, h_ptr, position = self.library, h.data_ptr(), cache.seq_len
-        assert h.dtype == torch.float32 and h.is_contiguous()
+        adapter slot `slot` (-1: none), in one C call (kernels/hybrid_step.c: each layer's attention,
+        mixer and MLP calls in turn); the states and keys written, then committed (one position)."""
+        position = cache.seq_len
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.numel() == self._step_input.numel()
         cos, sin = self._turn(position)
-        layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place by block_pre_into
+        layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place
         table = self._lora_tables.for_slots([slot])
-        slots = _slot_array([slot]) if table is not None else None  # no adapter: the C calls read no slots
-        states = []
-        for index, layer in enumerate(self.layers):
-            x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
-            if layer.attention is not None:
-                struct = ctypes.byref(layer.attention)
-                keys, values = self._layer_store(layout, layer.kv_slot)
-                at = 4 * position * layout.pos_stride
-                lib.kvgen_block_pre_into(struct, h_ptr, cos.data_ptr(), sin.data_ptr(), keys + at, values + at, layout.head_stride, lora, slot)
-                lib.kvgen_block_post(struct, h_ptr, keys, layout.head_stride, layout.pos_stride, values, layout.head_stride,
-                                     layout.pos_stride, 0, position + 1, lora, slot)  # fmt: skip
-            if layer.mixer is not None:
-                states += self._mix(layer, [cache], [1], h_ptr, x_ptr, lora, slots)
-            if layer.mlp is not None:
-                lib.kvgen_block_mlp(ctypes.byref(layer.mlp), h_ptr, lora, slot)
-        commit_chain(cache, [states])
+        slots = range(self._state_layers)
+        conv_in = [cache.conv_state(s).float().contiguous() for s in slots]
+        ssm_in = [cache.recurrent_state(s).float().contiguous() for s in slots]
+        conv_out = [torch.empty_like(conv) for conv in conv_in]
+        ssm_out = [torch.empty_like(state) if state.numel() else state for state in ssm_in]  # a short conv has none
+
+        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+            return (_ptr * len(tensors))(*(t.data_ptr() for t in tensors))
+
+        self.library.kvgen_hybrid_step(self._step_layers, len(self.layers), h.data_ptr(), self._step_input.data_ptr(), h.numel(),
+                                       cos.data_ptr(), sin.data_ptr(), layout.keys.data_ptr(), layout.values.data_ptr(),
+                                       layout.layer_stride, layout.head_stride, layout.pos_stride, position, pointers(conv_in),
+                                       pointers(conv_out), pointers(ssm_in), pointers(ssm_out), layer_lora(table, 0), slot)  # fmt: skip
+        commit_chain(cache, [list(zip(conv_out, ssm_out))])
 
     def lora_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
         """y (a linear's output for one sequence's rows x) plus adapter slot `slot`'s delta of
