@@ -209,6 +209,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_mamba2_step_from.argtypes = [pointer, count, count] + [pointer] * 9
     library.kvgen_mamba2_replay.argtypes = [pointer, count] + [pointer] * 3
     library.kvgen_short_conv_step.argtypes = [pointer, count] + [pointer] * 5
+    library.kvgen_hybrid_rows.argtypes = ([pointer, count, count, pointer, pointer, count, pointer, pointer, count] + [pointer] * 7
+                                          + [count, pointer, pointer])  # fmt: skip
     library.kvgen_hybrid_step.argtypes = [pointer, count, pointer, pointer, count] + [pointer] * 4 + [count] * 4 + [pointer] * 5 + [count]
     library.kvgen_causal_conv.argtypes = [pointer] * 3 + [count] * 4 + [ctypes.c_int32, pointer]
     library.kvgen_gated_norm_rows.argtypes = [pointer] * 3 + [count] * 3 + [ctypes.c_float]

@@ -41,7 +41,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
-from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, linked_rows, mamba2_step_rows
+from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chain_ends, linked_rows, nullable, replayed, trace_for
 from kvgen.models.recurrent import commit_chain
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -118,12 +118,19 @@ class HybridStep(MixerStructs):
         self._rope_table = torch.empty(0, 2, d.head_dim)  # _turn's
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
-        self._input = torch.empty(0)  # _mixer_input's copy of a parallel layer's input
+        self._input = torch.empty(0)  # a parallel layer's mixer input: h's rows before its attention adds into h
         self._decoder = d
         self._lora_tables = LoraTables(model, len(self.layers))
         self._step_layers = (_HybridLayer * len(self.layers))(*(self._step_layer(layer) for layer in self.layers))
-        self._state_layers = sum(layer.state_slot >= 0 for layer in self.layers)
-        self._step_input = torch.empty(d.hidden_size)  # a parallel layer's mixer input (step's x_copy)
+        mixers = {layer.state_slot: layer.mixer for layer in self.layers if layer.mixer is not None}
+        self._state_layers = len(mixers)
+        self._replay_blocks = [(mixers[slot], 0) for slot in range(len(mixers))]  # each state slot's mixer, for a Replay
+        mamba2 = [mixer[0] for mixer in mixers.values() if isinstance(mixer[0], _Mamba2Block)]
+        # one trace per state slot, each of the first Mamba-2 layer's width (replayed() slices them so)
+        assert all((b.heads, b.head_dim, b.groups, b.state) == (mamba2[0].heads, mamba2[0].head_dim, mamba2[0].groups, mamba2[0].state)
+                   for b in mamba2), "a hybrid's Mamba-2 layers share one shape"  # fmt: skip
+        self._mamba2_shape = mamba2[0] if mamba2 else None
+        self._hidden = d.hidden_size
 
     @staticmethod
     def _step_layer(layer: _Layer) -> _HybridLayer:
@@ -139,35 +146,23 @@ class HybridStep(MixerStructs):
                                self._pointer(mixer.conv_weight.reshape(mixer.hidden, -1)), self._pointer(mixer.conv_bias),
                                qlinear_struct(mixer.out_proj))  # fmt: skip
 
-    def _mix(self, layer: _Layer, caches: list[HybridStateCache], counts: list[int], h_ptr: int, x_ptr: int, lora: object,
-             slots: ctypes.Array | None) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """A state layer's mixer over the rows of h (cache i's next counts[i] tokens, a chain),
-        reading the rows at x_ptr (h's own, or a parallel layer's input before its attention added
-        to h), its output added to h -> each row's new states (conv, recurrent), to commit. lora:
-        the layer's LoRA structs or None; slots: each row's adapter slot (_slot_array; None without LoRA)."""
-        rows, slot = sum(counts), layer.state_slot
+    def _states(self, caches: list[HybridStateCache], counts: list[int]) -> tuple[list[list[torch.Tensor]], ...]:
+        """Each row's states for the C call, [row][state slot]: the conv windows in and out (cache
+        i's rows linked as a chain: `linked_rows`), the recurrent states in and out (`chain_ends`)."""
+        slots = range(self._state_layers)
+        conv_in, conv_out = linked_rows([[cache.conv_state(s) for s in slots] for cache in caches], counts)
+        ssm_in, ssm_out = chain_ends([[cache.recurrent_state(s) for s in slots] for cache in caches], counts)
+        return conv_in, conv_out, ssm_in, ssm_out  # type: ignore[return-value]
 
-        def pointers(tensors: list[list[torch.Tensor]]) -> ctypes.Array:
-            return (_ptr * rows)(*(t[0].data_ptr() for t in tensors))
+    @staticmethod
+    def _slot_major(per_row: list[list[torch.Tensor | None]]) -> ctypes.Array:
+        """[row][state slot] as the C call's pointers, state slot s's rows at s * rows (None: NULL)."""
+        return nullable([row[slot] for slot in range(len(per_row[0])) for row in per_row])
 
-        conv_in, conv_out = linked_rows([[cache.conv_state(slot)] for cache in caches], counts)
-        mixer = layer.mixer
-        if isinstance(mixer[0], _ShortConvBlock):  # a conv window alone, no recurrent state
-            self.library.kvgen_short_conv_step(ctypes.addressof(mixer), rows, h_ptr, pointers(conv_in), pointers(conv_out), lora, slots)
-            empty = [cache.recurrent_state(slot) for cache, count in zip(caches, counts) for _ in range(count)]
-            return [(conv[0], recurrent) for conv, recurrent in zip(conv_out, empty)]
-        recurrent = mamba2_step_rows(self.library, mixer, rows, x_ptr, h_ptr, pointers(conv_in), pointers(conv_out),
-                                     [[cache.recurrent_state(slot)] for cache in caches], counts, lora, slots)  # fmt: skip
-        return [(conv[0], state[0]) for conv, state in zip(conv_out, recurrent)]
-
-    def _mixer_input(self, layer: _Layer, h: torch.Tensor) -> int:
-        """Where a layer's mixer reads its rows: h itself, or, in a parallel layer, a copy of h taken
-        before its attention adds into h (one buffer, grown to the most rows seen)."""
-        if layer.attention is None or layer.mixer is None:
-            return h.data_ptr()
-        if self._input.numel() < h.numel():
-            self._input = torch.empty(h.numel())
-        self._input[: h.numel()].copy_(h.reshape(-1))
+    def _mixer_inputs(self, rows: int) -> int:
+        """A buffer for a parallel layer's mixer input, rows x hidden (grown to the most rows seen)."""
+        if self._input.numel() < rows * self._hidden:
+            self._input = torch.empty(rows * self._hidden)
         return self._input.data_ptr()
 
     @staticmethod
@@ -185,24 +180,17 @@ class HybridStep(MixerStructs):
         adapter slot `slot` (-1: none), in one C call (kernels/hybrid_step.c: each layer's attention,
         mixer and MLP calls in turn); the states and keys written, then committed (one position)."""
         position = cache.seq_len
-        assert h.dtype == torch.float32 and h.is_contiguous() and h.numel() == self._step_input.numel()
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.numel() == self._hidden
         cos, sin = self._turn(position)
         layout = cache.kv.kernel_layout(position + 1)  # room for the new key, written in place
         table = self._lora_tables.for_slots([slot])
-        slots = range(self._state_layers)
-        conv_in = [cache.conv_state(s).float().contiguous() for s in slots]
-        ssm_in = [cache.recurrent_state(s).float().contiguous() for s in slots]
-        conv_out = [torch.empty_like(conv) for conv in conv_in]
-        ssm_out = [torch.empty_like(state) if state.numel() else state for state in ssm_in]  # a short conv has none
-
-        def pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
-            return (_ptr * len(tensors))(*(t.data_ptr() for t in tensors))
-
-        self.library.kvgen_hybrid_step(self._step_layers, len(self.layers), h.data_ptr(), self._step_input.data_ptr(), h.numel(),
+        conv_in, conv_out, ssm_in, ssm_out = self._states([cache], [1])
+        self.library.kvgen_hybrid_step(self._step_layers, len(self.layers), h.data_ptr(), self._mixer_inputs(1), h.numel(),
                                        cos.data_ptr(), sin.data_ptr(), layout.keys.data_ptr(), layout.values.data_ptr(),
-                                       layout.layer_stride, layout.head_stride, layout.pos_stride, position, pointers(conv_in),
-                                       pointers(conv_out), pointers(ssm_in), pointers(ssm_out), layer_lora(table, 0), slot)  # fmt: skip
-        commit_chain(cache, [list(zip(conv_out, ssm_out))])
+                                       layout.layer_stride, layout.head_stride, layout.pos_stride, position,
+                                       self._slot_major(conv_in), self._slot_major(conv_out), self._slot_major(ssm_in),
+                                       self._slot_major(ssm_out), layer_lora(table, 0), slot)  # fmt: skip
+        commit_chain(cache, [list(zip(conv_out[0], ssm_out[0]))])
 
     def lora_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
         """y (a linear's output for one sequence's rows x) plus adapter slot `slot`'s delta of
@@ -245,23 +233,20 @@ class HybridStep(MixerStructs):
         positions = torch.tensor([cache.seq_len + j for cache, count in zip(caches, counts) for j in range(count)], dtype=torch.int64)
         layouts = [layout for cache, count in zip(caches, counts) for layout in [cache.kv.kernel_layout(cache.seq_len + count)] * count]
         rope = self._rows_rope(positions)
-        states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]  # per row, its state layers'
-        for index, layer in enumerate(self.layers):
-            x_ptr, lora = self._mixer_input(layer, h), layer_lora(table, index)
-            if layer.attention is not None:
-                stores = torch.tensor([[*self._layer_store(layout, layer.kv_slot), layout.head_stride] for layout in layouts],
-                                      dtype=torch.int64)  # fmt: skip
-                lib.kvgen_decode_rows_own(ctypes.byref(layer.attention), 1, rows, h_ptr, rope.data_ptr(), 1, self._one_layer.data_ptr(),
-                                          self._one_layer.data_ptr(), stores.data_ptr(), layouts[0].pos_stride,
-                                          positions.data_ptr(), scratch, lora, row_slots)  # fmt: skip
-            if layer.mixer is not None:
-                for row, state in enumerate(self._mix(layer, caches, counts, h_ptr, x_ptr, lora, row_slots)):
-                    states[row].append(state)
-            if layer.mlp is not None:
-                lib.kvgen_mlp_rows(ctypes.byref(layer.mlp), rows, h_ptr, scratch, lora, row_slots)
+        kv = torch.tensor([[layout.keys.data_ptr(), layout.values.data_ptr(), layout.layer_stride, layout.head_stride]
+                           for layout in layouts], dtype=torch.int64)  # fmt: skip
+        conv_in, conv_out, ssm_in, ssm_out = self._states(caches, counts)
+        trace = trace_for(self._mamba2_shape, self._state_layers, rows, counts) if self._mamba2_shape is not None else None
+        lib.kvgen_hybrid_rows(self._step_layers, len(self.layers), rows, h_ptr, self._mixer_inputs(rows), self._hidden,
+                              rope.data_ptr(), kv.data_ptr(), layouts[0].pos_stride, positions.data_ptr(), scratch,
+                              self._slot_major(conv_in), self._slot_major(conv_out), self._slot_major(ssm_in),
+                              self._slot_major(ssm_out), trace.data_ptr() if trace is not None else None,
+                              trace.shape[2] if trace is not None else 0, layer_lora(table, 0), row_slots)  # fmt: skip
+        traces = list(trace) if trace is not None else [None] * self._state_layers
+        recurrent = replayed(lib, self._replay_blocks, ssm_in, ssm_out, counts, traces)
         first = 0
         for cache, count in zip(caches, counts):
-            commit_chain(cache, states[first : first + count])
+            commit_chain(cache, [list(zip(conv_out[row], recurrent[row])) for row in range(first, first + count)])
             first += count
 
     def prompt_block(self, layer: int, h: torch.Tensor, cache: HybridStateCache, start: int, slot: int = -1) -> bool:

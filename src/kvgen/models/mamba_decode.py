@@ -130,37 +130,62 @@ class Replay:
         return state
 
 
+def chain_ends(states: list[list[torch.Tensor]], counts: list[int]) -> tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor | None]]]:
+    """Sequences' recurrent states per layer (states[i][layer]) and how many rows each runs ->
+    (inputs, outputs) per row and layer as kvgen_mamba2_step_from reads a chain: a sequence's first
+    row reads its state and its last gets a fresh output; the rows between are None (NULL: the
+    kernel carries the state on and writes it to the trace only). An empty state (a short conv's
+    recurrent one) is handed over as it is, every row."""
+    inputs: list[list[torch.Tensor | None]] = []
+    outputs: list[list[torch.Tensor | None]] = []
+    for sequence, count in zip(states, counts):
+        starts = [state.float().contiguous() for state in sequence]
+        kept = [start if not start.numel() else None for start in starts]
+        inputs += [starts] + [kept] * (count - 1)
+        outputs += [kept] * (count - 1) + [[torch.empty_like(start) if start.numel() else start for start in starts]]
+    return inputs, outputs
+
+
+def replayed(library: ctypes.CDLL, blocks: list[tuple[ctypes.Array, int]], inputs: list[list[torch.Tensor | None]],
+             outputs: list[list[torch.Tensor | None]], counts: list[int], traces: list[torch.Tensor | None]) -> list[list["torch.Tensor | Replay"]]:  # fmt: skip
+    """`chain_ends`' outputs after the C step, each None (a chain's row before its last) as its
+    Replay: layer l's struct at blocks[l] (an array and the index in it), its trace traces[l] [rows, width]."""
+    first = 0
+    for count in counts:
+        for j in range(count - 1):
+            row = outputs[first + j]
+            outputs[first + j] = [state if state is not None else Replay(library, *blocks[l], inputs[first][l], traces[l][first : first + j + 1])
+                                  for l, state in enumerate(row)]  # type: ignore[index]  # fmt: skip
+        first += count
+    return outputs  # type: ignore[return-value]
+
+
+def trace_for(block: _Mamba2Block, layers: int, rows: int, counts: list[int]) -> torch.Tensor | None:
+    """The trace of `layers` Mamba-2 layers shaped as `block` over rows where some sequence runs a
+    chain ([layers, rows, conv_dim + heads]), or None where every sequence runs one row."""
+    if rows == len(counts):
+        return None
+    return torch.empty(layers, rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
+
+
 def mamba2_step_rows(library: ctypes.CDLL, blocks: ctypes.Array, rows: int, x_ptr: int, h_ptr: int, conv_in: ctypes.Array,
-                     conv_out: ctypes.Array, states: list[list[torch.Tensor]], counts: list[int], lora: object = None,
-                     slots: ctypes.Array | None = None) -> list[list["torch.Tensor | Replay"]]:  # fmt: skip
+                     conv_out: ctypes.Array, states: list[list[torch.Tensor]], counts: list[int]) -> list[list["torch.Tensor | Replay"]]:  # fmt: skip
     """kvgen_mamba2_step_from over `blocks`' layers for rows that are sequence i's next counts[i]
     tokens (a chain), the conv states' pointers given (layer-major); states[i][layer]: sequence i's
     recurrent states -> each row's recurrent states after it ([row][layer]). A sequence's last row
     gets fresh tensors; a chain's other rows are not written out but kept as a trace, each its
     Replay (a state is megabytes: writing one a draft cost most of a verify)."""
     layers = len(blocks)
-    inputs: list[list[torch.Tensor | None]] = []
-    outputs: list[list[torch.Tensor | Replay | None]] = []
-    for sequence, count in zip(states, counts):
-        starts = [state.float().contiguous() for state in sequence]
-        inputs += [starts] + [[None] * layers] * (count - 1)
-        outputs += [[None] * layers] * (count - 1) + [[torch.empty_like(start) for start in starts]]
-    trace = None
-    if rows > len(counts):  # a chain: its trace [layers, rows, conv_dim + heads]
-        block = blocks[0]
-        trace = torch.empty(layers, rows, block.heads * block.head_dim + 2 * block.groups * block.state + block.heads)
+    inputs, outputs = chain_ends(states, counts)
+    trace = trace_for(blocks[0], layers, rows, counts)
 
     def pointers(per_row: list) -> ctypes.Array:  # layer-major: index layer * rows + row
         return nullable([per_row[r][i] for i in range(layers) for r in range(rows)])
 
     library.kvgen_mamba2_step_from(ctypes.addressof(blocks), layers, rows, x_ptr, h_ptr, conv_in, conv_out, pointers(inputs),
-                                   pointers(outputs), lora, slots, trace.data_ptr() if trace is not None else None)  # fmt: skip
-    first = 0
-    for count in counts:
-        for j in range(count - 1):
-            outputs[first + j] = [Replay(library, blocks, i, start, trace[i, first : first + j + 1]) for i, start in enumerate(inputs[first])]
-        first += count
-    return outputs  # type: ignore[return-value]
+                                   pointers(outputs), None, None, trace.data_ptr() if trace is not None else None)  # fmt: skip
+    traces = list(trace) if trace is not None else [None] * layers
+    return replayed(library, [(blocks, i) for i in range(layers)], inputs, outputs, counts, traces)
 
 
 class StateStep(MixerStructs):
