@@ -54,27 +54,27 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
     FamilySupport("granitemoehybrid (Granite 4.0-H: Mamba-2 + attention layers; Bamba, HF only)", "GGUF (granitehybrid), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
                   "KV cache options refused", "yes (int8 / q4 weights), a token's step one C call",
-                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, dense MLPs and mixers",
                   "random tiny (transformers)"),
     FamilySupport("lfm2 (LFM2: gated short convolutions + attention layers; LFM2-MoE: a mixture after the first layers)", "GGUF (lfm2, lfm2moe), HF",
                   "HybridStateCache (conv windows with checkpoints + contiguous K/V of the attention layers); "
                   "KV cache options refused", "yes (int8 / q4 weights), a token's step one C call",
-                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, dense MLPs and mixers",
                   "random tiny (transformers)"),
     FamilySupport("nemotron_h (Nemotron-H, Nemotron Nano v2: Mamba-2, attention and ReLU² MLP layers; Nemotron 3 Nano: "
                   "mixtures of ReLU² experts)", "GGUF (nemotron_h, nemotron_h_moe), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
                   "KV cache options refused", "yes (int8 / q4 weights), a token's step one C call",
-                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, dense MLPs and mixers",
                   "random tiny (transformers)"),
     FamilySupport("falcon_h1 (Falcon-H1: attention and Mamba-2 side by side in every layer, µP multipliers folded at load)",
                   "GGUF (falcon-h1), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of every layer); KV cache options refused",
                   "yes (int8 / q4 weights), a token's step one C call",
-                  "yes: decode rows together in one C call per layer, prompts one after another, one state + K/V per request; "
+                  "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, MLPs and mixers (HF folders)",
                   "random tiny (transformers)"),
     FamilySupport("t5 (encoder-decoder)", "HF (fp32 weights)",

@@ -13,8 +13,8 @@ These are the kernels the transformer families' C steps and the Mamba-2 step use
 blocks; the torch path remains the reference (tests/parity/test_tiny_granite_hybrid.py and
 test_tiny_lfm2.py compare the two).
 
-The engine's rows of several sequences (`step_rows`) run each layer for all of them in one call,
-so its weights are read once a step instead of once a row: a state layer's mixer over the rows and
+The engine's rows of several sequences (`step_rows`) run in one C call too (kvgen_hybrid_rows),
+each layer over all of them at once, so its weights are read once a step instead of once a row: a state layer's mixer over the rows and
 its MLP as decode_rows.c's kvgen_mlp_rows, an attention layer as kvgen_decode_rows_own over each
 row's own contiguous keys and values. A sequence may bring a few tokens (a speculative verify, a
 short turn): its rows run as a chain, each row's mixer continuing the row before's states and its
