@@ -93,6 +93,16 @@ def test_prefill_gives_the_same_bits_however_the_prompt_is_split(name: str, buil
     assert_prefill_is_chunk_invariant(int8, random_ids(70, 31), [[66, 4], [31, 39], [1, 69], [17, 17, 36]])
 
 
+def test_a_mixture_prompt_on_q4_weights_gives_the_same_bits_however_split(tmp_path: Path) -> None:
+    """On 4-bit weights a prompt's mixture layers ran torch's matmuls, whose sums a chunk of a few
+    tokens (the C step) did not share (3e-7 in the last logits, enough to flip a near-tied router);
+    they run as the decode step's rows now (HybridStep.prompt_mlp), whatever the chunks."""
+    save_tiny_nemotron_h(tmp_path / "model", tokenizer_folder(tmp_path / "tokenizer"), experts=4)
+    q4 = LLM.load(tmp_path / "model", progress=False, weights="q4")
+    assert q4.model._c_step() is not None  # the chunks of a few tokens take the C step
+    assert_prefill_is_chunk_invariant(q4, random_ids(70, 31), [[66, 4], [62, 8], [69, 1], [31, 39]])
+
+
 def test_session_resumes_from_a_checkpoint(built: dict) -> None:
     _, llm, _ = built["nemotron-h"]
     assert_session_resumes_from_a_checkpoint(llm, GREEDY, random_ids(150, 3), random_ids(20, 4), random_ids(30, 5))

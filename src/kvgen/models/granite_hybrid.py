@@ -174,7 +174,11 @@ class GraniteHybridModel(RecurrentLM):
                 captured.append(states[0])
                 h = h + out * block.residual_multiplier
             if block.mlp is not None and not mlp_done:
-                h = h + block.mlp(block.post_attn_norm(h)) * block.residual_multiplier
+                if step is not None:  # in C, each row as a decode computes it (a mixture's routing too)
+                    h = h.contiguous()
+                    step.prompt_mlp(index, h[0], slot)
+                else:
+                    h = h + block.mlp(block.post_attn_norm(h)) * block.residual_multiplier
         snapshots = {point + 1: [layer[k] for layer in captured] for k, point in enumerate(capture[0])}
         for slot, (conv, recurrent) in enumerate(snapshots.pop(seq)):
             cache.write(slot, conv, recurrent)

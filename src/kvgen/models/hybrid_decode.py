@@ -276,6 +276,20 @@ class HybridStep(MixerStructs):
                                       _slot_array([slot] * rows) if lora is not None else None)  # fmt: skip
         return chosen.mlp is None
 
+    def prompt_mlp(self, layer: int, h: torch.Tensor, slot: int = -1) -> None:
+        """Layer `layer`'s MLP or mixture (the one its attention block does not carry) over a
+        prompt's rows h [S, hidden] (updated in place: h += the sublayer's output), in calls of at
+        most MAX_ROWS rows of kvgen_mlp_rows, each row as a decode of its token computes it: a
+        mixture routes each row as the step does, so the prompt's bits do not depend on how it was
+        split (a chunk of a few tokens takes the C step). `slot`: the LoRA adapter slot (-1: none)."""
+        chosen = self.layers[layer]
+        lora = layer_lora(self._lora_tables.for_slots([slot]), layer)
+        assert chosen.mlp is not None and h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+        for first in range(0, h.shape[0], MAX_ROWS):
+            rows = min(MAX_ROWS, h.shape[0] - first)
+            self.library.kvgen_mlp_rows(ctypes.byref(chosen.mlp), rows, h[first].data_ptr(), ctypes.byref(self._scratch_for_rows(rows)),
+                                        lora, _slot_array([slot] * rows) if lora is not None else None)  # fmt: skip
+
     def _rows_rope(self, positions: torch.Tensor) -> torch.Tensor:
         """[rows, 1, 2, head_dim]: each row's cos and sin (without RoPE the identity turn; partial
         rotary: the turned channels' angles first, zeros after, as the kernel reads them)."""
