@@ -159,10 +159,9 @@ class GenerationStream:
         if speculative is not None and generator.model.device.type != "cpu":
             raise ValueError(f"speculative decoding runs on the CPU; this model is on {generator.model.device}, where "
                              "greedy decoding already runs many steps per host round trip: generate without speculative")
-        if speculative is not None and params.adapter is not None:
-            raise ValueError("speculative decoding does not run with LoRA adapters: generate without speculative")
         if speculative is not None:
             speculative.check_target(generator.model)  # a state model: lookup or a KV-cache draft model only
+            speculative.check_adapter(params.adapter)  # under an adapter: lookup or a draft model
         # Built now so a bad speculative setup fails before any work; it drafts after the prefill.
         if speculative is not None:
             # raises where the request cannot have the alternatives asked for
@@ -247,7 +246,8 @@ class GenerationStream:
         if self.speculative is not None:
             from kvgen.speculative.decoder import SpeculativeDecoder  # lazy: speculative imports session
 
-            self._speculator = SpeculativeDecoder(model, self.cache, self._proposer, sampler, self.speculative, max_context)
+            self._speculator = SpeculativeDecoder(model, self.cache, self._proposer, sampler, self.speculative, max_context,
+                                                  params.adapter)  # fmt: skip
             self._speculator.start(self.prompt_ids + [token])
             result.speculative = self._speculator.stats
 

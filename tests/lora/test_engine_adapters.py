@@ -89,16 +89,32 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(smollm2_adapters) ->
     assert_nothing_leaked(engine)
 
 
-def test_speculative_decoding_refuses_adapters(smollm2_adapters) -> None:
+def test_prompt_lookup_under_an_adapter_gives_the_adapters_greedy_tokens(smollm2_q4_adapters) -> None:
+    """The verify runs under the request's adapter, so drafts from the text (prompt lookup) keep the
+    adapter's greedy tokens exactly, alone and in the engine; the layer-skip draft and EAGLE, which
+    draft from the base model's own layers and features, are refused by name and change nothing."""
     from kvgen.speculative.config import SpeculativeConfig
 
-    llm, _ = smollm2_adapters
-    params = dataclasses.replace(PARAMS, adapter="qv-r4")
-    with pytest.raises(ValueError, match="speculative decoding does not run with LoRA adapters"):
-        llm.generate(PROMPTS[0], params, speculative=SpeculativeConfig(method="lookup"))
+    llm, _ = smollm2_q4_adapters
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, adapter="all-r8-rs")
+    for prompt in PROMPTS[:2]:  # drafts accepted where the adapter's text and the base model's part
+        plain = llm.generate(prompt, params).token_ids
+        assert plain != llm.generate(prompt, dataclasses.replace(params, adapter=None)).token_ids  # the adapter's own text
+        drafted = llm.generate(prompt, params, speculative=SpeculativeConfig("lookup"))
+        assert drafted.token_ids == plain
+        assert drafted.speculative.accepted_tokens > 0  # drafts were verified under the adapter and kept
     engine = LLMEngine(llm, EngineConfig(num_blocks=64))
-    with pytest.raises(ValueError, match="speculative decoding does not run with LoRA adapters"):
-        engine.add_request("s", PROMPTS[0], params, speculative=SpeculativeConfig(method="lookup"))
+    request = engine.add_request("s", prompt, params, speculative=SpeculativeConfig("lookup"))
+    drain(engine, [request])
+    assert request.output_ids == plain and engine.speculative_totals.accepted_tokens > 0
+    for method in ("self", "eagle"):
+        with pytest.raises(ValueError, match=f"speculative method '{method}' drafts from the base model"):
+            llm.generate(prompt, params, speculative=SpeculativeConfig(method))
+        with pytest.raises(ValueError, match=f"speculative method '{method}' drafts from the base model"):
+            engine.add_request(method, prompt, params, speculative=SpeculativeConfig(method))
+    assert not engine.has_unfinished()
+    assert_nothing_leaked(engine)
+    assert all(info["in_use"] == 0 for info in llm.adapters.info().values())
 
 
 def test_a_session_recomputes_its_cache_when_the_adapter_changes(smollm2_adapters) -> None:

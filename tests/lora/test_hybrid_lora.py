@@ -22,10 +22,12 @@ from kvgen.llm import LLM
 from kvgen.lora.adapter import AdapterError
 from kvgen.lora.gguf_lora import write_gguf_lora
 from kvgen.sampling.params import SamplingParams
+from kvgen.speculative.config import SpeculativeConfig
 from tests.engine.test_engine import drain
 from tests.support.lora import save_halved_peft_adapter
 from tests.support.models import model_path
-from tests.support.recurrent import assert_a_chain_is_one_token_steps, assert_prefill_is_chunk_invariant, prefill_and_steps, random_ids
+from tests.support.recurrent import (SpoiledOracle, assert_a_chain_is_one_token_steps, assert_prefill_is_chunk_invariant, prefill_and_steps,
+                                     random_ids)  # fmt: skip
 from tests.support.tiny_gguf import write_falcon_h1_gguf
 from tests.support.tiny_hf import (save_tiny_bamba, save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_nemotron_h,
                                    tokenizer_folder)  # fmt: skip
@@ -152,6 +154,27 @@ def test_engine_rows_under_different_adapters_equal_each_alone(family: str, buil
     assert again.cached_tokens >= 32 and again.output_ids == together[3]
     engine.check_invariants()
     assert engine.scheduler.num_blocks_in_use() == engine.scheduler.prefix.num_units > 0  # all the requests held is freed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_under_an_adapter_give_the_adapters_greedy_tokens(family: str, built: dict[str, Built],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A speculative request under an adapter verifies its drafts under it: drafts accepted and
+    rejected at every step give the adapter's plain greedy tokens, alone and in the engine."""
+    llm = built[family].int8
+    params = dataclasses.replace(GREEDY, adapter="all")
+    plain = llm.generate(PROMPT, params).token_ids
+    assert plain != llm.generate(PROMPT, GREEDY).token_ids  # the adapter's own text: not a vacuous check
+    monkeypatch.setattr(SpeculativeConfig, "build_proposer", lambda self, generator: SpoiledOracle(PROMPT + plain))
+    speculative = SpeculativeConfig("lookup", num_draft_tokens=4, adaptive=False)
+    result = llm.generate(PROMPT, params, speculative=speculative)
+    stats = result.speculative
+    assert result.token_ids == plain
+    assert 0 < stats.accepted_tokens < stats.proposed_tokens, stats  # rollbacks happened
+    engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=16, block_size=8))
+    request = engine.add_request("drafted", PROMPT, params, speculative=speculative)
+    drain(engine, [request])
+    assert request.output_ids == plain and engine.speculative_totals.accepted_tokens > 0
 
 
 def test_a_gguf_lora_with_llama_cpps_mixer_names_loads_the_same_adapter(built: dict[str, Built], tmp_path: Path) -> None:

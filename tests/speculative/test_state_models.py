@@ -18,9 +18,8 @@ import torch
 from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.speculative.config import SpeculativeConfig
-from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 from tests.support.models import model_path
-from tests.support.recurrent import assert_a_chain_is_one_token_steps, assert_idle, random_ids
+from tests.support.recurrent import SpoiledOracle, assert_a_chain_is_one_token_steps, assert_idle, random_ids
 from tests.support.tiny_hf import (save_tiny_falcon_h1, save_tiny_granite_hybrid, save_tiny_lfm2, save_tiny_mamba, save_tiny_mamba2, save_tiny_nemotron_h,
                                    tokenizer_folder)  # fmt: skip
 
@@ -31,24 +30,6 @@ MODELS: dict[str, Callable[..., Any]] = {
     "nemotron-h": save_tiny_nemotron_h, "nemotron-3-nano": lambda folder, tokenizer: save_tiny_nemotron_h(folder, tokenizer, experts=4),
     "falcon-h1": save_tiny_falcon_h1,
 }  # fmt: skip
-
-
-class SpoiledOracle(Proposer):
-    """Drafts plain decoding's next tokens (a `truth`: a prompt + its greedy output; the one the ids
-    so far begin), the last of every draft of three or more replaced by another token: such drafts
-    are accepted up to it, then rejected there."""
-
-    drafts_for_free = True  # as prompt lookup's, which it stands in for: the engine lets every decoding request draft
-
-    def __init__(self, *truths: list[int]):
-        self.truths = truths
-
-    def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: Any) -> Draft:
-        truth = next(truth for truth in self.truths if truth[: len(ids)] == ids)
-        tokens = truth[len(ids) : len(ids) + num_tokens]
-        if len(tokens) >= 3:
-            tokens[-1] = (tokens[-1] + 1) % 49152
-        return Draft(tokens)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from kvgen import LLM, SamplingParams
 from kvgen.engine import EngineConfig, LLMEngine
 from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.ssm import materialized
+from kvgen.speculative.proposer import Draft, DraftPolicy, Proposer
 
 
 def random_ids(count: int, seed: int) -> list[int]:
@@ -219,3 +220,21 @@ def assert_engine_tokens_equal_each_request_alone(llm: LLM, params: SamplingPara
     prompts = [random_ids(n, 40 + n) for n in (5, 33, 18)]
     engine = LLMEngine(llm, EngineConfig(max_tokens_per_step=16, block_size=8))
     assert [r.output_ids for r in engine.generate(prompts, params)] == [llm.generate(p, params).token_ids for p in prompts]
+
+
+class SpoiledOracle(Proposer):
+    """Drafts plain decoding's next tokens (a `truth`: a prompt + its greedy output; the one the ids
+    so far begin), the last of every draft of three or more replaced by another token: such drafts
+    are accepted up to it, then rejected there."""
+
+    drafts_for_free = True  # as prompt lookup's, which it stands in for: the engine lets every decoding request draft
+
+    def __init__(self, *truths: list[int]):
+        self.truths = truths
+
+    def propose(self, ids: list[int], num_tokens: int, policy: DraftPolicy, constraint: Any) -> Draft:
+        truth = next(truth for truth in self.truths if truth[: len(ids)] == ids)
+        tokens = truth[len(ids) : len(ids) + num_tokens]
+        if len(tokens) >= 3:
+            tokens[-1] = (tokens[-1] + 1) % 49152
+        return Draft(tokens)

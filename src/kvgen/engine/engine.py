@@ -152,7 +152,7 @@ class LLMEngine:
         if self.adapters is None:
             raise UnknownAdapterError(f"adapter {name!r} is not loaded: this model serves no adapters")
         if speculative is not None:
-            raise ValueError("speculative decoding does not run with LoRA adapters: leave speculative off for adapter requests")
+            speculative.check_adapter(name)  # under an adapter: lookup or a draft model
         return self.adapters.cache_key(name)
 
     def add(self, request: Request) -> None:

@@ -154,6 +154,16 @@ class SpeculativeConfig:
             raise ValueError(f"a draft model rolls its own cache back by truncate, which a {draft.config.architecture} draft "
                              "cannot: draft with a model that keeps a KV cache")  # fmt: skip
 
+    def check_adapter(self, adapter: str | None) -> None:
+        """ValueError where this method cannot draft for a request under LoRA adapter `adapter`.
+        The verify runs under the adapter, so the output stays exactly the adapter's; prompt lookup
+        and a separate draft model draft from the text, while the layer-skip draft and EAGLE draft
+        from the base model's own layers and features, which the adapter changes."""
+        if adapter is not None and self.method in ("self", "eagle"):
+            raise ValueError(f"speculative method {self.method!r} drafts from the base model's own "
+                             f"{'layers' if self.method == 'self' else 'features'}, not adapter {adapter!r}'s: "
+                             "with a LoRA adapter use method 'lookup' or 'draft'")  # fmt: skip
+
     def build_proposer(self, generator: "Generator") -> "Proposer":
         """A fresh proposer for one request on `generator`'s model (proposers hold per-request state)."""
         self.check_cache(generator.cache_config)

@@ -29,9 +29,12 @@ from kvgen.speculative.verify import verify, verify_each
 class SpeculativeDecoder:
     def __init__(
         self, model: DecoderLM, cache: KVCache, proposer: Proposer, sampler: Sampler, config: SpeculativeConfig,
-        max_context: int,
+        max_context: int, adapter: str | None = None,
     ):  # fmt: skip
+        """adapter: the LoRA adapter the target runs under (its verify too; the proposer drafts from
+        the text: SpeculativeConfig.check_adapter refused the others)."""
         self.model, self.cache, self.proposer, self.sampler = model, cache, proposer, sampler
+        self.adapter = adapter
         self.max_context, self.constraint = max_context, sampler.constraint
         self.policy = DraftPolicy(sampler.params, config.alternatives_for(sampler.params, model, cache))
         proposer.attach(cache)  # a layer-skip draft reads the target's first layers' keys and values
@@ -84,7 +87,7 @@ class SpeculativeDecoder:
                 return None
             h = h[0]
         elif not self.proposer.needs_target_features:
-            return self.model(torch.tensor([input_ids]), self.cache, logits_to_keep=None)[0]
+            return self.model(torch.tensor([input_ids]), self.cache, logits_to_keep=None, adapter=self.adapter)[0]
         else:
             h = self.model.hidden_states(torch.tensor([input_ids]), self.cache)[0]  # [S, H]
         self._features = h
