@@ -71,6 +71,23 @@ def test_the_model_field_selects_the_adapter(client, server, smollm2_adapters) -
     server.assert_no_leaks()
 
 
+def test_speculative_requests_under_an_adapter(client, server, smollm2_adapters) -> None:
+    """The `speculative` field with an adapter's model: lookup's drafts are verified under the
+    adapter (its greedy text, drafts accepted); EAGLE, drafting from the base model's features, is a
+    400 that names it."""
+    llm, _ = smollm2_adapters
+    before = metric_values(server)
+    extra = {"ignore_eos": True, "speculative": {"method": "lookup"}}
+    reply = client.completions.create(model="all-r8-rs", prompt=PROMPTS[2], max_tokens=32, temperature=0, extra_body=extra)
+    assert reply.choices[0].text == want(llm, PROMPTS[2], "all-r8-rs", 32) != want(llm, PROMPTS[2], None, 32)
+    accepted = "kvgen_spec_accepted_tokens"
+    assert metric_values(server).get(accepted, 0) > before.get(accepted, 0)
+    with pytest.raises(openai.BadRequestError, match="speculative method 'eagle' drafts from the base model"):
+        client.completions.create(model="all-r8-rs", prompt=PROMPTS[2], max_tokens=4, temperature=0,
+                                  extra_body={"speculative": {"method": "eagle"}})  # fmt: skip
+    server.assert_no_leaks()
+
+
 def test_an_unknown_model_is_404_and_queues_nothing(client, server, smollm2_adapters) -> None:
     llm, _ = smollm2_adapters
     before = (server.engine.engine.runner.num_forwards, llm.adapters.info())
