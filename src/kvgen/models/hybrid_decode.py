@@ -41,7 +41,7 @@ from kvgen.kv.hybrid import HybridStateCache
 from kvgen.kv.interface import KVLayout
 from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinear, describe_block, layer_lora, mlp_linears,
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
-from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chain_ends, linked_rows, nullable, replayed, trace_for
+from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chain_ends, layer_major, linked_rows, replayed, trace_for
 from kvgen.models.recurrent import commit_chain
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
@@ -154,11 +154,6 @@ class HybridStep(MixerStructs):
         ssm_in, ssm_out = chain_ends([[cache.recurrent_state(s) for s in slots] for cache in caches], counts)
         return conv_in, conv_out, ssm_in, ssm_out  # type: ignore[return-value]
 
-    @staticmethod
-    def _slot_major(per_row: list[list[torch.Tensor | None]]) -> ctypes.Array:
-        """[row][state slot] as the C call's pointers, state slot s's rows at s * rows (None: NULL)."""
-        return nullable([row[slot] for slot in range(len(per_row[0])) for row in per_row])
-
     def _mixer_inputs(self, rows: int) -> int:
         """A buffer for a parallel layer's mixer input, rows x hidden (grown to the most rows seen)."""
         if self._input.numel() < rows * self._hidden:
@@ -188,8 +183,8 @@ class HybridStep(MixerStructs):
         self.library.kvgen_hybrid_step(self._step_layers, len(self.layers), h.data_ptr(), self._mixer_inputs(1), h.numel(),
                                        cos.data_ptr(), sin.data_ptr(), layout.keys.data_ptr(), layout.values.data_ptr(),
                                        layout.layer_stride, layout.head_stride, layout.pos_stride, position,
-                                       self._slot_major(conv_in), self._slot_major(conv_out), self._slot_major(ssm_in),
-                                       self._slot_major(ssm_out), layer_lora(table, 0), slot)  # fmt: skip
+                                       layer_major(conv_in), layer_major(conv_out), layer_major(ssm_in),
+                                       layer_major(ssm_out), layer_lora(table, 0), slot)  # fmt: skip
         commit_chain(cache, [list(zip(conv_out[0], ssm_out[0]))])
 
     def lora_delta(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
@@ -239,8 +234,8 @@ class HybridStep(MixerStructs):
         trace = trace_for(self._mamba2_shape, self._state_layers, rows, counts) if self._mamba2_shape is not None else None
         lib.kvgen_hybrid_rows(self._step_layers, len(self.layers), rows, h_ptr, self._mixer_inputs(rows), self._hidden,
                               rope.data_ptr(), kv.data_ptr(), layouts[0].pos_stride, positions.data_ptr(), scratch,
-                              self._slot_major(conv_in), self._slot_major(conv_out), self._slot_major(ssm_in),
-                              self._slot_major(ssm_out), trace.data_ptr() if trace is not None else None,
+                              layer_major(conv_in), layer_major(conv_out), layer_major(ssm_in),
+                              layer_major(ssm_out), trace.data_ptr() if trace is not None else None,
                               trace.shape[2] if trace is not None else 0, layer_lora(table, 0), row_slots)  # fmt: skip
         traces = list(trace) if trace is not None else [None] * self._state_layers
         recurrent = replayed(lib, self._replay_blocks, ssm_in, ssm_out, counts, traces)

@@ -114,6 +114,11 @@ def nullable(tensors: list[torch.Tensor | None]) -> ctypes.Array:
     return (_ptr * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
 
+def layer_major(per_row: list[list[torch.Tensor | None]]) -> ctypes.Array:
+    """States [row][layer] as the C steps' pointers: layer l's rows at l * rows (None: NULL)."""
+    return nullable([row[layer] for layer in range(len(per_row[0])) for row in per_row])
+
+
 class Replay:
     """A Mamba-2 layer's recurrent state after the first rows of a chain, which the chain did not
     write out (kv/ssm.py's DeferredState): kvgen_mamba2_replay rebuilds it from the state the chain
@@ -179,11 +184,8 @@ def mamba2_step_rows(library: ctypes.CDLL, blocks: ctypes.Array, rows: int, x_pt
     inputs, outputs = chain_ends(states, counts)
     trace = trace_for(blocks[0], layers, rows, counts)
 
-    def pointers(per_row: list) -> ctypes.Array:  # layer-major: index layer * rows + row
-        return nullable([per_row[r][i] for i in range(layers) for r in range(rows)])
-
-    library.kvgen_mamba2_step_from(ctypes.addressof(blocks), layers, rows, x_ptr, h_ptr, conv_in, conv_out, pointers(inputs),
-                                   pointers(outputs), None, None, trace.data_ptr() if trace is not None else None)  # fmt: skip
+    library.kvgen_mamba2_step_from(ctypes.addressof(blocks), layers, rows, x_ptr, h_ptr, conv_in, conv_out, layer_major(inputs),
+                                   layer_major(outputs), None, None, trace.data_ptr() if trace is not None else None)  # fmt: skip
     traces = list(trace) if trace is not None else [None] * layers
     return replayed(library, [(blocks, i) for i in range(layers)], inputs, outputs, counts, traces)
 
@@ -213,14 +215,11 @@ class StateStep(MixerStructs):
         counts = counts or [1] * len(conv)
         conv_in, conv_out = linked_rows(conv, counts)
 
-        def pointers(states: list[list[torch.Tensor]]) -> ctypes.Array:  # layer-major: index layer * rows + row
-            return nullable([states[r][i] for i in range(layers) for r in range(rows)])
-
         assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2 and rows == sum(counts)
         if self._mamba2:
-            return conv_out, mamba2_step_rows(self.library, self._blocks, rows, h.data_ptr(), h.data_ptr(), pointers(conv_in),
-                                              pointers(conv_out), ssm, counts)  # fmt: skip
+            return conv_out, mamba2_step_rows(self.library, self._blocks, rows, h.data_ptr(), h.data_ptr(), layer_major(conv_in),
+                                              layer_major(conv_out), ssm, counts)  # fmt: skip
         ssm_in, ssm_out = linked_rows(ssm, counts)
-        self.library.kvgen_mamba_step(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), pointers(conv_in), pointers(conv_out),
-                                      pointers(ssm_in), pointers(ssm_out))  # fmt: skip
+        self.library.kvgen_mamba_step(ctypes.addressof(self._blocks), layers, rows, h.data_ptr(), layer_major(conv_in), layer_major(conv_out),
+                                      layer_major(ssm_in), layer_major(ssm_out))  # fmt: skip
         return conv_out, ssm_out
