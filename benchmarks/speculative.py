@@ -11,6 +11,12 @@ fall back to near plain speed: the summary prints the worst ratio.
 
     python benchmarks/speculative.py                 # fp32 and q4 targets, 128 new tokens, 3 rounds
     python benchmarks/speculative.py --weights q4 --new-tokens 64
+    python benchmarks/speculative.py --weights q4 --methods lookup --lora-rank 16   # every request under a LoRA adapter
+
+With `--lora-rank R` every request, plain and speculative, runs under a random rank-R LoRA adapter
+on every linear (benchmarks/lora.py's, loaded by kvgen): the verify then adds the adapter's deltas
+to each of its rows. Prompt lookup and the draft model run under an adapter; self and eagle, which
+draft from the base model, are refused there (SpeculativeConfig.check_adapter).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +91,14 @@ def main() -> None:
     parser.add_argument("--methods", default="lookup,self,eagle,draft", help="proposers, comma-separated "
                         "(draft: the 4-bit copy of the model drafting for a non-4-bit target)")  # fmt: skip
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {', '.join(TASKS)}")
+    parser.add_argument("--lora-rank", type=int, default=0, help="run every request under a random LoRA adapter of this rank (0: none)")
     args = parser.parse_args()
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    refused = sorted({"self", "eagle"} & set(args.methods.split(",")))
+    if args.lora_rank and refused:
+        parser.error(f"--methods {','.join(refused)}: these draft from the base model and are refused under a LoRA adapter; "
+                     "leave them out with --lora-rank")  # fmt: skip
+    adapter = "bench" if args.lora_rank else None
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, adapter=adapter)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -95,6 +108,12 @@ def main() -> None:
     forwards: dict[str, dict[int, float]] = {}
     for weights in args.weights.split(","):
         llm = LLM.load(args.model, progress=False, weights=weights)
+        if adapter is not None:
+            from lora import write_peft_adapter
+
+            folder = Path(tempfile.mkdtemp()) / adapter
+            write_peft_adapter(llm, folder, args.lora_rank, seed=0)
+            llm.load_adapter(adapter, folder)
         # The only same-tokenizer draft we ship is the 4-bit copy of the same model: used for fp32.
         draft = LLM.load(args.model, progress=False, weights="q4") if weights != "q4" else None
         methods = {m: c for m, c in configs(weights, draft).items() if m in args.methods.split(",")}
@@ -102,7 +121,7 @@ def main() -> None:
         prompts = {task: task_prompt(llm, task) for task in tasks}
         samples: dict[tuple[str, str], list[Any]] = {}
         for task, prompt in prompts.items():
-            llm.generate(prompt, SamplingParams(max_new_tokens=8))  # warm-up (kernels, allocator)
+            llm.generate(prompt, SamplingParams(max_new_tokens=8, adapter=adapter))  # warm-up (kernels, allocator)
         # Each proposer's run sits between two plain runs and its ratio is against their mean, so a
         # drift of the machine's speed within a round cancels; the proposers' order rotates by round.
         ratios: dict[tuple[str, str], list[float]] = {}
@@ -149,8 +168,8 @@ def main() -> None:
         if row is not None:
             print(f"{label}: {row['method']} on {row['task']} ({row['weights']}): {row['speedup']:.2f}x")
     config = {"model": args.model, "new_tokens": args.new_tokens, "repeats": args.repeats, "methods": args.methods,
-              "tasks": tasks, "threads": torch.get_num_threads()}  # fmt: skip
-    path = write_results(f"speculative-{args.model}-{cpu_class()}", {"config": config, "rows": rows,
+              "tasks": tasks, "threads": torch.get_num_threads(), "lora_rank": args.lora_rank}  # fmt: skip
+    path = write_results(f"speculative-{args.model}{f'-lora-r{args.lora_rank}' if args.lora_rank else ''}-{cpu_class()}", {"config": config, "rows": rows,
                                                                        "forward_ms": forwards, "best": best, "worst": worst})  # fmt: skip
     print(f"wrote {path}")
 
