@@ -54,16 +54,17 @@ TASKS = {
 }
 
 
-def forward_ms(llm: LLM, num_tokens: int, repeats: int) -> float:
-    """One target forward over `num_tokens` new tokens after a 64-token context, in ms."""
+def forward_ms(llm: LLM, num_tokens: int, repeats: int, adapter: str | None = None) -> float:
+    """One target forward over `num_tokens` new tokens after a 64-token context, in ms (under LoRA
+    `adapter` where one is named, as the requests run)."""
     model = llm.model
     cache = ContiguousCache(CacheSpec.for_model(model.config, model.dtype), 128)
     with torch.inference_mode():
-        model(torch.arange(64)[None], cache)
+        model(torch.arange(64)[None], cache, adapter=adapter)
 
         def run() -> float:
             cache.truncate(64)
-            return timed(lambda: model(torch.arange(num_tokens)[None], cache, logits_to_keep=None))
+            return timed(lambda: model(torch.arange(num_tokens)[None], cache, logits_to_keep=None, adapter=adapter))
 
         return best_of(repeats, run) * 1000
 
@@ -117,7 +118,7 @@ def main() -> None:
         # The only same-tokenizer draft we ship is the 4-bit copy of the same model: used for fp32.
         draft = LLM.load(args.model, progress=False, weights="q4") if weights != "q4" else None
         methods = {m: c for m, c in configs(weights, draft).items() if m in args.methods.split(",")}
-        forwards[weights] = {n: forward_ms(llm, n, 3) for n in (1, 5, 9)}
+        forwards[weights] = {n: forward_ms(llm, n, 3, adapter) for n in (1, 5, 9)}
         prompts = {task: task_prompt(llm, task) for task in tasks}
         samples: dict[tuple[str, str], list[Any]] = {}
         for task, prompt in prompts.items():
