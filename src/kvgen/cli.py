@@ -87,10 +87,14 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="first draft length, adapting from there (default 4; eagle: one-token drafts)")
     parser.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same tokenizer)")
-    parser.add_argument("--draft-weights", default="q4", choices=WEIGHT_MODES, help="weights of the draft model")
+    parser.add_argument("--draft-weights", default=None, choices=WEIGHT_MODES,
+                        help="weights of the draft model (default q4)")
     parser.add_argument("--draft-layers", type=int, default=None, help="layers of the self-draft (default: half)")
     parser.add_argument("--draft-alternatives", type=int, default=None,
                         help="eagle: runner-up first tokens verified beside each draft (greedy only; default 1)")  # fmt: skip
+    parser.add_argument("--prediction", default=None, metavar="TEXT",
+                        help="the expected output (the text being edited): prompt lookup drafts from it first; "
+                             "implies --speculative lookup")  # fmt: skip
     parser.add_argument("--lora", default=None, metavar="PATH",
                         help="apply this LoRA adapter (a PEFT folder or a GGUF LoRA file) without merging it")  # fmt: skip
 
@@ -250,22 +254,33 @@ def _read_template(path: str | None) -> str | None:
         raise ValueError(f"--chat-template-file {path}: cannot read it ({error.strerror})") from None
 
 
+# The options that only mean something with --speculative (or --prediction, which implies lookup).
+SPECULATIVE_OPTIONS = ("draft_tokens", "draft_model", "draft_weights", "draft_layers", "draft_alternatives")
+
+
 def _speculative(args: argparse.Namespace):  # -> SpeculativeConfig | None
-    if args.speculative is None:
+    if args.prediction is not None and args.speculative not in (None, "lookup"):
+        raise ValueError(f"--prediction drafts by prompt lookup, which --speculative {args.speculative} replaces: "
+                         "leave --speculative out or use lookup")  # fmt: skip
+    method = args.speculative or ("lookup" if args.prediction is not None else None)
+    if method is None:
+        if given := [name for name in SPECULATIVE_OPTIONS if getattr(args, name) is not None]:
+            raise ValueError(f"--{given[0].replace('_', '-')} is only used with --speculative: add --speculative")
         return None
     from kvgen.llm import LLM
     from kvgen.speculative.config import SpeculativeConfig
 
     draft = None
-    if args.speculative != "draft" and args.draft_model is not None:
-        raise ValueError(f"--draft-model is only used by --speculative draft, not {args.speculative}")
-    if args.speculative == "draft":
+    for name in ("draft_model", "draft_weights"):
+        if method != "draft" and getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} is only used by --speculative draft, not {method}")
+    if method == "draft":
         if args.draft_model is None:
             raise ValueError("--speculative draft needs --draft-model (a model with the same tokenizer)")
-        draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights)
+        draft = LLM.load(args.draft_model, progress=False, weights=args.draft_weights or "q4")
     return SpeculativeConfig(
-        args.speculative, num_draft_tokens=args.draft_tokens, draft_model=draft, draft_layers=args.draft_layers,
-        draft_alternatives=args.draft_alternatives,
+        method, num_draft_tokens=args.draft_tokens, draft_model=draft, draft_layers=args.draft_layers,
+        draft_alternatives=args.draft_alternatives, prediction=args.prediction,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ USER = [{"role": "user", "content": "Hello"}]
 
 REFUSED = [
     ("chat", "audio", {"voice": "alloy", "format": "wav"}), ("chat", "functions", [{"name": "f"}]),
-    ("chat", "function_call", "auto"), ("chat", "prediction", {"type": "content", "content": "x"}),
+    ("chat", "function_call", "auto"), ("chat", "prediction", {"type": "file", "content": "x"}),
     ("chat", "reasoning_effort", "low"), ("chat", "verbosity", "low"), ("chat", "web_search_options", {}),
     ("chat", "prompt_cache_key", "k"), ("chat", "store", True), ("chat", "modalities", ["audio"]),
     ("chat", "service_tier", "flex"), ("chat", "priority", 1), ("chat", "stream_options", {"include_usage": True}),

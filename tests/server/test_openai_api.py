@@ -163,3 +163,29 @@ def test_speculative_extension_gives_the_plain_output_and_counts_acceptance(clie
     assert values["kvgen_spec_draft_tokens"] > 0 and values["kvgen_spec_accepted_tokens"] > 0
     assert 0 < values["kvgen_spec_acceptance_rate"] <= 1
     server.assert_no_leaks()
+
+
+def test_chat_prediction_gives_the_plain_reply_and_counts_its_drafts_in_usage(client, server, smollm2) -> None:
+    """Predicted Outputs: the reply is the one without a prediction; usage's completion details count
+    the drafted tokens kept and rejected, streamed (include_usage) or not."""
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    expected = reference(smollm2, chat_ids(smollm2, messages), 24)
+    for prediction in (expected, {"type": "content", "content": [{"type": "text", "text": expected}]}):
+        content = prediction if isinstance(prediction, str) else prediction["content"]
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                               prediction={"type": "content", "content": content})  # fmt: skip
+        assert reply.choices[0].message.content == expected
+        details = reply.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= 12 and details.rejected_prediction_tokens >= 0
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 prediction={"type": "content", "content": expected}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 12
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0)
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens is None  # no prediction, no count
+    with pytest.raises(openai.BadRequestError) as caught:  # prediction drafts by lookup: another method is refused
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, prediction={"type": "content", "content": "x"},
+                                       extra_body={"speculative": {"method": "eagle"}})  # fmt: skip
+    assert caught.value.body["param"] == "prediction" and "lookup" in caught.value.body["message"]
+    server.assert_no_leaks()

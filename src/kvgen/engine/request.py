@@ -113,6 +113,7 @@ class Request:
             return RequestOutput(self.request_id, delta.token_ids, delta.text, logprobs=delta.logprobs)
         self.status, self.finish_reason = RequestStatus.FINISHED, delta.finish_reason
         result = self.state.result()
+        result.speculative = self.speculation.stats if self.speculation is not None else None
         return RequestOutput(self.request_id, delta.token_ids, delta.text, True, self.finish_reason, result.usage,
                              logprobs=delta.logprobs, result=result)  # fmt: skip
 
@@ -124,5 +125,6 @@ class Request:
         """End the request early ("cancelled" or "error"); its result holds what was final so far."""
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
         self.state.usage.cached_tokens = self.cached_tokens
-        result = dataclasses.replace(self.state.result(), finish_reason=reason, stop_reason=None, error=error)
+        result = dataclasses.replace(self.state.result(), finish_reason=reason, stop_reason=None, error=error,
+                                     speculative=self.speculation.stats if self.speculation is not None else None)  # fmt: skip
         return RequestOutput(self.request_id, [], "", True, reason, result.usage, error, result=result)

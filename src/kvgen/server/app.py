@@ -91,7 +91,9 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         body = parse(ChatCompletionRequest, await read_json(http, config.limits), REFUSED_CHAT)
         adapter = serving.check_common(body)
         jobs, spec = await asyncio.to_thread(prepare_chat, serving, body, adapter)
-        request_id, salt, speculative = f"chatcmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
+        prediction = body.prediction.text() if body.prediction is not None else None
+        request_id, salt = f"chatcmpl-{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt)
+        speculative = build_speculative(body.speculative, prediction)
         requests = serving.validate(request_id, jobs, body.priority, salt, speculative)
         log.info("request %s user=%r", request_id, body.user or body.safety_identifier)
         head = {"id": request_id, "created": int(time.time()), "model": body.model}  # the adapter's name when one was asked

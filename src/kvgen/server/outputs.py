@@ -26,6 +26,7 @@ class OutputSpec:
     include_usage: bool = False
     reply_format: ReplyFormat = "plain"  # chat: how the model writes reasoning and calls
     prompt_text: str = ""  # chat: the rendered prompt (a generation prompt may open the reasoning)
+    prediction: bool = False  # chat: the request brought a prediction (usage counts its drafts)
 
     def reply_stream(self) -> ReplyStream:
         """A fresh parser of one chat choice's text."""
@@ -54,6 +55,11 @@ def usage_body(results: list[GenerationResult], spec: OutputSpec) -> dict:
              "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in firsts)}}  # fmt: skip
     if spec.chat:
         usage["completion_tokens_details"] = {"reasoning_tokens": sum(spec.reasoning_tokens(r) for r in results)}
+    if spec.prediction:  # drafted tokens the verify kept and those it rejected (from the prediction or the context)
+        stats = [r.speculative for r in results if r.speculative is not None]
+        accepted = sum(s.accepted_tokens for s in stats)
+        usage["completion_tokens_details"] |= {"accepted_prediction_tokens": accepted,
+                                               "rejected_prediction_tokens": sum(s.proposed_tokens for s in stats) - accepted}  # fmt: skip
     return usage
 
 

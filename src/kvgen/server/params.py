@@ -100,12 +100,20 @@ def _logit_bias(bias: dict[str, float], vocab_size: int, limits: ServerLimits) -
     return result
 
 
-def build_speculative(options) -> SpeculativeConfig | None:
-    """The request's `speculative` extension field -> a SpeculativeConfig (400 when it cannot run)."""
-    if options is None:
+def build_speculative(options, prediction: str | None = None) -> SpeculativeConfig | None:
+    """The request's `speculative` extension field and chat's `prediction` (Predicted Outputs:
+    prompt lookup that searches the predicted text first) -> a SpeculativeConfig, or a 400 naming
+    the field when it cannot run."""
+    if options is None and prediction is None:
         return None
+    if options is not None and prediction is not None and options.method != "lookup":
+        raise APIError(400, f"prediction drafts by prompt lookup, which speculative method {options.method!r} "
+                            "replaces: leave speculative out or use method 'lookup'", param="prediction")  # fmt: skip
+    if options is None:
+        return SpeculativeConfig("lookup", prediction=prediction)
     try:
-        return SpeculativeConfig(options.method, num_draft_tokens=options.num_draft_tokens, draft_layers=options.draft_layers)
+        return SpeculativeConfig(options.method, num_draft_tokens=options.num_draft_tokens, draft_layers=options.draft_layers,
+                                 prediction=prediction)  # fmt: skip
     except ValueError as error:
         raise APIError(400, str(error), param="speculative") from error
 

@@ -96,7 +96,7 @@ def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = Non
     params = build_params(sampling, "chat", serving.config.max_tokens_limit, engine, limits, structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     spec = OutputSpec(True, len(params), engine.tokenizer, bool(body.logprobs), plan, include_usage=include_usage,
-                      reply_format=reply_format, prompt_text=prompt_text)  # fmt: skip
+                      reply_format=reply_format, prompt_text=prompt_text, prediction=body.prediction is not None)  # fmt: skip
     return [(ids, p) for p in params], spec
 
 

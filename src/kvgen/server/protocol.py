@@ -163,6 +163,17 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class Prediction(Strict):
+    """Predicted Outputs: what the reply is expected to be (the file being edited). Drafts for
+    speculative decoding come from it; the reply is the one the request gets without it."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
@@ -175,6 +186,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # for chat templates that read it (gpt-oss)
     # extension (as vLLM's): more variables for the chat template (Qwen3's enable_thinking); each must be one it reads
     chat_template_kwargs: dict[str, Any] | None = None
+    prediction: Prediction | None = None
 
 
 # Known fields refused with a reason (a 400 naming the field when present and not null).
@@ -186,7 +198,6 @@ REFUSED_CHAT = REFUSED_COMMON | {
     "audio": "this server generates text only",
     "functions": "the deprecated functions field is not supported: use tools",
     "function_call": "the deprecated function_call field is not supported: use tool_choice",
-    "prediction": "predicted outputs are not supported",
     "verbosity": "the served model has no verbosity setting",
     "web_search_options": "this server has no web search",
 }

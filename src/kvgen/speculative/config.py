@@ -55,6 +55,10 @@ class SpeculativeConfig:
     MAX_DRAFT_TOKENS (7) or num_draft_tokens if larger; for eagle with both unset, one-token drafts
     (1, up to 1), where adaptive still pauses drafting on text where they fail.
 
+    `prediction` (lookup): the expected output, as text or token ids. Drafts come from it first
+    (where the output last followed it), then from the context; the output is unchanged, and the
+    more of it matches the prediction the fewer steps it takes.
+
     `draft_alternatives` (eagle): the head's runner-up first tokens, verified in the same forward
     as leaves beside the drafted chain (a token tree, as EAGLE-2 and SpecInfer verify); where the
     chain's first token is rejected and the target picks one of them, that step still yields two
@@ -74,6 +78,9 @@ class SpeculativeConfig:
     min_ngram: int = 1
     eagle_weights: str | Path | None = None  # for method "eagle"; default: the shipped head
     draft_alternatives: int | None = None  # for method "eagle"
+    # For method "lookup": what the output is expected to be (text, or token ids), searched for
+    # drafts before the context (OpenAI's Predicted Outputs: the file being edited).
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -98,6 +105,15 @@ class SpeculativeConfig:
             raise ValueError(f"draft_layers is only used by method 'self', not {self.method!r}")
         if self.method != "eagle" and self.eagle_weights is not None:
             raise ValueError(f"eagle_weights is only used by method 'eagle', not {self.method!r}")
+        if self.prediction is not None:
+            if self.method != "lookup":
+                raise ValueError(f"prediction is searched for drafts by method 'lookup', not {self.method!r}: "
+                                 "use method 'lookup' with a prediction")  # fmt: skip
+            if not isinstance(self.prediction, str):
+                ids = tuple(self.prediction)
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prediction must be text or a sequence of token ids (ints)")
+                object.__setattr__(self, "prediction", ids)
         if self.draft_alternatives is not None:
             if self.method != "eagle":
                 raise ValueError(f"draft_alternatives is only used by method 'eagle', not {self.method!r}")
@@ -164,6 +180,18 @@ class SpeculativeConfig:
                              f"{'layers' if self.method == 'self' else 'features'}, not adapter {adapter!r}'s: "
                              "with a LoRA adapter use method 'lookup' or 'draft'")  # fmt: skip
 
+    def prediction_ids(self, generator: "Generator") -> list[int]:
+        """The prediction as the target's token ids (none: empty); ids out of its vocabulary are
+        refused."""
+        if self.prediction is None:
+            return []
+        if isinstance(self.prediction, str):
+            return generator.tokenizer.encode(self.prediction, add_special_tokens=False)
+        vocab = generator.model.config.vocab_size
+        if bad := [t for t in self.prediction if not 0 <= t < vocab]:
+            raise ValueError(f"prediction token id {bad[0]} is not in this model's vocabulary (0..{vocab - 1})")
+        return list(self.prediction)
+
     def build_proposer(self, generator: "Generator") -> "Proposer":
         """A fresh proposer for one request on `generator`'s model (proposers hold per-request state)."""
         self.check_cache(generator.cache_config)
@@ -171,7 +199,7 @@ class SpeculativeConfig:
         if self.method == "lookup":
             from kvgen.speculative.prompt_lookup import PromptLookupProposer
 
-            return PromptLookupProposer(self.max_ngram, self.min_ngram)
+            return PromptLookupProposer(self.max_ngram, self.min_ngram, self.prediction_ids(generator))
         if self.method == "self":
             from kvgen.speculative.self_draft import SelfDraftProposer
 
