@@ -99,7 +99,7 @@ def main() -> None:
     to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)
     to_draft[vocab] = torch.arange(len(vocab))
     rows, hidden = draft_head_rows(model, vocab), config.hidden_size
-    data = Replies(feats, tokens, greedy, model.embed_tokens.float(), to_draft)
+    data = Replies(feats, tokens, greedy, model.embedding_table().float(), to_draft)
     head = FusedHead(feats.shape[1] // hidden, hidden, config.num_heads, config.num_kv_heads, config.head_dim, 1536, vocab)
     depth, weights = 3, [0.5**step for step in range(3)]
 

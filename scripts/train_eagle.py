@@ -298,7 +298,7 @@ def main() -> None:
     to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)  # -100: ignored by the loss
     to_draft[vocab] = torch.arange(len(vocab))
     rows = draft_head_rows(model, vocab)
-    data = Replies(feats, tokens, greedy, model.embed_tokens.float(), to_draft)
+    data = Replies(feats, tokens, greedy, model.embedding_table().float(), to_draft)
 
     weights = [args.chain_weight**step for step in range(args.depth)]
 

@@ -128,7 +128,9 @@ def calibration_path(model: DecoderLM, ids: list[int]) -> Path:
     """Where this model's codebooks are kept on disk: keyed by its config, a sample of its weights
     (the embedding and final norm) and the calibration tokens."""
     digest = hashlib.sha256(f"{CALIBRATION_VERSION} {model.config} {ids}".encode())
-    for tensor in (model.embed_tokens.data[::97], model.norm.weight.data):
+    table = model.embed_tokens  # a float table or a quantized one (models/embedding.py): every 97th row
+    sample = table[torch.arange(0, getattr(table, "num_embeddings", None) or table.shape[0], 97)]
+    for tensor in (sample, model.norm.weight.data):
         digest.update(tensor.float().contiguous().numpy().tobytes())
     base = Path(os.environ.get("KVGEN_CACHE_DIR", Path.home() / ".cache" / "kvgen"))
     return base / "kvquant" / f"{digest.hexdigest()[:24]}.pt"

@@ -31,6 +31,7 @@ from kvgen.loading.nemotron_h import name_mlp_layer_norms, nemotron_h_config_fro
 from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
 from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
 from kvgen.loading.tokenizer import Tokenizer
+from kvgen.models.embedding import QuantizedRows
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
                       "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
@@ -81,6 +82,7 @@ _OLMO2_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_laye
 _GPT_OSS_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A mixture's experts: stacked [E, rows, columns] per layer (ffn_gate_exps), or one tensor each in
@@ -303,7 +305,7 @@ def load_gguf(
             f"tensor {name!r} (and {len(unsupported) - 1} more) uses quantization {qtype}, which kvgen cannot "
             f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)} (re-quantize with llama-quantize, e.g. to Q4_K_M)"
         )
-    is_quantized = any(t.type_name not in ("F32", "F16", "BF16") for t in file.tensors.values())
+    is_quantized = any(t.type_name not in FLOAT_TYPES for t in file.tensors.values())
     mode = resolve_mode(weights, is_quantized)
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -320,9 +322,18 @@ def load_gguf(
         name = "rope_freqs" if info.name == "rope_freqs.weight" else hf_name(info.name, config.architecture)
         if name is None:
             continue
-        # A tied model's output projection is the embedding matrix: quantized for the head, float for lookups.
+        # A tied model's output projection is the embedding matrix: quantized for the head; lookups read the
+        # file's quantized rows (models/embedding.py) or, from a float file, a float table.
         head_from_embedding = mode != "fp32" and name in EMBEDDING_NAMES and "output.weight" not in file.tensors
         for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
+            if mode != "fp32" and target in EMBEDDING_NAMES and info.type_name not in FLOAT_TYPES:
+                # Looked up row by row as the file has them; a tied head made from the same blocks
+                # is checked for corruption below, so only an untied table is scanned here.
+                tensors[target] = _embedding_rows(file, info, config, dtype)
+                if not head_from_embedding and not tensors[target].all_finite():
+                    raise ModelLoadError(f"tensor {info.name!r} in {path} has NaN or infinite block scales: the file "
+                                         "is corrupted; download or convert it again")  # fmt: skip
+                continue
             if mode != "fp32" and is_matmul_weight(target) and quantizable(info.shape):
                 tensors[target] = _quantized_tensor(file, info, config, mode)
             elif mode != "fp32" and target.endswith(("self_attn.k_b", "self_attn.v_b")) and info.shape[-1] % QK == 0:
@@ -356,6 +367,11 @@ def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: 
     # F32 tensors come back as views of the read-only file map: copy so the weights own their memory.
     array = np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
     return torch.from_numpy(array).to(dtype)
+
+
+def _embedding_rows(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> QuantizedRows:
+    raw = _to_hf_layout(_raw(file, info), info.name, config)
+    return QuantizedRows(raw, info.type_id, int(info.shape[-1]), dtype)
 
 
 def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str, expert: int | None = None) -> QuantizedWeight:

@@ -16,6 +16,7 @@ from torch import nn
 from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
+from kvgen.models.embedding import QuantizedEmbedding
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.lora import LoraStacks, adapter_slots
 from kvgen.models.quantized_linear import QuantizedLinear
@@ -37,10 +38,12 @@ class DecoderLM(nn.Module):
         self._forward_lock = threading.Lock()
         if config.embedding_multiplier != 1.0:  # Granite's (Gemma sets its own sqrt(hidden))
             self.embed_scale = config.embedding_multiplier
-        self.embed_tokens = frozen(weights.take_tensor("model.embed_tokens.weight"))  # [V, H]
+        # [V, H]: a float table, or a quantized file's rows (models/embedding.py), looked up as read
+        self.embed_tokens = weights.take_embedding("model.embed_tokens.weight")
         self.layers = nn.ModuleList([self.build_block(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
         # A quantized tied model gets its own quantized copy of the embedding as "lm_head.weight".
+        # (A quantized embedding comes with its head: the loader makes a tied model's from the same rows.)
         head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
         self.lm_head = linear(head)  # [V, H]
         divisors = weights.take_tensor("rope_freqs") if weights.has("rope_freqs") else None  # Llama 3.1 GGUFs store their rope scaling as divisors
@@ -80,7 +83,7 @@ class DecoderLM(nn.Module):
         return self.ropes[self.rope_index[layer]]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed_tokens(input_ids) if isinstance(self.embed_tokens, QuantizedEmbedding) else F.embedding(input_ids, self.embed_tokens)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # scale in the weights' dtype, as HF does
         return h
@@ -96,6 +99,11 @@ class DecoderLM(nn.Module):
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def embedding_table(self) -> torch.Tensor:
+        """The token embedding as a float tensor [V, H] (a quantized one dequantized whole)."""
+        table = self.embed_tokens
+        return table.dequantized() if isinstance(table, QuantizedEmbedding) else table.data
 
     @property
     def dtype(self) -> torch.dtype:

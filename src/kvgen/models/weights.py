@@ -7,8 +7,9 @@ from torch import nn
 
 from kvgen.errors import ModelLoadError
 from kvgen.kernels.formats import QuantizedWeight, concat_rows
+from kvgen.models.embedding import QuantizedRows
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | QuantizedRows  # the last: a quantized file's token embedding
 
 
 class WeightSource:
@@ -28,10 +29,23 @@ class WeightSource:
         return self._tensors[name]
 
     def take_tensor(self, name: str) -> torch.Tensor:
-        """A weight that must be a float tensor (norms, embeddings, biases)."""
+        """A weight that must be a float tensor (norms, embeddings, biases); a quantized embedding
+        is dequantized whole (families that index the float table)."""
         weight = self.take(name)
+        if isinstance(weight, QuantizedRows):
+            return weight.dequantized()
         assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor, not quantized"
         return weight
+
+    def take_embedding(self, name: str) -> "nn.Parameter | nn.Module":
+        """A token embedding: a float table, or a quantized file's rows looked up as they are read."""
+        weight = self.take(name)
+        if isinstance(weight, QuantizedRows):
+            from kvgen.models.embedding import QuantizedEmbedding
+
+            return QuantizedEmbedding(weight)
+        assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor or quantized rows"
+        return frozen(weight)
 
 
 def frozen(tensor: torch.Tensor) -> nn.Parameter:
