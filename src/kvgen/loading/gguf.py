@@ -370,7 +370,8 @@ def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: 
 
 
 def _embedding_rows(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> QuantizedRows:
-    raw = _to_hf_layout(_raw(file, info), info.name, config)
+    # A copy: a view would keep the whole file mapped, and every page the load read resident with it.
+    raw = np.array(_to_hf_layout(_raw(file, info), info.name, config), copy=True)
     return QuantizedRows(raw, info.type_id, int(info.shape[-1]), dtype)
 
 

@@ -2,9 +2,8 @@
 
 A lookup reads a handful of rows a step, yet a float table of the whole vocabulary is what a
 quantized model used to hold: Gemma 3's 262,144 x 640 is 671 MB in fp32 (its Q8_0 rows 178 MB),
-Llama 3's 128,256 x 4,096 is 2.1 GB. `QuantizedRows` keeps the file's rows where they are (a view of
-the mapped file: pages are read when a row is looked up) and dequantizes only the rows a lookup
-reads, with gguf-py's dequantization, which works block by block: a row gets the bits it had in the
+Llama 3's 128,256 x 4,096 is 2.1 GB. `QuantizedRows` keeps a copy of the file's rows as they are
+(178 MB for Gemma 3) and dequantizes only the rows a lookup reads, with gguf-py's dequantization, which works block by block: a row gets the bits it had in the
 float table.
 """
 
@@ -26,7 +25,7 @@ Q8_0_BLOCK_BYTES = 34
 class QuantizedRows:
     """A [num_embeddings, embedding_dim] table as the file stores it: `raw` [V, bytes per row]."""
 
-    raw: np.ndarray
+    raw: np.ndarray  # owned, not a view of the file: the file's mapping goes once the load is done
     type_id: int  # the GGML quantization type
     embedding_dim: int
     dtype: torch.dtype  # what a lookup returns (the model's float dtype)
