@@ -13,7 +13,7 @@ import torch
 
 from kvgen import LLM, ModelLoadError
 from kvgen.loading.gguf_file import GGUFFile
-from kvgen.models.embedding import QuantizedEmbedding
+from kvgen.models.embedding import HeadRows, QuantizedEmbedding, QuantizedRows
 from tests.support.models import model_path
 from tests.support.tiny_gguf import write_gguf_from_hf, write_tiny_gguf
 from tests.support.tiny_hf import save_tiny_decoder, tokenizer_folder
@@ -34,11 +34,19 @@ def test_default_weights_look_up_the_float_tables_bits(smollm2, smollm2_q4) -> N
         table(torch.tensor([49152]))
 
 
-def test_no_float_table_is_held(smollm2_q4) -> None:
+def test_a_tied_q8_0_table_is_read_from_its_head_and_held_once(smollm2_q4) -> None:
     table = smollm2_q4.model.embed_tokens
     assert not list(table.parameters()) and not list(table.buffers())
-    assert table.table.raw.nbytes == 49152 * 576 // 32 * 34  # the file's Q8_0 rows
-    assert table.table.raw.flags.owndata  # copied: a view would keep the whole file mapped
+    assert isinstance(table.table, HeadRows) and table.table.head is smollm2_q4.model.lm_head  # no copy of its own
+    # Every row of the last group too (49,152 rows: six full groups of 8 at the end).
+    ids = torch.arange(49152 - 16, 49152)
+    assert torch.equal(table(ids), QuantizedEmbedding(_file_rows()).forward(ids))
+
+
+def _file_rows() -> QuantizedRows:
+    file = GGUFFile(model_path("smollm2"))
+    info = file.tensors["token_embd.weight"]
+    return QuantizedRows(np.array(file.raw(info)), info.type_id, int(info.shape[-1]), torch.float32)
 
 
 @pytest.mark.parametrize("embedding_type", [Q.Q8_0, Q.Q4_1])

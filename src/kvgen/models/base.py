@@ -46,6 +46,8 @@ class DecoderLM(nn.Module):
         # (A quantized embedding comes with its head: the loader makes a tied model's from the same rows.)
         head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
         self.lm_head = linear(head)  # [V, H]
+        if isinstance(self.embed_tokens, QuantizedEmbedding):  # a tied Q8_0 table: its rows once, in the head
+            self.embed_tokens = self.embed_tokens.sharing(self.lm_head, config.tie_word_embeddings)
         divisors = weights.take_tensor("rope_freqs") if weights.has("rope_freqs") else None  # Llama 3.1 GGUFs store their rope scaling as divisors
         # One RotaryEmbedding per distinct (theta, scaling); each layer knows which one it uses.
         layer_keys = [self.rope_key(i) for i in range(config.num_layers)]

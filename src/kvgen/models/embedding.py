@@ -10,15 +10,18 @@ float table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from kvgen.models.quantized_linear import INTERLEAVED_ROWS
+
 FINITE_CHECK_ROWS = 16384  # rows dequantized at a time by the load-time check (a bounded buffer)
 Q8_0 = 8  # GGML's type id: blocks of an f16 scale and 32 int8s (SmolLM2's and Gemma 3's embeddings)
 Q8_0_BLOCK_BYTES = 34
+Q8_0_VALUES = 32  # weights per block
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,60 @@ def q8_0_values(rows: np.ndarray) -> np.ndarray:
     return (scales * blocks[..., 2:].view(np.int8)).reshape(rows.shape[0], -1)
 
 
-class QuantizedEmbedding(nn.Module):
-    """Looks rows up in `QuantizedRows`: `embedding(ids)` as F.embedding does, `embedding[i]` and
-    `embedding[ids]` as indexing a float table does."""
+class HeadRows:
+    """A tied model's embedding read from its output head's `q8s` blocks, which hold the file's Q8_0
+    rows unchanged, so the rows are kept once, not twice (Gemma 3's 178 MB). The kernels' layout
+    (kernels/interleaved.c, block_q8sx8): per group of 8 rows and 32 columns, the 8 rows' f16 scales,
+    then the int8s with weight j of row r at (j / 4) * 32 + r * 4 + j % 4. A row is its scales times
+    its int8s, the same exact product as the file's."""
 
-    def __init__(self, table: QuantizedRows):
+    def __init__(self, head: nn.Module, dtype: torch.dtype):
+        self.head, self.dtype = head, dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        blocks = self.embedding_dim // Q8_0_VALUES
+        # [groups, blocks, 16 bytes of scales + 256 of int8s]: a view of the head's buffer
+        self._groups = head.blocks.numpy().reshape(-1, blocks, 2 * INTERLEAVED_ROWS + INTERLEAVED_ROWS * Q8_0_VALUES)
+
+    def rows(self, ids: np.ndarray) -> torch.Tensor:
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(flat) == 1:  # a decode step's: slices, no fancy indexing
+            return self._row(int(flat[0])).to(self.dtype).view(*np.shape(ids), -1)
+        group, row = np.divmod(flat, INTERLEAVED_ROWS)
+        picked = self._groups[group]  # [n, blocks, 272]
+        n, blocks = len(flat), picked.shape[1]
+        scales = picked[..., : 2 * INTERLEAVED_ROWS].copy().view(np.float16)[np.arange(n), :, row].astype(np.float32)
+        values = picked[..., 2 * INTERLEAVED_ROWS :].view(np.int8).reshape(n, blocks, Q8_0_VALUES // 4, INTERLEAVED_ROWS, 4)
+        values = values[np.arange(n), :, :, row].reshape(n, blocks, Q8_0_VALUES)  # [n, blocks, 32]: weight j at j
+        rows = (scales[..., None] * values).reshape(n, -1)
+        return torch.from_numpy(rows).to(self.dtype).view(*np.shape(ids), -1)
+
+    def _row(self, token: int) -> torch.Tensor:
+        group, row = divmod(token, INTERLEAVED_ROWS)
+        picked = self._groups[group]  # [blocks, 272]
+        scales = picked[:, : 2 * INTERLEAVED_ROWS].view(np.float16)[:, row].astype(np.float32)
+        values = picked[:, 2 * INTERLEAVED_ROWS :].view(np.int8).reshape(-1, Q8_0_VALUES // 4, INTERLEAVED_ROWS, 4)[:, :, row]
+        return torch.from_numpy((scales[:, None, None] * values).reshape(-1))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.rows(np.arange(self.num_embeddings))
+
+
+class EmbeddingRows(Protocol):
+    num_embeddings: int
+    embedding_dim: int
+    dtype: torch.dtype
+
+    def rows(self, ids: np.ndarray) -> torch.Tensor: ...
+
+    def dequantized(self) -> torch.Tensor: ...
+
+
+class QuantizedEmbedding(nn.Module):
+    """Looks rows up in a quantized table (`QuantizedRows`, or a tied head's `HeadRows`):
+    `embedding(ids)` as F.embedding does, `embedding[i]` and `embedding[ids]` as indexing a float
+    table does."""
+
+    def __init__(self, table: EmbeddingRows):
         super().__init__()
         self.table = table
         self.dtype = table.dtype
@@ -95,5 +147,14 @@ class QuantizedEmbedding(nn.Module):
     def dequantized(self) -> torch.Tensor:
         return self.table.dequantized()
 
+    def sharing(self, head: nn.Module, tied: bool) -> "QuantizedEmbedding":
+        """This embedding read from a tied model's head where the head holds the same Q8_0 rows as
+        `q8s` blocks (then this table's own copy is let go); else itself."""
+        table = self.table
+        same_rows = (tied and isinstance(table, QuantizedRows) and table.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
+                     and (head.out_features, head.in_features) == (table.num_embeddings, table.embedding_dim))  # fmt: skip
+        return QuantizedEmbedding(HeadRows(head, table.dtype)) if same_rows else self
+
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.raw.nbytes / 2**20:.1f} MiB quantized rows"
+        where = "the head's q8s blocks" if isinstance(self.table, HeadRows) else f"{self.table.raw.nbytes / 2**20:.1f} MiB of rows"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {where}"
