@@ -56,6 +56,7 @@ def test_an_untied_quantized_embedding_gives_the_fp32_loads_rows_and_tokens(embe
     exact, quantized = LLM.load(path, progress=False, weights="fp32"), LLM.load(path, progress=False)
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)
     assert "output.weight" in GGUFFile(path).tensors  # untied: its own head
+    assert quantized.model.embed_tokens.table.raw.flags.owndata  # copied: a view would keep the whole file mapped
     assert torch.equal(quantized.model.embedding_table(), exact.model.embed_tokens.data)
     ids = torch.tensor([quantized.tokenizer.encode("The cat sat on the mat")])
     assert torch.equal(quantized.model._embed(ids), exact.model._embed(ids))  # what every forward starts from

@@ -370,9 +370,9 @@ def _float_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: 
 
 
 def _embedding_rows(file: GGUFFile, info: TensorInfo, config: ModelConfig, dtype: torch.dtype) -> QuantizedRows:
-    # A copy: a view would keep the whole file mapped, and every page the load read resident with it.
-    raw = np.array(_to_hf_layout(_raw(file, info), info.name, config), copy=True)
-    return QuantizedRows(raw, info.type_id, int(info.shape[-1]), dtype)
+    # A view of the file: the model copies the rows it keeps (QuantizedRows.owned) or reads a tied
+    # head's instead, so the file's mapping goes once the load is done.
+    return QuantizedRows(_to_hf_layout(_raw(file, info), info.name, config), info.type_id, int(info.shape[-1]), dtype)
 
 
 def _quantized_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, mode: str, expert: int | None = None) -> QuantizedWeight:

@@ -16,7 +16,7 @@ from torch import nn
 from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
-from kvgen.models.embedding import QuantizedEmbedding
+from kvgen.models.embedding import QuantizedEmbedding, QuantizedRows, token_embedding
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.lora import LoraStacks, adapter_slots
 from kvgen.models.quantized_linear import QuantizedLinear
@@ -39,15 +39,14 @@ class DecoderLM(nn.Module):
         if config.embedding_multiplier != 1.0:  # Granite's (Gemma sets its own sqrt(hidden))
             self.embed_scale = config.embedding_multiplier
         # [V, H]: a float table, or a quantized file's rows (models/embedding.py), looked up as read
-        self.embed_tokens = weights.take_embedding("model.embed_tokens.weight")
+        table = weights.take("model.embed_tokens.weight")
         self.layers = nn.ModuleList([self.build_block(config, i, weights) for i in range(config.num_layers)])
         self.norm = RMSNorm(weights.take_tensor("model.norm.weight") + self.norm_offset, config.rms_norm_eps)
         # A quantized tied model gets its own quantized copy of the embedding as "lm_head.weight".
-        # (A quantized embedding comes with its head: the loader makes a tied model's from the same rows.)
-        head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else self.embed_tokens.data
+        head = weights.take("lm_head.weight") if weights.has("lm_head.weight") else table
+        assert not isinstance(head, QuantizedRows), "a quantized file's embedding comes with its head"
         self.lm_head = linear(head)  # [V, H]
-        if isinstance(self.embed_tokens, QuantizedEmbedding):  # a tied Q8_0 table: its rows once, in the head
-            self.embed_tokens = self.embed_tokens.sharing(self.lm_head, config.tie_word_embeddings)
+        self.embed_tokens = token_embedding(table, self.lm_head, config.tie_word_embeddings)
         divisors = weights.take_tensor("rope_freqs") if weights.has("rope_freqs") else None  # Llama 3.1 GGUFs store their rope scaling as divisors
         # One RotaryEmbedding per distinct (theta, scaling); each layer knows which one it uses.
         layer_keys = [self.rope_key(i) for i in range(config.num_layers)]

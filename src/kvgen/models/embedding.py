@@ -9,6 +9,7 @@ float table.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -28,7 +29,7 @@ Q8_0_VALUES = 32  # weights per block
 class QuantizedRows:
     """A [num_embeddings, embedding_dim] table as the file stores it: `raw` [V, bytes per row]."""
 
-    raw: np.ndarray  # owned, not a view of the file: the file's mapping goes once the load is done
+    raw: np.ndarray  # a view of the mapped file until `owned` copies it
     type_id: int  # the GGML quantization type
     embedding_dim: int
     dtype: torch.dtype  # what a lookup returns (the model's float dtype)
@@ -36,6 +37,11 @@ class QuantizedRows:
     @property
     def num_embeddings(self) -> int:
         return self.raw.shape[0]
+
+    def owned(self) -> "QuantizedRows":
+        """These rows copied out of the file: a view would keep the whole file mapped, and every page
+        the load read resident with it."""
+        return self if self.raw.flags.owndata else dataclasses.replace(self, raw=np.array(self.raw, copy=True))
 
     def rows(self, ids: np.ndarray) -> torch.Tensor:
         """The rows `ids` (any shape) -> [*ids.shape, embedding_dim]."""
@@ -147,14 +153,16 @@ class QuantizedEmbedding(nn.Module):
     def dequantized(self) -> torch.Tensor:
         return self.table.dequantized()
 
-    def sharing(self, head: nn.Module, tied: bool) -> "QuantizedEmbedding":
-        """This embedding read from a tied model's head where the head holds the same Q8_0 rows as
-        `q8s` blocks (then this table's own copy is let go); else itself."""
-        table = self.table
-        same_rows = (tied and isinstance(table, QuantizedRows) and table.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
-                     and (head.out_features, head.in_features) == (table.num_embeddings, table.embedding_dim))  # fmt: skip
-        return QuantizedEmbedding(HeadRows(head, table.dtype)) if same_rows else self
-
     def extra_repr(self) -> str:
         where = "the head's q8s blocks" if isinstance(self.table, HeadRows) else f"{self.table.raw.nbytes / 2**20:.1f} MiB of rows"
         return f"{self.num_embeddings}, {self.embedding_dim}, {where}"
+
+
+def token_embedding(weight: torch.Tensor | QuantizedRows, head: nn.Module, tied: bool) -> nn.Parameter | QuantizedEmbedding:
+    """A model's token embedding: a float table as it is; a quantized file's rows read from the
+    head where a tied head holds them unchanged (Q8_0 as `q8s`), else copied out of the file."""
+    if isinstance(weight, torch.Tensor):
+        return nn.Parameter(weight, requires_grad=False)
+    in_head = (tied and weight.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
+               and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim))  # fmt: skip
+    return QuantizedEmbedding(HeadRows(head, weight.dtype) if in_head else weight.owned())

@@ -37,16 +37,6 @@ class WeightSource:
         assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor, not quantized"
         return weight
 
-    def take_embedding(self, name: str) -> "nn.Parameter | nn.Module":
-        """A token embedding: a float table, or a quantized file's rows looked up as they are read."""
-        weight = self.take(name)
-        if isinstance(weight, QuantizedRows):
-            from kvgen.models.embedding import QuantizedEmbedding
-
-            return QuantizedEmbedding(weight)
-        assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor or quantized rows"
-        return frozen(weight)
-
 
 def frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
