@@ -176,3 +176,31 @@ def compared(exact: Any, scores: Any) -> dict[str, float]:
         "kld": kl_divergence(exact, scores),
         "top1_agreement": top1_agreement(exact, scores),
     }
+
+
+def between_plain_runs(
+    llm: Any, prompts: dict[str, Any], configs: Callable[[str], dict[str, Any]], params: Any, rounds: int
+) -> tuple[dict[tuple[str, str], list[Any]], dict[tuple[str, str], list[float]]]:
+    """Speculative runs taking turns with plain ones: each round, every method (`configs(task)`:
+    name -> SpeculativeConfig) runs on each task between two plain runs of it, and its ratio is
+    against the mean of those two, so a drift of the machine's speed within a round cancels; the
+    methods' order rotates by round. -> (results per (task, method), plain runs under "plain";
+    ratios per (task, method))."""
+    samples: dict[tuple[str, str], list[Any]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for round_index in range(rounds):
+        for task, prompt in prompts.items():
+            methods = configs(task)
+            names = list(methods)
+            turn = round_index % len(names) if names else 0
+            before = llm.generate(prompt, params)
+            samples.setdefault((task, "plain"), []).append(before)
+            for method in names[turn:] + names[:turn]:
+                result = llm.generate(prompt, params, speculative=methods[method])
+                after = llm.generate(prompt, params)
+                samples.setdefault((task, method), []).append(result)
+                samples[(task, "plain")].append(after)
+                plain_speed = (before.timings.decode_tokens_per_second + after.timings.decode_tokens_per_second) / 2
+                ratios.setdefault((task, method), []).append(result.timings.decode_tokens_per_second / plain_speed)
+                before = after
+    return samples, ratios

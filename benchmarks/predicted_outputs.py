@@ -25,14 +25,13 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cpu_class, print_table, write_results  # noqa: E402
+from common import between_plain_runs, cpu_class, print_table, write_results  # noqa: E402
 
 from kvgen import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
@@ -95,22 +94,9 @@ def main() -> None:
                "prediction": lambda prediction: SpeculativeConfig("lookup", prediction=prediction)}  # fmt: skip
     for prompt, _ in requests.values():
         llm.generate(prompt, SamplingParams(max_new_tokens=8))  # warm-up
-    samples: dict[tuple[str, str], list[Any]] = {}
-    ratios: dict[tuple[str, str], list[float]] = {}
-    names = list(methods)
-    for round_index in range(args.rounds):
-        order = names[round_index % len(names) :] + names[: round_index % len(names)]
-        for task, (prompt, prediction) in requests.items():
-            before = llm.generate(prompt, params)
-            samples.setdefault((task, "plain"), []).append(before)
-            for method in order:
-                result = llm.generate(prompt, params, speculative=methods[method](prediction))
-                after = llm.generate(prompt, params)
-                samples.setdefault((task, method), []).append(result)
-                samples[(task, "plain")].append(after)
-                plain = (before.timings.decode_tokens_per_second + after.timings.decode_tokens_per_second) / 2
-                ratios.setdefault((task, method), []).append(result.timings.decode_tokens_per_second / plain)
-                before = after
+    configs = {task: {name: method(prediction) for name, method in methods.items()} for task, (_, prediction) in requests.items()}
+    samples, ratios = between_plain_runs(llm, {t: prompt for t, (prompt, _) in requests.items()}, configs.__getitem__, params,
+                                         args.rounds)  # fmt: skip
     rows = []
     for task in requests:
         reference = samples[(task, "plain")][0].token_ids

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import best_of, cpu_class, print_table, timed, write_results  # noqa: E402
+from common import best_of, between_plain_runs, cpu_class, print_table, timed, write_results  # noqa: E402
 
 from kvgen import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from kvgen.kv.contiguous import ContiguousCache  # noqa: E402
@@ -120,27 +120,9 @@ def main() -> None:
         methods = {m: c for m, c in configs(weights, draft).items() if m in args.methods.split(",")}
         forwards[weights] = {n: forward_ms(llm, n, 3, adapter) for n in (1, 5, 9)}
         prompts = {task: task_prompt(llm, task) for task in tasks}
-        samples: dict[tuple[str, str], list[Any]] = {}
         for task, prompt in prompts.items():
             llm.generate(prompt, SamplingParams(max_new_tokens=8, adapter=adapter))  # warm-up (kernels, allocator)
-        # Each proposer's run sits between two plain runs and its ratio is against their mean, so a
-        # drift of the machine's speed within a round cancels; the proposers' order rotates by round.
-        ratios: dict[tuple[str, str], list[float]] = {}
-        names = list(methods)
-        for round_index in range(args.repeats):
-            turn = round_index % len(names) if names else 0
-            order = names[turn:] + names[:turn]
-            for task, prompt in prompts.items():
-                before = llm.generate(prompt, params)
-                samples.setdefault((task, "plain"), []).append(before)
-                for method in order:
-                    result = llm.generate(prompt, params, speculative=methods[method])
-                    after = llm.generate(prompt, params)
-                    samples.setdefault((task, method), []).append(result)
-                    samples[(task, "plain")].append(after)
-                    plain_speed = (before.timings.decode_tokens_per_second + after.timings.decode_tokens_per_second) / 2
-                    ratios.setdefault((task, method), []).append(result.timings.decode_tokens_per_second / plain_speed)
-                    before = after
+        samples, ratios = between_plain_runs(llm, prompts, lambda task: methods, params, args.repeats)
         for task in tasks:
             plain = samples[(task, "plain")]
             for method in ["plain", *methods]:
