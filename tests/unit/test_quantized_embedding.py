@@ -49,7 +49,7 @@ def _file_rows() -> QuantizedRows:
     return QuantizedRows(np.array(file.raw(info)), info.type_id, int(info.shape[-1]), torch.float32)
 
 
-@pytest.mark.parametrize("embedding_type", [Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize("embedding_type", [Q.Q8_0, Q.Q4_1, Q.F16, Q.BF16])
 def test_an_untied_quantized_embedding_gives_the_fp32_loads_rows_and_tokens(embedding_type, tmp_path: Path) -> None:
     model = save_tiny_decoder("qwen3", tmp_path / "hf", tokenizer_folder(tmp_path / "tokenizer"))
     path = write_gguf_from_hf(tmp_path / "m.gguf", model, model_path("smollm2"), Q.Q8_0, embedding_type=embedding_type)

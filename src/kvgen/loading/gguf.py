@@ -326,9 +326,10 @@ def load_gguf(
         # file's quantized rows (models/embedding.py) or, from a float file, a float table.
         head_from_embedding = mode != "fp32" and name in EMBEDDING_NAMES and "output.weight" not in file.tensors
         for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
-            if mode != "fp32" and target in EMBEDDING_NAMES and info.type_name not in FLOAT_TYPES:
-                # Looked up row by row as the file has them; a tied head made from the same blocks
-                # is checked for corruption below, so only an untied table is scanned here.
+            if mode != "fp32" and target in EMBEDDING_NAMES and info.type_name != "F32":
+                # Looked up row by row as the file has them (F16 and BF16 rows too: half an fp32
+                # table); a tied head made from the same rows is checked for corruption below, so
+                # only an untied table is scanned here.
                 tensors[target] = _embedding_rows(file, info, config, dtype)
                 if not head_from_embedding and not tensors[target].all_finite():
                     raise ModelLoadError(f"tensor {info.name!r} in {path} has NaN or infinite block scales: the file "

@@ -2,10 +2,11 @@
 
 A lookup reads a handful of rows a step, yet a float table of the whole vocabulary is what a
 quantized model used to hold: Gemma 3's 262,144 x 640 is 671 MB in fp32 (its Q8_0 rows 178 MB),
-Llama 3's 128,256 x 4,096 is 2.1 GB. `QuantizedRows` keeps the file's rows as they are and
-dequantizes only the rows a lookup reads, with gguf-py's dequantization, which works block by
-block: a row gets the bits it had in the float table. A tied Q8_0 table is read from the head's
-blocks instead (`HeadRows`), which hold the same rows: Gemma 3 keeps its 178 MB of rows once.
+Llama 3's 128,256 x 4,096 is 2.1 GB. `QuantizedRows` keeps the file's rows as they are (quantized,
+or F16 / BF16: half an fp32 table) and dequantizes only the rows a lookup reads, with gguf-py's
+dequantization, which works block by block: a row gets the bits it had in the float table. A tied
+Q8_0 table is read from the head's blocks instead (`HeadRows`), which hold the same rows: Gemma 3
+keeps its 178 MB of rows once.
 """
 
 from __future__ import annotations
