@@ -322,8 +322,8 @@ def load_gguf(
         name = "rope_freqs" if info.name == "rope_freqs.weight" else hf_name(info.name, config.architecture)
         if name is None:
             continue
-        # A tied model's output projection is the embedding matrix: quantized for the head; lookups read the
-        # file's quantized rows (models/embedding.py) or, from a float file, a float table.
+        # A tied model's output projection is the embedding matrix: quantized for the head; lookups read
+        # the file's rows (models/embedding.py), or a float table where the weights load as fp32.
         head_from_embedding = mode != "fp32" and name in EMBEDDING_NAMES and "output.weight" not in file.tensors
         for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
             if mode != "fp32" and target in EMBEDDING_NAMES and info.type_name != "F32":

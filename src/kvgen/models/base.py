@@ -16,12 +16,12 @@ from torch import nn
 from kvgen.config import ModelConfig, RopeScaling
 from kvgen.kv.interface import AttentionSpan, KVCache
 from kvgen.models.batch import BatchCacheView, build_batch_mask
-from kvgen.models.embedding import QuantizedEmbedding, QuantizedRows, token_embedding
+from kvgen.models.embedding import QuantizedEmbedding, QuantizedRows
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.lora import LoraStacks, adapter_slots
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
-from kvgen.models.weights import WeightSource, frozen, linear
+from kvgen.models.weights import WeightSource, linear, token_embedding
 
 RopeKey = tuple[float, RopeScaling | None]
 NO_ROPE: RopeKey = (0.0, None)  # the key of layers without RoPE (no real base is 0)

@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvgen.kernels.formats import QK, X8_GROUP_BYTES
 from kvgen.models.quantized_linear import INTERLEAVED_ROWS
 
 FINITE_CHECK_ROWS = 16384  # rows dequantized at a time by the load-time check (a bounded buffer)
 Q8_0 = 8  # GGML's type id: blocks of an f16 scale and 32 int8s (SmolLM2's and Gemma 3's embeddings)
-Q8_0_BLOCK_BYTES = 34
-Q8_0_VALUES = 32  # weights per block
+SCALE_BYTES = 2 * INTERLEAVED_ROWS  # a q8s group block's 8 f16 scales, before its int8s
+Q8SX8_BLOCK_BYTES = X8_GROUP_BYTES["q8s"]  # 8 rows x 32 weights: the scales, then 256 int8s
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,7 @@ class QuantizedRows:
         import gguf
 
         flat = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if self.type_id == Q8_0:  # a decode step's one row: gguf-py's generic path costs ~4x this
-            values = q8_0_values(self.raw[flat])
-        else:
-            values = gguf.quants.dequantize(self.raw[flat], gguf.GGMLQuantizationType(self.type_id))
+        values = gguf.quants.dequantize(self.raw[flat], gguf.GGMLQuantizationType(self.type_id))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(self.dtype).view(*np.shape(ids), -1)
 
     def dequantized(self) -> torch.Tensor:
@@ -69,14 +67,6 @@ class QuantizedRows:
         return True
 
 
-def q8_0_values(rows: np.ndarray) -> np.ndarray:
-    """Q8_0 rows [n, bytes] -> float32 [n, 32 * blocks]: each f16 scale times its int8s, exact in
-    float32 (an 11-bit by 8-bit product), so the bits are gguf-py's."""
-    blocks = rows.reshape(rows.shape[0], -1, Q8_0_BLOCK_BYTES)
-    scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [n, blocks, 1]
-    return (scales * blocks[..., 2:].view(np.int8)).reshape(rows.shape[0], -1)
-
-
 class HeadRows:
     """A tied model's embedding read from its output head's `q8s` blocks, which hold the file's Q8_0
     rows unchanged, so the rows are kept once, not twice (Gemma 3's 178 MB). The kernels' layout
@@ -87,29 +77,24 @@ class HeadRows:
     def __init__(self, head: nn.Module, dtype: torch.dtype):
         self.head, self.dtype = head, dtype
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        blocks = self.embedding_dim // Q8_0_VALUES
-        # [groups, blocks, 16 bytes of scales + 256 of int8s]: a view of the head's buffer
-        self._groups = head.blocks.numpy().reshape(-1, blocks, 2 * INTERLEAVED_ROWS + INTERLEAVED_ROWS * Q8_0_VALUES)
+        blocks = self.embedding_dim // QK
+        self._group_bytes = blocks * Q8SX8_BLOCK_BYTES  # 8 rows, every block
+        flat = head.blocks.numpy()  # a view of the head's buffer
+        self._int8s, self._f16s = flat.view(np.int8), flat.view(np.float16)
+        # Where row r of a group keeps its int8s (weight j of block b) and its scales (block b), from
+        # the group's start, in bytes and in f16 words: one gather per lookup, whatever the row.
+        block, weight = np.divmod(np.arange(self.embedding_dim), QK)
+        rows = np.arange(INTERLEAVED_ROWS)[:, None]
+        self._int8_at = block * Q8SX8_BLOCK_BYTES + SCALE_BYTES + (weight // 4) * 32 + rows * 4 + weight % 4  # [8, H]
+        self._scale_at = np.arange(blocks) * (Q8SX8_BLOCK_BYTES // 2) + rows  # [8, blocks]
 
     def rows(self, ids: np.ndarray) -> torch.Tensor:
-        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(flat) == 1:  # a decode step's: slices, no fancy indexing
-            return self._row(int(flat[0])).to(self.dtype).view(*np.shape(ids), -1)
-        group, row = np.divmod(flat, INTERLEAVED_ROWS)
-        picked = self._groups[group]  # [n, blocks, 272]
-        n, blocks = len(flat), picked.shape[1]
-        scales = picked[..., : 2 * INTERLEAVED_ROWS].copy().view(np.float16)[np.arange(n), :, row].astype(np.float32)
-        values = picked[..., 2 * INTERLEAVED_ROWS :].view(np.int8).reshape(n, blocks, Q8_0_VALUES // 4, INTERLEAVED_ROWS, 4)
-        values = values[np.arange(n), :, :, row].reshape(n, blocks, Q8_0_VALUES)  # [n, blocks, 32]: weight j at j
-        rows = (scales[..., None] * values).reshape(n, -1)
+        group, row = np.divmod(np.asarray(ids, dtype=np.int64).reshape(-1, 1), INTERLEAVED_ROWS)  # [n, 1]
+        start = group * self._group_bytes
+        values = self._int8s.take(start + self._int8_at[row[:, 0]]).reshape(len(start), -1, QK)  # [n, blocks, 32]
+        scales = self._f16s.take(start // 2 + self._scale_at[row[:, 0]]).astype(np.float32)  # [n, blocks]
+        rows = (scales[..., None] * values).reshape(len(start), -1)
         return torch.from_numpy(rows).to(self.dtype).view(*np.shape(ids), -1)
-
-    def _row(self, token: int) -> torch.Tensor:
-        group, row = divmod(token, INTERLEAVED_ROWS)
-        picked = self._groups[group]  # [blocks, 272]
-        scales = picked[:, : 2 * INTERLEAVED_ROWS].view(np.float16)[:, row].astype(np.float32)
-        values = picked[:, 2 * INTERLEAVED_ROWS :].view(np.int8).reshape(-1, Q8_0_VALUES // 4, INTERLEAVED_ROWS, 4)[:, :, row]
-        return torch.from_numpy((scales[:, None, None] * values).reshape(-1))
 
     def dequantized(self) -> torch.Tensor:
         return self.rows(np.arange(self.num_embeddings))
@@ -159,12 +144,3 @@ class QuantizedEmbedding(nn.Module):
         where = "the head's q8s blocks" if isinstance(self.table, HeadRows) else f"{self.table.raw.nbytes / 2**20:.1f} MiB of rows"
         return f"{self.num_embeddings}, {self.embedding_dim}, {where}"
 
-
-def token_embedding(weight: torch.Tensor | QuantizedRows, head: nn.Module, tied: bool) -> nn.Parameter | QuantizedEmbedding:
-    """A model's token embedding: a float table as it is; a quantized file's rows read from the
-    head where a tied head holds them unchanged (Q8_0 as `q8s`), else copied out of the file."""
-    if isinstance(weight, torch.Tensor):
-        return nn.Parameter(weight, requires_grad=False)
-    in_head = (tied and weight.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
-               and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim))  # fmt: skip
-    return QuantizedEmbedding(HeadRows(head, weight.dtype) if in_head else weight.owned())

@@ -7,7 +7,7 @@ from torch import nn
 
 from kvgen.errors import ModelLoadError
 from kvgen.kernels.formats import QuantizedWeight, concat_rows
-from kvgen.models.embedding import QuantizedRows
+from kvgen.models.embedding import Q8_0, HeadRows, QuantizedEmbedding, QuantizedRows
 
 Weight = torch.Tensor | QuantizedWeight | QuantizedRows  # the last: a quantized file's token embedding
 
@@ -67,3 +67,13 @@ def fused_linear(weights: list[Weight], biases: list[torch.Tensor | None] | None
     if any(isinstance(w, QuantizedWeight) for w in weights):
         raise AssertionError("cannot fuse quantized and float weights")
     return linear(torch.cat(weights, dim=0), bias)  # type: ignore[arg-type]
+
+
+def token_embedding(weight: torch.Tensor | QuantizedRows, head: nn.Module, tied: bool) -> nn.Parameter | QuantizedEmbedding:
+    """A model's token embedding: a float table as it is; a quantized file's rows read from the
+    head where a tied head holds them unchanged (Q8_0 as `q8s`), else copied out of the file."""
+    if isinstance(weight, torch.Tensor):
+        return frozen(weight)
+    in_head = (tied and weight.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
+               and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim))  # fmt: skip
+    return QuantizedEmbedding(HeadRows(head, weight.dtype) if in_head else weight.owned())

@@ -83,6 +83,13 @@ class ContentPart(Strict):
 Metadata = dict[str, str]
 
 
+def content_text(content: str | list[ContentPart] | None) -> str:
+    """A message's or a prediction's content as one text (its text parts joined)."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class SamplingFields(Strict):
     """What completions and chat completions share."""
 
@@ -158,9 +165,7 @@ class ChatMessage(Strict):
         return self
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return content_text(self.content)
 
 
 class Prediction(Strict):
@@ -171,7 +176,7 @@ class Prediction(Strict):
     content: str | list[ContentPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
