@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Sequence
 
@@ -18,6 +17,7 @@ from kvgen.result import GenerationResult
 from kvgen.loading.checkpoint import Checkpoint, resolve_dtype
 from kvgen.loading.gguf import load_gguf
 from kvgen.loading.gguf_file import GGUFFile
+from kvgen.loading.heap import release_freed_memory
 from kvgen.loading.hf import load_hf_folder
 from kvgen.loading.registry import resolve_model_path
 from kvgen.loading.tokenizer import Tokenizer
@@ -87,10 +87,8 @@ class LLM:
         llm.model.compile_cuda_graphs = torch_compile
         if torch_compile:
             llm.model.cuda_graphs()  # built now: a model whose steps run without graphs refuses at load
-        # Loading leaves ~185k new Python objects (Gemma 3's tokenizer) pending for the garbage
-        # collector's oldest generation: collected now, its next full pass (~90 ms) does not land
-        # inside a decode later.
-        gc.collect()
+        del checkpoint  # its tensor dictionary and the file's map: freed before the heap is trimmed
+        release_freed_memory()
         return llm
 
     @property

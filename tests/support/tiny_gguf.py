@@ -110,6 +110,7 @@ def write_tiny_gguf(
     hidden: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    tokenizer_model: str = "gpt2",
 ) -> Path:
     """A 2-layer Llama-shaped model with a byte-level vocabulary (256 bytes + <|endoftext|>)."""
     rng = np.random.default_rng(seed)
@@ -124,7 +125,7 @@ def write_tiny_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * BYTE_ALPHABET_SIZE + [3])

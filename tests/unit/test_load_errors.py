@@ -79,6 +79,16 @@ def test_unsupported_quantization_type(tmp_path: Path) -> None:
         LLM.load(path, progress=False)
 
 
+def test_unsupported_tokenizer_is_the_error_even_where_the_tensors_fail_too(tmp_path: Path) -> None:
+    # The tokenizer builds beside the tensors' load; its error is reported, as it was read first.
+    unusable = write_tiny_gguf(tmp_path / "wordpiece.gguf", tokenizer_model="bert")
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer.ggml.model is 'bert'.*supported: gpt2, llama"):
+        LLM.load(unusable, progress=False)
+    both = write_tiny_gguf(tmp_path / "both.gguf", tokenizer_model="bert", weight_type=gguf.GGMLQuantizationType.TQ2_0, hidden=256)
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer.ggml.model is 'bert'"):
+        LLM.load(both, progress=False)
+
+
 def test_prompt_longer_than_context(tiny_path: Path) -> None:
     llm = LLM.load(tiny_path, progress=False)  # context_length 128
     with pytest.raises(PromptTooLongError, match=r"the prompt has 200 tokens but the context holds 128.*at most 127"):

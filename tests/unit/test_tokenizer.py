@@ -174,6 +174,14 @@ def test_generate_merges_matches_transformers() -> None:
     scores = {t: -float(i % 4) for t, i in vocab.items()}
     assert generate_merges(vocab) == reference(vocab)
     assert generate_merges(vocab, scores) == reference(vocab, scores)
+    # Many pieces of one score, whose merges interleave by length: every string of up to four
+    # symbols, scored so that most scores are shared.
+    pieces = [""]
+    for _ in range(4):
+        pieces = [p + s for p in pieces for s in "ab▁c"] + pieces
+    vocab = {t: i for i, t in enumerate(sorted(set(pieces) - {""}, key=lambda t: (len(t), t)))}
+    for scores in ({t: -float(i % 7) for t, i in vocab.items()}, {t: 0.0 for t in vocab}, {t: float(len(t)) for t in vocab}):
+        assert generate_merges(vocab, scores) == reference(vocab, scores)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -297,7 +298,23 @@ def load_gguf(
     file = GGUFFile(path)
     factors = {n: _dequantized_raw(file, file.tensors[n]) for n in _ROPE_FACTOR_TENSORS if n in file.tensors}
     config = config_from_gguf(file.metadata, set(file.tensors), factors)
-    tokenizer = Tokenizer.from_gguf_metadata(file.metadata, config.architecture)
+    # The tokenizer is rebuilt from the vocabulary (Gemma 3's merges, from 262,144 tokens: ~1 s of
+    # Python) while the tensors load, whose numpy, C and torch work mostly runs outside the GIL.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-tokenizer") as pool:
+        building = pool.submit(Tokenizer.from_gguf_metadata, file.metadata, config.architecture)
+        try:
+            tensors, mode = _load_tensors(file, config, dtype, progress, weights)
+        except BaseException:
+            building.result()  # a tokenizer that cannot be built is the error to report, as it comes first
+            raise
+        tokenizer = building.result()
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
+
+
+def _load_tensors(
+    file: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: bool, weights: WeightMode
+) -> tuple[dict[str, torch.Tensor | QuantizedWeight], WeightMode]:
+    """The file's tensors under HF names, quantized for the kernels as `weights` asks, and that mode."""
     unsupported = {n: t.type_name for n, t in file.tensors.items() if t.type_name not in SUPPORTED_TENSOR_TYPES}
     if unsupported:
         name, qtype = next(iter(unsupported.items()))
@@ -310,14 +327,14 @@ def load_gguf(
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     infos = list(file.tensors.values())
-    for info in tqdm(infos, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
+    for info in tqdm(infos, desc=f"loading {file.path.name}", unit="tensor", disable=not progress, leave=False):
         if stacked := _STACKED_EXPERTS.match(info.name):  # [E, rows, columns]: one weight (or bias) per expert
             layer, part, kind = stacked.groups()
             for e in range(info.shape[0]):
                 target = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.{kind}"
                 quantized = mode != "fp32" and kind == "weight" and quantizable(info.shape[1:])
                 tensors[target] = _quantized_tensor(file, info, config, mode, e) if quantized else _float_tensor(file, info, config, dtype, e)
-                check_finite(f"{info.name}[{e}]", tensors[target], path)
+                check_finite(f"{info.name}[{e}]", tensors[target], file.path)
             continue
         name = "rope_freqs" if info.name == "rope_freqs.weight" else hf_name(info.name, config.architecture)
         if name is None:
@@ -332,7 +349,7 @@ def load_gguf(
                 # only an untied table is scanned here.
                 tensors[target] = _embedding_rows(file, info, config, dtype)
                 if not head_from_embedding and not tensors[target].all_finite():
-                    raise ModelLoadError(f"tensor {info.name!r} in {path} has NaN or infinite block scales: the file "
+                    raise ModelLoadError(f"tensor {info.name!r} in {file.path} has NaN or infinite block scales: the file "
                                          "is corrupted; download or convert it again")  # fmt: skip
                 continue
             if mode != "fp32" and is_matmul_weight(target) and quantizable(info.shape):
@@ -341,10 +358,10 @@ def load_gguf(
                 tensors[target] = _quantized_rows(file, info, mode)  # DeepSeek's [H, rows, columns] as H * rows rows
             else:
                 tensors[target] = _float_tensor(file, info, config, dtype)
-            check_finite(info.name, tensors[target], path)
+            check_finite(info.name, tensors[target], file.path)
     if config.architecture == "nemotron_h":
         name_mlp_layer_norms(tensors, config)  # type: ignore[arg-type]
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=path, format="gguf", weights=mode)
+    return tensors, mode
 
 
 def _raw(file: GGUFFile, info: TensorInfo, expert: int | None = None) -> np.ndarray:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -223,15 +225,22 @@ def generate_merges(vocab: Mapping[str, int], scores: Mapping[str, float] | None
     """
     descending = scores is not None
     ranked = scores if scores is not None else vocab
-    merges: list[tuple[str, str, float]] = []
-    for piece, score in ranked.items():
-        local = [
-            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
-        ]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=descending)
-    return [(left, right) for left, right, _ in merges]
+
+    def splits(piece: str) -> list[tuple[str, str]]:
+        # A piece's splits differ in their left length, so generating them in the rank's order of
+        # lengths leaves only ties between pieces of one score to sort.
+        lengths = range(len(piece) - 1, 0, -1) if descending else range(1, len(piece))
+        return [(piece[:i], piece[i:]) for i in lengths if piece[:i] in vocab and piece[i:] in vocab]
+
+    merges: list[tuple[str, str]] = []
+    for _, group in groupby(sorted(ranked.items(), key=itemgetter(1), reverse=descending), key=itemgetter(1)):
+        found = splits(next(group)[0])
+        if tied := [merge for piece, _ in group for merge in splits(piece)]:
+            # Pieces of equal score: their merges interleave by lengths, each keeping its piece's order.
+            found.extend(tied)
+            found.sort(key=lambda merge: (len(merge[0]), len(merge[1])), reverse=descending)
+        merges.extend(found)
+    return merges
 
 
 def _add_special_tokens(
