@@ -80,7 +80,7 @@ def test_unsupported_quantization_type(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizer_is_the_error_even_where_the_tensors_fail_too(tmp_path: Path) -> None:
-    # The tokenizer builds beside the tensors' load; its error is reported, as it was read first.
+    # The vocabulary is read before the tensors: its error is the one reported.
     unusable = write_tiny_gguf(tmp_path / "wordpiece.gguf", tokenizer_model="bert")
     with pytest.raises(UnsupportedModelError, match=r"tokenizer.ggml.model is 'bert'.*supported: gpt2, llama"):
         LLM.load(unusable, progress=False)
