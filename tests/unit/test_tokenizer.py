@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 
 from kvgen.errors import ModelLoadError, UnsupportedModelError
+from kvgen.loading import gguf_tokenizer
 from kvgen.loading.gguf_tokenizer import generate_merges
 from kvgen.loading.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
@@ -167,21 +168,28 @@ def test_sentencepiece_llama_matches_transformers() -> None:
 
 
 @pytest.mark.slow
-def test_generate_merges_matches_transformers() -> None:
+@pytest.mark.parametrize("splits", ["kernels", "python"])
+def test_generate_merges_matches_transformers(splits: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers.tokenization_utils_base import generate_merges as reference
 
+    if splits == "python":  # what a machine without the compiled kernels runs
+        monkeypatch.setattr(gguf_tokenizer, "_splits_in_c", lambda *args: None)
     vocab = {t: i for i, t in enumerate(["a", "b", "c", "ab", "bc", "abc", "ca", "cab", "▁", "▁a", "▁ab"])}
     scores = {t: -float(i % 4) for t, i in vocab.items()}
     assert generate_merges(vocab) == reference(vocab)
     assert generate_merges(vocab, scores) == reference(vocab, scores)
     # Many pieces of one score, whose merges interleave by length: every string of up to four
-    # symbols, scored so that most scores are shared.
+    # symbols (one to four UTF-8 bytes each, so splits must fall between characters), scored so that
+    # most scores are shared.
     pieces = [""]
     for _ in range(4):
-        pieces = [p + s for p in pieces for s in "ab▁c"] + pieces
+        pieces = [p + s for p in pieces for s in "aé▁🚀"] + pieces
     vocab = {t: i for i, t in enumerate(sorted(set(pieces) - {""}, key=lambda t: (len(t), t)))}
     for scores in ({t: -float(i % 7) for t, i in vocab.items()}, {t: 0.0 for t in vocab}, {t: float(len(t)) for t in vocab}):
         assert generate_merges(vocab, scores) == reference(vocab, scores)
+    # Scores that rank pieces outside the vocabulary (their splits still count), and leave some out.
+    scores = {t + "a": float(i % 5) for t, i in vocab.items() if i % 3}
+    assert generate_merges(vocab, scores) == reference(vocab, scores)
 
 
 @pytest.mark.slow

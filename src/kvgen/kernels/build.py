@@ -224,6 +224,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     library.kvgen_decode_rows_own.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                               count, pointer, pointer, pointer, pointer]  # fmt: skip
     library.kvgen_mlp_rows.argtypes = [pointer, count, pointer, pointer, pointer, pointer]
+    library.kvgen_vocab_splits.argtypes = [pointer, pointer, count, pointer, pointer, count, ctypes.c_int32, pointer, pointer,
+                                          pointer, count]  # fmt: skip
+    library.kvgen_vocab_splits.restype = count
     library.kvgen_decode_tree.argtypes = [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer,
                                           pointer, count, count, count, count, count, pointer, pointer, count, count,
                                           pointer, pointer]  # fmt: skip

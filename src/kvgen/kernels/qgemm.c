@@ -163,3 +163,4 @@ DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 #include "hybrid_step.c"
 #include "eagle_step.c"
 #include "rows_ops.c"
+#include "vocab_splits.c"

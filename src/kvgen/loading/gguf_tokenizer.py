@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from itertools import groupby
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
+from kvgen import kernels
 from kvgen.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
@@ -224,23 +225,64 @@ def generate_merges(vocab: Mapping[str, int], scores: Mapping[str, float] | None
     descending score, without by ascending vocabulary index; ties by piece lengths.
     """
     descending = scores is not None
-    ranked = scores if scores is not None else vocab
-
-    def splits(piece: str) -> list[tuple[str, str]]:
-        # A piece's splits differ in their left length, so generating them in the rank's order of
-        # lengths leaves only ties between pieces of one score to sort.
-        lengths = range(len(piece) - 1, 0, -1) if descending else range(1, len(piece))
-        return [(piece[:i], piece[i:]) for i in lengths if piece[:i] in vocab and piece[i:] in vocab]
-
-    merges: list[tuple[str, str]] = []
-    for _, group in groupby(sorted(ranked.items(), key=itemgetter(1), reverse=descending), key=itemgetter(1)):
-        found = splits(next(group)[0])
-        if tied := [merge for piece, _ in group for merge in splits(piece)]:
-            # Pieces of equal score: their merges interleave by lengths, each keeping its piece's order.
-            found.extend(tied)
-            found.sort(key=lambda merge: (len(merge[0]), len(merge[1])), reverse=descending)
-        merges.extend(found)
+    ranked = sorted((scores if scores is not None else vocab).items(), key=itemgetter(1), reverse=descending)
+    pieces = [piece for piece, _ in ranked]
+    # Each piece's splits come in the rank's order of left lengths (they all differ), so only the
+    # merges of pieces with equal scores need sorting.
+    merges, owners = _splits_in_c(pieces, vocab, descending) or _splits(pieces, vocab, descending)
+    values = np.array([value for _, value in ranked], dtype=np.float64)
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1], True])
+    for group in np.flatnonzero(np.diff(starts) > 1).tolist():
+        # Pieces of equal score: their merges interleave by lengths, each keeping its piece's order.
+        low, high = np.searchsorted(owners, starts[group : group + 2]).tolist()
+        merges[low:high] = sorted(merges[low:high], key=lambda m: (len(m[0]), len(m[1])), reverse=descending)
     return merges
+
+
+Splits = tuple[list[tuple[str, str]], np.ndarray]  # merges in piece order; the piece of each
+
+
+def _splits(pieces: list[str], vocab: Mapping[str, int], descending: bool) -> Splits:
+    merges: list[tuple[str, str]] = []
+    owners: list[int] = []
+    for index, piece in enumerate(pieces):
+        lengths = range(len(piece) - 1, 0, -1) if descending else range(1, len(piece))
+        found = [(piece[:i], piece[i:]) for i in lengths if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(found)
+        owners.extend([index] * len(found))
+    return merges, np.array(owners, dtype=np.int64)
+
+
+def _splits_in_c(pieces: list[str], vocab: Mapping[str, int], descending: bool) -> Splits | None:
+    """_splits by the compiled kernels (kernels/vocab_splits.c; Gemma 3's 262,144 pieces: 0.06 s
+    against ~1 s in Python, then ~0.2 s to make the merges' tuples); None without the kernels."""
+    library = kernels.load()
+    if library is None:
+        return None
+    piece_text, piece_offsets = _utf8(pieces)
+    if vocab.keys() == set(pieces):  # the usual case: the scores rank the vocabulary itself
+        keys, vocab_text, vocab_offsets = pieces, piece_text, piece_offsets
+    else:
+        keys = list(vocab)
+        vocab_text, vocab_offsets = _utf8(keys)
+    capacity = max(len(piece_text), 1)  # a piece of n bytes has fewer than n splits
+    owners, lefts, rights = (np.empty(capacity, dtype=np.int32) for _ in range(3))
+    count = library.kvgen_vocab_splits(vocab_text, vocab_offsets.ctypes.data, len(keys), piece_text,
+                                       piece_offsets.ctypes.data, len(pieces), int(descending), owners.ctypes.data,
+                                       lefts.ctypes.data, rights.ctypes.data, capacity)  # fmt: skip
+    if count == -2:
+        raise MemoryError("no memory for the vocabulary's hash table while building the tokenizer's merges")
+    assert count >= 0, "more splits than bytes: the capacity above is a bound"
+    merges = list(zip(map(keys.__getitem__, lefts[:count].tolist()), map(keys.__getitem__, rights[:count].tolist())))
+    return merges, owners[:count]
+
+
+def _utf8(strings: list[str]) -> tuple[bytes, np.ndarray]:
+    """The strings' UTF-8 bytes end to end, and where each starts (one more offset: the end)."""
+    encoded = [text.encode("utf-8") for text in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
+    return b"".join(encoded), offsets
 
 
 def _add_special_tokens(
