@@ -82,9 +82,9 @@ _PRE_TOKENIZER_SPLITS = {
 _INDIVIDUAL_DIGIT_PRES = frozenset({"smollm", "starcoder", "refact"})
 
 
-def build_gguf_backend(metadata: Mapping[str, Any], architecture: str) -> Backend:
-    """The `tokenizers` pipeline for this file's vocabulary, special tokens added so they match whole."""
-    tokens = gguf_tokens(metadata)
+def build_gguf_backend(metadata: Mapping[str, Any], architecture: str, tokens: list[str]) -> Backend:
+    """The `tokenizers` pipeline for this file's vocabulary (`tokens`: gguf_tokens(metadata)), special
+    tokens added so they match whole."""
     model = metadata.get("tokenizer.ggml.model")
     if model == "gpt2":
         backend, vocab = _byte_level_bpe(tokens, metadata)

@@ -134,8 +134,8 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], architecture: str) -> Tokenizer:
         """Build from a GGUF's metadata (key -> value as gguf-py's `contents()` gives it)."""
-        backend = build_gguf_backend(metadata, architecture)
         tokens = gguf_tokens(metadata)
+        backend = build_gguf_backend(metadata, architecture, tokens)
         types = token_types(metadata, len(tokens))
         control = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_TYPE_CONTROL}
         eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
