@@ -51,6 +51,21 @@ def test_file_truncated_inside_header(tiny_path: Path, tmp_path: Path, keep: int
         LLM.load(copy_bytes(tiny_path, tmp_path / "cut.gguf", keep), progress=False)
 
 
+@pytest.mark.parametrize("into", [-4, 3])  # inside the last token's length, inside its text
+def test_file_truncated_inside_the_vocabulary(tiny_path: Path, tmp_path: Path, into: int) -> None:
+    last_token = tiny_path.read_bytes().index(b"<|endoftext|>")
+    with pytest.raises(ModelLoadError, match=r"ends at byte \d+ inside its header.*truncated"):
+        LLM.load(copy_bytes(tiny_path, tmp_path / "cut.gguf", last_token + into), progress=False)
+
+
+def test_vocabulary_that_is_not_utf8(tiny_path: Path, tmp_path: Path) -> None:
+    data = bytearray(tiny_path.read_bytes())
+    data[data.index(b"<|endoftext|>")] = 0xFF
+    (path := tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="holds a string that is not UTF-8: the file is corrupted"):
+        LLM.load(path, progress=False)
+
+
 def test_file_truncated_inside_tensor_data(tiny_path: Path, tmp_path: Path) -> None:
     size = tiny_path.stat().st_size
     with pytest.raises(ModelLoadError, match=r"truncated: tensor '.*' needs bytes up to \d+ but the file has"):

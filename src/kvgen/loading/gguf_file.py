@@ -12,7 +12,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -74,13 +74,16 @@ class GGUFFile:
     def _take(self, num_bytes: int) -> bytes:
         end = self._pos + num_bytes
         if end > len(self._map):
-            raise ModelLoadError(
-                f"{self.path} ends at byte {len(self._map)} inside its header (needs {end}): the file is "
-                "truncated; download or convert it again"
-            )
+            self._truncated(end)
         chunk = self._map[self._pos : end]
         self._pos = end
         return chunk
+
+    def _truncated(self, needed: int) -> NoReturn:
+        raise ModelLoadError(
+            f"{self.path} ends at byte {len(self._map)} inside its header (needs {needed}): the file is "
+            "truncated; download or convert it again"
+        )
 
     def _scalar(self, type_id: int) -> Any:
         if type_id not in _SCALARS:
@@ -104,7 +107,30 @@ class GGUFFile:
         if item_type in _SCALARS:  # numeric arrays in one read
             dtype = np.dtype(_SCALARS[item_type][1])
             return np.frombuffer(self._take(count * dtype.itemsize), dtype=dtype).tolist()
+        if item_type == _STRING:
+            return self._strings(count)
         return [self._value(item_type) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary: Gemma 3's 262,144 tokens) in one loop; a _string call
+        each made Gemma 3's header take 0.20 s to parse, against 0.10."""
+        data, pos, end = self._map, self._pos, len(self._map)
+        unpack_length = struct.Struct("<Q").unpack_from
+        strings = []
+        try:
+            for _ in range(count):
+                if pos + 8 > end:
+                    self._truncated(pos + 8)
+                (length,) = unpack_length(data, pos)
+                pos += 8
+                if pos + length > end:
+                    self._truncated(pos + length)
+                strings.append(data[pos : pos + length].decode("utf-8"))
+                pos += length
+        except UnicodeDecodeError as error:
+            raise ModelLoadError(f"{self.path} holds a string that is not UTF-8: the file is corrupted") from error
+        self._pos = pos
+        return strings
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()
