@@ -125,6 +125,14 @@ def test_reasoning_effort_goes_to_templates_that_read_it(harmony: LiveServer, th
     thinking.assert_no_leaks()
 
 
+def test_output_text_logprobs_are_refused_where_replies_carry_reasoning(thinking: LiveServer) -> None:
+    # A reasoning reply's tokens are not all the output text's: kvgen does not split them by item.
+    with pytest.raises(openai.BadRequestError, match="replies are 'think', not plain text") as refused:
+        client(thinking).responses.create(model="smollm2", input="Hi", max_output_tokens=4, include=["message.output_text.logprobs"])
+    assert refused.value.body["param"] == "include"
+    thinking.assert_no_leaks()
+
+
 def test_think_blocks_opened_by_the_template_come_back_as_reasoning(thinking: LiveServer) -> None:
     """The template opens <think> in the generation prompt; SmolLM2 never closes it, so its whole
     reply is reasoning, cut by max_tokens; with enable_thinking false the template closes the block

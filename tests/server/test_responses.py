@@ -36,6 +36,48 @@ def test_text_equals_chat_and_the_stream_adds_up(client, server) -> None:
     server.assert_no_leaks()
 
 
+def test_output_text_logprobs_equal_chat_and_the_stream_adds_up(client, server) -> None:
+    ask = dict(model=MODEL_NAME, input="Name a primary color.", max_output_tokens=10, temperature=0,
+               include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    reply = client.responses.create(**ask)
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "Name a primary color."}])  # fmt: skip
+    (part,) = reply.output[0].content
+    assert len(part.logprobs) == reply.usage.output_tokens == len(chat.choices[0].logprobs.content)
+    assert "".join(lp.token for lp in part.logprobs) == part.text == reply.output_text
+    # The same tokens and values as chat's, to the last bits a prompt read partly from the prefix cache moves.
+    for ours, theirs in zip(part.logprobs, chat.choices[0].logprobs.content):
+        assert (ours.token, ours.bytes, ours.logprob) == (theirs.token, theirs.bytes, pytest.approx(theirs.logprob, abs=1e-4))
+        assert [t.token for t in ours.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        assert [t.logprob for t in ours.top_logprobs] == pytest.approx([t.logprob for t in theirs.top_logprobs], abs=1e-4)
+        assert len(ours.top_logprobs) == 2 and ours.top_logprobs[0].logprob == ours.logprob  # greedy: the best token
+    events = list(client.responses.create(stream=True, **ask))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs], abs=1e-4)
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob, lp.bytes) for lp in done.logprobs] == [(lp.token, lp.logprob, lp.bytes) for lp in final]
+    assert [(lp.token, lp.logprob) for lp in final] == [(lp.token, lp.logprob) for lp in streamed]
+    without = client.responses.create(**(ask | {"include": None, "top_logprobs": None}))
+    assert without.output_text == reply.output_text and without.output[0].content[0].logprobs == []
+    server.assert_no_leaks()
+
+
+def test_logprobs_kvgen_cannot_give_are_400s(client, server) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:  # alternatives without the logprobs themselves
+        client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, top_logprobs=2)
+    assert caught.value.body["param"] == "top_logprobs" and "message.output_text.logprobs" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:  # a reply that may be function calls, not output text
+        client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, tools=RESPONSE_TOOLS,
+                                include=["message.output_text.logprobs"])  # fmt: skip
+    assert caught.value.body["param"] == "include" and "tools are active" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, include=["file_search_call.results"])
+    assert caught.value.body["param"] == "include"
+    server.assert_no_leaks()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_calls_and_a_continued_turn(client, server, stream) -> None:
     kwargs = dict(model=MODEL_NAME, input="What is the weather in Paris?", tools=RESPONSE_TOOLS, tool_choice="required",

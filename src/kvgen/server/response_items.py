@@ -12,14 +12,15 @@ from kvgen.server.tools import ParsedCall
 _TEXT_EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text"}
 
 
-def output_items(reply: ReplyStream, text: str) -> list[dict[str, Any]]:
-    """The items of a finished response's `text` (`reply`: a fresh stream)."""
+def output_items(reply: ReplyStream, text: str, logprobs: list[dict] | None = None) -> list[dict[str, Any]]:
+    """The items of a finished response's `text` (`reply`: a fresh stream); `logprobs`: the message's
+    output_text tokens (chat's logprob entries), where the request included them."""
     fields = reply.message(text)
     items = []
     if fields.get("reasoning_content"):
         items.append(_text_item("reasoning", _item_id("reasoning"), fields["reasoning_content"], "completed"))
     if fields.get("content") or not (items or reply.calls):  # an empty reply is still an (empty) message
-        items.append(_text_item("message", _item_id("message"), fields.get("content") or "", "completed"))
+        items.append(_text_item("message", _item_id("message"), fields.get("content") or "", "completed", logprobs))
     return items + [call_item(c, "completed" if c.complete else "incomplete") for c in reply.calls]
 
 
@@ -44,16 +45,16 @@ def _item_id(kind: str) -> str:
     return ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex
 
 
-def _text_item(kind: str, item_id: str, text: str, status: str) -> dict[str, Any]:
+def _text_item(kind: str, item_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
     part_type = "reasoning_text" if kind == "reasoning" else "output_text"
-    content = [] if status == "in_progress" else [_part(part_type, text)]
+    content = [] if status == "in_progress" else [_part(part_type, text, logprobs)]
     if kind == "reasoning":
         return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _part(part_type: str, text: str) -> dict[str, Any]:
-    extra = {"annotations": [], "logprobs": []} if part_type == "output_text" else {}
+def _part(part_type: str, text: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    extra = {"annotations": [], "logprobs": logprobs or []} if part_type == "output_text" else {}
     return {"type": part_type, "text": text, **extra}
 
 
@@ -64,14 +65,17 @@ def call_item(call: ParsedCall, status: str) -> dict[str, Any]:
 
 class ItemStream:
     """Generated text -> the output items' events: each item is added, gets its deltas and is done
-    before the next one starts."""
+    before the next one starts. Token logprobs fed with the text (plain replies only: every token is
+    the message's) ride on the message's next delta, and its part carries them all."""
 
     def __init__(self, event: Callable[..., str], reply: ReplyStream) -> None:
         self.event, self.reply = event, reply
         self.output: list[dict[str, Any]] = []  # the items done
         self._open: dict[str, Any] | None = None  # the item being written: kind, id, text / call
+        self._logprobs: list[dict] = []  # fed, not yet on a delta (a token whose text is held back)
 
-    def feed(self, piece: str, final: bool) -> list[str]:
+    def feed(self, piece: str, final: bool, logprobs: list[dict] | None = None) -> list[str]:
+        self._logprobs += logprobs or []
         delta = self.reply.feed(piece, final)
         out = []
         if "reasoning_content" in delta:
@@ -98,7 +102,7 @@ class ItemStream:
         out = []
         if self._open is None or self._open["kind"] != kind:
             out += self._close()
-            self._open = {"kind": kind, "id": _item_id(kind), "text": ""}
+            self._open = {"kind": kind, "id": _item_id(kind), "text": "", "logprobs": []}
             index, item_id = len(self.output), self._open["id"]
             out.append(self.event("response.output_item.added", output_index=index, item=_text_item(kind, item_id, "", "in_progress")))
             if kind == "message":
@@ -106,7 +110,7 @@ class ItemStream:
                                       part={"type": "output_text", "text": "", "annotations": []}))  # fmt: skip
         self._open["text"] += text
         if text:
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {"logprobs": self._take_logprobs(self._open)} if kind == "message" else {}
             out.append(self.event(_TEXT_EVENTS[kind] + ".delta", item_id=self._open["id"], output_index=len(self.output),
                                   content_index=0, delta=text, **extra))  # fmt: skip
         return out
@@ -123,11 +127,19 @@ class ItemStream:
                                arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
         kind, item_id, text = current["kind"], current["id"], current["text"]
-        item = _text_item(kind, item_id, text, "completed")
+        if kind == "message":
+            self._take_logprobs(current)  # any left (tokens with no text of their own) belong to the part
+        item = _text_item(kind, item_id, text, "completed", current["logprobs"])
         self.output.append(item)
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": current["logprobs"]} if kind == "message" else {}
         out = [self.event(_TEXT_EVENTS[kind] + ".done", item_id=item_id, output_index=index, content_index=0, text=text, **extra)]
         if kind == "message":
             out.append(self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                                   part=item["content"][0]))  # fmt: skip
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def _take_logprobs(self, message: dict[str, Any]) -> list[dict]:
+        """The logprobs fed since the last message delta, now `message`'s."""
+        taken, self._logprobs = self._logprobs, []
+        message["logprobs"] += taken
+        return taken

@@ -20,6 +20,7 @@ from kvgen.result import GenerationResult
 from kvgen.server.config import tenant_salt
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, read_json
+from kvgen.server.logprobs import chat_logprobs
 from kvgen.server.params import Sampling, build_params, build_speculative, json_schema_output
 from kvgen.replies import reply_parser, skips_special_tokens
 from kvgen.replies.formats import starts_in_reasoning
@@ -28,8 +29,8 @@ from kvgen.server.protocol import parse
 from kvgen.server.replies import ReplyStream, reasoning_tokens
 from kvgen.server.reply_grammar import reply_grammar
 from kvgen.server.response_items import ItemStream, output_items, output_messages
-from kvgen.server.responses_protocol import (REFUSED_RESPONSES, FunctionCallItem, FunctionChoice, InputMessage, ReasoningItem,
-                                             ResponsesRequest)  # fmt: skip
+from kvgen.server.responses_protocol import (OUTPUT_TEXT_LOGPROBS, REFUSED_RESPONSES, FunctionCallItem, FunctionChoice,
+                                             InputMessage, ReasoningItem, ResponsesRequest)  # fmt: skip
 from kvgen.server.tools import Tool, ToolPlan, make_plan
 
 
@@ -77,6 +78,7 @@ class ResponsesAPI:
             raise APIError(400, "input is empty: give the text or items to respond to", param="input")
         check_count("input", len(conversation), serving.limits.max_messages)
         plan = _plan(body, serving.limits)
+        _check_logprobs(body, plan, serving.reply_format)
         prompt = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
         tokenizer, reply_format = serving.engine.engine.tokenizer, serving.reply_format
         answer = await asyncio.to_thread(_answer_format, body, plan)
@@ -84,7 +86,8 @@ class ResponsesAPI:
         ids, prompt_text = await asyncio.to_thread(render_chat_prompt, tokenizer, prompt, plan, serving.prompt_limit, "input", variables)
         structured = await asyncio.to_thread(reply_grammar, reply_format, plan, answer, starts_in_reasoning(prompt_text), "text.format")
         sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, adapter=adapter,
-                            skip_special_tokens=skips_special_tokens(reply_format))  # fmt: skip
+                            skip_special_tokens=skips_special_tokens(reply_format), logprobs=body.wants_logprobs,
+                            top_logprobs=body.top_logprobs or 0)  # fmt: skip
         params = build_params(sampling, "responses", serving.config.max_tokens_limit, serving.engine.engine, serving.limits, structured)
         request_id, salt, speculative = f"resp_{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         jobs = [(ids, params[0])]
@@ -101,11 +104,14 @@ class ResponsesAPI:
                 self._keep(request_id, Stored(tenant_salt(api_key, None), conversation + output_messages(output), done))
             return done
 
+        def token_logprobs(logprobs: list | None) -> list[dict] | None:
+            return chat_logprobs(tokenizer, logprobs or [])["content"] if body.wants_logprobs else None
+
         def full(results: list[GenerationResult]) -> dict:
-            return finish(results[0], output_items(reply(), results[0].text))
+            return finish(results[0], output_items(reply(), results[0].text, token_logprobs(results[0].logprobs)))
 
         return await serving.respond(http, "responses", requests, stream=bool(body.stream), full=full,
-                                     events=lambda c: stream(c, shell, reply(), finish))  # fmt: skip
+                                     events=lambda c: stream(c, shell, reply(), finish, token_logprobs))  # fmt: skip
 
     def _keep(self, response_id: str, stored: Stored) -> None:
         self.store[response_id] = stored
@@ -118,6 +124,17 @@ def _plan(body: ResponsesRequest, limits) -> ToolPlan:
     tools = [Tool(t.name, t.description, t.parameters or {"type": "object", "properties": {}}) for t in body.tools or []]
     choice = body.tool_choice.name if isinstance(body.tool_choice, FunctionChoice) else body.tool_choice
     return make_plan(tools, choice, body.parallel_tool_calls)
+
+
+def _check_logprobs(body: ResponsesRequest, plan: ToolPlan, reply_format: str) -> None:
+    """Logprobs are the output text's tokens: a 400 where they are asked for in a way kvgen cannot
+    give (top_logprobs without including them; replies whose tokens are not all the message's)."""
+    if body.top_logprobs and not body.wants_logprobs:
+        raise APIError(400, f"top_logprobs needs include: [{OUTPUT_TEXT_LOGPROBS!r}]", param="top_logprobs")
+    if body.wants_logprobs and (plan.active or reply_format != "plain"):
+        why = "tools are active" if plan.active else f"the served model's replies are {reply_format!r}, not plain text"
+        raise APIError(400, f"{OUTPUT_TEXT_LOGPROBS} is given for plain text replies only, and here {why}: leave it out of include",
+                       param="include")  # fmt: skip
 
 
 def _answer_format(body: ResponsesRequest, plan: ToolPlan):
@@ -186,7 +203,7 @@ def _completed(shell: dict, result: GenerationResult, output: list[dict], thinki
                     "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}  # fmt: skip
 
 
-async def stream(choices, shell: dict, reply: ReplyStream, finish) -> AsyncIterator[str]:
+async def stream(choices, shell: dict, reply: ReplyStream, finish, token_logprobs) -> AsyncIterator[str]:
     """The Responses event stream: created, in_progress, per output item added / deltas / done,
     then completed (or incomplete)."""
     counter = iter(range(1 << 62))
@@ -202,7 +219,7 @@ async def stream(choices, shell: dict, reply: ReplyStream, finish) -> AsyncItera
             if output.finish_reason == "error":
                 yield event("error", code="server_error", message=output.error, param=None)
                 return
-            for chunk in items.feed(output.text, output.finished):
+            for chunk in items.feed(output.text, output.finished, token_logprobs(output.logprobs)):
                 yield chunk
             if output.finished:
                 for chunk in items.close():

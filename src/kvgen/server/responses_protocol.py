@@ -95,6 +95,9 @@ class TextConfig(Strict):
     format: TextFormat | None = None
 
 
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the one value of `include` kvgen honours
+
+
 class ResponsesRequest(Strict):
     model: str
     input: str | list[InputItem]
@@ -114,6 +117,7 @@ class ResponsesRequest(Strict):
     safety_identifier: str | None = Field(default=None, max_length=256)
     truncation: Literal["disabled"] | None = None  # kvgen never drops input to fit: a too-long input is a 400
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # with include's "message.output_text.logprobs"
     background: Literal[False] | None = None
     service_tier: Literal["auto", "default"] | None = None
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # kvgen extension
@@ -129,15 +133,20 @@ class ResponsesRequest(Strict):
     @field_validator("include")
     @classmethod
     def _include(cls, value: list[str] | None) -> list[str] | None:
-        if value:
-            raise ValueError(f"kvgen has no extra output to include ({value[0][:64]!r}): leave include empty")
+        for name in value or []:
+            if name != OUTPUT_TEXT_LOGPROBS:
+                raise ValueError(f"kvgen can include {OUTPUT_TEXT_LOGPROBS!r} only, not {name[:64]!r}")
         return value
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the output text's parts carry each token's log-probability."""
+        return OUTPUT_TEXT_LOGPROBS in (self.include or [])
 
 
 REFUSED_RESPONSES = REFUSED_COMMON | {
     "conversation": "conversations are not stored by this server: use previous_response_id",
     "max_tool_calls": "a bound on built-in tool calls does not apply: this server has function tools only",
     "prompt": "stored prompt templates are not supported",
-    "top_logprobs": "logprobs are not returned by the Responses API here: use chat completions",
     "stream_options": "the Responses stream has no options here",
 }
