@@ -93,6 +93,11 @@ def test_api_key_is_required_when_set(smollm2) -> None:
             anonymous.models.list()
         keyed = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="s3cret", max_retries=0)
         assert keyed.models.list().data[0].id == MODEL_NAME
+        for path in ("/tokenize", "/detokenize"):  # the token routes too
+            body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1]}
+            assert requests.post(f"{live.base_url}{path}", json=body, timeout=30).status_code == 401
+            keyed_post = requests.post(f"{live.base_url}{path}", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
+            assert keyed_post.status_code == 200
 
 
 def test_metrics_count_requests_tokens_and_latencies(client, server) -> None:

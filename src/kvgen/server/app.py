@@ -1,5 +1,5 @@
 """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (SSE streaming),
-/health, /metrics, and the LoRA adapter routes (server/adapters.py). Every request runs on the shared
+/health, /metrics, the LoRA adapter routes (server/adapters.py) and /tokenize, /detokenize. Every request runs on the shared
 AsyncLLMEngine; a client that disconnects cancels it. Bodies are read and parsed here (size and
 nesting bounded, unknown fields refused) rather than by FastAPI, so that every failure has OpenAI's
 error shape."""
@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from kvgen.engine.async_engine import AsyncLLMEngine
 from kvgen.server import adapters as adapter_routes
+from kvgen.server import tokenize as tokenize_routes
 from kvgen.server.config import ServerConfig
 from kvgen.server.errors import APIError, install_error_handlers
 from kvgen.server.limits import read_json
@@ -105,6 +106,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     responses.install(app, authorize)
     adapter_routes.install(app, serving, authorize)
+    tokenize_routes.install(app, serving, authorize)
     return app
 
 
