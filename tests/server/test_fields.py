@@ -100,3 +100,42 @@ def test_several_prompts_metadata_and_user(client, server, smollm2) -> None:
     assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == 16
     assert reply.model_extra["metadata"] == {"team": "kv"}
     server.assert_no_leaks()
+
+
+def test_vllm_sampling_extensions_equal_llm_generate(client, server, smollm2) -> None:
+    """top_k, min_p, repetition_penalty, min_tokens and stop_token_ids (vLLM's extra_body names) do
+    what the same SamplingParams do in LLM.generate."""
+    ids = smollm2.tokenizer.encode(PROMPTS[0])
+
+    def ours(**extra) -> openai.types.Completion:
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, extra_body=extra,
+                                         temperature=extra.pop("temperature", 0))  # fmt: skip
+
+    def reference(**fields) -> str:
+        return smollm2.generate(ids, SamplingParams(max_new_tokens=12, **fields)).text
+
+    greedy = reference()
+    # top_k 1 and min_p 1 keep only the likeliest token: greedy even when sampling hot
+    assert ours(top_k=1, temperature=1.5, seed=3).choices[0].text == greedy
+    assert ours(min_p=1.0, temperature=1.5, seed=3).choices[0].text == greedy
+    assert ours(top_k=-1).choices[0].text == greedy  # -1: off, as vLLM's
+    assert ours(temperature=1.5, seed=3).choices[0].text != greedy  # what those two would be without them
+    hot = dict(temperature=1.2, seed=7)
+    assert ours(top_k=5, min_p=0.05, **hot).choices[0].text == reference(top_k=5, min_p=0.05, temperature=1.2, seed=7)
+    penalised = reference(repetition_penalty=1.5)
+    assert penalised != greedy
+    assert ours(repetition_penalty=1.5).choices[0].text == penalised
+    stop_id = smollm2.generate(ids, SamplingParams(max_new_tokens=12)).token_ids[5]
+    stopped = ours(stop_token_ids=[stop_id]).choices[0]
+    assert stopped.text == reference(stop_token_ids=(stop_id,)) and stopped.finish_reason == "stop"
+    chat = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
+    short = client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=40, temperature=0)
+    assert short.usage.completion_tokens < 20  # it ends on its own first
+    long = client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=40, temperature=0, extra_body={"min_tokens": 20})
+    assert long.usage.completion_tokens >= 20
+    for extra, param in [({"min_tokens": 13}, "min_tokens"), ({"stop_token_ids": [smollm2.tokenizer.vocab_size]}, "stop_token_ids"),
+                         ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as caught:
+            ours(**extra)
+        assert caught.value.body["param"] == param, caught.value.body
+    server.assert_no_leaks()

@@ -27,6 +27,7 @@ class ServerLimits:
     max_prompts: int = 64  # completions: prompts in one request
     max_choices: int = 64  # prompts x n
     max_logit_bias: int = 300
+    max_stop_token_ids: int = 64  # vLLM's stop_token_ids extension
     max_top_logprobs: int = 20
     max_stored_responses: int = 1024  # Responses API: kept in memory for previous_response_id
 

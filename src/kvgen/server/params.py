@@ -13,7 +13,7 @@ from kvgen.server.protocol import ResponseFormat
 
 DEFAULT_MAX_TOKENS = {"chat": 512, "completions": 16, "responses": 512}  # OpenAI's completions default is 16
 _SUPPORTED = {f.name for f in dataclasses.fields(SamplingParams)}
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "structured": "response_format"}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "structured": "response_format", "min_new_tokens": "min_tokens"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,11 @@ class Sampling:
     top_logprobs: int = 0
     ignore_eos: bool = False
     adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
+    top_k: int | None = None  # vLLM's extensions (chat and completions); -1 or 0: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True  # False: the text keeps special tokens (harmony's channels)
 
 
@@ -59,6 +64,7 @@ def build_params(sampling: Sampling, endpoint: str, max_tokens_limit: int, engin
         fields["stop"] = stops
     if sampling.ignore_eos:
         fields["ignore_eos"] = True
+    fields |= _vllm_fields(sampling, max_tokens, engine.model.config.vocab_size, limits)
     if sampling.adapter is not None:
         fields["adapter"] = sampling.adapter
     if not sampling.skip_special_tokens:
@@ -85,6 +91,28 @@ def build_params(sampling: Sampling, endpoint: str, max_tokens_limit: int, engin
                 for i in range(sampling.n)]  # fmt: skip
     except ValueError as error:
         raise APIError(400, str(error)) from error
+
+
+def _vllm_fields(sampling: Sampling, max_tokens: int, vocab_size: int, limits: ServerLimits) -> dict:
+    """vLLM's sampling extensions -> SamplingParams fields (only those set to something other than off)."""
+    fields: dict = {}
+    if sampling.top_k not in (None, -1, 0):
+        fields["top_k"] = sampling.top_k
+    if sampling.min_p:
+        fields["min_p"] = sampling.min_p
+    if sampling.repetition_penalty not in (None, 1.0):
+        fields["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.min_tokens:
+        if sampling.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens is {sampling.min_tokens}, more than max_tokens ({max_tokens})", param="min_tokens")
+        fields["min_new_tokens"] = sampling.min_tokens
+    if sampling.stop_token_ids:
+        check_count("stop_token_ids", len(sampling.stop_token_ids), limits.max_stop_token_ids)
+        if bad := [i for i in sampling.stop_token_ids if not 0 <= i < vocab_size][:1]:
+            raise APIError(400, f"stop_token_ids holds {bad[0]}, not a token id of this model (0..{vocab_size - 1})",
+                           param="stop_token_ids")  # fmt: skip
+        fields["stop_token_ids"] = tuple(sampling.stop_token_ids)
+    return fields
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int, limits: ServerLimits) -> dict[int, float]:

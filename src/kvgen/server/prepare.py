@@ -12,7 +12,7 @@ from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, encode_bounded
 from kvgen.server.outputs import OutputSpec
 from kvgen.server.params import Sampling, build_params, structured_output
-from kvgen.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from kvgen.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice, SamplingFields
 from kvgen.server.reply_grammar import reply_grammar
 from kvgen.server.tools import Tool, ToolPlan, make_plan, render_conversation
 
@@ -64,6 +64,11 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def vllm_sampling(body: SamplingFields) -> dict[str, Any]:
+    """The request's vLLM sampling extensions, as Sampling's fields (chat and completions)."""
+    return {name: getattr(body, name) for name in ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids")}
+
+
 def chat_tools(tools, tool_choice, parallel: bool | None, limits) -> ToolPlan:
     check_count("tools", len(tools or []), limits.max_tools)
     specs = [Tool(t.function.name, t.function.description, t.function.parameters or {"type": "object", "properties": {}})
@@ -91,7 +96,7 @@ def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = Non
         n=body.n or 1, seed=body.seed, stop=body.stop, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
-        skip_special_tokens=skips_special_tokens(reply_format),
+        skip_special_tokens=skips_special_tokens(reply_format), **vllm_sampling(body),
     )  # fmt: skip
     params = build_params(sampling, "chat", serving.config.max_tokens_limit, engine, limits, structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -132,7 +137,7 @@ def prepare_completions(serving, body: CompletionRequest, adapter: str | None = 
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, n=n, seed=body.seed, stop=body.stop,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
-        skip_special_tokens=body.skip_special_tokens,
+        skip_special_tokens=body.skip_special_tokens, **vllm_sampling(body),
     )  # fmt: skip
     structured = structured_output(body.response_format)
     params = build_params(sampling, "completions", serving.config.max_tokens_limit, engine, limits, structured)

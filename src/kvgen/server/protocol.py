@@ -115,6 +115,12 @@ class SamplingFields(Strict):
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens even past an end-of-sequence token
     speculative: SpeculativeOptions | None = None  # kvgen extension: per-request speculative decoding
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension (as vLLM's)
+    # extensions: vLLM's sampling parameters (unset: off)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: every token
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    min_tokens: int | None = Field(default=None, ge=0)  # no end of sequence before this many tokens
+    stop_token_ids: list[int] | None = None
 
     @field_validator("metadata")
     @classmethod
