@@ -1,17 +1,20 @@
 """Every OpenAI request field is honoured or refused: refused and unknown fields are 400s naming the
 field (through the official openai client), and the honoured ones that are new here do what they say
 (logit_bias on chat, response_format on completions, echo with prompt logprobs, several prompts,
-metadata)."""
+metadata, and vLLM's sampling and structured_outputs extensions)."""
 
 from __future__ import annotations
 
 import json
+import re
 
+import jsonschema
 import openai
 import pytest
 
 from kvgen import SamplingParams
 from kvgen.quality import score
+from kvgen.sampling.grammar import StructuredOutput
 from tests.server.live import MODEL_NAME
 from tests.support.models import PROMPTS
 
@@ -138,4 +141,42 @@ def test_vllm_sampling_extensions_equal_llm_generate(client, server, smollm2) ->
         with pytest.raises(openai.BadRequestError) as caught:
             ours(**extra)
         assert caught.value.body["param"] == param, caught.value.body
+    server.assert_no_leaks()
+
+
+def test_structured_outputs_extension_constrains_the_reply(client, server, smollm2) -> None:
+    """vLLM's structured_outputs: choice, regex, a Lark or GBNF grammar, JSON; the reply equals
+    LLM.generate under the same constraint."""
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+
+    def chat(**constraint) -> openai.types.chat.chat_completion.Choice:
+        return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                              extra_body={"structured_outputs": constraint}).choices[0]  # fmt: skip
+
+    picked = chat(choice=["yes", "no", "it depends"])
+    assert picked.message.content in ("yes", "no", "it depends") and picked.finish_reason == "stop"
+    pattern = r"(Yes|No), [a-z]{1,12}\."
+    matched = chat(regex=pattern).message.content
+    assert re.fullmatch(pattern, matched)
+    ids = smollm2.tokenizer.encode(smollm2.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert matched == smollm2.generate(ids, SamplingParams(max_new_tokens=24, structured=StructuredOutput.regex(pattern))).text
+    assert re.fullmatch(r"The answer is (yes|no)\.", chat(grammar='start: "The answer is " ("yes" | "no") "."').message.content)
+    assert re.fullmatch(r"[0-9]{2}", chat(grammar="root ::= [0-9] [0-9]").message.content)  # GBNF
+    schema = {"type": "object", "properties": {"blue": {"type": "boolean"}}, "required": ["blue"], "additionalProperties": False}
+    jsonschema.validate(json.loads(chat(json=schema).message.content), schema)
+    completion = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": ["red", "green"]}})  # fmt: skip
+    assert completion.choices[0].text in ("red", "green")
+    refused = [({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+               ({"structured_outputs": {}}, "structured_outputs"),
+               ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+               ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+               ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
+               ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+               ({"structured_outputs": {"choice": ["a"]}, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                "structured_outputs")]  # fmt: skip
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, extra_body=extra)
+        assert caught.value.body["param"] == param, (extra, caught.value.body)
     server.assert_no_leaks()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.server.errors import APIError
 from kvgen.server.limits import ServerLimits, check_count
-from kvgen.server.protocol import ResponseFormat
+from kvgen.server.protocol import ResponseFormat, StructuredOutputs
 
 DEFAULT_MAX_TOKENS = {"chat": 512, "completions": 16, "responses": 512}  # OpenAI's completions default is 16
 _SUPPORTED = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -159,7 +160,41 @@ def structured_output(fmt: ResponseFormat | None, param: str = "response_format"
     return json_schema_output(fmt.json_schema.schema_, param)
 
 
-def json_schema_output(schema: dict, param: str):
+def requested_structure(body) -> object | None:
+    """A chat or completions request's constraint on the reply: response_format's, or the
+    structured_outputs extension's (both at once is a 400)."""
+    if body.structured_outputs is None:
+        return structured_output(body.response_format)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    return _extension_structure(body.structured_outputs)
+
+
+def _extension_structure(options: StructuredOutputs):
+    from kvgen.sampling.grammar import StructuredOutput
+
+    given = [name for name in ("json_", "json_object", "regex", "choice", "grammar") if getattr(options, name) not in (None, False)]
+    if len(given) != 1:
+        raise APIError(400, "structured_outputs takes exactly one of json, json_object, regex, choice, grammar", param="structured_outputs")
+    kind = given[0]
+    param = f"structured_outputs.{kind.rstrip('_')}"
+    if kind == "json_":
+        return json_schema_output(options.json_, param)
+    try:
+        if kind == "json_object":
+            return StructuredOutput.json_object()
+        if kind == "regex":
+            return StructuredOutput.regex(options.regex)
+        if kind == "choice":  # one of the strings, exactly: a Lark rule of JSON-quoted literals
+            return StructuredOutput.lark("start: " + " | ".join(json.dumps(c) for c in options.choice))
+        # llama.cpp's GBNF defines rules with "::=", Lark with ":".
+        grammar = options.grammar
+        return StructuredOutput.gbnf(grammar) if "::=" in grammar else StructuredOutput.lark(grammar)
+    except ValueError as error:
+        raise APIError(400, f"{param}: {error}", param=param) from error
+
+
+def json_schema_output(schema: dict | str, param: str):
     from kvgen.sampling.grammar import StructuredOutput
 
     try:

@@ -11,7 +11,7 @@ from kvgen.server.choices import Job
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, encode_bounded
 from kvgen.server.outputs import OutputSpec
-from kvgen.server.params import Sampling, build_params, structured_output
+from kvgen.server.params import Sampling, build_params, requested_structure
 from kvgen.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice, SamplingFields
 from kvgen.server.reply_grammar import reply_grammar
 from kvgen.server.tools import Tool, ToolPlan, make_plan, render_conversation
@@ -83,9 +83,10 @@ def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = Non
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     plan = chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls, limits)
-    answer = structured_output(body.response_format)
+    answer = requested_structure(body)
     if answer is not None and plan.active:
-        raise APIError(400, "response_format cannot be combined with tools (unless tool_choice is 'none')", param="response_format")
+        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        raise APIError(400, f"{param} cannot be combined with tools (unless tool_choice is 'none')", param=param)
     reply_format = serving.reply_format
     variables = template_variables(engine.tokenizer, body.chat_template_kwargs, body.reasoning_effort)
     ids, prompt_text = render_chat_prompt(engine.tokenizer, [message_dict(m) for m in body.messages], plan, serving.prompt_limit,
@@ -139,7 +140,7 @@ def prepare_completions(serving, body: CompletionRequest, adapter: str | None = 
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, ignore_eos=body.ignore_eos, adapter=adapter,
         skip_special_tokens=body.skip_special_tokens, **vllm_sampling(body),
     )  # fmt: skip
-    structured = structured_output(body.response_format)
+    structured = requested_structure(body)
     params = build_params(sampling, "completions", serving.config.max_tokens_limit, engine, limits, structured)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     spec = OutputSpec(False, n, engine.tokenizer, body.logprobs is not None, echo=echo, include_usage=include_usage)

@@ -33,6 +33,17 @@ class ResponseFormat(Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(Strict):
+    """Extension (vLLM's `structured_outputs`): one constraint on the reply beyond response_format's
+    JSON: a regular expression, one of some strings, a grammar (Lark, or llama.cpp's GBNF), or JSON."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, min_length=1, max_length=16384)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = Field(default=None, min_length=1, max_length=65536)
+
+
 class SpeculativeOptions(Strict):
     """kvgen extension: this request decodes speculatively (output unchanged; see docs/speculative.md).
     lookup: n-gram drafts from the context; self: drafts from the model's first `draft_layers` layers;
@@ -121,6 +132,7 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     min_tokens: int | None = Field(default=None, ge=0)  # no end of sequence before this many tokens
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("metadata")
     @classmethod
