@@ -180,3 +180,22 @@ def test_structured_outputs_extension_constrains_the_reply(client, server, smoll
             client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, extra_body=extra)
         assert caught.value.body["param"] == param, (extra, caught.value.body)
     server.assert_no_leaks()
+
+
+def test_continue_final_message_continues_the_assistant_reply(client, server, smollm2) -> None:
+    asked = [{"role": "user", "content": "Name a primary color."}]
+    begun = asked + [{"role": "assistant", "content": "One primary color is"}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=begun, max_tokens=8, temperature=0,
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
+    prompt = smollm2.tokenizer.apply_chat_template(asked) + "One primary color is"
+    ids = smollm2.tokenizer.encode(prompt, add_special_tokens=False)
+    assert reply.choices[0].message.content == smollm2.generate(ids, SamplingParams(max_new_tokens=8)).text
+    assert reply.usage.prompt_tokens == len(ids)
+    bare = client.chat.completions.create(model=MODEL_NAME, messages=asked, max_tokens=1, extra_body={"add_generation_prompt": False})
+    assert bare.usage.prompt_tokens == len(smollm2.tokenizer.encode(smollm2.tokenizer.apply_chat_template(asked, add_generation_prompt=False),
+                                                                    add_special_tokens=False))  # fmt: skip
+    for messages, extra in [(begun, {"continue_final_message": True}), (asked, {"continue_final_message": True, "add_generation_prompt": False})]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == "continue_final_message", caught.value.body
+    server.assert_no_leaks()

@@ -292,6 +292,18 @@ def test_streaming_llama_strips_only_the_first_space() -> None:
 # --------------------------------------------------------------------------- chat templates
 
 
+def test_continue_final_message_ends_the_prompt_inside_the_reply(model: Model) -> None:
+    begun = CONVERSATION + [{"role": "assistant", "content": "Rome, of"}]
+    prompt = model.tokenizer.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True)
+    # the assistant turn opened as for a fresh reply, then the begun text, and nothing after it
+    assert prompt == model.tokenizer.apply_chat_template(CONVERSATION) + "Rome, of"
+    with pytest.raises(ValueError, match="cannot also open a new turn"):
+        model.tokenizer.apply_chat_template(begun, continue_final_message=True)
+    with pytest.raises(ValueError, match="needs a last message with text"):
+        model.tokenizer.apply_chat_template(begun[:-1] + [{"role": "assistant", "content": " "}], add_generation_prompt=False,
+                                            continue_final_message=True)  # fmt: skip
+
+
 def test_gemma_gets_the_default_chat_template(gemma: Model) -> None:
     assert "tokenizer.chat_template" not in gemma.metadata
     assert gemma.tokenizer.chat_template == GEMMA_CHAT_TEMPLATE

@@ -286,12 +286,28 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-        **template_kwargs: Any,
+        continue_final_message: bool = False, **template_kwargs: Any,
     ) -> str:
         """The prompt text for a conversation, rendered with the model's own chat template (`tools`
         in the OpenAI/transformers form, for templates that render them). `template_kwargs` are
         further variables the template reads (`enable_thinking`, `reasoning_effort`); one the
-        template never names is a ValueError, as it would change nothing."""
+        template never names is a ValueError, as it would change nothing.
+
+        continue_final_message: the prompt ends inside the last message, right after its text (its
+        end-of-turn cut off, as transformers does), so that generation continues it: a reply begun
+        for the model ("{" for JSON, "Sure, here is"). It needs add_generation_prompt=False."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message continues the last message; it cannot also open a new turn "
+                                 "(add_generation_prompt)")  # fmt: skip
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip():
+                raise ValueError("continue_final_message needs a last message with text to continue")
+            text = self.apply_chat_template(messages, False, tools, **template_kwargs)
+            if final.strip() not in text:
+                raise ValueError("continue_final_message: the chat template does not write the last message's text "
+                                 "as it is, so the prompt cannot end inside it")  # fmt: skip
+            return text[: text.rindex(final.strip()) + len(final.strip())]
         unread = [name for name in template_kwargs if not self.chat_template_reads(name)]
         if unread:
             raise ValueError(f"the model's chat template does not use {', '.join(map(repr, unread))}: leave it out")

@@ -64,6 +64,19 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def _turn_end(body: ChatCompletionRequest) -> dict[str, bool]:
+    """How the prompt ends: the assistant's turn opened (the default), nothing more, or inside the
+    last message (continue_final_message: an assistant reply begun for the model)."""
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
+                           param="continue_final_message")  # fmt: skip
+        if body.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message continues an assistant message: the last message is "
+                                f"{body.messages[-1].role!r}", param="continue_final_message")  # fmt: skip
+    return {"add_generation_prompt": body.add_generation_prompt, "continue_final_message": body.continue_final_message}
+
+
 def vllm_sampling(body: SamplingFields) -> dict[str, Any]:
     """The request's vLLM sampling extensions, as Sampling's fields (chat and completions)."""
     return {name: getattr(body, name) for name in ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids")}
@@ -88,7 +101,7 @@ def prepare_chat(serving, body: ChatCompletionRequest, adapter: str | None = Non
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
         raise APIError(400, f"{param} cannot be combined with tools (unless tool_choice is 'none')", param=param)
     reply_format = serving.reply_format
-    variables = template_variables(engine.tokenizer, body.chat_template_kwargs, body.reasoning_effort)
+    variables = template_variables(engine.tokenizer, body.chat_template_kwargs, body.reasoning_effort) | _turn_end(body)
     ids, prompt_text = render_chat_prompt(engine.tokenizer, [message_dict(m) for m in body.messages], plan, serving.prompt_limit,
                                           template_kwargs=variables)  # fmt: skip
     structured = reply_grammar(reply_format, plan, answer, starts_in_reasoning(prompt_text))

@@ -210,6 +210,9 @@ class ChatCompletionRequest(SamplingFields):
     # extension (as vLLM's): more variables for the chat template (Qwen3's enable_thinking); each must be one it reads
     chat_template_kwargs: dict[str, Any] | None = None
     prediction: Prediction | None = None
+    # extensions (as vLLM's): the prompt ends with the assistant turn opened, or inside the last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # Known fields refused with a reason (a 400 naming the field when present and not null).
