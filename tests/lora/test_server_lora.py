@@ -107,6 +107,7 @@ def test_models_lists_the_base_and_every_adapter(client, smollm2_adapters) -> No
     cards = client.models.list().data
     assert [c.id for c in cards] == [MODEL_NAME, *adapters]
     assert [getattr(c, "parent", None) for c in cards] == [None] + [MODEL_NAME] * len(adapters)
+    assert getattr(client.models.retrieve(next(iter(adapters))), "parent", None) == MODEL_NAME  # GET /v1/models/{id}
 
 
 def test_load_and_unload_at_run_time(client, server, smollm2_adapters) -> None:

@@ -22,6 +22,9 @@ def chat_ids(llm, messages: list[dict]) -> list[int]:
 
 def test_models_and_health(client, server) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
     assert requests.get(f"{server.base_url}/health", timeout=30).json()["status"] == "ok"
 
 

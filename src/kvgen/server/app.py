@@ -29,7 +29,7 @@ from kvgen.server.params import build_speculative
 from kvgen.server.prepare import prepare_chat, prepare_completions
 from kvgen.server.protocol import REFUSED_CHAT, REFUSED_COMPLETIONS, ChatCompletionRequest, CompletionRequest, parse
 from kvgen.server.responses import ResponsesAPI
-from kvgen.server.serving import Serving, release
+from kvgen.server.serving import Serving, model_not_found, release
 
 __all__ = ["ServerConfig", "create_app"]
 log = logging.getLogger(__name__)
@@ -65,6 +65,13 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
         return {"object": "list", "data": adapter_routes.model_cards(config.model_name, serving.adapters)}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict:
+        for card in adapter_routes.model_cards(config.model_name, serving.adapters):
+            if card["id"] == model_id:
+                return card
+        raise model_not_found(model_id, config.model_name)
 
     @app.post("/v1/completions")
     async def completions(http: Request, api_key: str | None = Depends(authorize)) -> Response:
