@@ -106,8 +106,8 @@ def test_several_prompts_metadata_and_user(client, server, smollm2) -> None:
 
 
 def test_vllm_sampling_extensions_equal_llm_generate(client, server, smollm2) -> None:
-    """top_k, min_p, repetition_penalty, min_tokens and stop_token_ids (vLLM's extra_body names) do
-    what the same SamplingParams do in LLM.generate."""
+    """top_k, min_p, repetition_penalty, min_tokens, stop_token_ids and include_stop_str_in_output
+    (vLLM's extra_body names) do what the same SamplingParams do in LLM.generate."""
     ids = smollm2.tokenizer.encode(PROMPTS[0])
 
     def ours(**extra) -> openai.types.Completion:
@@ -128,6 +128,9 @@ def test_vllm_sampling_extensions_equal_llm_generate(client, server, smollm2) ->
     penalised = reference(repetition_penalty=1.5)
     assert penalised != greedy
     assert ours(repetition_penalty=1.5).choices[0].text == penalised
+    stop = greedy[4:7]
+    kept = ours(stop=[stop], include_stop_str_in_output=True).choices[0]
+    assert kept.text == greedy[: greedy.find(stop) + len(stop)] == reference(stop=(stop,), include_stop_str_in_output=True)
     stop_id = smollm2.generate(ids, SamplingParams(max_new_tokens=12)).token_ids[5]
     stopped = ours(stop_token_ids=[stop_id]).choices[0]
     assert stopped.text == reference(stop_token_ids=(stop_id,)) and stopped.finish_reason == "stop"

@@ -9,8 +9,8 @@ from kvgen import SamplingParams
 from kvgen.sampling.stops import StopStringMatcher
 
 
-def run_matcher(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], str | None]:
-    matcher, emitted = StopStringMatcher(stops), []
+def run_matcher(pieces: list[str], stops: tuple[str, ...], keep_stop: bool = False) -> tuple[list[str], str | None]:
+    matcher, emitted = StopStringMatcher(stops, keep_stop), []
     for piece in pieces:
         check = matcher.feed(piece)
         emitted.append(check.text)
@@ -73,6 +73,8 @@ def test_any_split_gives_the_text_before_the_first_stop(text: str, stops: list[s
         assert stop is None
     else:  # several stops may match at the same place; the text before it is what matters
         assert stop is not None and len(want_text) == "".join(pieces).find(stop)
+    kept, kept_stop = run_matcher(pieces, tuple(stops), keep_stop=True)  # include_stop_str_in_output
+    assert kept_stop == stop and "".join(kept) == want_text + (stop or "")
 
 
 def test_stop_string_split_across_tokens_on_the_model(smollm2) -> None:
@@ -91,6 +93,14 @@ def test_stop_string_split_across_tokens_on_the_model(smollm2) -> None:
     assert result.finish_reason == "stop" and result.stop_reason == stop
     assert result.token_ids == full.token_ids[:5]  # the token that completed the match ends generation
     assert len(chunks) == 5 and chunks[3] == pieces[3][len(pieces[2]) : boundary - 2]  # "xy" held back, never sent
+
+
+def test_include_stop_str_in_output_ends_the_text_with_it(smollm2) -> None:
+    full = smollm2.generate("Once upon a time", SamplingParams(max_new_tokens=16, ignore_eos=True))
+    stop = full.text[10:13]
+    kept = smollm2.generate("Once upon a time", SamplingParams(max_new_tokens=16, ignore_eos=True, stop=[stop],
+                                                                 include_stop_str_in_output=True))  # fmt: skip
+    assert kept.text == full.text[: full.text.find(stop) + len(stop)] and kept.stop_reason == stop
 
 
 def test_no_stop_match_returns_everything(smollm2) -> None:

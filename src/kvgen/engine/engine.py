@@ -44,7 +44,7 @@ class LLMEngine:
     supported_params = frozenset({
         "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "stop", "ignore_eos",
-        "logprobs", "top_logprobs", "structured", "adapter", "skip_special_tokens",
+        "logprobs", "top_logprobs", "structured", "adapter", "skip_special_tokens", "include_stop_str_in_output",
     })  # fmt: skip
 
     def __init__(self, llm, config: EngineConfig | None = None, cache: CacheConfig | None = None):  # llm: kvgen.LLM

@@ -36,7 +36,7 @@ class OutputTracker:
     ):  # fmt: skip
         self.params, self.stop_ids, self.budget, self.constraint = params, stop_ids, budget, constraint
         self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens)
-        self.stops = StopStringMatcher(params.stop)
+        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.num_tokens = 0
         self.finish_reason: str | None = None  # "stop" or "length"
         self.stop_reason: str | int | None = None  # the stop string or stop token id that matched

@@ -22,7 +22,8 @@ class SamplingParams:
     multiplies a negative one for every token seen in the prompt or the output; presence_penalty is
     subtracted once for every token already generated, frequency_penalty once per occurrence.
     A seed makes sampling repeat exactly; without one each request draws fresh randomness.
-    stop strings end generation when the text contains one; the stop string itself is not returned.
+    stop strings end generation when the text contains one; the stop string itself is not returned
+    unless include_stop_str_in_output (then the text ends with it).
     logprobs: each generated token's log-probability under the raw model (log-softmax of the logits
     before any processing, vLLM's default), plus the top_logprobs most likely alternatives.
     n samples share the prompt: it is prefilled once and each sample forks the cache.
@@ -41,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text (by default it is cut)
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -80,6 +82,8 @@ class SamplingParams:
         _check(self.adapter is None or (isinstance(self.adapter, str) and self.adapter != ""),
                f"adapter must be a loaded adapter's name or None, got {self.adapter!r}")  # fmt: skip
         _check(isinstance(self.skip_special_tokens, bool), f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")  # fmt: skip
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

@@ -2,7 +2,7 @@
 
 Feed the text of each token as it arrives. Text before a match is released; a tail that could still
 grow into a stop string is held back (and never released if it does); the stop string itself is
-never released. Works on decoded text, so a stop split across tokens, or across the bytes of one
+released only where asked (`keep_stop`: vLLM's include_stop_str_in_output). Works on decoded text, so a stop split across tokens, or across the bytes of one
 multi-byte character (the detokenizer only hands over whole characters), is found all the same.
 """
 
@@ -18,8 +18,8 @@ class StopCheck:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
+    def __init__(self, stops: tuple[str, ...], keep_stop: bool = False):
+        self.stops, self.keep_stop = stops, keep_stop
         self._held = ""  # a tail that is a prefix of some stop string
         self._longest = max((len(s) for s in stops), default=0)
 
@@ -31,7 +31,7 @@ class StopStringMatcher:
         if match is not None:
             index, stop = match
             self._held = ""
-            return StopCheck(buffer[:index], stop)
+            return StopCheck(buffer[: index + (len(stop) if self.keep_stop else 0)], stop)
         keep = self._partial_suffix_length(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return StopCheck(buffer[: len(buffer) - keep], None)

@@ -40,6 +40,7 @@ class Sampling:
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # False: the text keeps special tokens (harmony's channels)
 
 
@@ -113,6 +114,8 @@ def _vllm_fields(sampling: Sampling, max_tokens: int, vocab_size: int, limits: S
             raise APIError(400, f"stop_token_ids holds {bad[0]}, not a token id of this model (0..{vocab_size - 1})",
                            param="stop_token_ids")  # fmt: skip
         fields["stop_token_ids"] = tuple(sampling.stop_token_ids)
+    if sampling.include_stop_str_in_output:
+        fields["include_stop_str_in_output"] = True
     return fields
 
 

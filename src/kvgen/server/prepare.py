@@ -79,7 +79,8 @@ def _turn_end(body: ChatCompletionRequest) -> dict[str, bool]:
 
 def vllm_sampling(body: SamplingFields) -> dict[str, Any]:
     """The request's vLLM sampling extensions, as Sampling's fields (chat and completions)."""
-    return {name: getattr(body, name) for name in ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids")}
+    names = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+    return {name: getattr(body, name) for name in names}
 
 
 def chat_tools(tools, tool_choice, parallel: bool | None, limits) -> ToolPlan:

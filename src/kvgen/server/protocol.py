@@ -132,6 +132,7 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     min_tokens: int | None = Field(default=None, ge=0)  # no end of sequence before this many tokens
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
 
     @field_validator("metadata")
