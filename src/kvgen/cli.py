@@ -76,6 +76,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-new-tokens", type=int, default=0, help="hold off EOS until this many tokens")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeat for several); not printed")
+    parser.add_argument("--include-stop", action="store_true", help="print the stop string that ended the text")
     structured = parser.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     structured.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
@@ -199,11 +200,13 @@ def _structured(args: argparse.Namespace) -> StructuredOutput | None:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
+    if args.include_stop and not args.stop:
+        raise ValueError("--include-stop prints the stop string that ended the text: give one with --stop")
     return SamplingParams(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
-        stop=tuple(args.stop), structured=_structured(args),
+        stop=tuple(args.stop), structured=_structured(args), include_stop_str_in_output=args.include_stop,
     )  # fmt: skip
 
 

@@ -124,6 +124,10 @@ def test_generate_with_regex_and_stop(default_continuation: str) -> None:
     stop = " " + default_continuation.split(" ")[3]  # a word in the middle of what the model says
     result = kvgen("generate", STORY, "-n", "12", "--stop", stop, "--no-progress")
     assert result.stdout == STORY + default_continuation[: default_continuation.index(stop)] + "\n"
+    result = kvgen("generate", STORY, "-n", "12", "--stop", stop, "--include-stop", "--no-progress")
+    assert result.stdout == STORY + default_continuation[: default_continuation.index(stop) + len(stop)] + "\n"
+    result = kvgen("generate", STORY, "-n", "12", "--include-stop", "--no-progress")
+    assert result.returncode == 2 and "--include-stop" in result.stderr and "--stop" in result.stderr
 
 
 def test_chat_prints_reasoning_on_stderr_and_answers_on_stdout(tmp_path: Path) -> None:
