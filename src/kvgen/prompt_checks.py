@@ -3,7 +3,7 @@ encoded and validated once, and token ids in SamplingParams are checked against 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from kvgen.errors import PromptTooLongError
 from kvgen.loading.tokenizer import Tokenizer
@@ -16,8 +16,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], vocab_size:
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise ValueError("the prompt is empty: give some text or token ids")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := outside_vocabulary(ids, vocab_size):
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_context:
         raise PromptTooLongError(
@@ -27,9 +26,13 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], vocab_size:
     return ids
 
 
+def outside_vocabulary(ids: Iterable[int], vocab_size: int) -> list[int]:
+    """The ids that are no token of a vocabulary of `vocab_size` (negative, or too large)."""
+    return [t for t in ids if not 0 <= t < vocab_size]
+
+
 def check_params(params: SamplingParams, vocab_size: int) -> None:
     """What SamplingParams cannot check alone: token ids against the model's vocabulary."""
     for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
+        if bad := outside_vocabulary(ids, vocab_size):
             raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from kvgen.prompt_checks import outside_vocabulary
 from kvgen.sampling.params import SamplingParams
 from kvgen.speculative.config import SpeculativeConfig
 from kvgen.server.errors import APIError
@@ -110,7 +111,7 @@ def _vllm_fields(sampling: Sampling, max_tokens: int, vocab_size: int, limits: S
         fields["min_new_tokens"] = sampling.min_tokens
     if sampling.stop_token_ids:
         check_count("stop_token_ids", len(sampling.stop_token_ids), limits.max_stop_token_ids)
-        if bad := [i for i in sampling.stop_token_ids if not 0 <= i < vocab_size][:1]:
+        if bad := outside_vocabulary(sampling.stop_token_ids, vocab_size):
             raise APIError(400, f"stop_token_ids holds {bad[0]}, not a token id of this model (0..{vocab_size - 1})",
                            param="stop_token_ids")  # fmt: skip
         fields["stop_token_ids"] = tuple(sampling.stop_token_ids)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from fastapi import Depends, FastAPI, Request
 from pydantic import Field
 
+from kvgen.prompt_checks import outside_vocabulary
 from kvgen.server.errors import APIError
 from kvgen.server.limits import check_count, read_json
 from kvgen.server.prepare import chat_tools, message_dict, render_chat_prompt, template_variables
@@ -51,8 +52,8 @@ def install(app: FastAPI, serving, authorize: Callable) -> None:
         if body.model is not None:
             serving.check_model(body.model)
         tokenizer = serving.engine.engine.tokenizer
-        if (bad := next((i for i in body.tokens if not 0 <= i < tokenizer.vocab_size), None)) is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})", param="tokens")
+        if bad := outside_vocabulary(body.tokens, tokenizer.vocab_size):
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})", param="tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)}
 
 
