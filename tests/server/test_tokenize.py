@@ -40,6 +40,7 @@ def test_bad_input_is_a_400_naming_the_field(server, smollm2) -> None:
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"), ("/tokenize", {}, "prompt"),
         ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
         ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
         ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"no_such_variable": 1}}, "chat_template_kwargs"),
         ("/tokenize", {"prompt": "a", "temperature": 0}, "temperature"),
         ("/detokenize", {"tokens": [1, vocab]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),

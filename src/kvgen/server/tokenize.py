@@ -62,8 +62,8 @@ def _token_ids(serving, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt (a text) or messages (a conversation), not both or neither", param="prompt")
     if body.prompt is not None:
-        for name in ("tools", "chat_template_kwargs"):
-            if getattr(body, name) is not None:
+        for name in ("tools", "chat_template_kwargs", "add_generation_prompt"):
+            if name in body.model_fields_set and getattr(body, name) is not None:
                 raise APIError(400, f"{name} applies to messages, not to a prompt", param=name)
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     if body.add_special_tokens:
