@@ -27,7 +27,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"short name, .gguf file or HF folder (default {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default=None, help="compute dtype: float32 (the CPU's default), bfloat16 (a GPU's default), float16")
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
-                        help="auto (default: 4-bit kernels for quantized GGUF), fp32 (exact reference), int8, q4")  # fmt: skip
+                        help="auto (default: 4-bit kernels for quantized GGUF, 16bit for F16 / BF16 weights), "
+                             "fp32 (exact reference), 16bit (F16 / BF16 kept, fp32 sums), int8, q4")  # fmt: skip
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
 

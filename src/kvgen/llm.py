@@ -72,8 +72,8 @@ class LLM:
     ) -> "LLM":  # fmt: skip
         """Load a short name (`kvgen models`), a .gguf file or a Hugging Face folder.
 
-        weights: "auto" (4-bit kernels for quantized GGUF files), "fp32", "int8" or "q4"; see
-        kvgen/loading/weight_format.py. dtype: float32 on the CPU, bfloat16 on a GPU by default.
+        weights: "auto" (4-bit kernels for quantized GGUF files, "16bit" for F16 / BF16 weights),
+        "fp32", "16bit", "int8" or "q4"; see kvgen/loading/weight_format.py. dtype: float32 on the CPU, bfloat16 on a GPU by default.
         device: "cpu", or "cuda" for a GPU (float weights, CUDA graph decode; kvgen/models/device.py).
         torch_compile: on a GPU, compile the decode step with torch.compile before its CUDA graphs are
         captured (fused kernels; the first capture compiles); refused on the CPU.

@@ -159,6 +159,7 @@ DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8, float, as_fp32)
 DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 
 #include "decode.c"
+#include "half_linear.c"
 #include "mamba_step.c"
 #include "hybrid_step.c"
 #include "eagle_step.c"

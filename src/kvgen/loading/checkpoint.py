@@ -13,6 +13,7 @@ from kvgen.config import ModelConfig
 from kvgen.errors import ModelLoadError
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
+from kvgen.models.half_linear import HalfWeight
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -37,16 +38,19 @@ class Checkpoint:
     config: ModelConfig
     # Weights use Hugging Face parameter names and conventions (e.g. Gemma norms store w, not 1 + w),
     # so a checkpoint from either format builds the same model.
-    # Matmul weights may instead be QuantizedWeight blocks (see loading/weight_format.py).
-    tensors: dict[str, torch.Tensor | QuantizedWeight]
+    # Matmul weights may instead be QuantizedWeight blocks, or HalfWeight values kept 16-bit (see
+    # loading/weight_format.py).
+    tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight]
     tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" or "hf"
-    weights: str = "fp32"  # the resolved weight mode: fp32, int8 or q4
+    weights: str = "fp32"  # the resolved weight mode: fp32, 16bit, int8 or q4
 
 
-def check_finite(name: str, tensor: torch.Tensor | QuantizedWeight, path: Path) -> None:
+def check_finite(name: str, tensor: torch.Tensor | QuantizedWeight | HalfWeight, path: Path) -> None:
     """Corrupted quantized blocks usually decode to inf/NaN scales; catch that at load, not as garbage text."""
+    if isinstance(tensor, HalfWeight):
+        tensor = tensor.values
     if isinstance(tensor, QuantizedWeight):
         if not np.isfinite(tensor.scales()).all():
             raise ModelLoadError(

@@ -29,9 +29,11 @@ from kvgen.loading.falcon_h1 import falcon_h1_config_from_gguf
 from kvgen.loading.lfm2 import lfm2_config_from_gguf, lfm2_gguf_name
 from kvgen.loading.nemotron_h import name_mlp_layer_norms, nemotron_h_config_from_gguf
 from kvgen.loading.ssm_gguf import SSM_ARCHITECTURES, mamba2_config_from_gguf, mamba_config_from_gguf, mamba_hf_name
-from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, resolve_mode
+from kvgen.loading.weight_format import (EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_gguf_rows, quantizes,
+                                         resolve_mode)
 from kvgen.loading.tokenizer import Tokenizer
 from kvgen.models.embedding import QuantizedRows
+from kvgen.models.half_linear import HalfWeight
 
 GGUF_ARCHITECTURES = ("llama", "smollm3", "granite", "granitemoe", "olmo2", "olmoe", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
                       "phi3", "gemma2", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
@@ -83,6 +85,7 @@ _GPT_OSS_LAYER_NAMES = _LAYER_NAMES | {"post_attention_norm": "post_attention_la
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 FLOAT_TYPES = ("F32", "F16", "BF16")
+HALF_TYPES = ("F16", "BF16")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # A mixture's experts: stacked [E, rows, columns] per layer (ffn_gate_exps), or one tensor each in
@@ -307,7 +310,7 @@ def load_gguf(
 
 def _load_tensors(
     file: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: bool, weights: WeightMode
-) -> tuple[dict[str, torch.Tensor | QuantizedWeight], WeightMode]:
+) -> tuple[dict[str, torch.Tensor | QuantizedWeight | HalfWeight], WeightMode]:
     """The file's tensors under HF names, quantized for the kernels as `weights` asks, and that mode."""
     unsupported = {n: t.type_name for n, t in file.tensors.items() if t.type_name not in SUPPORTED_TENSOR_TYPES}
     if unsupported:
@@ -317,24 +320,32 @@ def _load_tensors(
             f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)} (re-quantize with llama-quantize, e.g. to Q4_K_M)"
         )
     is_quantized = any(t.type_name not in FLOAT_TYPES for t in file.tensors.values())
-    mode = resolve_mode(weights, is_quantized)
+    half_weights = dtype == torch.float32 and any(_keeps_half(info, config) for info in file.tensors.values())
+    mode = resolve_mode(weights, is_quantized, half_weights)
+    quantized = quantizes(mode)
 
-    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
+    tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight] = {}
     infos = list(file.tensors.values())
     for info in tqdm(infos, desc=f"loading {file.path.name}", unit="tensor", disable=not progress, leave=False):
         if stacked := _STACKED_EXPERTS.match(info.name):  # [E, rows, columns]: one weight (or bias) per expert
             layer, part, kind = stacked.groups()
             for e in range(info.shape[0]):
                 target = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.{kind}"
-                quantized = mode != "fp32" and kind == "weight" and quantizable(info.shape[1:])
-                tensors[target] = _quantized_tensor(file, info, config, mode, e) if quantized else _float_tensor(file, info, config, dtype, e)
+                matmul = kind == "weight" and quantizable(info.shape[1:])
+                if quantized and matmul:
+                    tensors[target] = _quantized_tensor(file, info, config, mode, e)
+                elif mode == "16bit" and matmul and info.type_name in HALF_TYPES:
+                    tensors[target] = _half_tensor(file, info, config, e)
+                else:
+                    tensors[target] = _float_tensor(file, info, config, dtype, e)
                 check_finite(f"{info.name}[{e}]", tensors[target], file.path)
             continue
         name = "rope_freqs" if info.name == "rope_freqs.weight" else hf_name(info.name, config.architecture)
         if name is None:
             continue
-        # A tied model's output projection is the embedding matrix: quantized for the head; lookups read
-        # the file's rows (models/embedding.py), or a float table where the weights load as fp32.
+        # A tied model's output projection is the embedding matrix: quantized (or kept 16-bit) for the
+        # head; lookups read the file's rows (models/embedding.py), or a float table where the weights
+        # load as fp32.
         head_from_embedding = mode != "fp32" and name in EMBEDDING_NAMES and "output.weight" not in file.tensors
         for target in [name] + (["lm_head.weight"] if head_from_embedding else []):
             if mode != "fp32" and target in EMBEDDING_NAMES and info.type_name != "F32":
@@ -346,16 +357,37 @@ def _load_tensors(
                     raise ModelLoadError(f"tensor {info.name!r} in {file.path} has NaN or infinite block scales: the file "
                                          "is corrupted; download or convert it again")  # fmt: skip
                 continue
-            if mode != "fp32" and is_matmul_weight(target) and quantizable(info.shape):
+            if quantized and is_matmul_weight(target) and quantizable(info.shape):
                 tensors[target] = _quantized_tensor(file, info, config, mode)
-            elif mode != "fp32" and target.endswith(("self_attn.k_b", "self_attn.v_b")) and info.shape[-1] % QK == 0:
+            elif quantized and target.endswith(("self_attn.k_b", "self_attn.v_b")) and info.shape[-1] % QK == 0:
                 tensors[target] = _quantized_rows(file, info, mode)  # DeepSeek's [H, rows, columns] as H * rows rows
+            elif mode == "16bit" and _keeps_half(info, config, target):
+                tensors[target] = _half_tensor(file, info, config)
             else:
                 tensors[target] = _float_tensor(file, info, config, dtype)
             check_finite(info.name, tensors[target], file.path)
     if config.architecture == "nemotron_h":
         name_mlp_layer_norms(tensors, config)  # type: ignore[arg-type]
     return tensors, mode
+
+
+def _keeps_half(info: TensorInfo, config: ModelConfig, target: str | None = None) -> bool:
+    """Whether a tensor is a matmul weight the 16bit mode keeps as the file's F16 / BF16 values
+    (`target`: its HF name, a tied embedding's "lm_head.weight" included)."""
+    if info.type_name not in HALF_TYPES:
+        return False
+    if _STACKED_EXPERTS.match(info.name):
+        return quantizable(tuple(info.shape[1:]))
+    if target is None:
+        target = hf_name(info.name, config.architecture)
+    return target is not None and is_matmul_weight(target) and quantizable(tuple(info.shape))
+
+
+def _half_tensor(file: GGUFFile, info: TensorInfo, config: ModelConfig, expert: int | None = None) -> HalfWeight:
+    """An F16 / BF16 matmul weight as float16 / bfloat16 values in HF layout, as the file has them."""
+    raw = _to_hf_layout(_raw(file, info, expert), info.name, config)
+    halves = torch.from_numpy(np.array(raw, copy=True).view(np.uint16 if info.type_name == "BF16" else np.float16))
+    return HalfWeight(halves.view(torch.bfloat16) if info.type_name == "BF16" else halves)
 
 
 def _raw(file: GGUFFile, info: TensorInfo, expert: int | None = None) -> np.ndarray:

@@ -27,7 +27,8 @@ from kvgen.loading.gpt_oss_experts import MXFP4_PARTS, has_mxfp4_experts, name_g
 from kvgen.loading.mamba2 import mamba2_config, name_mamba2_weights
 from kvgen.kernels.formats import QuantizedWeight
 from kvgen.loading.tokenizer import Tokenizer
-from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_float, resolve_mode
+from kvgen.loading.weight_format import EMBEDDING_NAMES, WeightMode, is_matmul_weight, quantizable, quantize_float, quantizes, resolve_mode
+from kvgen.models.half_linear import HALF_DTYPES, HalfWeight
 
 HF_MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -342,13 +343,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# Families whose weights the loader transforms (folds multipliers into, reorders, splits as
+# floats) before the model takes them: their F16 / BF16 weights load as fp32 (no 16bit mode).
+_TRANSFORMED_AT_LOAD = ("granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1", "deepseek_v2", "gpt_oss", "mamba2", "t5")
+
+
 def load_hf_folder(
     folder: Path, dtype: torch.dtype = torch.float32, progress: bool = True, weights: WeightMode = "fp32"
 ) -> Checkpoint:
     raw = read_hf_config(folder)
     config = config_from_hf(raw)
     tokenizer = Tokenizer.from_hf_folder(folder)
-    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
+    # F16 / BF16 tensors stay so until the mode is known: the 16bit mode keeps its matmul weights.
+    keep_half = weights in ("auto", "16bit") and dtype == torch.float32 and config.architecture not in _TRANSFORMED_AT_LOAD
+    tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight] = {}
     for file in safetensors_files(folder):
         try:
             with safe_open(str(file), framework="pt") as handle:
@@ -356,7 +364,8 @@ def load_hf_folder(
                     if outside_the_forward(_strip_prefix(key), config.num_layers):
                         continue
                     tensor = handle.get_tensor(key)
-                    if not key.endswith(MXFP4_PARTS):  # MXFP4 experts' bytes stay bytes until decoded
+                    # MXFP4 experts' bytes stay bytes until decoded
+                    if not key.endswith(MXFP4_PARTS) and not (keep_half and tensor.dtype in HALF_DTYPES):
                         tensor = tensor.to(dtype)
                     check_finite(key, tensor, file)
                     tensors[_strip_prefix(key)] = tensor
@@ -377,16 +386,38 @@ def load_hf_folder(
     if config.architecture == "deepseek_v2":
         prepare_deepseek_weights(tensors, config, _name_experts)
     # OpenAI's gpt-oss folders ship MXFP4 experts: quantized weights by default, as a quantized GGUF is.
-    mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors))
+    half_weights = any(_half_matmul(name, tensor) for name, tensor in tensors.items())
+    mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors), half_weights=half_weights)
+    _settle_half_tensors(tensors, mode == "16bit", config.tie_word_embeddings, dtype)
     if config.architecture == "gpt_oss":
         name_gpt_oss_experts(tensors, dtype, mode)
     if config.architecture == "mamba2":
         name_mamba2_weights(tensors)
     if mode != "fp32" and config.architecture == "t5":
         raise UnsupportedModelError(f"weights={weights!r}: {config.architecture} models run with fp32 weights only; load with weights='fp32'")
-    if mode != "fp32":
+    if quantizes(mode):
         quantize_matmul_weights(tensors, config.tie_word_embeddings, mode)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, path=folder, format="hf", weights=mode)
+
+
+def _half_matmul(name: str, tensor: torch.Tensor | QuantizedWeight) -> bool:
+    """A matmul weight held as float16 / bfloat16 that the 16bit mode keeps so."""
+    return (isinstance(tensor, torch.Tensor) and tensor.dtype in HALF_DTYPES and is_matmul_weight(name)
+            and quantizable(tuple(tensor.shape)))  # fmt: skip
+
+
+def _settle_half_tensors(tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight], keep: bool, tied: bool, dtype: torch.dtype) -> None:
+    """The F16 / BF16 tensors kept at read, in place: with `keep` (the 16bit mode) the matmul weights
+    and the token embedding stay 16-bit (a tied head shares the embedding's tensor); every other
+    tensor takes the compute dtype."""
+    if keep and tied and "lm_head.weight" not in tensors:
+        table = next((tensors[name] for name in EMBEDDING_NAMES if name in tensors), None)
+        if isinstance(table, torch.Tensor) and _half_matmul("lm_head.weight", table):
+            tensors["lm_head.weight"] = table  # the same tensor: token_embedding reads the head's rows
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.dtype in HALF_DTYPES:
+            keeps = keep and (_half_matmul(name, tensor) or name in EMBEDDING_NAMES)
+            tensors[name] = HalfWeight(tensor) if keeps else tensor.to(dtype)
 
 
 def quantize_matmul_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], tied: bool, mode: str) -> None:

@@ -19,6 +19,7 @@ from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.embedding import QuantizedEmbedding, QuantizedRows
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.lora import LoraStacks, adapter_slots
+from kvgen.models.half_linear import HalfLinear
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, linear, token_embedding
@@ -93,7 +94,7 @@ class DecoderLM(nn.Module):
         """row_invariant: a quantized head runs its C kernel whatever the row count (decode rows get
         the logits they would get alone)."""
         h = self.norm(h)
-        logits = self.lm_head(h, row_invariant=True) if row_invariant and isinstance(self.lm_head, QuantizedLinear) else self.lm_head(h)
+        logits = self.lm_head(h, row_invariant=True) if row_invariant and isinstance(self.lm_head, QuantizedLinear | HalfLinear) else self.lm_head(h)
         if self.config.logits_scaling != 1.0:  # Granite divides its logits
             logits = logits / self.config.logits_scaling
         if self.config.final_logit_softcapping:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.models.base import DecoderLM
+from kvgen.models.half_linear import HalfLinear
 from kvgen.models.quantized_linear import QuantizedLinear
 
 
@@ -58,8 +59,8 @@ def move_model(model: DecoderLM, device: torch.device) -> DecoderLM:
     if hasattr(model, "new_state_cache"):
         raise ValueError(f"{model.config.architecture} models run on the CPU: the GPU path runs decoder-only "
                          "transformer families (Llama, Qwen, Mistral, Gemma, Phi-3)")  # fmt: skip
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        raise ValueError("quantized weights run on the CPU kernels: load with weights 'fp32' to run on a GPU")
+    if any(isinstance(m, QuantizedLinear | HalfLinear) for m in model.modules()):
+        raise ValueError("quantized and 16bit weights run on the CPU kernels: load with weights 'fp32' to run on a GPU")
     tied = model.lm_head.weight.data_ptr() == model.embed_tokens.data_ptr()
     model.to(device)
     if tied:

@@ -24,6 +24,7 @@ from kvgen.models.quantized_linear import INTERLEAVED_ROWS
 
 FINITE_CHECK_ROWS = 16384  # rows dequantized at a time by the load-time check (a bounded buffer)
 Q8_0 = 8  # GGML's type id: blocks of an f16 scale and 32 int8s (SmolLM2's and Gemma 3's embeddings)
+F16, BF16 = 1, 30  # GGML's type ids of 16-bit float rows
 SCALE_BYTES = 2 * INTERLEAVED_ROWS  # a q8s group block's 8 f16 scales, before its int8s
 Q8SX8_BLOCK_BYTES = X8_GROUP_BYTES["q8s"]  # 8 rows x 32 weights: the scales, then 256 int8s
 
@@ -100,6 +101,22 @@ class HeadRows:
         return self.rows(np.arange(self.num_embeddings))
 
 
+class HalfRows:
+    """A table of float16 / bfloat16 rows (a 16bit model's embedding, or its tied head's weight),
+    each row widened to `dtype` as it is looked up: exact, at half an fp32 table's memory."""
+
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype):
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def rows(self, ids: np.ndarray) -> torch.Tensor:
+        flat = torch.from_numpy(np.asarray(ids, dtype=np.int64).reshape(-1))
+        return self.table.index_select(0, flat).to(self.dtype).view(*np.shape(ids), -1)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.table.to(self.dtype)
+
+
 class EmbeddingRows(Protocol):
     num_embeddings: int
     embedding_dim: int
@@ -141,6 +158,11 @@ class QuantizedEmbedding(nn.Module):
         return self.table.dequantized()
 
     def extra_repr(self) -> str:
-        where = "the head's q8s blocks" if isinstance(self.table, HeadRows) else f"{self.table.raw.nbytes / 2**20:.1f} MiB of rows"
+        if isinstance(self.table, HeadRows):
+            where = "the head's q8s blocks"
+        elif isinstance(self.table, HalfRows):
+            where = f"{self.table.table.dtype} rows"
+        else:
+            where = f"{self.table.raw.nbytes / 2**20:.1f} MiB of rows"
         return f"{self.num_embeddings}, {self.embedding_dim}, {where}"
 

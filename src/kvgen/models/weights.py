@@ -7,9 +7,11 @@ from torch import nn
 
 from kvgen.errors import ModelLoadError
 from kvgen.kernels.formats import QuantizedWeight, concat_rows
-from kvgen.models.embedding import Q8_0, HeadRows, QuantizedEmbedding, QuantizedRows
+from kvgen.models.embedding import BF16, F16, Q8_0, HalfRows, HeadRows, QuantizedEmbedding, QuantizedRows
+from kvgen.models.half_linear import HalfLinear, HalfWeight
 
-Weight = torch.Tensor | QuantizedWeight | QuantizedRows  # the last: a quantized file's token embedding
+# QuantizedRows: a quantized file's token embedding; HalfWeight: the 16bit mode's matmul weights
+Weight = torch.Tensor | QuantizedWeight | QuantizedRows | HalfWeight
 
 
 class WeightSource:
@@ -34,6 +36,8 @@ class WeightSource:
         weight = self.take(name)
         if isinstance(weight, QuantizedRows):
             return weight.dequantized()
+        if isinstance(weight, HalfWeight):  # a 16bit checkpoint's table, where a family indexes floats
+            return weight.float()
         assert isinstance(weight, torch.Tensor), f"{name} must be a float tensor, not quantized"
         return weight
 
@@ -43,12 +47,14 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 
 def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
-    """An nn.Linear that owns the given weight [out, in] (no random init, no copy), or a
-    QuantizedLinear over quantized blocks."""
+    """An nn.Linear that owns the given weight [out, in] (no random init, no copy), a QuantizedLinear
+    over quantized blocks, or a HalfLinear over float16 / bfloat16 weights (the 16bit mode)."""
     if isinstance(weight, QuantizedWeight):
         from kvgen.models.quantized_linear import QuantizedLinear
 
         return QuantizedLinear(weight, bias)
+    if isinstance(weight, HalfWeight):
+        return HalfLinear(weight.values, bias)
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = frozen(weight)
     if bias is not None:
@@ -58,7 +64,7 @@ def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
 
 def fused_linear(weights: list[Weight], biases: list[torch.Tensor | None] | None = None) -> nn.Module:
     """One matmul for several projections of the same input (QKV, gate/up): fewer, larger GEMMs."""
-    rows = [w.out_features if isinstance(w, QuantizedWeight) else w.shape[0] for w in weights]
+    rows = [w.shape[0] if isinstance(w, torch.Tensor) else w.out_features for w in weights]
     bias = None
     if biases is not None and any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else torch.zeros(n) for n, b in zip(rows, biases)])
@@ -66,14 +72,27 @@ def fused_linear(weights: list[Weight], biases: list[torch.Tensor | None] | None
         return linear(concat_rows(weights), bias)  # type: ignore[arg-type]
     if any(isinstance(w, QuantizedWeight) for w in weights):
         raise AssertionError("cannot fuse quantized and float weights")
+    if all(isinstance(w, HalfWeight) for w in weights) and len({w.values.dtype for w in weights}) == 1:  # type: ignore[union-attr]
+        return linear(HalfWeight(torch.cat([w.values for w in weights], dim=0)), bias)  # type: ignore[union-attr]
+    if any(isinstance(w, HalfWeight) for w in weights):  # 16-bit parts beside other floats: fused in fp32
+        weights = [w.float() for w in weights]  # type: ignore[union-attr]
     return linear(torch.cat(weights, dim=0), bias)  # type: ignore[arg-type]
 
 
-def token_embedding(weight: torch.Tensor | QuantizedRows, head: nn.Module, tied: bool) -> nn.Parameter | QuantizedEmbedding:
+def token_embedding(weight: torch.Tensor | QuantizedRows | HalfWeight, head: nn.Module, tied: bool) -> nn.Parameter | QuantizedEmbedding:
     """A model's token embedding: a float table as it is; a quantized file's rows read from the
-    head where a tied head holds them unchanged (Q8_0 as `q8s`), else copied out of the file."""
+    head where a tied head holds them unchanged (Q8_0 as `q8s`, F16 / BF16 in a HalfLinear), else
+    copied out of the file; a 16-bit table looked up as it is, from the head where that holds it."""
     if isinstance(weight, torch.Tensor):
         return frozen(weight)
+    if isinstance(weight, HalfWeight):
+        table = weight.values
+        shares = tied and isinstance(head, HalfLinear) and head.weight16.dtype == table.dtype and head.weight16.shape == table.shape
+        return QuantizedEmbedding(HalfRows(head.weight16 if shares else table, torch.float32))
+    half_type = {F16: torch.float16, BF16: torch.bfloat16}.get(weight.type_id)
+    if (tied and half_type is not None and isinstance(head, HalfLinear) and head.weight16.dtype == half_type
+            and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim)):  # fmt: skip
+        return QuantizedEmbedding(HalfRows(head.weight16, weight.dtype))
     in_head = (tied and weight.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
                and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim))  # fmt: skip
     return QuantizedEmbedding(HeadRows(head, weight.dtype) if in_head else weight.owned())

@@ -1,0 +1,111 @@
+"""HalfLinear: nn.Linear's job over 16-bit float weights (F16 or BF16) kept as the checkpoint has them.
+
+Activations stay fp32 and each weight is widened to fp32 before it is multiplied, so the output
+differs from an fp32 nn.Linear over the same values only in the order of its sums (exact otherwise;
+kernels/half_linear.c). The weights take half the memory of an fp32 copy, and a decode step, which
+reads every weight once, reads half the bytes.
+
+Few rows (decode, verifies, small batches) run the C kernel, which reads the 16-bit weights once for
+all of them. Many rows (prefill) widen the weight into a shared fp32 buffer and run torch's GEMM:
+there the multiplies, not the bytes, bound the time, and the BLAS does them faster.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.kernels import load
+from kvgen.kv import huge_pages
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# From this many rows on, widening the weight and a BLAS GEMM beat the C kernel (SmolLM2's linears
+# on 2 Zen 4 cores: benchmarks/half_linear_rows.py).
+GEMM_ROWS_THRESHOLD = 16
+
+_scratch = threading.local()
+
+
+@dataclass(frozen=True)
+class HalfWeight:
+    """A checkpoint's matmul weight (or token embedding) that the 16bit mode keeps as the file's
+    float16 / bfloat16 values [out, in]: `linear` makes it a HalfLinear. Read as floats elsewhere
+    (`float()`, `shape`), as a float tensor would be."""
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0]
+
+    def float(self) -> torch.Tensor:
+        return self.values.float()  # one fp32 buffer per thread for the widened weight
+
+
+def _widened_buffer(size: int) -> torch.Tensor:
+    buffer = getattr(_scratch, "weights", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=torch.float32)
+        _scratch.weights = buffer
+    return buffer[:size]
+
+
+def _on_huge_pages(weight: torch.Tensor) -> torch.Tensor:
+    """The weight copied onto transparent huge pages where the system gives them (as the quantized
+    weights are: a decode step streams every weight once, and 4 KB pages cost a TLB miss each)."""
+    out = huge_pages.empty(tuple(weight.shape), weight.dtype)
+    out.copy_(weight)
+    return out
+
+
+class HalfLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dtype not in HALF_DTYPES or weight.dim() != 2:
+            raise ValueError(f"HalfLinear takes a 2-D float16 or bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+        library = load()
+        assert library is not None, "HalfLinear needs the compiled kernels (kvgen.kernels.load())"
+        self._linear = library.kvgen_linear_bf16 if weight.dtype == torch.bfloat16 else library.kvgen_linear_f16
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight16", _on_huge_pages(weight.contiguous()), persistent=False)
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
+        self._weight_ptr = self.weight16.data_ptr()
+
+    @property
+    def kind(self) -> str:
+        return "f16" if self.weight16.dtype == torch.float16 else "bf16"
+
+    def widened(self) -> torch.Tensor:
+        """The weight as a new fp32 [out, in] tensor."""
+        return self.weight16.float()
+
+    def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        """x [..., in] -> [..., out]. row_invariant: the C kernel at any row count, whose output for a
+        row does not depend on the other rows."""
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        m = rows.shape[0]
+        if m >= GEMM_ROWS_THRESHOLD and not row_invariant:
+            weight = _widened_buffer(self.out_features * self.in_features).view(self.out_features, self.in_features)
+            weight.copy_(self.weight16)
+            y = F.linear(rows, weight)
+        else:
+            y = torch.empty(m, self.out_features)
+            self._linear(self._weight_ptr, rows.data_ptr(), y.data_ptr(), m, self.out_features, self.in_features)
+        if self.bias is not None:
+            y += self.bias
+        y = y.view(*shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kind={self.kind}, {self.weight16.numel() * 2 / 2**20:.1f} MiB"

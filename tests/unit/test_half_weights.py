@@ -1,0 +1,116 @@
+"""The 16bit weights mode: F16 / BF16 matmul weights kept as the checkpoint has them and widened to
+fp32 as they are multiplied (models/half_linear.py). The fp32 mode over the same values is the
+reference: only the order of the sums differs, so logits agree to rounding and greedy text matches,
+and transformers on the same weights (upcast to fp32) gives the same tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvgen import LLM, SamplingParams
+from kvgen.models.embedding import HalfRows, QuantizedEmbedding
+from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear
+from tests.conftest import load_reference
+from tests.support.models import model_path
+from tests.support.recompute import logits_from_scratch
+from tests.support.tiny_gguf import write_gguf_from_hf
+from tests.support.tiny_hf import save_tiny_decoder, tokenizer_folder
+
+Q = gguf.GGMLQuantizationType
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_linear_equals_an_fp64_matmul_and_a_row_gets_its_bits_at_any_row_count(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(100, 96).to(dtype), torch.randn(100)
+    layer = HalfLinear(weight, bias)
+    for rows in (1, 3, 9, GEMM_ROWS_THRESHOLD + 5):
+        x = torch.randn(rows, 96)
+        reference = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        for row_invariant in (False, True):
+            assert torch.allclose(layer(x, row_invariant=row_invariant).double(), reference, atol=1e-4, rtol=1e-5)
+        together = layer(x, row_invariant=True)
+        for r in range(rows):  # the C kernel: each row's bits as when it runs alone
+            assert torch.equal(together[r], layer(x[r : r + 1])[0])
+    assert layer(torch.randn(2, 5, 96)).shape == (2, 5, 100)
+
+
+def test_half_linear_refuses_other_weights() -> None:
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        HalfLinear(torch.randn(8, 32))
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's real weights (the GGUF's, as transformers reads them) saved by transformers in bf16."""
+    model, tokenizer = load_reference("smollm2")
+    folder = tmp_path_factory.mktemp("smollm2-bf16")
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # transformers' note that it read a GGUF
+    (folder / "config.json").write_text(json.dumps(config))
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # a tied checkpoint omits its head
+    save_file({name: t.to(torch.bfloat16) for name, t in model.state_dict().items() if name not in tied}, folder / "model.safetensors")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_bf16_folder_loads_16bit_by_default_with_the_fp32_modes_text(smollm2_bf16_folder: Path) -> None:
+    half, exact = LLM.load(smollm2_bf16_folder, progress=False), LLM.load(smollm2_bf16_folder, progress=False, weights="fp32")
+    assert half.weights == "16bit" and exact.weights == "fp32"
+    model = half.model
+    block = model.layers[0]
+    assert isinstance(block.attn.qkv, HalfLinear) and block.attn.qkv.weight16.dtype == torch.bfloat16
+    assert isinstance(model.lm_head, HalfLinear)
+    # Tied: the embedding reads the head's rows, held once.
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.embed_tokens.table, HalfRows)
+    assert model.embed_tokens.table.table.data_ptr() == model.lm_head.weight16.data_ptr()
+    assert torch.equal(model.embed_tokens(torch.arange(49152)), exact.model.embed_tokens.data)
+
+    ids = half.tokenizer.encode(PROMPT)
+    got, want = logits_from_scratch(half, ids), logits_from_scratch(exact, ids)
+    assert (got - want).abs().max() < 2e-3 * want.abs().max()  # the order of the sums alone
+    text = half.generate(PROMPT, GREEDY).text
+    assert text == exact.generate(PROMPT, GREEDY).text
+
+
+def test_a_bf16_folder_gives_transformers_tokens(smollm2_bf16_folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_bf16_folder, dtype=torch.float32).eval()  # bf16 widened exactly
+    llm = LLM.load(smollm2_bf16_folder, progress=False)
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    assert llm.generate(PROMPT, GREEDY).token_ids == expected
+
+
+@pytest.mark.parametrize("matmul_type", [Q.F16, Q.BF16])
+def test_a_float16_gguf_loads_16bit_by_default_with_the_fp32_modes_tokens(matmul_type, tmp_path: Path) -> None:
+    model = save_tiny_decoder("qwen3", tmp_path / "hf", tokenizer_folder(tmp_path / "tokenizer"))
+    path = write_gguf_from_hf(tmp_path / "m.gguf", model, model_path("smollm2"), matmul_type, embedding_type=matmul_type)
+    half, exact = LLM.load(path, progress=False), LLM.load(path, progress=False, weights="fp32")
+    assert half.weights == "16bit"
+    kinds = {layer.kind for layer in half.model.modules() if isinstance(layer, HalfLinear)}
+    assert kinds == {"f16" if matmul_type == Q.F16 else "bf16"}
+    ids = list(range(100, 140))
+    got, want = logits_from_scratch(half, ids), logits_from_scratch(exact, ids)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    assert half.generate(ids, GREEDY).token_ids == exact.generate(ids, GREEDY).token_ids
+
+
+def test_16bit_is_refused_where_no_weight_is_16_bit(smollm2_bf16_folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--weights 16bit .* quantized"):
+        LLM.load(model_path("smollm2"), progress=False, weights="16bit")
+    model = save_tiny_decoder("qwen3", tmp_path / "hf", tokenizer_folder(tmp_path / "tokenizer"))  # saved in fp32
+    with pytest.raises(ValueError, match="--weights 16bit .* has none"):
+        LLM.load(tmp_path / "hf", progress=False, weights="16bit")
+    assert LLM.load(tmp_path / "hf", progress=False).weights == "fp32"  # auto: fp32 weights stay fp32
+    assert model is not None
