@@ -125,6 +125,8 @@ def weight_bytes(llm: LLM) -> int:
         share = config.experts_per_token / config.num_experts if ".experts." in f".{name}." else 1.0
         if hasattr(module, "blocks"):
             total += module.blocks.numel() * share
+        elif hasattr(module, "weight16"):  # 16bit weights
+            total += module.weight16.numel() * 2 * share
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size() * share
     return int(total)

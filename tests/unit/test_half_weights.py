@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvgen import LLM, SamplingParams
+from kvgen import LLM, SamplingParams, SpeculativeConfig
 from kvgen.models.embedding import HalfRows, QuantizedEmbedding
 from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear
 from tests.conftest import load_reference
@@ -90,6 +90,21 @@ def test_a_bf16_folder_gives_transformers_tokens(smollm2_bf16_folder: Path) -> N
     with torch.no_grad():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert llm.generate(PROMPT, GREEDY).token_ids == expected
+
+
+def test_16bit_decode_steps_run_in_c_with_the_same_tokens_alone_batched_and_speculative(smollm2_bf16_folder: Path) -> None:
+    """The C decode step takes the 16-bit rows (qlinear kinds f16 / bf16): one kernel per output at
+    every row count, so a row's tokens do not depend on the batch or on a verify."""
+    llm = LLM.load(smollm2_bf16_folder, progress=False)
+    assert llm.model.fast_decoder() is not None
+    prompts = [PROMPT, "Once upon a time", "def fibonacci(n):", "Water boils at"]
+    alone = [llm.generate(prompt, GREEDY).token_ids for prompt in prompts]
+    assert [r.token_ids for r in llm.generate_batch(prompts, GREEDY)] == alone
+    quote = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
+    plain = llm.generate(quote, GREEDY).token_ids
+    assert llm.generate(quote, GREEDY, speculative=SpeculativeConfig("lookup")).token_ids == plain
+    llm.model.use_fast_decode = False  # the torch path, the C step's reference: the same greedy tokens
+    assert [llm.generate(prompt, GREEDY).token_ids for prompt in prompts] == alone
 
 
 @pytest.mark.parametrize("matmul_type", [Q.F16, Q.BF16])

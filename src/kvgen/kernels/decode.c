@@ -14,7 +14,8 @@
 #include <omp.h>
 
 typedef struct {
-    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks, 6: q4h blocks, 7: iq4 blocks, 8: q5m blocks, 9: mx4 blocks
+    int32_t kind;  // 0: q4 blocks, 1: q8 blocks, 2: q8s blocks, 3: q5 blocks, 4: q4k super-blocks, 5: q6k super-blocks, 6: q4h blocks,
+                   // 7: iq4 blocks, 8: q5m blocks, 9: mx4 blocks, 10: f16 rows, 11: bf16 rows (half_linear.c: fp32 activations)
     int32_t has_bias;
     const void* blocks;
     const float* bias;
@@ -84,11 +85,6 @@ typedef struct {
     int32_t qk_norm_full;  // OLMo 2: q_norm / k_norm span all heads at once (0: each head's channels)
 } block_t;
 
-// hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-static inline float sum_lanes(const float* l) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 // e^x as exp8 (attention_tiles.c) computes each lane: the same operations, one lane at a time.
 static inline float exp_lane(float x) {
     x = fminf(fmaxf(x, -87.0f), 88.0f);
@@ -157,7 +153,8 @@ static void norm_input(const float* h, const float* w, float eps, int64_t n, flo
 
 // Each weight kind's interleaved kernels, by qlinear.kind: CALL(STEM, SUMS) with the kernels' name
 // stem (kvgen_linear_<STEM>_team, block_<STEM>, ...) and whether they take the activations' block
-// sums (the q5 and, with VNNI, iq4 offsets). A new kind is one line here.
+// sums (the q5 and, with VNNI, iq4 offsets). A new kind is one line here. The 16-bit float kinds
+// (half_linear.c) read the activations as floats: their "blocks" are the rows as the step holds them.
 #define FOR_KIND(kind, CALL)                                                                         \
     switch (kind) {                                                                                  \
         case 0: CALL(q4x8, 0) break;                                                                 \
@@ -169,6 +166,8 @@ static void norm_input(const float* h, const float* w, float eps, int64_t n, flo
         case 7: CALL(iq4x8, IQ4_SUMS) break;                                                         \
         case 8: CALL(q5mx8, 0) break;                                                                \
         case 9: CALL(mx4x8, IQ4_SUMS) break;                                                         \
+        case 10: CALL(f16, 0) break;                                                                 \
+        case 11: CALL(bf16, 0) break;                                                                \
         default: CALL(q6kx8, 0) break; /* 5 */                                                       \
     }
 

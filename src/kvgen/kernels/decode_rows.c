@@ -10,7 +10,7 @@ typedef struct {
     float* qkv_out;  // [rows, (heads + 2 kv_heads) * head_dim]
     float* attn;     // [rows, heads * head_dim]
     float* mlp;      // [rows, 2 * intermediate]
-    void* xq;        // activation blocks for [rows, widest]
+    void* xq;        // activation blocks for [rows, widest] (the 16-bit float kinds: the rows' floats)
 } rows_scratch;
 
 // Where a step of one-token rows keeps keys and values. Each row's new key/value go to
@@ -119,6 +119,10 @@ static inline int kind_takes_sums(int32_t kind) {
 // Row r of x [rows, l->k] as the activation blocks linear l reads (s->xq [rows, l->k / 32]), with
 // their code sums where its kernel takes them: each block's codes depend on its 32 values alone.
 static void quantize_row(const rows_step* st, const qlinear* l, const float* x, int64_t r) {
+    if (kind_is_half(l->kind)) {  // these kinds read the floats
+        memcpy((float*)st->s->xq + r * l->k, x + r * l->k, (size_t)l->k * sizeof(float));
+        return;
+    }
     const int64_t nb = l->k / QK;
     block_x8* xq = (block_x8*)st->s->xq;
     quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
@@ -140,6 +144,10 @@ static void linear_rows_team(const rows_step* st, const qlinear* l, float* y) { 
 
 // One row of linear l's input (l->k values) quantized into slot `to` of s->xq (and its sums).
 static void quantize_row_into(const rows_step* st, const qlinear* l, const float* row, int64_t to) {
+    if (kind_is_half(l->kind)) {
+        memcpy((float*)st->s->xq + to * l->k, row, (size_t)l->k * sizeof(float));
+        return;
+    }
     const int64_t nb = l->k / QK;
     block_x8* xq = (block_x8*)st->s->xq + to * nb;
     quantize_x8_range(row, 0, nb, xq);

@@ -7,7 +7,12 @@
 // time, added pairwise, then hsum8; the portable loop below keeps that order, so every build gives
 // the same bits. K is a multiple of 32 (the loader keeps other shapes in fp32).
 //
-// This file is #included by qgemm.c.
+// The decode steps (decode.c, decode_rows.c) take these weights as qlinear kinds 10 (f16) and 11
+// (bf16) through the same team / serial / rows entry points as the quantized kinds, with the rows'
+// activations as floats in place of int8 blocks; every one runs half_dots per output, so a row gets
+// the same bits alone, in a batch or in a verify.
+//
+// This file is #included by qgemm.c, before decode.c.
 
 #define HALF_OUTPUTS 4  // outputs that share each load of x
 
@@ -77,6 +82,54 @@ static void half_linear(const uint16_t* w, int bf16, const float* x, float* y, i
         }
     }
 }
+
+typedef uint16_t block_f16;   // FOR_KIND's names: a row's weights, 16 bits each
+typedef uint16_t block_bf16;
+
+// Outputs [first, end) of one row by the calling thread.
+static void half_outputs(const uint16_t* w, int bf16, const float* x, float* y, int64_t first, int64_t end, int64_t k,
+                         const float* bias) {
+    for (int64_t o = first; o < end; o += HALF_OUTPUTS) {
+        const int outputs = (int)(end - o < HALF_OUTPUTS ? end - o : HALF_OUTPUTS);
+        half_dots(w + o * k, k, outputs, bf16, x, y + o);
+        for (int j = 0; bias != NULL && j < outputs; j++) y[o + j] += bias[j + o];
+    }
+}
+
+// Rows of activations (floats, [rows, k]) by every thread of a team: each takes its share of the
+// output groups for every row; the closing barrier of `omp for` makes y whole.
+static void half_rows_team(const uint16_t* w, int bf16, const float* x, float* y, int64_t rows, int64_t n, int64_t k,
+                           const float* bias) {
+    const int64_t groups = (n + HALF_OUTPUTS - 1) / HALF_OUTPUTS;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o = g * HALF_OUTPUTS, end = o + HALF_OUTPUTS < n ? o + HALF_OUTPUTS : n;
+        for (int64_t r = 0; r < rows; r++) half_outputs(w, bf16, x + r * k, y + r * n, o, end, k, bias);
+    }
+}
+
+// The entry points FOR_KIND names (decode.c): the scratch and sums the quantized kinds take go unused;
+// the rows step hands its rows' floats where the quantized kinds get int8 blocks (decode_rows.c).
+#define HALF_KIND(STEM, BF16)                                                                           \
+    static void kvgen_linear_##STEM##_team(const block_##STEM* w, const float* x, block_x8* scratch, int32_t* sums, \
+                                           float* y, int64_t n, int64_t k, const float* bias) {        \
+        (void)scratch, (void)sums;                                                                      \
+        half_rows_team(w, BF16, x, y, 1, n, k, bias);                                                   \
+    }                                                                                                   \
+    static void kvgen_linear_##STEM##_serial(const block_##STEM* w, const float* x, block_x8* scratch, int32_t* sums, \
+                                             float* y, int64_t n, int64_t k) {                          \
+        (void)scratch, (void)sums;                                                                      \
+        half_outputs(w, BF16, x, y, 0, n, k, NULL);                                                     \
+    }                                                                                                   \
+    static void kvgen_gemm_##STEM##_team(const block_##STEM* w, const block_x8* rows_as_floats, const int32_t* sums, \
+                                         float* y, int64_t rows, int64_t n, int64_t k, const float* bias) { \
+        (void)sums;                                                                                     \
+        half_rows_team(w, BF16, (const float*)rows_as_floats, y, rows, n, k, bias);                     \
+    }
+HALF_KIND(f16, 0)
+HALF_KIND(bf16, 1)
+
+static inline int kind_is_half(int32_t kind) { return kind == 10 || kind == 11; }
 
 void kvgen_linear_f16(const uint16_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
     half_linear(w, 0, x, y, m, n, k);

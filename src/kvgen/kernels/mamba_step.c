@@ -273,13 +273,17 @@ static void weightless_rms(float* x, int64_t n, float eps) {
 // linear quantizes them, then the many-row kernel, which sums each output as it does for one row
 // (interleaved.c): a row's bits do not depend on the others. Returns after the kernel's barrier.
 static void linear_rows_of(const qlinear* l, const float* x, int64_t rows, block_x8* xq, int32_t* sums, float* y) {
+    const float* bias = l->has_bias ? l->bias : NULL;
+    if (kind_is_half(l->kind)) {  // the floats as they are
+        half_rows_team((const uint16_t*)l->blocks, l->kind == 11, x, y, rows, l->n, l->k, bias);
+        return;
+    }
     const int64_t nb = l->k / QK;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         quantize_x8_range(x, r * nb, (r + 1) * nb, xq);
         if (kind_takes_sums(l->kind)) x8_sums_into(xq + r * nb, nb, sums + r * nb);
     }
-    const float* bias = l->has_bias ? l->bias : NULL;
 #define ROWS_GEMM_OF(STEM, SUMS) \
     kvgen_gemm_##STEM##_team((const block_##STEM*)l->blocks, xq, (SUMS) ? sums : NULL, y, rows, l->n, l->k, bias);
     FOR_KIND(l->kind, ROWS_GEMM_OF)

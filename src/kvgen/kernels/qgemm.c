@@ -126,6 +126,11 @@ static inline float hsum8(__m256 v) {
 
 #endif
 
+// hsum8's order over 8 lane sums: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+static inline float sum_lanes(const float* l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
 #include "interleaved.c"
 
 // Dequantize whole weights (for long prefills, where a GEMM over plain floats beats re-reading
@@ -158,8 +163,8 @@ DEQUANTIZE_Q4KX8(kvgen_dequantize_q4kx8_bf16, uint16_t, as_bf16)
 DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8, float, as_fp32)
 DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 
-#include "decode.c"
 #include "half_linear.c"
+#include "decode.c"
 #include "mamba_step.c"
 #include "hybrid_step.c"
 #include "eagle_step.c"

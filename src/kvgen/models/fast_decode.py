@@ -29,13 +29,13 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.kernels import load
-from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
 from kvgen.models.mla import LatentAttention
 from kvgen.models.moe import SparseMoE
-from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
+from kvgen.models.half_linear import HalfLinear
+from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -61,7 +61,7 @@ def rows_scratch(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: in
     widest = max(hidden, heads * head_dim, intermediate)
     sizes = [(widest, torch.float32), (hidden, torch.float32), ((heads + 2 * kv_heads) * head_dim, torch.float32),
              (heads * head_dim, torch.float32), (2 * intermediate, torch.float32),
-             (widest // QK * X8_BLOCK_BYTES, torch.uint8)]  # fmt: skip
+             (widest * 4, torch.uint8)]  # int8 blocks (1.25 bytes a value), or a 16-bit kind's floats (4)  # fmt: skip
     buffers = [torch.zeros(rows * size, dtype=dtype) for size, dtype in sizes]
     return buffers, _RowsScratch(*(buffer.data_ptr() for buffer in buffers))
 
@@ -159,14 +159,16 @@ def layer_lora(table: ctypes.Array | None, layer: int, linear: str = LORA_LINEAR
     return ctypes.byref(table, (layer * len(LORA_LINEARS) + LORA_LINEARS.index(linear)) * ctypes.sizeof(_LoraLinear))
 
 
-_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6, "iq4": 7, "q5m": 8, "mx4": 9}  # qlinear.kind in decode.c
+# qlinear.kind in decode.c; f16 and bf16: a HalfLinear's 16-bit rows (kernels/half_linear.c)
+_KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6, "iq4": 7, "q5m": 8, "mx4": 9, "f16": 10, "bf16": 11}
 
 
 def qlinear_struct(layer: nn.Module) -> _QLinear:
-    """A QuantizedLinear as decode.c's qlinear (pointing into its blocks)."""
-    assert isinstance(layer, QuantizedLinear)
+    """A QuantizedLinear (or HalfLinear) as decode.c's qlinear (pointing into its blocks or rows)."""
+    assert isinstance(layer, QuantizedLinear | HalfLinear)
     bias = layer.bias
-    return _QLinear(_KIND_CODES[layer.kind], int(bias is not None), layer.blocks.data_ptr(),
+    weights = layer.blocks if isinstance(layer, QuantizedLinear) else layer.weight16
+    return _QLinear(_KIND_CODES[layer.kind], int(bias is not None), weights.data_ptr(),
                     bias.data_ptr() if bias is not None else None, layer.out_features, layer.in_features)  # fmt: skip
 
 
@@ -258,9 +260,10 @@ class FastDecoder:
         # calls, each seeing the positions the earlier ones stored.
         self.max_rows = MAX_ROWS
         # Prompts run the rows step when the int8 kernel is the many-row path (the default); with
-        # KVGEN_PREFILL_GEMM=fp32|bf16 they keep the torch forward and its GEMM.
+        # KVGEN_PREFILL_GEMM=fp32|bf16 they keep the torch forward and its GEMM, as 16-bit weights
+        # do (widened once per linear for a BLAS GEMM: bound by its multiplies, faster than the C rows).
         self.runs_prompts = all(
-            block.attn.qkv.prefill == "int8" for block in model.layers  # type: ignore[union-attr]
+            getattr(block.attn.qkv, "prefill", None) == "int8" for block in model.layers  # type: ignore[union-attr]
         )
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
@@ -281,7 +284,7 @@ class FastDecoder:
             latent = isinstance(attn, LatentAttention) and attn.qkv is not None  # V2's query latent: torch path
             if not (isinstance(attn, Attention) or latent) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
-            if not all(isinstance(layer, QuantizedLinear) for layer in (attn.qkv, attn.o_proj, *mlp_linears(mlp))):
+            if not all(isinstance(layer, QuantizedLinear | HalfLinear) for layer in (attn.qkv, attn.o_proj, *mlp_linears(mlp))):
                 return False
         return True
 
