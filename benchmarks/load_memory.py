@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2,gemma3-270m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-src", type=Path, default=None, help="another checkout's src, taking turns with this one")
+    parser.add_argument("--name", default="load_memory", help="results file: results/<name>-<cpu class>.json")
     args = parser.parse_args()
     trees = {"kvgen": SRC} | ({"baseline": args.baseline_src.resolve()} if args.baseline_src else {})
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -73,7 +74,7 @@ def main() -> None:
         })  # fmt: skip
     print_table(rows, ["model", "source", "embedding", "load_s", "rss_after_load_mb", "rss_after_generate_mb", "peak_rss_mb", "same_tokens"])
     config = {"models": args.models, "rounds": args.rounds, "baseline_src": str(args.baseline_src) if args.baseline_src else None}
-    path = write_results(f"load_memory-{cpu_class()}", {"config": config, "rows": rows})
+    path = write_results(f"{args.name}-{cpu_class()}", {"config": config, "rows": rows})
     print(f"wrote {path}")
 
 

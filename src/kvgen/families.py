@@ -19,14 +19,14 @@ _ALL_KV = "all KV caches"
 _SLIDING_KV = "all KV caches; compressed refused (sliding layers), sinks only inside the model's window"
 
 FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
-    FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "SmolLM2 (real), random tiny"),
-    FamilySupport("smollm3 (Llama blocks, every 4th without RoPE)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes",
+    FamilySupport("llama / mistral / qwen2", "GGUF, HF", _ALL_KV, "yes (int8 / q4 / 16bit weights)", "yes", "SmolLM2 (real), random tiny"),
+    FamilySupport("smollm3 (Llama blocks, every 4th without RoPE)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 / 16bit weights)", "yes",
                   "random tiny (transformers)"),
     FamilySupport("granite (Granite 3: Llama blocks with scaled embeddings, residuals, scores and logits)", "GGUF, HF", _ALL_KV,
-                  "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
-    FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)", "yes", "random tiny (transformers)"),
+                  "yes (int8 / q4 / 16bit weights)", "yes", "random tiny (transformers)"),
+    FamilySupport("qwen3", "GGUF, HF", _ALL_KV, "yes (int8 / q4 / 16bit weights)", "yes", "random tiny (transformers)"),
     FamilySupport("mixtral / qwen2_moe / qwen3_moe / granitemoe / olmoe", "GGUF, HF", _ALL_KV,
-                  "yes (int8 / q4 weights; top-k routed experts, Qwen2-MoE's gated shared expert); LoRA on attention "
+                  "yes (int8 / q4 / 16bit weights; top-k routed experts, Qwen2-MoE's gated shared expert); LoRA on attention "
                   "and dense layers, not on experts",
                   "yes", "random tiny (transformers)"),
     FamilySupport("gpt_oss", "GGUF, HF (MXFP4 experts exact in 8-bit blocks)",
@@ -37,13 +37,13 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "yes (int8 / q4 weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "
                   "no LoRA", "yes",
                   "random tiny (transformers)"),
-    FamilySupport("olmo2 (norms after each sublayer, QK-norm over all heads)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 weights)",
+    FamilySupport("olmo2 (norms after each sublayer, QK-norm over all heads)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 / 16bit weights)",
                   "yes", "random tiny (transformers)"),
     FamilySupport("phi3 (Phi-3, Phi-4-mini)", "GGUF, HF", _ALL_KV + "; no context shift under LongRoPE",
-                  "yes (int8 / q4 weights; partial RoPE too)", "yes", "random tiny (transformers)"),
-    FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights; soft-capped attention)", "yes",
+                  "yes (int8 / q4 / 16bit weights; partial RoPE too)", "yes", "random tiny (transformers)"),
+    FamilySupport("gemma2", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 / 16bit weights; soft-capped attention)", "yes",
                   "random tiny (transformers)"),
-    FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 weights)", "yes", "Gemma 3 270M (real)"),
+    FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 / 16bit weights)", "yes", "Gemma 3 270M (real)"),
     FamilySupport("mamba (Mamba, Falcon-Mamba)", "GGUF, HF", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
                   "yes (int8 / q4 weights; prefill scan in C)", "yes: one state per request, prefix cache of block-boundary states; "
                   "generate_batch, server; speculative decoding, engine included (exact; a verify is one C pass)", "random tiny (transformers)"),

@@ -121,6 +121,19 @@ def test_a_float16_gguf_loads_16bit_by_default_with_the_fp32_modes_tokens(matmul
     assert half.generate(ids, GREEDY).token_ids == exact.generate(ids, GREEDY).token_ids
 
 
+def test_quantized_weights_keep_a_half_folders_embedding_16_bit(smollm2_bf16_folder: Path) -> None:
+    """Under int8 / q4 a bf16 folder's token embedding stays bf16 rows (half an fp32 table), looked up
+    with the fp32 table's values, so the logits keep their bits."""
+    llm, exact = LLM.load(smollm2_bf16_folder, progress=False, weights="q4"), LLM.load(smollm2_bf16_folder, progress=False, weights="fp32")
+    table = llm.model.embed_tokens
+    assert isinstance(table, QuantizedEmbedding) and isinstance(table.table, HalfRows) and table.table.table.dtype == torch.bfloat16
+    assert torch.equal(table(torch.arange(49152)), exact.model.embed_tokens.data)
+    ids = llm.tokenizer.encode(PROMPT)
+    want = logits_from_scratch(llm, ids)
+    llm.model.embed_tokens = torch.nn.Parameter(exact.model.embed_tokens.data, requires_grad=False)  # the fp32 table it replaces
+    assert torch.equal(logits_from_scratch(llm, ids), want)
+
+
 def test_16bit_is_refused_where_no_weight_is_16_bit(smollm2_bf16_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--weights 16bit .* quantized"):
         LLM.load(model_path("smollm2"), progress=False, weights="16bit")

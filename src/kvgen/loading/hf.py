@@ -354,8 +354,9 @@ def load_hf_folder(
     raw = read_hf_config(folder)
     config = config_from_hf(raw)
     tokenizer = Tokenizer.from_hf_folder(folder)
-    # F16 / BF16 tensors stay so until the mode is known: the 16bit mode keeps its matmul weights.
-    keep_half = weights in ("auto", "16bit") and dtype == torch.float32 and config.architecture not in _TRANSFORMED_AT_LOAD
+    # F16 / BF16 tensors stay so until the mode is known: the 16bit mode keeps its matmul weights, and
+    # every mode but fp32 the token embedding (looked up row by row, at half an fp32 table's memory).
+    keep_half = weights != "fp32" and dtype == torch.float32 and config.architecture not in _TRANSFORMED_AT_LOAD
     tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight] = {}
     for file in safetensors_files(folder):
         try:
@@ -388,7 +389,7 @@ def load_hf_folder(
     # OpenAI's gpt-oss folders ship MXFP4 experts: quantized weights by default, as a quantized GGUF is.
     half_weights = any(_half_matmul(name, tensor) for name, tensor in tensors.items())
     mode = resolve_mode(weights, file_is_quantized=has_mxfp4_experts(tensors), half_weights=half_weights)
-    _settle_half_tensors(tensors, mode == "16bit", config.tie_word_embeddings, dtype)
+    _settle_half_tensors(tensors, mode, config.tie_word_embeddings, dtype)
     if config.architecture == "gpt_oss":
         name_gpt_oss_experts(tensors, dtype, mode)
     if config.architecture == "mamba2":
@@ -406,24 +407,26 @@ def _half_matmul(name: str, tensor: torch.Tensor | QuantizedWeight) -> bool:
             and quantizable(tuple(tensor.shape)))  # fmt: skip
 
 
-def _settle_half_tensors(tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight], keep: bool, tied: bool, dtype: torch.dtype) -> None:
-    """The F16 / BF16 tensors kept at read, in place: with `keep` (the 16bit mode) the matmul weights
-    and the token embedding stay 16-bit (a tied head shares the embedding's tensor); every other
+def _settle_half_tensors(tensors: dict[str, torch.Tensor | QuantizedWeight | HalfWeight], mode: str, tied: bool,
+                         dtype: torch.dtype) -> None:  # fmt: skip
+    """The F16 / BF16 tensors kept at read, in place: the 16bit mode keeps the matmul weights 16-bit (a
+    tied head shares the embedding's tensor), every mode but fp32 the token embedding; every other
     tensor takes the compute dtype."""
-    if keep and tied and "lm_head.weight" not in tensors:
+    if mode == "16bit" and tied and "lm_head.weight" not in tensors:
         table = next((tensors[name] for name in EMBEDDING_NAMES if name in tensors), None)
         if isinstance(table, torch.Tensor) and _half_matmul("lm_head.weight", table):
             tensors["lm_head.weight"] = table  # the same tensor: token_embedding reads the head's rows
     for name, tensor in tensors.items():
         if isinstance(tensor, torch.Tensor) and tensor.dtype in HALF_DTYPES:
-            keeps = keep and (_half_matmul(name, tensor) or name in EMBEDDING_NAMES)
+            keeps = (mode == "16bit" and _half_matmul(name, tensor)) or (mode != "fp32" and name in EMBEDDING_NAMES)
             tensors[name] = HalfWeight(tensor) if keeps else tensor.to(dtype)
 
 
 def quantize_matmul_weights(tensors: dict[str, torch.Tensor | QuantizedWeight], tied: bool, mode: str) -> None:
     """Float checkpoint -> quantized matmul weights in place (rounding per block; lossy)."""
     if tied and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = next(tensors[name] for name in EMBEDDING_NAMES if name in tensors)
+        table = next(tensors[name] for name in EMBEDDING_NAMES if name in tensors)
+        tensors["lm_head.weight"] = table.float() if isinstance(table, HalfWeight) else table
     for name, tensor in list(tensors.items()):
         if isinstance(tensor, torch.Tensor) and is_matmul_weight(name) and quantizable(tuple(tensor.shape)):
             tensors[name] = quantize_float(tensor, mode)  # type: ignore[arg-type]
