@@ -5,6 +5,7 @@ and transformers on the same weights (upcast to fp32) gives the same tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from kvgen import LLM, SamplingParams, SpeculativeConfig
 from kvgen.models.embedding import HalfRows, QuantizedEmbedding
 from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear
 from tests.conftest import load_reference
+from tests.support.lora import make_peft_adapter
 from tests.support.models import model_path
 from tests.support.recompute import logits_from_scratch
 from tests.support.tiny_gguf import write_gguf_from_hf
@@ -119,6 +121,20 @@ def test_a_float16_gguf_loads_16bit_by_default_with_the_fp32_modes_tokens(matmul
     got, want = logits_from_scratch(half, ids), logits_from_scratch(exact, ids)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
     assert half.generate(ids, GREEDY).token_ids == exact.generate(ids, GREEDY).token_ids
+
+
+def test_a_lora_adapter_on_16bit_weights_gives_the_fp32_modes_tokens(smollm2_bf16_folder: Path, tmp_path: Path) -> None:
+    adapter = make_peft_adapter("smollm2", tmp_path / "adapter", PROMPT, rank=8, targets=["q_proj", "v_proj", "down_proj"], alpha=16)
+    tokens = []
+    for weights in ("16bit", "fp32"):
+        llm = LLM.load(smollm2_bf16_folder, progress=False, weights=weights)
+        llm.load_adapter("a", adapter.path)
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True)
+        tuned = llm.generate(PROMPT, dataclasses.replace(params, adapter="a"))
+        base = llm.generate(PROMPT, params)
+        assert tuned.logprobs[0].logprob != base.logprobs[0].logprob  # the adapter takes part
+        tokens.append(tuned.token_ids)
+    assert tokens[0] == tokens[1]
 
 
 def test_quantized_weights_keep_a_half_folders_embedding_16_bit(smollm2_bf16_folder: Path) -> None:
