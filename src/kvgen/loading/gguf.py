@@ -331,10 +331,9 @@ def _load_tensors(
             layer, part, kind = stacked.groups()
             for e in range(info.shape[0]):
                 target = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.{kind}"
-                matmul = kind == "weight" and quantizable(info.shape[1:])
-                if quantized and matmul:
+                if quantized and kind == "weight" and quantizable(info.shape[1:]):
                     tensors[target] = _quantized_tensor(file, info, config, mode, e)
-                elif mode == "16bit" and matmul and info.type_name in HALF_TYPES:
+                elif mode == "16bit" and kind == "weight" and _keeps_half(info, config):
                     tensors[target] = _half_tensor(file, info, config, e)
                 else:
                     tensors[target] = _float_tensor(file, info, config, dtype, e)
