@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from kvgen import LLM, SamplingParams, SpeculativeConfig
 from kvgen.models.embedding import HalfRows, QuantizedEmbedding
-from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear
+from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear, pair_interleaved, row_major
 from tests.conftest import load_reference
 from tests.support.lora import make_peft_adapter
 from tests.support.models import model_path
@@ -43,6 +43,36 @@ def test_half_linear_equals_an_fp64_matmul_and_a_row_gets_its_bits_at_any_row_co
         for r in range(rows):  # the C kernel: each row's bits as when it runs alone
             assert torch.equal(together[r], layer(x[r : r + 1])[0])
     assert layer(torch.randn(2, 5, 96)).shape == (2, 5, 100)
+
+
+def test_half_kernels_give_the_same_bits_with_any_instruction_set(tmp_path: Path) -> None:
+    """The AVX2 loop and the portable one sum in the same order, for F16 rows and for BF16 rows in
+    their pair-interleaved layout; the widening for the GEMM undoes that layout exactly."""
+    from kvgen.kernels import load
+    from kvgen.kernels.build import build, open_library
+    from tests.unit.test_quantized_kv_attention import instruction_sets
+
+    torch.manual_seed(1)
+    x = torch.randn(3, 96)
+    weights = {"f16": torch.randn(37, 96).half(), "bf16": pair_interleaved(torch.randn(37, 96).bfloat16())}
+    native = load()
+    expected = {}
+    for kind, w in weights.items():
+        expected[kind] = torch.empty(3, 37)
+        getattr(native, f"kvgen_linear_{kind}")(w.data_ptr(), x.data_ptr(), expected[kind].data_ptr(), 3, 37, 96)
+    widened = torch.empty(37, 96)
+    native.kvgen_widen_bf16_pairs(weights["bf16"].data_ptr(), widened.data_ptr(), 37, 96)
+    assert torch.equal(widened, row_major(weights["bf16"]).float())
+    for name, flags in instruction_sets().items():
+        build(tmp_path / f"{name}.so", flags)
+        library = open_library(tmp_path / f"{name}.so")
+        for kind, w in weights.items():
+            y = torch.empty(3, 37)
+            getattr(library, f"kvgen_linear_{kind}")(w.data_ptr(), x.data_ptr(), y.data_ptr(), 3, 37, 96)
+            assert torch.equal(y, expected[kind]), (name, kind)
+        again = torch.empty(37, 96)
+        library.kvgen_widen_bf16_pairs(weights["bf16"].data_ptr(), again.data_ptr(), 37, 96)
+        assert torch.equal(again, widened), name
 
 
 def test_half_linear_refuses_other_weights() -> None:

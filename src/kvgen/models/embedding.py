@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kvgen.kernels.formats import QK, X8_GROUP_BYTES
+from kvgen.models.half_linear import row_major
 from kvgen.models.quantized_linear import INTERLEAVED_ROWS
 
 FINITE_CHECK_ROWS = 16384  # rows dequantized at a time by the load-time check (a bounded buffer)
@@ -103,18 +104,20 @@ class HeadRows:
 
 class HalfRows:
     """A table of float16 / bfloat16 rows (a 16bit model's embedding, or its tied head's weight),
-    each row widened to `dtype` as it is looked up: exact, at half an fp32 table's memory."""
+    each row widened to `dtype` as it is looked up: exact, at half an fp32 table's memory. A BF16
+    head keeps its rows pair-interleaved (models/half_linear.py); `pair_interleaved` reads them so."""
 
-    def __init__(self, table: torch.Tensor, dtype: torch.dtype):
-        self.table, self.dtype = table, dtype
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype, pair_interleaved: bool = False):
+        self.table, self.dtype, self.pair_interleaved = table, dtype, pair_interleaved
         self.num_embeddings, self.embedding_dim = table.shape
 
     def rows(self, ids: np.ndarray) -> torch.Tensor:
         flat = torch.from_numpy(np.asarray(ids, dtype=np.int64).reshape(-1))
-        return self.table.index_select(0, flat).to(self.dtype).view(*np.shape(ids), -1)
+        rows = self.table.index_select(0, flat)
+        return (row_major(rows) if self.pair_interleaved else rows).to(self.dtype).view(*np.shape(ids), -1)
 
     def dequantized(self) -> torch.Tensor:
-        return self.table.to(self.dtype)
+        return (row_major(self.table) if self.pair_interleaved else self.table).to(self.dtype)
 
 
 class EmbeddingRows(Protocol):

@@ -60,6 +60,19 @@ def _widened_buffer(size: int) -> torch.Tensor:
     return buffer[:size]
 
 
+def pair_interleaved(weight: torch.Tensor) -> torch.Tensor:
+    """BF16 rows [n, k] in the kernels' layout: in each 16 weights, weight i and 8 + i side by side, so
+    one load widens to two fp32 vectors in order with a shift and a mask (kernels/half_linear.c)."""
+    n, k = weight.shape
+    return weight.view(n, k // 16, 2, 8).transpose(-1, -2).reshape(n, k)
+
+
+def row_major(stored: torch.Tensor) -> torch.Tensor:
+    """pair_interleaved's rows back in the checkpoint's order."""
+    n, k = stored.shape
+    return stored.view(n, k // 16, 8, 2).transpose(-1, -2).reshape(n, k)
+
+
 def _on_huge_pages(weight: torch.Tensor) -> torch.Tensor:
     """The weight copied onto transparent huge pages where the system gives them (as the quantized
     weights are: a decode step streams every weight once, and 4 KB pages cost a TLB miss each)."""
@@ -75,9 +88,12 @@ class HalfLinear(nn.Module):
             raise ValueError(f"HalfLinear takes a 2-D float16 or bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
         library = load()
         assert library is not None, "HalfLinear needs the compiled kernels (kvgen.kernels.load())"
-        self._linear = library.kvgen_linear_bf16 if weight.dtype == torch.bfloat16 else library.kvgen_linear_f16
+        bf16 = weight.dtype == torch.bfloat16
+        self._linear = library.kvgen_linear_bf16 if bf16 else library.kvgen_linear_f16
+        self._widen_pairs = library.kvgen_widen_bf16_pairs
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight16", _on_huge_pages(weight.contiguous()), persistent=False)
+        # weight16: F16 rows as the checkpoint has them, BF16 rows pair-interleaved (`row_major` undoes it)
+        self.register_buffer("weight16", _on_huge_pages(pair_interleaved(weight) if bf16 else weight.contiguous()), persistent=False)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self._weight_ptr = self.weight16.data_ptr()
 
@@ -85,9 +101,9 @@ class HalfLinear(nn.Module):
     def kind(self) -> str:
         return "f16" if self.weight16.dtype == torch.float16 else "bf16"
 
-    def widened(self) -> torch.Tensor:
-        """The weight as a new fp32 [out, in] tensor."""
-        return self.weight16.float()
+    @property
+    def pair_interleaved(self) -> bool:
+        return self.weight16.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. row_invariant: the C kernel at any row count, whose output for a
@@ -119,7 +135,10 @@ class HalfLinear(nn.Module):
         for first in range(0, n, step):
             end = min(n, first + step)
             piece = buffer[: (end - first) * k].view(end - first, k)
-            piece.copy_(self.weight16[first:end])
+            if self.pair_interleaved:
+                self._widen_pairs(self.weight16[first].data_ptr(), piece.data_ptr(), end - first, k)
+            else:
+                piece.copy_(self.weight16[first:end])
             torch.mm(piece, rows.t(), out=out[first:end])
         return out.t().contiguous()
 

@@ -88,11 +88,11 @@ def token_embedding(weight: torch.Tensor | QuantizedRows | HalfWeight, head: nn.
     if isinstance(weight, HalfWeight):
         table = weight.values
         shares = tied and isinstance(head, HalfLinear) and head.weight16.dtype == table.dtype and head.weight16.shape == table.shape
-        return QuantizedEmbedding(HalfRows(head.weight16 if shares else table, torch.float32))
+        return QuantizedEmbedding(HalfRows(head.weight16, torch.float32, head.pair_interleaved) if shares else HalfRows(table, torch.float32))
     half_type = {F16: torch.float16, BF16: torch.bfloat16}.get(weight.type_id)
     if (tied and half_type is not None and isinstance(head, HalfLinear) and head.weight16.dtype == half_type
             and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim)):  # fmt: skip
-        return QuantizedEmbedding(HalfRows(head.weight16, weight.dtype))
+        return QuantizedEmbedding(HalfRows(head.weight16, weight.dtype, head.pair_interleaved))
     in_head = (tied and weight.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
                and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim))  # fmt: skip
     return QuantizedEmbedding(HeadRows(head, weight.dtype) if in_head else weight.owned())
