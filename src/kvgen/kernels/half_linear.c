@@ -21,6 +21,10 @@
 // This file is #included by qgemm.c, before decode.c.
 
 #define HALF_OUTPUTS 4  // outputs that share each load of x
+// Weights prefetched this far ahead of the ones read (8 KB): the hardware prefetchers alone kept too
+// few lines in flight (Gemma 3's 262,144 x 640 BF16 head on 2 Zen 4 cores: 9.4 -> 8.1-8.5 ms, 35 -> 40
+// GB/s; 1 KB ahead gained less, 16 KB no more). A prefetch past the end is harmless: it never faults.
+#define HALF_PREFETCH 4096
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -49,6 +53,7 @@ static void half_dots(const uint16_t* w, int64_t k, int outputs, int bf16, const
         for (int a = 0; a < 4; a++) xv[a] = _mm256_loadu_ps(x + j + 8 * a);
         for (int o = 0; o < outputs; o++) {
             const uint16_t* row = w + o * k + j;
+            _mm_prefetch((const char*)(row + HALF_PREFETCH), _MM_HINT_T0);
             if (bf16) {
                 for (int c = 0; c < 2; c++) {
                     const __m256i pairs = _mm256_loadu_si256((const __m256i*)(row + 16 * c));
