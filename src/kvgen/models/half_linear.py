@@ -62,22 +62,28 @@ def _widened_buffer(size: int) -> torch.Tensor:
 
 def pair_interleaved(weight: torch.Tensor) -> torch.Tensor:
     """BF16 rows [n, k] in the kernels' layout: in each 16 weights, weight i and 8 + i side by side, so
-    one load widens to two fp32 vectors in order with a shift and a mask (kernels/half_linear.c)."""
+    one load widens to two fp32 vectors in order with a shift and a mask (kernels/half_linear.c). A
+    strided view; copying it lays the rows out."""
     n, k = weight.shape
-    return weight.view(n, k // 16, 2, 8).transpose(-1, -2).reshape(n, k)
+    return weight.view(n, k // 16, 2, 8).transpose(-1, -2)
 
 
 def row_major(stored: torch.Tensor) -> torch.Tensor:
-    """pair_interleaved's rows back in the checkpoint's order."""
+    """pair_interleaved's rows (laid out) back in the checkpoint's order."""
     n, k = stored.shape
     return stored.view(n, k // 16, 8, 2).transpose(-1, -2).reshape(n, k)
 
 
-def _on_huge_pages(weight: torch.Tensor) -> torch.Tensor:
+def _on_huge_pages(weight: torch.Tensor, interleave: bool) -> torch.Tensor:
     """The weight copied onto transparent huge pages where the system gives them (as the quantized
-    weights are: a decode step streams every weight once, and 4 KB pages cost a TLB miss each)."""
+    weights are: a decode step streams every weight once, and 4 KB pages cost a TLB miss each), BF16
+    rows pair-interleaved in the same copy."""
     out = huge_pages.empty(tuple(weight.shape), weight.dtype)
-    out.copy_(weight)
+    n, k = weight.shape
+    if interleave:
+        out.view(n, k // 16, 8, 2).copy_(pair_interleaved(weight))
+    else:
+        out.copy_(weight)
     return out
 
 
@@ -93,7 +99,7 @@ class HalfLinear(nn.Module):
         self._widen_pairs = library.kvgen_widen_bf16_pairs
         self.out_features, self.in_features = weight.shape
         # weight16: F16 rows as the checkpoint has them, BF16 rows pair-interleaved (`row_major` undoes it)
-        self.register_buffer("weight16", _on_huge_pages(pair_interleaved(weight) if bf16 else weight.contiguous()), persistent=False)
+        self.register_buffer("weight16", _on_huge_pages(weight, bf16), persistent=False)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self._weight_ptr = self.weight16.data_ptr()
 
