@@ -29,13 +29,14 @@ from torch import nn
 
 from kvgen.config import ModelConfig
 from kvgen.kernels import load
+from kvgen.kernels.formats import QK
 from kvgen.kv.interface import CodesView, KVCache
 from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
 from kvgen.models.mla import LatentAttention
 from kvgen.models.moe import SparseMoE
 from kvgen.models.half_linear import HalfLinear
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -55,22 +56,23 @@ class _RowsScratch(ctypes.Structure):
 
 
 def rows_scratch(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int) -> tuple[list[torch.Tensor], _RowsScratch]:  # fmt: skip
+                 intermediate: int, float_rows: bool = False) -> tuple[list[torch.Tensor], _RowsScratch]:  # fmt: skip
     """The rows step's scratch for `rows` rows of blocks of these widths: the buffers (keep them
-    alive) and the struct that points into them."""
+    alive) and the struct that points into them. float_rows: some linear is a 16-bit float kind,
+    whose activations the scratch holds as floats instead of int8 blocks."""
     widest = max(hidden, heads * head_dim, intermediate)
     sizes = [(widest, torch.float32), (hidden, torch.float32), ((heads + 2 * kv_heads) * head_dim, torch.float32),
              (heads * head_dim, torch.float32), (2 * intermediate, torch.float32),
-             (widest * 4, torch.uint8)]  # int8 blocks (1.25 bytes a value), or a 16-bit kind's floats (4)  # fmt: skip
+             (widest * 4 if float_rows else widest // QK * X8_BLOCK_BYTES, torch.uint8)]  # fmt: skip
     buffers = [torch.zeros(rows * size, dtype=dtype) for size, dtype in sizes]
     return buffers, _RowsScratch(*(buffer.data_ptr() for buffer in buffers))
 
 
-def rows_scratch_for(config: ModelConfig, rows: int) -> tuple[list[torch.Tensor], _RowsScratch]:
+def rows_scratch_for(config: ModelConfig, rows: int, float_rows: bool = False) -> tuple[list[torch.Tensor], _RowsScratch]:
     """rows_scratch for `rows` rows of any of this model's blocks (attention, MLP, mixture)."""
     widest_mlp = max(config.intermediate_size, config.expert_intermediate_size, config.shared_expert_intermediate_size,
                      _latent_projection_width(config) // 2 + 1)  # the rows' mlp scratch holds latent attention's raw projection
-    return rows_scratch(rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, widest_mlp)
+    return rows_scratch(rows, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, widest_mlp, float_rows)
 
 
 def _latent_projection_width(config) -> int:
@@ -261,10 +263,11 @@ class FastDecoder:
         self.max_rows = MAX_ROWS
         # Prompts run the rows step when the int8 kernel is the many-row path (the default); with
         # KVGEN_PREFILL_GEMM=fp32|bf16 they keep the torch forward and its GEMM, as 16-bit weights
-        # do (widened once per linear for a BLAS GEMM: bound by its multiplies, faster than the C rows).
+        # do (widened a slice at a time for a BLAS GEMM: bound by its multiplies, faster than the C rows).
         self.runs_prompts = all(
             getattr(block.attn.qkv, "prefill", None) == "int8" for block in model.layers  # type: ignore[union-attr]
         )
+        self._float_rows = any(isinstance(m, HalfLinear) for m in model.layers.modules())  # 16-bit weights' rows
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0
@@ -460,7 +463,7 @@ class FastDecoder:
     def _scratch_for_rows(self, rows: int) -> _RowsScratch:
         if rows > self._rows_capacity:
             config = self.model.config
-            self._rows_buffers, self._rows_scratch = rows_scratch_for(config, rows)
+            self._rows_buffers, self._rows_scratch = rows_scratch_for(config, rows, self._float_rows)
             self._rows_capacity = rows
         return self._rows_scratch
 

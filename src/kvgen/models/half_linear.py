@@ -16,7 +16,6 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels import load
@@ -29,7 +28,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 GEMM_ROWS_THRESHOLD = 32
 WIDENED_SLICE_BYTES = 1 << 20  # the fp32 slice of a weight widened at a time (Zen 4: 1 MB of L2 a core)
 
-_scratch = threading.local()
+_scratch = threading.local()  # one fp32 buffer per thread for the widened slices
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class HalfWeight:
         return self.values.shape[0]
 
     def float(self) -> torch.Tensor:
-        return self.values.float()  # one fp32 buffer per thread for the widened weight
+        return self.values.float()
 
 
 def _widened_buffer(size: int) -> torch.Tensor:
