@@ -30,11 +30,11 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "and dense layers, not on experts",
                   "yes", "random tiny (transformers)"),
     FamilySupport("gpt_oss", "GGUF, HF (MXFP4 experts exact in 8-bit blocks)",
-                  _SLIDING_KV, "yes (int8 / q4 weights; sink logits, clamped SwiGLU experts); LoRA on attention only",
+                  _SLIDING_KV, "yes (int8 / q4 / 16bit weights; sink logits, clamped SwiGLU experts); LoRA on attention only",
                   "yes",
                   "random tiny (transformers)"),
     FamilySupport("deepseek_v2 (V2-Lite, V2; V3 / R1, Moonlight: deepseek_v3)", "GGUF, HF", _ALL_KV + " (the cache holds the latent once: one KV head, its values the keys)",
-                  "yes (int8 / q4 weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "
+                  "yes (int8 / q4 / 16bit weights; latent attention without a query latent, as V2-Lite's; V2's: torch path); "
                   "no LoRA", "yes",
                   "random tiny (transformers)"),
     FamilySupport("olmo2 (norms after each sublayer, QK-norm over all heads)", "GGUF, HF", _ALL_KV, "yes (int8 / q4 / 16bit weights)",
@@ -45,35 +45,35 @@ FAMILY_SUPPORT: tuple[FamilySupport, ...] = (
                   "random tiny (transformers)"),
     FamilySupport("gemma3", "GGUF, HF", _SLIDING_KV, "yes (int8 / q4 / 16bit weights)", "yes", "Gemma 3 270M (real)"),
     FamilySupport("mamba (Mamba, Falcon-Mamba)", "GGUF, HF", "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
-                  "yes (int8 / q4 weights; prefill scan in C)", "yes: one state per request, prefix cache of block-boundary states; "
+                  "yes (int8 / q4 / 16bit weights; prefill scan in C)", "yes: one state per request, prefix cache of block-boundary states; "
                   "generate_batch, server; speculative decoding, engine included (exact; a verify is one C pass)", "random tiny (transformers)"),
     FamilySupport("mamba2 (Mamba-2, Mamba-Codestral)", "GGUF, HF",
                   "SSMStateCache (fixed-size state, checkpoints); KV cache options refused",
-                  "yes (int8 / q4 weights; prefill scan in C)", "yes: one state per request, prefix cache of "
+                  "yes (int8 / q4 / 16bit weights; prefill scan in C)", "yes: one state per request, prefix cache of "
                   "block-boundary states; generate_batch, server; speculative decoding, engine included (exact; a verify is one C pass)", "random tiny (transformers)"),
     FamilySupport("granitemoehybrid (Granite 4.0-H: Mamba-2 + attention layers; Bamba, HF only)", "GGUF (granitehybrid), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
-                  "KV cache options refused", "yes (int8 / q4 weights), a token's step one C call",
+                  "KV cache options refused", "yes (int8 / q4 / 16bit weights), a token's step one C call",
                   "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, dense MLPs and mixers",
                   "random tiny (transformers)"),
     FamilySupport("lfm2 (LFM2: gated short convolutions + attention layers; LFM2-MoE: a mixture after the first layers)", "GGUF (lfm2, lfm2moe), HF",
                   "HybridStateCache (conv windows with checkpoints + contiguous K/V of the attention layers); "
-                  "KV cache options refused", "yes (int8 / q4 weights), a token's step one C call",
+                  "KV cache options refused", "yes (int8 / q4 / 16bit weights), a token's step one C call",
                   "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, dense MLPs and mixers",
                   "random tiny (transformers)"),
     FamilySupport("nemotron_h (Nemotron-H, Nemotron Nano v2: Mamba-2, attention and ReLU² MLP layers; Nemotron 3 Nano: "
                   "mixtures of ReLU² experts)", "GGUF (nemotron_h, nemotron_h_moe), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of the attention layers); "
-                  "KV cache options refused", "yes (int8 / q4 weights), a token's step one C call",
+                  "KV cache options refused", "yes (int8 / q4 / 16bit weights), a token's step one C call",
                   "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, dense MLPs and mixers",
                   "random tiny (transformers)"),
     FamilySupport("falcon_h1 (Falcon-H1: attention and Mamba-2 side by side in every layer, µP multipliers folded at load)",
                   "GGUF (falcon-h1), HF",
                   "HybridStateCache (Mamba-2 states with checkpoints + contiguous K/V of every layer); KV cache options refused",
-                  "yes (int8 / q4 weights), a token's step one C call",
+                  "yes (int8 / q4 / 16bit weights), a token's step one C call",
                   "yes: decode rows together in one C call a step, prompts one after another, one state + K/V per request; "
                   "prefix cache of block-boundary states with their blocks' keys; speculative decoding, engine included (exact; a verify is one C pass); LoRA on attention, MLPs and mixers (HF folders)",
                   "random tiny (transformers)"),

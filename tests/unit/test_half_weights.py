@@ -180,6 +180,37 @@ def test_quantized_weights_keep_a_half_folders_embedding_16_bit(smollm2_bf16_fol
     assert torch.equal(logits_from_scratch(llm, ids), want)
 
 
+def _family_gguf(family: str, kind, folder: Path) -> Path:
+    from tests.support.tiny_gguf import write_granite_hybrid_gguf, write_mamba_gguf
+    from tests.support.tiny_hf import save_tiny_granite_hybrid, save_tiny_mamba2
+
+    tokenizer = tokenizer_folder(folder / "tokenizer")
+    if family == "mamba2":
+        return write_mamba_gguf(folder / "m.gguf", save_tiny_mamba2(folder / "hf", tokenizer), model_path("smollm2"), kind)
+    if family == "granite-hybrid":
+        return write_granite_hybrid_gguf(folder / "m.gguf", save_tiny_granite_hybrid(folder / "hf", tokenizer), model_path("smollm2"), kind)
+    model = save_tiny_decoder(family, folder / "hf", tokenizer)
+    return write_gguf_from_hf(folder / "m.gguf", model, model_path("smollm2"), kind, embedding_type=kind)
+
+
+@pytest.mark.parametrize("family, kind", [("mamba2", Q.BF16), ("granite-hybrid", Q.F16), ("deepseek-v2", Q.F16), ("gpt-oss", Q.BF16)])
+def test_every_c_step_takes_16bit_weights(family: str, kind, tmp_path: Path) -> None:
+    """The state-space, hybrid, latent-attention and mixture steps read the 16-bit rows too: the fp32
+    mode's greedy tokens, and a row's tokens the same batched as alone."""
+    from kvgen.models.hybrid_decode import hybrid_runs_in_c
+    from kvgen.models.mamba_decode import runs_in_c
+
+    path = _family_gguf(family, kind, tmp_path)
+    half, exact = LLM.load(path, progress=False), LLM.load(path, progress=False, weights="fp32")
+    assert half.weights == "16bit" and any(isinstance(m, HalfLinear) for m in half.model.modules())
+    in_c = {"mamba2": runs_in_c, "granite-hybrid": hybrid_runs_in_c}.get(family, lambda m: m.fast_decoder() is not None)
+    assert in_c(half.model)
+    prompts = [list(range(100, 130)), list(range(200, 210))]
+    alone = [half.generate(ids, GREEDY).token_ids for ids in prompts]
+    assert alone[0] == exact.generate(prompts[0], GREEDY).token_ids
+    assert [r.token_ids for r in half.generate_batch(prompts, GREEDY)] == alone
+
+
 def test_16bit_is_refused_where_no_weight_is_16_bit(smollm2_bf16_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--weights 16bit .* quantized"):
         LLM.load(model_path("smollm2"), progress=False, weights="16bit")

@@ -43,6 +43,7 @@ from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinea
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chain_ends, layer_major, linked_rows, replayed, trace_for
 from kvgen.models.recurrent import commit_chain
+from kvgen.models.half_linear import HalfLinear
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
 
@@ -74,14 +75,14 @@ class _Layer(NamedTuple):
 
 
 def hybrid_runs_in_c(model: nn.Module) -> bool:
-    """Whether every projection the C kernels read is quantized, and the kernels are built."""
+    """Whether every projection the C kernels read is quantized or 16-bit, and the kernels are built."""
     for block in model.layers:
         linears = mlp_linears(block.mlp)
         if block.mixer is not None:
             linears += [block.mixer.in_proj, block.mixer.out_proj]
         if block.attn is not None:  # a parallel layer (Falcon-H1) has both
             linears += [block.attn.qkv, block.attn.o_proj]
-        if not all(isinstance(linear, QuantizedLinear) for linear in linears):
+        if not all(isinstance(linear, QuantizedLinear | HalfLinear) for linear in linears):
             return False
     return load() is not None
 
@@ -118,6 +119,7 @@ class HybridStep(MixerStructs):
         self._rope_table = torch.empty(0, 2, d.head_dim)  # _turn's
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
+        self._float_rows = any(isinstance(m, HalfLinear) for m in model.layers.modules())  # 16-bit weights' rows
         self._input = torch.empty(0)  # a parallel layer's mixer input: h's rows before its attention adds into h
         self._decoder = d
         self._lora_tables = LoraTables(model, len(self.layers))
@@ -295,6 +297,6 @@ class HybridStep(MixerStructs):
 
     def _scratch_for_rows(self, rows: int) -> ctypes.Structure:
         if rows > self._rows_capacity:
-            self._rows_buffers, self._rows_struct = rows_scratch_for(self._decoder, rows)
+            self._rows_buffers, self._rows_struct = rows_scratch_for(self._decoder, rows, self._float_rows)
             self._rows_capacity = rows
         return self._rows_struct
