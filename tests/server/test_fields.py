@@ -1,7 +1,8 @@
 """Every OpenAI request field is honoured or refused: refused and unknown fields are 400s naming the
 field (through the official openai client), and the honoured ones that are new here do what they say
 (logit_bias on chat, response_format on completions, echo with prompt logprobs, several prompts,
-metadata, and vLLM's sampling and structured_outputs extensions)."""
+metadata, and vLLM's sampling and structured_outputs extensions, top_k and logit_bias on Responses
+too)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,23 @@ def test_logit_bias_on_chat_equals_the_engine_free_reference(client, server, smo
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, logit_bias={"99999999": 1})
     assert caught.value.body["param"] == "logit_bias"
+
+
+def test_top_k_and_logit_bias_on_responses_equal_chats(client, server, smollm2) -> None:
+    """vLLM's Responses takes top_k and logit_bias as its chat does: the same text as chat for the same
+    conversation and fields, top_k=1 at temperature 1.5 the greedy text, a bias off the vocabulary a 400."""
+    greedy = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=8, temperature=0)
+    narrowed = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=8, temperature=1.5, extra_body={"top_k": 1})
+    assert narrowed.output_text == greedy.output_text
+    bias = {str(smollm2.tokenizer.encode(greedy.output_text, add_special_tokens=False)[0]): -100.0}  # its first token, banned
+    biased = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=8, temperature=0, extra_body={"logit_bias": bias})
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=8, temperature=0, logit_bias=bias)
+    assert biased.output_text == chat.choices[0].message.content != greedy.output_text
+    for field, value in (("logit_bias", {"99999999": 1}), ("top_k", -2)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2, extra_body={field: value})
+        assert caught.value.body["param"] == field
+    server.assert_no_leaks()
 
 
 def test_response_format_on_completions(client, server) -> None:

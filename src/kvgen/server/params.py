@@ -36,7 +36,7 @@ class Sampling:
     top_logprobs: int = 0
     ignore_eos: bool = False
     adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
-    top_k: int | None = None  # vLLM's extensions (chat and completions); -1 or 0: off
+    top_k: int | None = None  # vLLM's extensions (chat and completions; top_k on Responses too); -1 or 0: off
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None

@@ -87,7 +87,7 @@ class ResponsesAPI:
         structured = await asyncio.to_thread(reply_grammar, reply_format, plan, answer, starts_in_reasoning(prompt_text), "text.format")
         sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, adapter=adapter,
                             skip_special_tokens=skips_special_tokens(reply_format), logprobs=body.wants_logprobs,
-                            top_logprobs=body.top_logprobs or 0)  # fmt: skip
+                            top_logprobs=body.top_logprobs or 0, top_k=body.top_k, logit_bias=body.logit_bias)  # fmt: skip
         params = build_params(sampling, "responses", serving.config.max_tokens_limit, serving.engine.engine, serving.limits, structured)
         request_id, salt, speculative = f"resp_{uuid.uuid4().hex}", serving.salt(api_key, body.cache_salt), build_speculative(body.speculative)
         jobs = [(ids, params[0])]

@@ -124,6 +124,9 @@ class ResponsesRequest(Strict):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # kvgen extension
     speculative: SpeculativeOptions | None = None  # kvgen extension
     reasoning: ReasoningConfig | None = None
+    # extensions (as vLLM's Responses takes them): top-k sampling and per-token logit biases
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: every token
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("metadata")
     @classmethod
