@@ -134,7 +134,8 @@ def test_16bit_decode_steps_run_in_c_with_the_same_tokens_alone_batched_and_spec
     assert [r.token_ids for r in llm.generate_batch(prompts, GREEDY)] == alone
     quote = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
     plain = llm.generate(quote, GREEDY).token_ids
-    assert llm.generate(quote, GREEDY, speculative=SpeculativeConfig("lookup")).token_ids == plain
+    for method in ("lookup", "self", "eagle"):  # EAGLE's draft rows: the 16-bit head's, as 8-bit blocks
+        assert llm.generate(quote, GREEDY, speculative=SpeculativeConfig(method)).token_ids == plain, method
     llm.model.use_fast_decode = False  # the torch path, the C step's reference: the same greedy tokens
     assert [llm.generate(prompt, GREEDY).token_ids for prompt in prompts] == alone
 

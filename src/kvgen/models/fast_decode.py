@@ -1,6 +1,6 @@
 """FastDecoder: one-token, batch-1 decode steps run in C (kernels/decode.c), two calls per block.
 
-Eligible when every block matmul is a QuantizedLinear (the int8 / q4 weight modes) and the model is
+Eligible when every block matmul is a QuantizedLinear (the int8 / q4 weight modes) or a HalfLinear (16bit) and the model is
 a family decode.c knows (pre-norm Llama blocks, Gemma 3 sandwich blocks). The cache contract says
 where keys and values live: fp32 storage read in place (`kernel_layout`, one C call per token),
 packed codes the kernels read (`codes_view`, one C call per token), or anything else through

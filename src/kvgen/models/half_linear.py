@@ -110,6 +110,10 @@ class HalfLinear(nn.Module):
     def pair_interleaved(self) -> bool:
         return self.weight16.dtype == torch.bfloat16
 
+    def dequantized(self) -> torch.Tensor:
+        """The weight as a new fp32 [out, in] tensor in the checkpoint's order (QuantizedLinear's name)."""
+        return (row_major(self.weight16) if self.pair_interleaved else self.weight16).float()
+
     def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. row_invariant: the C kernel at any row count, whose output for a
         row does not depend on the other rows."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.base import DecoderLM
+from kvgen.models.half_linear import HalfLinear
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.sampler import argmax
@@ -32,18 +33,24 @@ SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors
 
 
 def draft_head_rows(model: DecoderLM, vocab: torch.Tensor) -> torch.Tensor:
-    """The target's LM head rows for `vocab`, [N, H] fp32 (a quantized head dequantized once)."""
+    """The target's LM head rows for `vocab`, [N, H] fp32 (a quantized or 16-bit head widened once)."""
     head = model.lm_head
-    weight = head.dequantized() if isinstance(head, QuantizedLinear) else head.weight
+    weight = head.dequantized() if isinstance(head, QuantizedLinear | HalfLinear) else head.weight
     return weight[vocab].float().contiguous()
 
 
 def draft_projection_weight(model: DecoderLM, vocab: torch.Tensor) -> QuantizedWeight | torch.Tensor:
-    """The LM head restricted to `vocab`: for a quantized target head its rows requantized to 8 bits
-    (exact for Q8_0 rows), for the same C kernel, a twelfth of the full head's bytes at 4,096 rows;
-    an fp32 head's rows as they are."""
+    """The LM head restricted to `vocab`: for a quantized or 16-bit target head (whose decode steps
+    run in C) its rows requantized to 8 bits (exact for Q8_0 rows), for the same C kernel, a twelfth
+    of the full head's bytes at 4,096 rows; an fp32 head's rows as they are. Drafts only propose:
+    the target's verify keeps the output exact either way."""
     rows = draft_head_rows(model, vocab)
-    return requantize(rows, "q8s") if isinstance(model.lm_head, QuantizedLinear) else rows
+    return requantize(rows, "q8s") if _c_target(model) else rows
+
+
+def _c_target(model: DecoderLM) -> bool:
+    """Whether the target's head is quantized or 16-bit: its steps run in C, and so does the head's."""
+    return isinstance(model.lm_head, QuantizedLinear | HalfLinear)
 
 
 def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
@@ -71,7 +78,7 @@ def eagle_proposer(model: DecoderLM, path: str | Path | None) -> "EagleProposer"
         head = load_eagle_head(path, model)
         # On a quantized target the head's layer runs the C decode step over 8-bit linears: a
         # draft token then reads ~4 MB of head weights instead of ~17 MB in fp32.
-        fast = FastHeadWeights(head) if isinstance(model.lm_head, QuantizedLinear) else None
+        fast = FastHeadWeights(head) if _c_target(model) else None
         per_model[key] = head, draft_projection_weight(model, head.draft_vocab), fast
     head, weight, fast = per_model[key]
     return EagleProposer(model, head, weight, fast)
