@@ -75,6 +75,29 @@ def test_half_kernels_give_the_same_bits_with_any_instruction_set(tmp_path: Path
         assert torch.equal(again, widened), name
 
 
+def test_kvgen_prefill_gemm_picks_the_many_row_path(monkeypatch) -> None:
+    """fp32 (the default): the widened GEMM; int8: the C kernel at every row count (each row's bits
+    alone); bf16: oneDNN's bf16 GEMM, bf16's rounding from the fp32 product; anything else refused."""
+    torch.manual_seed(3)
+    weight, x = torch.randn(64, 96).bfloat16(), torch.randn(40, 96)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    outputs = {}
+    for choice in ("auto", "fp32", "int8", "bf16"):
+        monkeypatch.setenv("KVGEN_PREFILL_GEMM", choice)
+        layer = HalfLinear(weight)
+        outputs[choice] = layer(x)
+        assert layer.prefill == ("fp32" if choice == "auto" else choice)
+        if choice == "int8":
+            assert torch.equal(outputs[choice], layer(x, row_invariant=True))
+    assert torch.equal(outputs["auto"], outputs["fp32"])
+    assert torch.allclose(outputs["fp32"].double(), exact, atol=1e-4)
+    assert not torch.allclose(outputs["bf16"].double(), exact, atol=1e-4)  # rounded, as documented
+    assert torch.allclose(outputs["bf16"].double(), exact, atol=0.05 * exact.abs().max().item())
+    monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp16")
+    with pytest.raises(ValueError, match="KVGEN_PREFILL_GEMM"):
+        HalfLinear(weight)
+
+
 def test_half_linear_refuses_other_weights() -> None:
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         HalfLinear(torch.randn(8, 32))

@@ -8,18 +8,24 @@ reads every weight once, reads half the bytes.
 Few rows (decode, verifies, small batches) run the C kernel, which reads the 16-bit weights once for
 all of them. Many rows (prefill) widen the weight a slice at a time into a buffer and run torch's
 GEMM on each slice: there the multiplies, not the bytes, bound the time, and the BLAS does them faster.
+KVGEN_PREFILL_GEMM (models/quantized_linear.py) picks the many-row path here too: fp32 (the default
+above), int8 (no GEMM: the C kernel at every row count, as for quantized weights) or bf16 (oneDNN's
+bf16 GEMM from 24 rows: activations, outputs and F16 weights rounded to bf16).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv import huge_pages
+from kvgen.models.quantized_linear import BF16_GEMM_ROWS_THRESHOLD, NEVER, prefill_path
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # From about this many rows on, widening the weight and a BLAS GEMM beat the C kernel (one SmolLM2
@@ -101,6 +107,9 @@ class HalfLinear(nn.Module):
         self.register_buffer("weight16", _on_huge_pages(weight, bf16), persistent=False)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self._weight_ptr = self.weight16.data_ptr()
+        explicit = os.environ.get("KVGEN_PREFILL_GEMM", "auto")
+        self.prefill = "fp32" if prefill_path() == "int8" and explicit == "auto" else prefill_path()  # the default: fp32
+        self.gemm_rows = {"int8": NEVER, "bf16": BF16_GEMM_ROWS_THRESHOLD}.get(self.prefill, GEMM_ROWS_THRESHOLD)
 
     @property
     def kind(self) -> str:
@@ -122,8 +131,8 @@ class HalfLinear(nn.Module):
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         m = rows.shape[0]
-        if m >= GEMM_ROWS_THRESHOLD and not row_invariant:
-            y = self._widened_gemm(rows)
+        if m >= self.gemm_rows and not row_invariant:
+            y = self._bf16_gemm(rows) if self.prefill == "bf16" else self._widened_gemm(rows)
         else:
             y = torch.empty(m, self.out_features)
             self._linear(self._weight_ptr, rows.data_ptr(), y.data_ptr(), m, self.out_features, self.in_features)
@@ -150,6 +159,11 @@ class HalfLinear(nn.Module):
                 piece.copy_(self.weight16[first:end])
             torch.mm(piece, rows.t(), out=out[first:end])
         return out.t().contiguous()
+
+    def _bf16_gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """KVGEN_PREFILL_GEMM=bf16: rows and weight in bf16 through torch's (oneDNN's) GEMM."""
+        weight = row_major(self.weight16) if self.pair_interleaved else self.weight16.to(torch.bfloat16)
+        return F.linear(rows.to(torch.bfloat16), weight).float()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}, {self.weight16.numel() * 2 / 2**20:.1f} MiB"
