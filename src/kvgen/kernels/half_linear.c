@@ -95,24 +95,6 @@ void kvgen_widen_bf16_pairs(const uint16_t* w, float* out, int64_t rows, int64_t
     }
 }
 
-// The threads split the outputs in groups of HALF_OUTPUTS; a group runs every row of x while its
-// weights are in cache, so M rows read the weights from memory once. (Widening a group's weights
-// once into an fp32 buffer for all the rows ran slower on Zen 4: a load per FMA either way, and the
-// buffer's stores on top.)
-static void half_linear(const uint16_t* w, int bf16, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
-    const int64_t groups = (n + HALF_OUTPUTS - 1) / HALF_OUTPUTS;
-#pragma omp parallel for schedule(static) if (n * k * (m < 4 ? m : 4) > 65536)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t o = g * HALF_OUTPUTS;
-        const int outputs = (int)(n - o < HALF_OUTPUTS ? n - o : HALF_OUTPUTS);
-        float out[HALF_OUTPUTS];
-        for (int64_t r = 0; r < m; r++) {
-            half_dots(w + o * k, k, outputs, bf16, x + r * k, out);
-            memcpy(y + r * n + o, out, (size_t)outputs * sizeof(float));
-        }
-    }
-}
-
 typedef uint16_t block_f16;   // FOR_KIND's names: a row's weights, 16 bits each
 typedef uint16_t block_bf16;
 
@@ -160,6 +142,15 @@ HALF_KIND(f16, 0)
 HALF_KIND(bf16, 1)
 
 static inline int kind_is_half(int32_t kind) { return kind == 10 || kind == 11; }
+
+// HalfLinear's call: m rows by a team of its own (one thread where the work is small). A group of
+// outputs runs every row while its weights are in cache, so M rows read the weights from memory
+// once. (Widening a group's weights once into an fp32 buffer for all the rows ran slower on Zen 4:
+// a load per FMA either way, and the buffer's stores on top.)
+static void half_linear(const uint16_t* w, int bf16, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
+#pragma omp parallel if (n * k * (m < 4 ? m : 4) > 65536)
+    half_rows_team(w, bf16, x, y, m, n, k, NULL);
+}
 
 void kvgen_linear_f16(const uint16_t* w, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
     half_linear(w, 0, x, y, m, n, k);

@@ -35,7 +35,7 @@ from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
 from kvgen.models.mla import LatentAttention
 from kvgen.models.moe import SparseMoE
-from kvgen.models.half_linear import HalfLinear
+from kvgen.models.half_linear import HalfLinear, has_half_linears
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding
 
@@ -267,7 +267,7 @@ class FastDecoder:
         self.runs_prompts = all(
             getattr(block.attn.qkv, "prefill", None) == "int8" for block in model.layers  # type: ignore[union-attr]
         )
-        self._float_rows = any(isinstance(m, HalfLinear) for m in model.layers.modules())  # 16-bit weights' rows
+        self._float_rows = has_half_linears(model.layers)
         self._rows_buffers: list[torch.Tensor] = []  # step_rows' scratch, grown to the most rows seen
         self._rows_scratch = _RowsScratch()
         self._rows_capacity = 0

@@ -15,7 +15,6 @@ bf16 GEMM from 24 rows: activations, outputs and F16 weights rounded to bf16).
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
@@ -65,6 +64,12 @@ def _widened_buffer(size: int) -> torch.Tensor:
     return buffer[:size]
 
 
+def has_half_linears(module: nn.Module) -> bool:
+    """Whether some linear under `module` keeps 16-bit weights (the C rows steps then hold the
+    activations as floats)."""
+    return any(isinstance(m, HalfLinear) for m in module.modules())
+
+
 def pair_interleaved(weight: torch.Tensor) -> torch.Tensor:
     """BF16 rows [n, k] in the kernels' layout: in each 16 weights, weight i and 8 + i side by side, so
     one load widens to two fp32 vectors in order with a shift and a mask (kernels/half_linear.c). A
@@ -107,8 +112,7 @@ class HalfLinear(nn.Module):
         self.register_buffer("weight16", _on_huge_pages(weight, bf16), persistent=False)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self._weight_ptr = self.weight16.data_ptr()
-        explicit = os.environ.get("KVGEN_PREFILL_GEMM", "auto")
-        self.prefill = "fp32" if prefill_path() == "int8" and explicit == "auto" else prefill_path()  # the default: fp32
+        self.prefill = prefill_path(default="fp32")
         self.gemm_rows = {"int8": NEVER, "bf16": BF16_GEMM_ROWS_THRESHOLD}.get(self.prefill, GEMM_ROWS_THRESHOLD)
 
     @property

@@ -43,7 +43,7 @@ from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinea
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chain_ends, layer_major, linked_rows, replayed, trace_for
 from kvgen.models.recurrent import commit_chain
-from kvgen.models.half_linear import HalfLinear
+from kvgen.models.half_linear import HalfLinear, has_half_linears
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.models.short_conv import ShortConvMixer
 
@@ -119,7 +119,7 @@ class HybridStep(MixerStructs):
         self._rope_table = torch.empty(0, 2, d.head_dim)  # _turn's
         self._one_layer = torch.zeros(1, dtype=torch.int64)  # rope kind 0 and full attention (window 0) for one block
         self._rows_capacity, self._rows_buffers, self._rows_struct = 0, [], None
-        self._float_rows = any(isinstance(m, HalfLinear) for m in model.layers.modules())  # 16-bit weights' rows
+        self._float_rows = has_half_linears(model.layers)
         self._input = torch.empty(0)  # a parallel layer's mixer input: h's rows before its attention adds into h
         self._decoder = d
         self._lora_tables = LoraTables(model, len(self.layers))

@@ -46,13 +46,14 @@ PrefillPath = Literal["int8", "fp32", "bf16"]
 NEVER = sys.maxsize
 
 
-def prefill_path() -> PrefillPath:
-    """How many rows are multiplied: KVGEN_PREFILL_GEMM, else the int8 C kernel."""
+def prefill_path(default: PrefillPath = "int8") -> PrefillPath:
+    """How many rows are multiplied: KVGEN_PREFILL_GEMM, else `default` (quantized weights: the int8
+    C kernel; 16-bit ones: the widened fp32 GEMM)."""
     choice = os.environ.get("KVGEN_PREFILL_GEMM", "auto")
     if choice not in ("auto", "int8", "fp32", "bf16"):
         raise ValueError(f"KVGEN_PREFILL_GEMM must be auto, int8, fp32 or bf16, got {choice!r}")
     if choice == "auto":
-        return "int8"
+        return default
     return choice  # type: ignore[return-value]
 
 

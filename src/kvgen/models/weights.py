@@ -79,6 +79,15 @@ def fused_linear(weights: list[Weight], biases: list[torch.Tensor | None] | None
     return linear(torch.cat(weights, dim=0), bias)  # type: ignore[arg-type]
 
 
+def _tied_half_rows(head: nn.Module, tied: bool, table_dtype: torch.dtype | None, shape: tuple[int, int],
+                    dtype: torch.dtype) -> HalfRows | None:  # fmt: skip
+    """A tied 16-bit table's rows read from its HalfLinear head, which holds the same values (None
+    where the head is not that)."""
+    if tied and isinstance(head, HalfLinear) and head.weight16.dtype == table_dtype and tuple(head.weight16.shape) == shape:
+        return HalfRows(head.weight16, dtype, head.pair_interleaved)
+    return None
+
+
 def token_embedding(weight: torch.Tensor | QuantizedRows | HalfWeight, head: nn.Module, tied: bool) -> nn.Parameter | QuantizedEmbedding:
     """A model's token embedding: a float table as it is; a quantized file's rows read from the
     head where a tied head holds them unchanged (Q8_0 as `q8s`, F16 / BF16 in a HalfLinear), else
@@ -86,13 +95,12 @@ def token_embedding(weight: torch.Tensor | QuantizedRows | HalfWeight, head: nn.
     if isinstance(weight, torch.Tensor):
         return frozen(weight)
     if isinstance(weight, HalfWeight):
-        table = weight.values
-        shares = tied and isinstance(head, HalfLinear) and head.weight16.dtype == table.dtype and head.weight16.shape == table.shape
-        return QuantizedEmbedding(HalfRows(head.weight16, torch.float32, head.pair_interleaved) if shares else HalfRows(table, torch.float32))
+        rows = _tied_half_rows(head, tied, weight.values.dtype, tuple(weight.shape), torch.float32)
+        return QuantizedEmbedding(rows if rows is not None else HalfRows(weight.values, torch.float32))
     half_type = {F16: torch.float16, BF16: torch.bfloat16}.get(weight.type_id)
-    if (tied and half_type is not None and isinstance(head, HalfLinear) and head.weight16.dtype == half_type
-            and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim)):  # fmt: skip
-        return QuantizedEmbedding(HalfRows(head.weight16, weight.dtype, head.pair_interleaved))
+    rows = _tied_half_rows(head, tied, half_type, (weight.num_embeddings, weight.embedding_dim), weight.dtype)
+    if rows is not None:
+        return QuantizedEmbedding(rows)
     in_head = (tied and weight.type_id == Q8_0 and getattr(head, "kind", None) == "q8s"
                and (head.out_features, head.in_features) == (weight.num_embeddings, weight.embedding_dim))  # fmt: skip
     return QuantizedEmbedding(HeadRows(head, weight.dtype) if in_head else weight.owned())
