@@ -181,6 +181,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     for name in ("kvgen_linear_f16", "kvgen_linear_bf16"):
         getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
     library.kvgen_widen_bf16_pairs.argtypes = [pointer, pointer, count, count]
+    for name in ("kvgen_gemm_bf16_rows", "kvgen_gemm_f16_rows"):
+        getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
+        getattr(library, name).restype = ctypes.c_int32
+    library.kvgen_bf16_gemm_built.restype = ctypes.c_int32
     library.kvgen_rms_norm_rows.argtypes = [pointer, pointer, ctypes.c_float, count, count, pointer]
     library.kvgen_swiglu_rows.argtypes = [pointer, count, count, pointer]
     library.kvgen_argmax_f32.argtypes = [pointer, count]

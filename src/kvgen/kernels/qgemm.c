@@ -165,6 +165,7 @@ DEQUANTIZE_Q6KX8(kvgen_dequantize_q6kx8_bf16, uint16_t, as_bf16)
 
 #include "half_linear.c"
 #include "decode.c"
+#include "bf16_gemm.c"
 #include "mamba_step.c"
 #include "hybrid_step.c"
 #include "eagle_step.c"
