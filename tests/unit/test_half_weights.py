@@ -61,17 +61,17 @@ def test_half_linear_equals_an_fp64_matmul_and_a_row_gets_its_bits_at_any_row_co
 def test_the_bf16_kernel_rounds_the_activations_alone_and_a_row_gets_its_bits_at_any_row_count(dtype: torch.dtype) -> None:
     """Many rows on AVX512-BF16: the activations rounded to bf16, the file's weights exact (an F16
     weight split into a bf16 part and the rest), fp32 sums; each row's bits as in any other batch,
-    across the kernel's tiles of 4 rows x 4 outputs and panels of 64 rows."""
+    across the kernel's tiles of 4 rows x 4 outputs and its panels of rows (64 at 2,048 values)."""
     torch.manual_seed(4)
-    weight, bias = torch.randn(102, 96).to(dtype), torch.randn(102)
+    weight, bias = torch.randn(102, 2048).to(dtype), torch.randn(102)
     layer = HalfLinear(weight, bias)
     assert layer.prefill == "bf16"
-    x = torch.randn(70, 96)
+    x = torch.randn(70, 2048)
     together = layer(x)
     rounded = torch.nn.functional.linear(x.bfloat16().double(), weight.double(), bias.double())
-    assert torch.allclose(together.double(), rounded, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(together.double(), rounded, atol=1e-3, rtol=1e-5)
     exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    assert not torch.allclose(together.double(), exact, atol=1e-3)  # the rounding is there
+    assert not torch.allclose(together.double(), exact, atol=1e-2)  # the rounding is there
     for first, count in ((0, 8), (5, 9), (61, 9), (3, 33)):
         assert torch.equal(layer(x[first : first + count]), together[first : first + count]), (first, count)
 

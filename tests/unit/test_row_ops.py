@@ -35,18 +35,22 @@ def test_rms_norm_matches_torch_and_ignores_the_row_count() -> None:
     assert torch.equal(norm(x[1, 9:10]), y[1, 9:10])
 
 
-def swiglu_in_c(gate_up: torch.Tensor) -> torch.Tensor:
+def gated_in_c(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    load().kvgen_swiglu_rows(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
+    load().kvgen_gated_rows(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], act, out.data_ptr())
     return out
 
 
-def test_swiglu_matches_torch_and_ignores_the_row_count() -> None:
+@pytest.mark.parametrize("act", [0, 1])
+def test_gated_activations_match_torch_and_ignore_the_row_count(act: int) -> None:
+    """SwiGLU (0) and tanh-GELU's GeGLU (1), the C decode step's, over many rows."""
     torch.manual_seed(1)
     gate_up = torch.randn(40, 2 * 100) * 4  # 100: the vector loop and its scalar tail
-    hidden = swiglu_in_c(gate_up)
-    torch.testing.assert_close(hidden, F.silu(gate_up[:, :100]) * gate_up[:, 100:], rtol=1e-5, atol=1e-6)
-    assert torch.equal(swiglu_in_c(gate_up[7:8].clone()), hidden[7:8])
+    hidden = gated_in_c(gate_up, act)
+    gate, up = gate_up[:, :100], gate_up[:, 100:]
+    reference = (F.silu(gate) if act == 0 else F.gelu(gate, approximate="tanh")) * up
+    torch.testing.assert_close(hidden, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gated_in_c(gate_up[7:8].clone(), act), hidden[7:8])
 
 
 def test_argmax_is_torchs_with_any_instruction_set(tmp_path) -> None:

@@ -2,16 +2,16 @@
 // @ W[N, K]^T, the activations rounded to bf16 once, the products summed in fp32 and the outputs fp32.
 // Where a decode step is bound by the bytes it reads (half_linear.c keeps activations fp32), a prompt
 // is bound by its multiplies: vdpbf16ps does 32 multiply-adds an instruction against an fp32 FMA's 16
-// (SmolLM2's linears at 128 rows on 2 Zen 4 cores: 680-820 GFLOPS against the widened fp32 GEMM's
-// ~190; oneDNN's bf16 GEMM runs as fast but rounds its outputs to bf16 too).
+// (SmolLM2's linears at 128 rows on 2 Zen 4 cores: 640-810 GFLOPS against the widened fp32 GEMM's
+// ~185; oneDNN's bf16 GEMM runs as fast but rounds its outputs to bf16 too).
 //
 // BF16 weights are read as HalfLinear keeps them (pair-interleaved, half_linear.c): a dot product does
 // not care in which order its terms come, so the activations are rounded into the same order. F16
 // weights are split, a tile of outputs at a time, into a bf16 part and the rest (exact in bf16: an F16
 // value has 11 significant bits, bf16 8), both dotted with the activations: the file's values exactly,
-// for twice the multiplies (still ~2x the fp32 GEMM).
+// for twice the multiplies (still ~2.4x the fp32 GEMM).
 //
-// Each output of each row is one 16-lane accumulator over K in order, then _mm512_reduce_add_ps,
+// Each output of each row is one 16-lane accumulator over K in order, then one fixed reduction,
 // whatever the tile, so a row's outputs do not depend on the other rows (row-invariant, as the C
 // decode kernels are). K is a multiple of 32 (the loaders keep other shapes fp32).
 //
@@ -24,7 +24,11 @@
 #define BF16_GEMM_BUILT 1
 #define BF16_TILE_ROWS 4     // rows that share each load of a weight vector
 #define BF16_TILE_OUTPUTS 4  // outputs that share each load of an activation vector
-#define BF16_PANEL_ROWS 64   // rows whose activations stay in cache while every tile of outputs runs over them
+// Rows whose bf16 activations (at most this many bytes) stay in L2 while every tile of outputs runs
+// over them: the weights are read from memory once a panel. With the shared reduction above, in
+// place of panels of 64 rows and four reductions: Gemma 3's 4096 x 640 at 128 rows 1.35 -> 1.11 ms
+// with its weights cold, 1.07 -> 0.92 hot; SmolLM2's 3072 x 576 0.90 -> 0.77 and 0.74 -> 0.62.
+#define BF16_PANEL_BYTES (256 * 1024)
 
 static inline __m512bh bf16x32(const uint16_t* p) {
     const __m512i v = _mm512_loadu_si512(p);
@@ -62,7 +66,29 @@ static void split_f16_rows(const uint16_t* w, uint16_t* out, int outputs, int64_
         }
 }
 
-// A full tile: BF16_TILE_ROWS rows x BF16_TILE_OUTPUTS outputs. Weight row o starts at w + o * stride
+// Four outputs' 16-lane accumulators -> their four sums, stored to y[0 .. outputs). Each output's
+// lanes are added in one fixed tree whatever the other three hold, so a full tile and an edge tile
+// (zeros for the outputs it lacks) give an output the same bits. One tree for four outputs takes
+// ~13 instructions where four _mm512_reduce_add_ps took ~32, against a tile's 4 x 4 dot products
+// per 32 values of k: a third of them at K = 640.
+static inline void store_sums4(__m512 a, __m512 b, __m512 c, __m512 d, float* y, int outputs) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d in each 128 bits
+    const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+    if (outputs == 4) {
+        _mm_storeu_ps(y, sums);
+    } else {
+        float all[4];
+        _mm_storeu_ps(all, sums);
+        for (int o = 0; o < outputs; o++) y[o] = all[o];
+    }
+}
+
+// A full tile: BF16_TILE_ROWS rows x BF16_TILE_OUTPUTS (4) outputs. Weight row o starts at w + o * stride
 // and holds `parts` runs of k values, each dotted with the row's k activations.
 static void bf16_tile(const uint16_t* x, const uint16_t* w, int64_t stride, int parts, float* y, int64_t n, int64_t k) {
     __m512 acc[BF16_TILE_ROWS][BF16_TILE_OUTPUTS];
@@ -77,21 +103,22 @@ static void bf16_tile(const uint16_t* x, const uint16_t* w, int64_t stride, int 
                 for (int o = 0; o < BF16_TILE_OUTPUTS; o++) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
             }
         }
-    for (int r = 0; r < BF16_TILE_ROWS; r++)
-        for (int o = 0; o < BF16_TILE_OUTPUTS; o++) y[r * n + o] = _mm512_reduce_add_ps(acc[r][o]);
+    for (int r = 0; r < BF16_TILE_ROWS; r++) store_sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], y + r * n, 4);
 }
 
-// A partial tile at the edges, each output in bf16_tile's order (the same bits).
+// A partial tile at the edges, each output summed as bf16_tile sums it (the same bits).
 static void bf16_tile_edge(const uint16_t* x, const uint16_t* w, int64_t stride, int parts, float* y, int64_t n,
                            int64_t k, int rows, int outputs) {
-    for (int r = 0; r < rows; r++)
-        for (int o = 0; o < outputs; o++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t j = 0; j < k; j += 32)
-                for (int part = 0; part < parts; part++)
-                    acc = _mm512_dpbf16_ps(acc, bf16x32(x + r * k + j), bf16x32(w + o * stride + part * k + j));
-            y[r * n + o] = _mm512_reduce_add_ps(acc);
-        }
+    for (int r = 0; r < rows; r++) {
+        __m512 acc[BF16_TILE_OUTPUTS];
+        for (int o = 0; o < BF16_TILE_OUTPUTS; o++) acc[o] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 32)
+            for (int part = 0; part < parts; part++) {
+                const __m512bh xv = bf16x32(x + r * k + j);
+                for (int o = 0; o < outputs; o++) acc[o] = _mm512_dpbf16_ps(acc[o], xv, bf16x32(w + o * stride + part * k + j));
+            }
+        store_sums4(acc[0], acc[1], acc[2], acc[3], y + r * n, outputs);
+    }
 }
 
 // f16: F16 rows split a tile at a time; else pair-interleaved BF16 rows read in place.
@@ -105,13 +132,15 @@ static int gemm_half_bf16(const uint16_t* w, int f16, const float* x, float* y, 
         return -2;
     }
     const int64_t tiles = (n + BF16_TILE_OUTPUTS - 1) / BF16_TILE_OUTPUTS;
+    int64_t panel = BF16_PANEL_BYTES / (2 * k) / BF16_TILE_ROWS * BF16_TILE_ROWS;
+    panel = panel < BF16_TILE_ROWS ? BF16_TILE_ROWS : panel;
 #pragma omp parallel num_threads(threads)
     {
         uint16_t* split = f16 ? splits + split_size * omp_get_thread_num() : NULL;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) floats_to_bf16(x + r * k, rows + r * k, k, !f16);
-        for (int64_t first = 0; first < m; first += BF16_PANEL_ROWS) {
-            const int64_t end = first + BF16_PANEL_ROWS < m ? first + BF16_PANEL_ROWS : m;
+        for (int64_t first = 0; first < m; first += panel) {
+            const int64_t end = first + panel < m ? first + panel : m;
             // nowait: the panels write different rows of y, and every thread reads `rows` only
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++) {

@@ -186,7 +186,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, name).restype = ctypes.c_int32
     library.kvgen_bf16_gemm_built.restype = ctypes.c_int32
     library.kvgen_rms_norm_rows.argtypes = [pointer, pointer, ctypes.c_float, count, count, pointer]
-    library.kvgen_swiglu_rows.argtypes = [pointer, count, count, pointer]
+    library.kvgen_gated_rows.argtypes = [pointer, count, count, ctypes.c_int32, pointer]
     library.kvgen_argmax_f32.argtypes = [pointer, count]
     library.kvgen_argmax_f32.restype = count
     library.kvgen_amx_set.argtypes = [ctypes.c_int]
@@ -244,7 +244,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                                      pointer, pointer, count, count, count, count, pointer, pointer,
                                                      pointer, pointer, pointer, count, pointer, pointer, pointer, pointer,
                                                      pointer]  # fmt: skip
-    for name in ("kvgen_rms_norm_rows", "kvgen_swiglu_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_decode_rows_own", "kvgen_mlp_rows", "kvgen_eagle_positions", "kvgen_decode_tree", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
+    for name in ("kvgen_rms_norm_rows", "kvgen_gated_rows", "kvgen_rope", "kvgen_paged_codes_attention", "kvgen_decode_rows_over_codes", "kvgen_decode_layers_over_codes", "kvgen_quantized_decode_attention", "kvgen_decode_layers", "kvgen_decode_rows", "kvgen_decode_rows_own", "kvgen_mlp_rows", "kvgen_eagle_positions", "kvgen_decode_tree", "kvgen_paged_decode_attention", "kvgen_decode_attention", "kvgen_block_pre", "kvgen_block_post", "kvgen_lora_delta", "kvgen_quantize_x8",
                  *(f"kvgen_{op}_{kind}" for op in ("gemm", "repack", "linear") for kind in kinds), *dequantizers):  # fmt: skip
         getattr(library, name).restype = None
     return library

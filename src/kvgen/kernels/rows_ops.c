@@ -1,5 +1,5 @@
 // The torch blocks' per-row operations over many rows (prefill, the batched torch path), in C: the
-// decode step's own RMSNorm and SwiGLU (decode.c) on each row, rows split over threads. One pass
+// decode step's own RMSNorm and gated activations (decode.c) on each row, rows split over threads. One pass
 // where torch makes several over the rows and their temporaries, and a row gets the bits the C
 // decode step computes for it, at any row count. #included by qgemm.c after decode.c.
 
@@ -9,11 +9,12 @@ void kvgen_rms_norm_rows(const float* x, const float* w, float eps, int64_t rows
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * n, w, eps, n, out + r * n);
 }
 
-// out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], rows x n values.
-void kvgen_swiglu_rows(const float* gate_up, int64_t rows, int64_t n, float* out) {
-    static const block_t swiglu = {.act = 0};  // SiLU
+// out[r] = act(gate_up[r, :n]) * gate_up[r, n:], rows x n values; act 0: SiLU, 1: tanh-GELU (the
+// C decode step's, gated_activation).
+void kvgen_gated_rows(const float* gate_up, int64_t rows, int64_t n, int32_t act, float* out) {
+    const block_t gated = {.act = act};
 #pragma omp parallel for schedule(static) if (rows * n > 32768)
-    for (int64_t r = 0; r < rows; r++) gated_activation(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n, &swiglu);
+    for (int64_t r = 0; r < rows; r++) gated_activation(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n, &gated);
 }
 
 // RoPE over x [batch, heads, seq, d] (strides sb, sh, ss in floats; d contiguous) into out, contiguous:

@@ -8,7 +8,7 @@ fp32 copy, and a decode step, which reads every weight once, reads half the byte
 Many rows (a prompt) are bound by their multiplies, not the bytes. Where the kernels are built with
 AVX512-BF16 (kernels/bf16_gemm.c) they run bf16 dot products: the activations rounded to bf16, the
 weights exact (an F16 weight as a bf16 part and the rest), sums and outputs fp32, each row's outputs
-independent of the other rows; ~3.5x (BF16) and ~2x (F16) the fp32 GEMM. Elsewhere the weight is
+independent of the other rows; ~3.5x (BF16) and ~2.4x (F16) the fp32 GEMM. Elsewhere the weight is
 widened a slice at a time into a buffer for torch's fp32 GEMM. KVGEN_PREFILL_GEMM
 (models/quantized_linear.py) picks the many-row path: bf16 (that kernel; without it oneDNN's bf16
 GEMM, which rounds F16 weights and the outputs to bf16 too), fp32 (the widened GEMM: the fp32

@@ -219,6 +219,10 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+# hidden_act -> kernels/rows_ops.c's kvgen_gated_rows code (gpt-oss's clamped SwiGLU stays in torch)
+GATED_ACT_CODES = {"silu": 0, "gelu_tanh": 1}
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (SwiGLU / GeGLU)."""
 
@@ -235,18 +239,20 @@ class GatedMLP(nn.Module):
             self.gate_up = fused_linear([weights.take(f"{n}.weight") for n in names], [bias_of(weights, n) for n in names])
         self.down = linear(weights.take(f"{prefix}.down_proj.weight"), bias_of(weights, f"{prefix}.down_proj"))
         self.act = F.silu if config.hidden_act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+        self.act_code = GATED_ACT_CODES.get(config.hidden_act)  # the C row op's, where it has this one
         self.clamped = (config.swiglu_alpha, config.swiglu_limit) if config.hidden_act == "swiglu_oai" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if self.lora is not None:
             gate_up = self.lora.add_delta(self.layer, "gate_up", x, gate_up)
-        library = load() if self.act is F.silu and c_rows_take(gate_up) else None
+        library = load() if self.act_code is not None and c_rows_take(gate_up) else None
         if library is not None:
-            # the C decode step's SwiGLU, one pass per row (torch: silu, then the product)
+            # the C decode step's SwiGLU / GeGLU, one pass per row (torch: the activation, then the product)
             gate_up = gate_up.contiguous()
             hidden = torch.empty(*gate_up.shape[:-1], self.intermediate)
-            library.kvgen_swiglu_rows(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], self.intermediate, hidden.data_ptr())
+            rows = gate_up.numel() // gate_up.shape[-1]
+            library.kvgen_gated_rows(gate_up.data_ptr(), rows, self.intermediate, self.act_code, hidden.data_ptr())
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden = self.act(gate) * up if self.clamped is None else clamped_swiglu(gate, up, *self.clamped)
