@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, print_table, prompt_ids, timed, write_results  # noqa: E402
+from common import best_of, model_label, print_table, prompt_ids, timed, write_results  # noqa: E402
 
 from kvgen import LLM  # noqa: E402
 from kvgen.kv import CacheSpec, PagedCache, PagedStorage  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     speedup = rows[1]["seconds"] / rows[0]["seconds"]
     print_table(rows, ["mode", "seconds", "tokens_per_s"])
     print(f"speedup of the batched step: {speedup:.2f}x")
-    write_results(f"batched-decode-{args.model}", {"args": vars(args), "rows": rows, "speedup": speedup})
+    write_results(f"batched-decode-{model_label(args.model)}", {"args": vars(args), "rows": rows, "speedup": speedup})
 
 
 if __name__ == "__main__":

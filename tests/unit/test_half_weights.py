@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from kvgen import LLM, SamplingParams, SpeculativeConfig
 from kvgen.models.embedding import HalfRows, QuantizedEmbedding
-from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear, bf16_gemm_built, pair_interleaved, row_major
+from kvgen.models.half_linear import GEMM_ROWS_THRESHOLD, HalfLinear, bf16_gemm_built, default_prefill, pair_interleaved, row_major
 from tests.conftest import load_reference
 from tests.support.lora import make_peft_adapter
 from tests.support.models import model_path
@@ -110,9 +110,10 @@ def test_half_kernels_give_the_same_bits_with_any_instruction_set(tmp_path: Path
 
 
 def test_kvgen_prefill_gemm_picks_the_many_row_path(monkeypatch) -> None:
-    """auto: the bf16 kernel where built, else fp32; fp32: the widened GEMM; int8: the C kernel at
-    every row count (each row's bits alone); bf16: activations rounded to bf16 (the kernel, or
-    oneDNN's bf16 GEMM without it); anything else refused."""
+    """auto: the bf16 kernel where built, else the C kernel where it runs rows in pairs (AVX-512),
+    else fp32; fp32: the widened GEMM; int8: the C kernel at every row count (each row's bits
+    alone); bf16: activations rounded to bf16 (the kernel, or oneDNN's bf16 GEMM without it);
+    anything else refused."""
     torch.manual_seed(3)
     weight, x = torch.randn(64, 96).bfloat16(), torch.randn(40, 96)
     exact = torch.nn.functional.linear(x.double(), weight.double())
@@ -121,11 +122,10 @@ def test_kvgen_prefill_gemm_picks_the_many_row_path(monkeypatch) -> None:
         monkeypatch.setenv("KVGEN_PREFILL_GEMM", choice)
         layer = HalfLinear(weight)
         outputs[choice] = layer(x)
-        default = "bf16" if bf16_gemm_built() else "fp32"
-        assert layer.prefill == (default if choice == "auto" else choice)
+        assert layer.prefill == (default_prefill() if choice == "auto" else choice)
         if choice == "int8":
             assert torch.equal(outputs[choice], layer(x, row_invariant=True))
-    assert torch.equal(outputs["auto"], outputs["bf16" if bf16_gemm_built() else "fp32"])
+    assert torch.equal(outputs["auto"], outputs[default_prefill()])
     assert torch.allclose(outputs["fp32"].double(), exact, atol=1e-4)
     assert not torch.allclose(outputs["bf16"].double(), exact, atol=1e-4)  # rounded, as documented
     assert torch.allclose(outputs["bf16"].double(), exact, atol=0.05 * exact.abs().max().item())
@@ -178,6 +178,29 @@ def test_a_bf16_folder_loads_16bit_by_default_with_the_fp32_modes_text(smollm2_b
     monkeypatch.setenv("KVGEN_PREFILL_GEMM", "fp32")  # prompts widened to fp32 too: the order of the sums alone
     widened = LLM.load(smollm2_bf16_folder, progress=False)
     assert (logits_from_scratch(widened, ids) - want).abs().max() < 2e-3 * want.abs().max()
+
+
+def test_16bit_prompts_through_the_c_rows_step_keep_the_fp32_modes_values(smollm2_bf16_folder: Path, monkeypatch) -> None:
+    """KVGEN_PREFILL_GEMM=int8 (the default on AVX-512 builds without BF16): prompts run the C rows
+    step over fp32 activations, so their logits are the fp32 mode's to rounding and do not depend
+    on how the prompt is chunked."""
+    monkeypatch.setenv("KVGEN_PREFILL_GEMM", "int8")
+    llm, exact = LLM.load(smollm2_bf16_folder, progress=False), LLM.load(smollm2_bf16_folder, progress=False, weights="fp32")
+    assert llm.model.fast_decoder().runs_prompts
+    ids = llm.tokenizer.encode(PROMPT)
+
+    def prompt_logits(model_llm: LLM, chunks: list[list[int]]) -> torch.Tensor:
+        cache = model_llm.generator.new_cache(len(ids))
+        with torch.inference_mode():
+            for chunk in chunks:
+                logits = model_llm.model(torch.tensor([chunk]), cache, logits_to_keep=1)[0, -1]
+        return logits
+
+    whole = prompt_logits(llm, [ids])
+    want = prompt_logits(exact, [ids])
+    assert (whole - want).abs().max() < 2e-3 * want.abs().max()
+    assert torch.equal(prompt_logits(llm, [ids[:5], ids[5:]]), whole)
+    assert llm.generate(PROMPT, GREEDY).text == exact.generate(PROMPT, GREEDY).text
 
 
 def test_a_bf16_folder_gives_transformers_tokens(smollm2_bf16_folder: Path) -> None:

@@ -185,6 +185,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(library, name).argtypes = [pointer, pointer, pointer, count, count, count]
         getattr(library, name).restype = ctypes.c_int32
     library.kvgen_bf16_gemm_built.restype = ctypes.c_int32
+    library.kvgen_half_row_pairs_built.restype = ctypes.c_int32
     library.kvgen_rms_norm_rows.argtypes = [pointer, pointer, ctypes.c_float, count, count, pointer]
     library.kvgen_gated_rows.argtypes = [pointer, count, count, ctypes.c_int32, pointer]
     library.kvgen_argmax_f32.argtypes = [pointer, count]

@@ -8,11 +8,13 @@ fp32 copy, and a decode step, which reads every weight once, reads half the byte
 Many rows (a prompt) are bound by their multiplies, not the bytes. Where the kernels are built with
 AVX512-BF16 (kernels/bf16_gemm.c) they run bf16 dot products: the activations rounded to bf16, the
 weights exact (an F16 weight as a bf16 part and the rest), sums and outputs fp32, each row's outputs
-independent of the other rows; ~3.5x (BF16) and ~2.4x (F16) the fp32 GEMM. Elsewhere the weight is
-widened a slice at a time into a buffer for torch's fp32 GEMM. KVGEN_PREFILL_GEMM
-(models/quantized_linear.py) picks the many-row path: bf16 (that kernel; without it oneDNN's bf16
-GEMM, which rounds F16 weights and the outputs to bf16 too), fp32 (the widened GEMM: the fp32
-mode's values) or int8 (no GEMM: the C kernel at every row count, as for quantized weights).
+independent of the other rows; ~3.5x (BF16) and ~2.4x (F16) the widened fp32 GEMM. Elsewhere with
+AVX-512 the C kernel, which widens each weight once for two rows, takes every row count (prompts
+then run the C rows step, models/fast_decode.py); with AVX2 the weight is widened a slice at a time
+into a buffer for torch's fp32 GEMM. KVGEN_PREFILL_GEMM (models/quantized_linear.py) picks the
+many-row path: bf16 (that kernel; without it oneDNN's bf16 GEMM, which rounds F16 weights and the
+outputs to bf16 too), fp32 (the widened GEMM) or int8 (no GEMM: the C kernel at every row count, as
+for quantized weights).
 """
 
 from __future__ import annotations
@@ -26,16 +28,17 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv import huge_pages
-from kvgen.models.quantized_linear import BF16_GEMM_ROWS_THRESHOLD, NEVER, prefill_path
+from kvgen.models.quantized_linear import BF16_GEMM_ROWS_THRESHOLD, NEVER, PrefillPath, prefill_path
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# From about this many rows on, widening the weight and a BLAS GEMM beat the C kernel (one SmolLM2
-# layer's linears on 2 Zen 4 cores: 16 rows 0.90 ms in C against 1.01, 48 rows 2.62 against 2.46,
-# 128 rows 7.0 against 5.3).
+# From about this many rows on, widening the weight and a BLAS GEMM beat the C kernel one row at a
+# time (AVX2 builds; one SmolLM2 layer's linears on 2 Zen 4 cores: 16 rows 0.90 ms in C against 1.01,
+# 48 rows 2.62 against 2.46, 128 rows 7.0 against 5.3). Two rows at a time (AVX-512) the C kernel
+# wins at every count (128 rows: 2.5 / 3.3 ms for BF16 / F16 against 5.2 / 4.9).
 GEMM_ROWS_THRESHOLD = 32
-# From this many rows on, the bf16 kernel beats the C kernel by far (one SmolLM2 layer's linears on 2
-# Zen 4 cores, BF16 / F16 weights: 4 rows 0.22 ms in C against 0.06 / 0.19, 8 rows 0.42 against
-# 0.10 / 0.25, 32 rows 1.6 against 0.35 / 0.65).
+# From this many rows on, the bf16 kernel beats the C kernel (one SmolLM2 layer's linears on 2 Zen 4
+# cores, BF16 / F16 weights: 4 rows 0.12 / 0.13 ms in C against 0.07 / 0.17, 8 rows 0.20 / 0.24
+# against 0.09 / 0.23, 32 rows 0.64 / 0.85 against 0.29 / 0.59).
 BF16_ROWS_THRESHOLD = 8
 WIDENED_SLICE_BYTES = 1 << 20  # the fp32 slice of a weight widened at a time (Zen 4: 1 MB of L2 a core)
 
@@ -75,6 +78,18 @@ def bf16_gemm_built() -> bool:
     weights' many-row path then defaults to them."""
     library = load()
     return library is not None and bool(library.kvgen_bf16_gemm_built())
+
+
+def default_prefill() -> PrefillPath:
+    """16-bit weights' many-row path where KVGEN_PREFILL_GEMM does not pick one: the bf16 kernel
+    where built; else, where the C kernel runs rows two at a time (AVX-512), that kernel at every
+    row count (and prompts through the C rows step); else the widened fp32 GEMM."""
+    library = load()
+    if library is None:
+        return "fp32"
+    if library.kvgen_bf16_gemm_built():
+        return "bf16"
+    return "int8" if library.kvgen_half_row_pairs_built() else "fp32"
 
 
 def has_half_linears(module: nn.Module) -> bool:
@@ -127,7 +142,7 @@ class HalfLinear(nn.Module):
         self._weight_ptr = self.weight16.data_ptr()
         self._bf16_rows = library.kvgen_gemm_bf16_rows if bf16 else library.kvgen_gemm_f16_rows
         self._bf16_built = bf16_gemm_built()
-        self.prefill = prefill_path(default="bf16" if self._bf16_built else "fp32")
+        self.prefill = prefill_path(default=default_prefill())
         bf16_rows = BF16_ROWS_THRESHOLD if self._bf16_built else BF16_GEMM_ROWS_THRESHOLD
         self.gemm_rows = {"int8": NEVER, "bf16": bf16_rows}.get(self.prefill, GEMM_ROWS_THRESHOLD)
 
