@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import FILLER, cpu_class, print_table, timed, write_results  # noqa: E402
+from common import FILLER, cpu_class, model_label, print_table, timed, write_results  # noqa: E402
 from decode import llama_cpp_runner, transformers_runner  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> None:
     for t in ttft:
         print(f"TTFT ({t['weights']}) behind a {t['system_prompt_tokens']}-token system prompt: cold {t['cold_ttft_s']:.3f} s, "
               f"warm {t['warm_ttft_s']:.3f} s ({t['speedup']:.1f}x)")  # fmt: skip
-    out = write_results(f"serving-{args.model}-{cpu_class()}", {"config": vars(args), "rows": rows, "prefix_ttft": ttft})
+    out = write_results(f"serving-{model_label(args.model)}-{cpu_class()}", {"config": vars(args), "rows": rows, "prefix_ttft": ttft})
     print(f"\nwrote {out}")
 
 
