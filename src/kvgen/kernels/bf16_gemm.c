@@ -60,7 +60,10 @@ static void split_f16_rows(const uint16_t* w, uint16_t* out, int outputs, int64_
         for (int64_t j = 0; j < k; j += 16) {
             const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + o * k + j)));
             const __m256bh rounded = _mm512_cvtneps_pbh(v);
-            const __m256bh rest = _mm512_cvtneps_pbh(_mm512_sub_ps(v, _mm512_cvtpbh_ps(rounded)));
+            __m256i bits;  // widened back by a shift: _mm512_cvtpbh_ps needs GCC 12
+            memcpy(&bits, &rounded, sizeof bits);
+            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+            const __m256bh rest = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
             memcpy(out + o * 2 * k + j, &rounded, sizeof rounded);
             memcpy(out + o * 2 * k + k + j, &rest, sizeof rest);
         }
