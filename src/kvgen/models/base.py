@@ -19,15 +19,12 @@ from kvgen.models.batch import BatchCacheView, build_batch_mask
 from kvgen.models.embedding import QuantizedEmbedding, QuantizedRows
 from kvgen.models.layers import AttentionMask, RMSNorm
 from kvgen.models.lora import LoraStacks, adapter_slots
-from kvgen.models.half_linear import HalfLinear
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.half_linear import C_STEP_LINEARS
 from kvgen.models.rotary import LongRopeEmbedding, RotaryEmbedding, apply_rotary, inverse_frequencies
 from kvgen.models.weights import WeightSource, linear, token_embedding
 
 RopeKey = tuple[float, RopeScaling | None]
 NO_ROPE: RopeKey = (0.0, None)  # the key of layers without RoPE (no real base is 0)
-# Linears whose C kernel takes row_invariant, as one tuple built once: _logits runs every token.
-_C_LINEARS = (QuantizedLinear, HalfLinear)
 
 
 class DecoderLM(nn.Module):
@@ -96,7 +93,7 @@ class DecoderLM(nn.Module):
         """row_invariant: a quantized head runs its C kernel whatever the row count (decode rows get
         the logits they would get alone)."""
         h = self.norm(h)
-        logits = self.lm_head(h, row_invariant=True) if row_invariant and isinstance(self.lm_head, _C_LINEARS) else self.lm_head(h)
+        logits = self.lm_head(h, row_invariant=True) if row_invariant and isinstance(self.lm_head, C_STEP_LINEARS) else self.lm_head(h)
         if self.config.logits_scaling != 1.0:  # Granite divides its logits
             logits = logits / self.config.logits_scaling
         if self.config.final_logit_softcapping:

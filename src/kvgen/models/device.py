@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.models.base import DecoderLM
-from kvgen.models.half_linear import HalfLinear
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.half_linear import C_STEP_LINEARS
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -59,7 +58,7 @@ def move_model(model: DecoderLM, device: torch.device) -> DecoderLM:
     if hasattr(model, "new_state_cache"):
         raise ValueError(f"{model.config.architecture} models run on the CPU: the GPU path runs decoder-only "
                          "transformer families (Llama, Qwen, Mistral, Gemma, Phi-3)")  # fmt: skip
-    if any(isinstance(m, QuantizedLinear | HalfLinear) for m in model.modules()):
+    if any(isinstance(m, C_STEP_LINEARS) for m in model.modules()):
         raise ValueError("quantized and 16bit weights run on the CPU kernels: load with weights 'fp32' to run on a GPU")
     tied = model.lm_head.weight.data_ptr() == model.embed_tokens.data_ptr()
     model.to(device)

@@ -35,7 +35,7 @@ from kvgen.models.layers import Attention, GatedMLP, RMSNorm
 from kvgen.models.lora import LoraStacks
 from kvgen.models.mla import LatentAttention
 from kvgen.models.moe import SparseMoE
-from kvgen.models.half_linear import HalfLinear, has_half_linears
+from kvgen.models.half_linear import C_STEP_LINEARS, has_half_linears
 from kvgen.models.quantized_linear import X8_BLOCK_BYTES, QuantizedLinear
 from kvgen.models.rotary import LongRopeEmbedding
 
@@ -167,7 +167,7 @@ _KIND_CODES = {"q4": 0, "q8": 1, "q8s": 2, "q5": 3, "q4k": 4, "q6k": 5, "q4h": 6
 
 def qlinear_struct(layer: nn.Module) -> _QLinear:
     """A QuantizedLinear (or HalfLinear) as decode.c's qlinear (pointing into its blocks or rows)."""
-    assert isinstance(layer, QuantizedLinear | HalfLinear)
+    assert isinstance(layer, C_STEP_LINEARS)
     bias = layer.bias
     weights = layer.blocks if isinstance(layer, QuantizedLinear) else layer.weight16
     return _QLinear(_KIND_CODES[layer.kind], int(bias is not None), weights.data_ptr(),
@@ -261,9 +261,9 @@ class FastDecoder:
         # Kernel rows per C call (its scratch holds that many rows); longer prompts run in several
         # calls, each seeing the positions the earlier ones stored.
         self.max_rows = MAX_ROWS
-        # Prompts run the rows step when the int8 kernel is the many-row path (the default); with
-        # KVGEN_PREFILL_GEMM=fp32|bf16 they keep the torch forward and its GEMM, as 16-bit weights
-        # do (widened a slice at a time for a BLAS GEMM: bound by its multiplies, faster than the C rows).
+        # Prompts run the rows step when the C kernel is the many-row path (quantized weights' default,
+        # 16-bit weights' on AVX-512 without BF16); with KVGEN_PREFILL_GEMM=fp32|bf16, and 16-bit
+        # weights' bf16 kernel or widened GEMM (HalfLinear's default elsewhere), the torch forward.
         self.runs_prompts = all(
             getattr(block.attn.qkv, "prefill", None) == "int8" for block in model.layers  # type: ignore[union-attr]
         )
@@ -287,7 +287,7 @@ class FastDecoder:
             latent = isinstance(attn, LatentAttention) and attn.qkv is not None  # V2's query latent: torch path
             if not (isinstance(attn, Attention) or latent) or not isinstance(mlp, GatedMLP | SparseMoE):
                 return False
-            if not all(isinstance(layer, QuantizedLinear | HalfLinear) for layer in (attn.qkv, attn.o_proj, *mlp_linears(mlp))):
+            if not all(isinstance(layer, C_STEP_LINEARS) for layer in (attn.qkv, attn.o_proj, *mlp_linears(mlp))):
                 return False
         return True
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.kv import huge_pages
-from kvgen.models.quantized_linear import BF16_GEMM_ROWS_THRESHOLD, NEVER, PrefillPath, prefill_path
+from kvgen.models.quantized_linear import BF16_GEMM_ROWS_THRESHOLD, NEVER, PrefillPath, QuantizedLinear, prefill_path
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # From about this many rows on, widening the weight and a BLAS GEMM beat the C kernel one row at a
@@ -84,12 +84,10 @@ def default_prefill() -> PrefillPath:
     """16-bit weights' many-row path where KVGEN_PREFILL_GEMM does not pick one: the bf16 kernel
     where built; else, where the C kernel runs rows two at a time (AVX-512), that kernel at every
     row count (and prompts through the C rows step); else the widened fp32 GEMM."""
-    library = load()
-    if library is None:
-        return "fp32"
-    if library.kvgen_bf16_gemm_built():
+    if bf16_gemm_built():
         return "bf16"
-    return "int8" if library.kvgen_half_row_pairs_built() else "fp32"
+    library = load()
+    return "int8" if library is not None and library.kvgen_half_row_pairs_built() else "fp32"
 
 
 def has_half_linears(module: nn.Module) -> bool:
@@ -140,7 +138,7 @@ class HalfLinear(nn.Module):
         self.register_buffer("weight16", _on_huge_pages(weight, bf16), persistent=False)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self._weight_ptr = self.weight16.data_ptr()
-        self._bf16_rows = library.kvgen_gemm_bf16_rows if bf16 else library.kvgen_gemm_f16_rows
+        self._bf16_kernel = library.kvgen_gemm_bf16_rows if bf16 else library.kvgen_gemm_f16_rows
         self._bf16_built = bf16_gemm_built()
         self.prefill = prefill_path(default=default_prefill())
         bf16_rows = BF16_ROWS_THRESHOLD if self._bf16_built else BF16_GEMM_ROWS_THRESHOLD
@@ -202,7 +200,7 @@ class HalfLinear(nn.Module):
         m = rows.shape[0]
         if self._bf16_built:
             y = torch.empty(m, self.out_features)
-            failed = self._bf16_rows(self._weight_ptr, rows.data_ptr(), y.data_ptr(), m, self.out_features, self.in_features)
+            failed = self._bf16_kernel(self._weight_ptr, rows.data_ptr(), y.data_ptr(), m, self.out_features, self.in_features)
             if failed:
                 raise MemoryError(f"the bf16 kernel could not allocate scratch for {m} rows of {self.in_features} values")
             return y
@@ -212,3 +210,8 @@ class HalfLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}, {self.weight16.numel() * 2 / 2**20:.1f} MiB"
+
+
+# The linears the C steps read (quantized blocks, 16-bit rows): each takes row_invariant, has a C kernel
+# and becomes a decode.c qlinear.
+C_STEP_LINEARS = (QuantizedLinear, HalfLinear)

@@ -43,8 +43,7 @@ from kvgen.models.fast_decode import (MAX_ROWS, BlockStruct, LoraTables, _QLinea
                                       qlinear_struct, rows_scratch_for)  # fmt: skip
 from kvgen.models.mamba_decode import MixerStructs, _Mamba2Block, chain_ends, layer_major, linked_rows, replayed, trace_for
 from kvgen.models.recurrent import commit_chain
-from kvgen.models.half_linear import HalfLinear, has_half_linears
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.half_linear import C_STEP_LINEARS, has_half_linears
 from kvgen.models.short_conv import ShortConvMixer
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -82,7 +81,7 @@ def hybrid_runs_in_c(model: nn.Module) -> bool:
             linears += [block.mixer.in_proj, block.mixer.out_proj]
         if block.attn is not None:  # a parallel layer (Falcon-H1) has both
             linears += [block.attn.qkv, block.attn.o_proj]
-        if not all(isinstance(linear, QuantizedLinear | HalfLinear) for linear in linears):
+        if not all(isinstance(linear, C_STEP_LINEARS) for linear in linears):
             return False
     return load() is not None
 

@@ -18,8 +18,7 @@ from torch import nn
 
 from kvgen.kernels import load
 from kvgen.models.fast_decode import _QLinear, qlinear_struct
-from kvgen.models.half_linear import HalfLinear
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.half_linear import C_STEP_LINEARS
 
 _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
 
@@ -46,7 +45,7 @@ def runs_in_c(model: nn.Module) -> bool:
     """Whether every block's projections are quantized or 16-bit (what the C step reads: in_proj,
     out_proj and Mamba's x_proj) and the kernels are built."""
     parts = ("in_proj", "x_proj", "out_proj") if model.config.architecture == "mamba" else ("in_proj", "out_proj")
-    quantized = all(isinstance(getattr(block.mixer, p), QuantizedLinear | HalfLinear) for block in model.layers for p in parts)
+    quantized = all(isinstance(getattr(block.mixer, p), C_STEP_LINEARS) for block in model.layers for p in parts)
     return quantized and load() is not None
 
 
@@ -65,7 +64,7 @@ class MixerStructs:
 
     def _describe(self, block: nn.Module, config) -> _MambaBlock:
         mixer = block.mixer
-        dt_quantized = isinstance(mixer.dt_proj, QuantizedLinear | HalfLinear)
+        dt_quantized = isinstance(mixer.dt_proj, C_STEP_LINEARS)
         return _MambaBlock(
             config.hidden_size, mixer.intermediate, mixer.state_size, mixer.conv_weight.shape[-1], mixer.rank,
             block.norm.eps, config.dt_b_c_rms_eps or 0.0, self._pointer(block.norm.weight), qlinear_struct(mixer.in_proj),

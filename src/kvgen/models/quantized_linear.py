@@ -48,7 +48,7 @@ NEVER = sys.maxsize
 
 def prefill_path(default: PrefillPath = "int8") -> PrefillPath:
     """How many rows are multiplied: KVGEN_PREFILL_GEMM, else `default` (quantized weights: the int8
-    C kernel; 16-bit ones: the widened fp32 GEMM)."""
+    C kernel; 16-bit ones: half_linear.default_prefill())."""
     choice = os.environ.get("KVGEN_PREFILL_GEMM", "auto")
     if choice not in ("auto", "int8", "fp32", "bf16"):
         raise ValueError(f"KVGEN_PREFILL_GEMM must be auto, int8, fp32 or bf16, got {choice!r}")

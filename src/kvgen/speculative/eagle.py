@@ -21,7 +21,7 @@ from torch import nn
 
 from kvgen.kernels.formats import QuantizedWeight, requantize
 from kvgen.models.base import DecoderLM
-from kvgen.models.half_linear import HalfLinear
+from kvgen.models.half_linear import C_STEP_LINEARS
 from kvgen.models.quantized_linear import QuantizedLinear
 from kvgen.sampling.grammar import TokenConstraint
 from kvgen.sampling.sampler import argmax
@@ -35,7 +35,7 @@ SHIPPED_WEIGHTS = Path(__file__).parent / "weights" / "eagle_smollm2.safetensors
 def draft_head_rows(model: DecoderLM, vocab: torch.Tensor) -> torch.Tensor:
     """The target's LM head rows for `vocab`, [N, H] fp32 (a quantized or 16-bit head widened once)."""
     head = model.lm_head
-    weight = head.dequantized() if isinstance(head, QuantizedLinear | HalfLinear) else head.weight
+    weight = head.dequantized() if isinstance(head, C_STEP_LINEARS) else head.weight
     return weight[vocab].float().contiguous()
 
 
@@ -50,7 +50,7 @@ def draft_projection_weight(model: DecoderLM, vocab: torch.Tensor) -> QuantizedW
 
 def _c_target(model: DecoderLM) -> bool:
     """Whether the target's head is quantized or 16-bit: its steps run in C, and so does the head's."""
-    return isinstance(model.lm_head, QuantizedLinear | HalfLinear)
+    return isinstance(model.lm_head, C_STEP_LINEARS)
 
 
 def draft_projection(weight: QuantizedWeight | torch.Tensor) -> nn.Module:
