@@ -8,8 +8,8 @@ nothing else read, the bound on a row is the worst case, 7.5 * sum over blocks |
 
 This measures, for greedy steps of a real model, how many rows stay candidates: the screen pays
 only when few do. The hidden states are the torch path's last normed rows (the input of the head),
-quantized to int8 blocks of 32 as kvgen's kernels do (scale = amax / 127, round to nearest even);
-the codes and scales are the GGUF file's own Q8_0 head.
+quantized to int8 blocks of 32 by kvgen's own quantizer (kvgen_quantize_x8); the codes and scales are
+the GGUF file's own Q8_0 head, read as kvgen reads it (its q8s blocks).
 
     python benchmarks/head_screen.py --model gemma3-270m --steps 64
 """
@@ -28,10 +28,12 @@ from common import FILLER, cpu_class, model_label, print_table, write_results  #
 from gguf import GGUFReader  # noqa: E402
 
 from kvgen import LLM, SamplingParams  # noqa: E402
+from kvgen.kernels import load  # noqa: E402
+from kvgen.kernels.formats import QK, from_gguf_blocks  # noqa: E402
 from kvgen.loading.registry import resolve_model_path  # noqa: E402
+from kvgen.models.quantized_linear import X8_BLOCK_BYTES  # noqa: E402
 
 Q8_0 = 8  # ggml type
-BLOCK = 32
 
 
 def q8_0_head(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -40,11 +42,22 @@ def q8_0_head(path: Path) -> tuple[np.ndarray, np.ndarray]:
     head = tensors.get("output.weight") or tensors["token_embd.weight"]  # tied: the embedding
     if int(head.tensor_type) != Q8_0:
         raise SystemExit(f"{path.name}: the head is {head.tensor_type.name}, not Q8_0; this measures Q8_0 heads")
-    hidden, vocab = (int(n) for n in head.shape)
-    raw = np.asarray(head.data).view(np.uint8).reshape(vocab, hidden // BLOCK, 2 + BLOCK)
-    scales = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = raw[:, :, 2:].copy().view(np.int8).astype(np.int32)
-    return scales, codes
+    vocab = int(head.shape[1])
+    weight = from_gguf_blocks("Q8_0", np.asarray(head.data).view(np.uint8).reshape(vocab, -1), "q8s")
+    blocks = weight.blocks.numpy().reshape(vocab, -1, 2 + QK)
+    return weight.scales()[..., 0], blocks[..., 2:].view(np.int8).astype(np.int32)
+
+
+def activation_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [H] as kvgen's kernels quantize it: each block's scale [nb] and int8 codes [nb, 32]."""
+    library = load()
+    if library is None:
+        raise SystemExit("the kernels are not built (a C compiler is needed)")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(len(x) // QK * X8_BLOCK_BYTES, dtype=np.uint8)  # block_x8: f32 d, f32 s, int8 qs[32]
+    library.kvgen_quantize_x8(x.ctypes.data, 1, len(x), out.ctypes.data)
+    out = out.reshape(-1, X8_BLOCK_BYTES)
+    return out[:, :4].copy().view(np.float32)[:, 0], out[:, 8:].view(np.int8).astype(np.int32)
 
 
 def head_inputs(model: str, steps: int) -> list[np.ndarray]:
@@ -58,9 +71,7 @@ def head_inputs(model: str, steps: int) -> list[np.ndarray]:
 
 
 def screen(scales: np.ndarray, codes: np.ndarray, x: np.ndarray) -> dict[str, float]:
-    blocks = x.reshape(-1, BLOCK)
-    d_x = np.abs(blocks).max(axis=1) / 127
-    a = np.rint(blocks / np.where(d_x > 0, d_x, 1)[:, None]).astype(np.int32)  # [nb, 32]
+    d_x, a = activation_blocks(x)  # [nb], [nb, 32]
     unit = scales * d_x[None, :]  # [V, nb]: d_w * d_x
     exact = (unit * np.einsum("vbj,bj->vb", codes, a)).sum(axis=1)
     high = codes >> 4  # arithmetic: the signed high nibble
